@@ -1,0 +1,1 @@
+"""Benchmarks: workloads, the machine's matmul peak, baselines (static batching) and result reporting."""

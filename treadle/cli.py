@@ -1,0 +1,182 @@
+"""The `treadle` command line: generate, demo-model, bench.
+
+Engine flags are generated from the config dataclasses (treadle/config.py), so every
+knob has exactly one name and one help text. This module only parses arguments and calls
+into the package; it holds no engine logic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from treadle.config import add_config_arguments, options_from_args
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from treadle import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
+                            ignore_eos=args.ignore_eos)
+    llm = LLM(**options_from_args(args))
+    (output,) = llm.generate([args.prompt], params, use_tqdm=False)
+    if output.error:
+        print(f"error: {output.error}", file=sys.stderr)
+        return 1
+    completion = output.outputs[0]
+    print(args.prompt + completion.text)
+    print(f"[{len(output.prompt_token_ids)} prompt tokens, {len(completion.token_ids)} "
+          f"generated, finish_reason={completion.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def _cmd_demo_model(args: argparse.Namespace) -> int:
+    from treadle.models.demo import write_demo_model
+
+    path = write_demo_model(args.out, seed=args.seed)
+    print(path)
+    return 0
+
+
+def _workload(args: argparse.Namespace):
+    from treadle.bench import workloads
+
+    if args.workload == "synthetic":
+        return workloads.synthetic(num_requests=args.num_requests, seed=args.workload_seed)
+    if args.workload == "azure-conv":
+        return workloads.azure_conv(num_requests=args.num_requests, token_scale=args.token_scale,
+                                    seed=args.workload_seed)
+    return workloads.shared_prefix(num_requests=args.num_requests, seed=args.workload_seed)
+
+
+def _model_path(args: argparse.Namespace) -> str:
+    if args.model:
+        return args.model
+    from treadle.models.demo import demo_model_path
+    return str(demo_model_path())
+
+
+def _write_result(result: dict, path: str | None, default_name: str) -> Path:
+    from treadle.bench.report import environment, write_json
+
+    result["environment"] = environment()
+    return write_json(path or Path("results") / default_name, result)
+
+
+def _cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from treadle.bench.throughput import run_throughput
+
+    options = options_from_args(args)
+    options["model"] = _model_path(args)
+    result = run_throughput(_workload(args), **options)
+    print(json.dumps({k: v for k, v in result.items() if k != "engine"}, indent=2, default=str))
+    print(json.dumps(result["engine"], indent=2))
+    print("wrote", _write_result(result, args.output, "throughput.json"))
+    return 0
+
+
+def _cmd_bench_static(args: argparse.Namespace) -> int:
+    from treadle.bench.static import run_static
+
+    result = run_static(_model_path(args), _workload(args), batch_size=args.batch_size,
+                        dtype=args.dtype or "bfloat16")
+    print(json.dumps({k: v for k, v in result.items() if k != "per_batch"}, indent=2,
+                     default=str))
+    print("wrote", _write_result(result, args.output, "static.json"))
+    return 0
+
+
+def _cmd_bench_engine_core(args: argparse.Namespace) -> int:
+    from treadle.bench.report import format_table
+    from treadle.bench.throughput import run_engine_core
+
+    options = options_from_args(args)
+    options.pop("model", None)
+    dtype = options.pop("dtype", None) or "bfloat16"
+    result = run_engine_core(_model_path(args), _workload(args), dtype=dtype,
+                             static_batch_size=args.batch_size, **options)
+    t, s = result["treadle"], result["static"]
+    rows = [
+        {"system": "treadle", "output tok/s": t["output_tokens_per_s"],
+         "total tok/s": t["total_tokens_per_s"], "MFU": t["mfu"], "wall s": t["wall_s"]},
+        {"system": f"static batching (batch {args.batch_size})",
+         "output tok/s": s["output_tokens_per_s"], "total tok/s": s["total_tokens_per_s_useful"],
+         "MFU": s["mfu"], "wall s": s["wall_s"]},
+    ]
+    print(format_table(rows, ["system", "output tok/s", "total tok/s", "MFU", "wall s"]))
+    print(f"speedup (output tok/s): {result['speedup_output_tokens_per_s']:.2f}x; "
+          f"peak matmul {result['peak_matmul']['used_gflops']:.0f} GFLOP/s ({dtype})")
+    print("engine:", json.dumps(t["engine"], indent=2))
+    print("wrote", _write_result(result, args.output, "engine_core.json"))
+    return 0
+
+
+def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", choices=["synthetic", "azure-conv", "shared-prefix"],
+                        default="synthetic", help="which workload to run")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--workload-seed", type=int, default=0)
+    parser.add_argument("--token-scale", type=float, default=1.0,
+                        help="azure-conv: multiply the trace's token counts by this")
+    parser.add_argument("--output", default=None, help="where to write the JSON result")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="treadle", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="print a completion of one prompt")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    add_config_arguments(gen)
+    gen.set_defaults(func=_cmd_generate)
+
+    demo = sub.add_parser("demo-model", help="write the built-in demo checkpoint to a folder")
+    demo.add_argument("--out", required=True)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(func=_cmd_demo_model)
+
+    bench = sub.add_parser("bench", help="benchmarks (see docs/benchmarks.md)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    thr = bench_sub.add_parser("throughput", help="offline throughput of LLM.generate")
+    _add_workload_arguments(thr)
+    add_config_arguments(thr)
+    thr.set_defaults(func=_cmd_bench_throughput)
+    static = bench_sub.add_parser("static", help="transformers generate in padded batches")
+    _add_workload_arguments(static)
+    static.add_argument("--batch-size", type=int, default=16)
+    static.add_argument("--model", default=None)
+    static.add_argument("--dtype", default="bfloat16")
+    static.set_defaults(func=_cmd_bench_static)
+    core = bench_sub.add_parser("engine-core",
+                                help="treadle vs static batching, same workload, same run")
+    _add_workload_arguments(core)
+    core.add_argument("--batch-size", type=int, default=16, help="static batching batch size")
+    add_config_arguments(core)
+    core.set_defaults(func=_cmd_bench_engine_core)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

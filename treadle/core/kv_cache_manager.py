@@ -1,0 +1,180 @@
+"""Which blocks each request holds: prefix lookup, slot allocation, freeing, usage.
+
+Owns the block table of every request that holds KV (a list of block ids the worker reads
+as-is) and the chained prefix hashes of requests' full blocks. It never decides *which*
+request gets memory: the scheduler asks, this module answers yes or no.
+
+Prefix hash of full block i: BLAKE2b-128 over (hash of block i-1, the block's token ids
+as little-endian int64). The chain starts from a hash of the request's `cache_salt`, so
+requests with different salts (tenants) never share a block. No torch here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import dataclass
+
+from treadle.core.block_pool import BlockPool, KVBlock
+from treadle.request import Request
+
+_HASH_BYTES = 16
+
+
+def _root_hash(cache_salt: str | None) -> bytes:
+    salt = b"" if cache_salt is None else cache_salt.encode("utf-8")
+    return hashlib.blake2b(b"treadle-prefix-v1\x00" + salt, digest_size=_HASH_BYTES).digest()
+
+
+def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
+    """Chained hash of one full block of token ids."""
+    encoded = array("q", token_ids)
+    if encoded.itemsize != 8:  # pragma: no cover - every supported platform has 8-byte q
+        raise RuntimeError("array('q') is not 64-bit on this platform")
+    if array("H", [1]).tobytes() != b"\x01\x00":  # big-endian host: normalise
+        encoded.byteswap()
+    return hashlib.blake2b(parent_hash + encoded.tobytes(), digest_size=_HASH_BYTES).digest()
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counters of prefix-cache lookups, in tokens."""
+
+    num_queries: int = 0
+    num_queried_tokens: int = 0
+    num_hit_tokens: int = 0
+
+
+class KVCacheManager:
+    """Block tables of the requests that hold KV, on top of a BlockPool."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self._blocks: dict[str, list[KVBlock]] = {}
+        self._block_ids: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[bytes]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+        self.prefix_stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (the live list: it grows as blocks are allocated)."""
+        return self._block_ids[request_id]
+
+    def num_allocated_slots(self, request_id: str) -> int:
+        return len(self._blocks.get(request_id, ())) * self.block_size
+
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
+        """Prefix hashes of the request's first `num_full_blocks` blocks (memoised)."""
+        hashes = self._hashes.setdefault(request.request_id, [])
+        tokens = request.all_token_ids
+        size = self.block_size
+        parent = hashes[-1] if hashes else _root_hash(request.cache_salt)
+        for i in range(len(hashes), num_full_blocks):
+            parent = hash_block(parent, tokens[i * size:(i + 1) * size])
+            hashes.append(parent)
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest run of cached blocks matching the request's tokens, and their tokens.
+
+        At least one token is always left to compute, so the step that admits the request
+        produces its next-token logits.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in self._block_hashes(request, max_hit_blocks):
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        self.prefix_stats.num_queries += 1
+        self.prefix_stats.num_queried_tokens += request.num_tokens
+        self.prefix_stats.num_hit_tokens += num_hit_tokens
+        return hits, num_hit_tokens
+
+    def can_allocate(self, request: Request, num_new_tokens: int,
+                     computed_blocks: list[KVBlock] = ()) -> bool:
+        return self._num_blocks_short(request, num_new_tokens, computed_blocks) <= 0
+
+    def _num_blocks_short(self, request: Request, num_new_tokens: int,
+                          computed_blocks: list[KVBlock]) -> int:
+        held = self._blocks.get(request.request_id, ())
+        num_tokens_after = (request.num_computed_tokens + len(computed_blocks) * self.block_size
+                            + num_new_tokens)
+        num_new_blocks = self.num_blocks_for(num_tokens_after) - len(held) - len(computed_blocks)
+        needed = max(num_new_blocks, 0) + self.pool.num_reusable_from_free(computed_blocks)
+        return needed - self.pool.num_free_blocks
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[KVBlock] = ()) -> bool:
+        """Give the request room for `num_new_tokens` more tokens; False if memory is short.
+
+        `computed_blocks` (from get_computed_blocks, only when the request holds nothing
+        yet) are shared into its table first. Nothing changes when it returns False.
+        """
+        if self._num_blocks_short(request, num_new_tokens, computed_blocks) > 0:
+            return False
+        rid = request.request_id
+        blocks = self._blocks.setdefault(rid, [])
+        block_ids = self._block_ids.setdefault(rid, [])
+        if computed_blocks:
+            assert not blocks, "prefix hits are only taken by a request that holds no blocks"
+            self.pool.touch(computed_blocks)
+            blocks.extend(computed_blocks)
+            block_ids.extend(b.block_id for b in computed_blocks)
+            self._num_cached_blocks[rid] = len(computed_blocks)
+        num_tokens_after = (request.num_computed_tokens + len(computed_blocks) * self.block_size
+                            + num_new_tokens)
+        num_new_blocks = self.num_blocks_for(num_tokens_after) - len(blocks)
+        if num_new_blocks > 0:
+            new_blocks = self.pool.allocate(num_new_blocks)
+            blocks.extend(new_blocks)
+            block_ids.extend(b.block_id for b in new_blocks)
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's newly completed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        num_full = request.num_computed_tokens // self.block_size
+        start = self._num_cached_blocks.get(rid, 0)
+        if num_full <= start:
+            return
+        blocks = self._blocks[rid]
+        hashes = self._block_hashes(request, num_full)
+        for i in range(start, num_full):
+            self.pool.cache(blocks[i], hashes[i])
+        self._num_cached_blocks[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release every block the request holds, tail first (evicted before the head)."""
+        rid = request.request_id
+        blocks = self._blocks.pop(rid, None)
+        self._block_ids.pop(rid, None)
+        self._num_cached_blocks.pop(rid, None)
+        if blocks:
+            self.pool.free(reversed(blocks))
+
+    def forget(self, request: Request) -> None:
+        """Drop the memoised hashes of a request that has ended."""
+        self._hashes.pop(request.request_id, None)
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._blocks

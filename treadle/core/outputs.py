@@ -1,0 +1,76 @@
+"""The messages of one engine step: scheduler -> worker -> scheduler -> output processor.
+
+Plain data, no behaviour and no torch: the scheduler fills a SchedulerOutput, the model
+runner answers with a ModelRunnerOutput, and the scheduler turns that into one
+EngineCoreOutput per request that produced something.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from treadle.request import FinishReason
+from treadle.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step."""
+
+    request_id: str
+    token_ids: list[int]
+    """The tokens computed this step (a prompt chunk, a recompute, or one decode token)."""
+    num_computed_tokens: int
+    """Position of the first of them (tokens already in the KV cache)."""
+    block_ids: list[int]
+    """The request's block table; it covers every token computed this step."""
+    sample: bool
+    """True when this step reaches the request's last known token: sample the next one."""
+    sampling_params: SamplingParams
+    num_output_tokens: int
+    """Tokens the request has generated so far (the sampler's penalties and seeds use it)."""
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything the worker needs to run one step."""
+
+    scheduled: list[ScheduledRequest]
+    """Decodes first, then prefill chunks, as the scheduler chose them."""
+    finished_request_ids: set[str] = field(default_factory=set)
+    """Requests that ended since the last step: the worker drops their state."""
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one forward pass produced."""
+
+    sampled_token_ids: dict[str, int]
+    """Next token of each request scheduled with sample=True."""
+
+
+@dataclass
+class EngineCoreOutput:
+    """New tokens of one request in one step, and whether it has finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,1 @@
+"""The engine: EngineCore's step loop and the offline LLM API built on it."""

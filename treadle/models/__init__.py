@@ -1,0 +1,1 @@
+"""Model definitions, loading and the built-in demo checkpoint."""

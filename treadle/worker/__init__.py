@@ -1,0 +1,1 @@
+"""The worker: KV tensors, attention, input preparation, the forward pass and sampling."""

@@ -1,0 +1,42 @@
+"""The KV-cache tensors: how many blocks fit in the memory given, and the per-layer tensors.
+
+Owns the physical storage only; which request uses which block is decided in core/.
+Layout per layer: [2 (K, V), num_kv_heads, num_blocks, block_size, head_dim] (see
+worker/attention.py for why the head dimension is outermost).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The shape of one token's KV across all layers."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        """2 (K and V) x layers x KV heads x head dim x dtype bytes."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    def num_blocks_for_memory(self, num_bytes: int, block_size: int) -> int:
+        return num_bytes // (self.bytes_per_token * block_size)
+
+
+def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, block_size: int,
+                       device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """One zeroed tensor per layer.
+
+    Zeroed, not empty: padded attention positions are masked to probability 0, and
+    0 x NaN from uninitialised memory would still poison the output.
+    """
+    shape = (2, spec.num_kv_heads, num_blocks, block_size, spec.head_dim)
+    return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]

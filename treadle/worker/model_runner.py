@@ -1,0 +1,152 @@
+"""Turns a SchedulerOutput into tensors, runs the model once, and samples.
+
+Input preparation is vectorized with numpy over the flat batch (all scheduled tokens of
+all requests concatenated, no padding): the only Python loops run once per request,
+never once per token. Attention metadata is built here once per step and shared by every
+layer. Logits are computed only for the last scheduled token of requests that sample.
+The runner never decides policy: it computes exactly what it is given.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput
+from treadle.worker.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from treadle.worker.sampler import Sampler
+
+# Decodes are padded to the longest context of their group. A group holds contexts
+# within this factor of its shortest one, which bounds padding waste while keeping the
+# number of groups (each a few kernel launches per layer) to about log2(longest/shortest).
+_DECODE_GROUP_SPREAD = 2.0
+
+
+@dataclass
+class PreparedInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor
+    sample_rows: list[int]
+    """Indices into SchedulerOutput.scheduled of the requests that sample, logits order."""
+
+
+@dataclass
+class RunnerTimings:
+    """Seconds spent per phase, summed over steps (benchmarks report them)."""
+
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+
+
+class ModelRunner:
+    """Executes one step of the model over the paged KV cache."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor],
+                 block_size: int, seed: int) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.sampler = Sampler(seed)
+        self.timings = RunnerTimings()
+
+    def prepare(self, scheduler_output: SchedulerOutput) -> PreparedInputs:
+        scheduled = scheduler_output.scheduled
+        bs = self.block_size
+        q_lens = np.fromiter((len(s.token_ids) for s in scheduled), dtype=np.int64,
+                             count=len(scheduled))
+        starts = np.fromiter((s.num_computed_tokens for s in scheduled), dtype=np.int64,
+                             count=len(scheduled))
+        num_tokens = int(q_lens.sum())
+        ctx_lens = starts + q_lens
+        cu_q = np.cumsum(q_lens)
+        row_offsets = cu_q - q_lens
+
+        input_ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in scheduled),
+                                dtype=np.int64, count=num_tokens)
+        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(row_offsets - starts,
+                                                                        q_lens)
+        blocks_needed = (ctx_lens + bs - 1) // bs
+        block_table = np.zeros((len(scheduled), int(blocks_needed.max())), dtype=np.int64)
+        for i, s in enumerate(scheduled):
+            block_table[i, :blocks_needed[i]] = s.block_ids[:blocks_needed[i]]
+        token_req = np.repeat(np.arange(len(scheduled)), q_lens)
+        slot_mapping = block_table[token_req, positions // bs] * bs + positions % bs
+
+        meta = AttentionMetadata(num_tokens=num_tokens,
+                                 slot_mapping=torch.from_numpy(slot_mapping))
+        decode_rows = np.flatnonzero(q_lens == 1)
+        if decode_rows.size:
+            meta.decode_groups = self._decode_groups(decode_rows, row_offsets, ctx_lens,
+                                                     block_table)
+        for i in np.flatnonzero(q_lens > 1):
+            meta.prefill_spans.append(self._prefill_span(
+                int(row_offsets[i]), int(starts[i]), int(q_lens[i]), block_table[i]))
+
+        sample_rows = [i for i, s in enumerate(scheduled) if s.sample]
+        logits_indices = torch.from_numpy(cu_q[sample_rows] - 1)
+        return PreparedInputs(torch.from_numpy(input_ids), torch.from_numpy(positions), meta,
+                              logits_indices, sample_rows)
+
+    def _decode_groups(self, rows: np.ndarray, row_offsets: np.ndarray, ctx_lens: np.ndarray,
+                       block_table: np.ndarray) -> list[DecodeGroup]:
+        bs = self.block_size
+        rows = rows[np.argsort(ctx_lens[rows], kind="stable")]
+        groups, first = [], 0
+        for j in range(1, len(rows) + 1):
+            if j == len(rows) or ctx_lens[rows[j]] > _DECODE_GROUP_SPREAD * ctx_lens[rows[first]]:
+                groups.append(rows[first:j])
+                first = j
+        result = []
+        for group in groups:
+            ctx = ctx_lens[group]
+            num_blocks = int((ctx.max() + bs - 1) // bs)
+            span = np.arange(num_blocks * bs)
+            bias = np.where(span[None, :] < ctx[:, None], 0.0, -np.inf).astype(np.float32)
+            result.append(DecodeGroup(
+                token_indices=torch.from_numpy(row_offsets[group]),
+                block_ids=torch.from_numpy(np.ascontiguousarray(
+                    block_table[group, :num_blocks]).reshape(-1)),
+                num_blocks=num_blocks,
+                mask_bias=torch.from_numpy(bias).view(1, len(group), 1, -1)))
+        return result
+
+    def _prefill_span(self, row: int, start: int, num_new: int,
+                      block_row: np.ndarray) -> PrefillSpan:
+        bs = self.block_size
+        num_blocks = (start + num_new + bs - 1) // bs
+        query_pos = np.arange(start, start + num_new)
+        key_pos = np.arange(num_blocks * bs)
+        bias = np.where(key_pos[None, :] <= query_pos[:, None], 0.0, -np.inf).astype(np.float32)
+        return PrefillSpan(start=row, end=row + num_new,
+                           block_ids=torch.from_numpy(block_row[:num_blocks].copy()),
+                           mask_bias=torch.from_numpy(bias))
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.sampler.drop(scheduler_output.finished_request_ids)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput(sampled_token_ids={})
+        t0 = time.perf_counter()
+        inputs = self.prepare(scheduler_output)
+        t1 = time.perf_counter()
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                            inputs.attn_metadata)
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        t2 = time.perf_counter()
+        scheduled = scheduler_output.scheduled
+        sampling = [scheduled[i] for i in inputs.sample_rows]
+        tokens = self.sampler.sample(logits, [s.request_id for s in sampling],
+                                     [s.sampling_params for s in sampling])
+        t3 = time.perf_counter()
+        self.timings.prepare += t1 - t0
+        self.timings.forward += t2 - t1
+        self.timings.sample += t3 - t2
+        return ModelRunnerOutput(sampled_token_ids={
+            s.request_id: token for s, token in zip(sampling, tokens)})
