@@ -73,7 +73,7 @@ class CacheConfig:
     """The paged KV cache."""
 
     block_size: int = field(default=16, metadata=_help("Tokens per KV-cache block"))
-    kv_cache_memory: int = field(default=2 * 1024**3, metadata=_help(
+    kv_cache_memory: int | str = field(default=2 * 1024**3, metadata=_help(
         "Bytes of KV cache, e.g. 4GiB (ignored when num_kv_blocks is given)"))
     num_kv_blocks: int | None = field(default=None, metadata=_help(
         "Exact number of KV-cache blocks; overrides kv_cache_memory"))

@@ -19,7 +19,7 @@ from treadle.models.llama import LlamaForCausalLM
 from treadle.models.loader import iterate_weights, load_model, resolve_dtype, safetensors_files
 from treadle.models.registry import SUPPORTED_ARCHITECTURES, resolve_model_class
 from treadle.models.rope import RotaryEmbedding
-from treadle.worker.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from treadle.worker.attention import AttentionMetadata, DecodeGroup, PrefillSpan, gather_rows
 
 ATOL = 1e-4
 NUM_BLOCKS = 24
@@ -87,7 +87,9 @@ def causal_bias(query_pos: torch.Tensor, num_slots: int) -> torch.Tensor:
 class Sequence:
     """One request's tokens and its blocks; blocks are contiguous from `first_block`."""
 
-    def __init__(self, token_ids: list[int], block_size: int, first_block: int = 0):
+    def __init__(self, token_ids: list[int], block_size: int, first_block: int = 0,
+                 num_kv_heads: int = 2):
+        self.num_kv_heads = num_kv_heads
         self.token_ids = list(token_ids)
         self.block_size = block_size
         self.first_block = first_block
@@ -99,11 +101,16 @@ class Sequence:
         return positions + self.first_block * self.block_size
 
 
+def head_rows(seq: "Sequence", blocks: torch.Tensor) -> torch.Tensor:
+    """The attention gather indices of these blocks for the model under test."""
+    return torch.from_numpy(gather_rows(blocks.numpy(), seq.num_kv_heads, NUM_BLOCKS))
+
+
 def prefill_meta(seq: Sequence, start: int, end: int, row: int = 0):
     """Positions, slots and the PrefillSpan of tokens [start, end) of seq at batch row `row`."""
     positions = torch.arange(start, end)
     blocks = seq.blocks(end)
-    span = PrefillSpan(row, row + end - start, blocks,
+    span = PrefillSpan(row, row + end - start, head_rows(seq, blocks),
                        causal_bias(positions, blocks.numel() * seq.block_size))
     return positions, seq.slots(positions), span
 
@@ -114,7 +121,7 @@ def decode_meta(seq: Sequence, row: int = 0, pad_blocks: int = 1):
     blocks = seq.blocks(pos + 1)
     padded = torch.cat((blocks, torch.full((pad_blocks,), NUM_BLOCKS - 1)))
     bias = causal_bias(torch.tensor([pos]), padded.numel() * seq.block_size).view(1, 1, 1, -1)
-    group = DecodeGroup(torch.tensor([row]), padded, padded.numel(), bias)
+    group = DecodeGroup(torch.tensor([row]), head_rows(seq, padded), padded.numel(), bias)
     positions = torch.tensor([pos])
     return positions, seq.slots(positions), group
 

@@ -55,6 +55,9 @@ class EngineCore:
         self.model_dir = resolve_model_dir(config)
         self.model, self.hf_config = load_model(self.model_dir, config.model.dtype)
         self.dtype = next(self.model.parameters()).dtype
+        num_packed = self.model.pack_weights()
+        if num_packed:
+            logger.info("prepacked %d linear weights for the oneDNN bf16 kernel", num_packed)
         self.eos_token_id = read_eos_token_id(self.model_dir, self.hf_config)
         self.max_model_len = self._resolve_max_model_len()
 

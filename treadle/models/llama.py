@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treadle.models.packed_linear import apply_linear, linear, pack_linear_weights, pack_weight
 from treadle.models.rope import RotaryEmbedding, apply_rotary
 from treadle.worker.attention import AttentionMetadata, paged_attention
 
@@ -87,7 +88,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = linear(x, self.qkv_proj)
         qk_size = self.q_size + self.kv_size
         heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, :qk_size].view(num_tokens, heads, self.head_dim)
@@ -101,7 +102,7 @@ class Attention(nn.Module):
         qk = apply_rotary(qk, cos, sin)
         out = paged_attention(qk[:, :self.num_heads], qk[:, self.num_heads:], value,
                               kv_cache, meta, self.scale)
-        return F.linear(out, self.o_proj.weight, self.o_proj.bias)
+        return linear(out, self.o_proj)
 
 
 class MLP(nn.Module):
@@ -114,10 +115,10 @@ class MLP(nn.Module):
         self.down_proj = _linear(intermediate, hidden, bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        gate_up = linear(x, self.gate_up_proj)
         h = F.silu(gate_up[:, :self.intermediate])
         h.mul_(gate_up[:, self.intermediate:])
-        return F.linear(h, self.down_proj.weight, self.down_proj.bias)
+        return linear(h, self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -191,6 +192,7 @@ class LlamaForCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = _linear(hidden, self.vocab_size, False, dtype)
         self.rotary = RotaryEmbedding(cfg, self.head_dim, self.max_position_embeddings, dtype)
+        self._packed_lm_head: torch.Tensor | None = None
 
     @property
     def num_parameters(self) -> int:
@@ -206,8 +208,9 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [num_tokens, hidden] after the final norm, for every token."""
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"expected {self.num_layers} KV caches, got {len(kv_caches)}")
-        cos, sin = self.rotary.cos_sin(positions)  # once per step, shared by every layer
-        hidden = F.embedding(input_ids, self.model.embed_tokens.weight)
+        embed = self.model.embed_tokens.weight
+        cos, sin = self.rotary.cos_sin(positions, embed.dtype)  # once per step, for all layers
+        hidden = F.embedding(input_ids, embed)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             hidden = layer.forward(hidden, cos, sin, kv_cache, attn_metadata)
         norm = self.model.norm
@@ -215,7 +218,21 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] of hidden states [N, hidden]."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return apply_linear(hidden, self.lm_head_weight, None, self._packed_lm_head).float()
+
+    def pack_weights(self) -> int:
+        """Prepack every projection and the LM head for the fast bf16 CPU kernel.
+
+        Call after load_weights (the packed copies do not follow later weight changes).
+        Returns how many weights were packed; 0 where the kernel does not apply.
+        """
+        count = pack_linear_weights(self)
+        if self.tie_word_embeddings:
+            self._packed_lm_head = pack_weight(self.lm_head_weight)
+            count += self._packed_lm_head is not None
+        else:
+            self._packed_lm_head = self.lm_head.__dict__.get("packed_weight")
+        return count
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the (fused) parameters.
@@ -237,8 +254,8 @@ class LlamaForCausalLM(nn.Module):
                 target, shard = name, None
                 match = _FUSED_NAME.match(name)
                 if match:
-                    fused, shard = _FUSED[match.group(2)]
-                    target = f"{match.group(1)}.{fused}.{match.group(3)}"
+                    fused_piece, shard = _FUSED[match.group(2)]
+                    target = f"{match.group(1)}.{fused_piece}.{match.group(3)}"
                 if target not in params:
                     unexpected.append(name)
                     continue

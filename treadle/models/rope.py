@@ -82,11 +82,12 @@ def _llama3_inverse_frequencies(inv_freq: torch.Tensor, settings: dict[str, Any]
 
 
 class RotaryEmbedding:
-    """A cos/sin table for positions [0, max_position_embeddings) and the rotation itself.
+    """A cos/sin table for positions [0, max_position_embeddings), gathered per step.
 
     The table is a plain tensor (not a module buffer) so that building the model on the
-    meta device and materializing it with `to_empty` leaves it intact; it follows the
-    positions' device on first use.
+    meta device and materializing it with `to_empty` leaves it intact. It is computed in
+    float32 and rounded once to the model's dtype; a copy for another device or dtype
+    (after `model.to(...)`) is made on first use.
     """
 
     def __init__(self, hf_config: dict[str, Any], head_dim: int, max_position_embeddings: int,
@@ -100,14 +101,16 @@ class RotaryEmbedding:
         positions = torch.arange(max_position_embeddings, dtype=torch.int64, device="cpu").float()
         angles = torch.outer(positions, inv_freq)  # [max_pos, head_dim // 2], float32
         # The two halves of the rotate_half layout share their angles: keep one half only.
-        # cos and sin are computed in float32 and rounded once to the model's dtype.
-        self.cos_sin_cache = torch.cat((angles.cos(), angles.sin()), dim=-1).to(dtype)
+        self._float_cache = torch.cat((angles.cos(), angles.sin()), dim=-1)
+        self.cos_sin_cache = self._float_cache.to(dtype)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [num_tokens, 1, head_dim // 2] for these positions (once per step)."""
-        if self.cos_sin_cache.device != positions.device:
-            self.cos_sin_cache = self.cos_sin_cache.to(positions.device)
-        cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+        cache = self.cos_sin_cache
+        if cache.device != positions.device or cache.dtype != dtype:
+            cache = self.cos_sin_cache = self._float_cache.to(positions.device, dtype)
+        cos, sin = cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
         return cos, sin
 
 

@@ -5,9 +5,13 @@ shared by every layer) and the torch implementation used on CPU. It does not dec
 which tokens run; it only computes what the metadata describes.
 
 KV cache layout, per layer: one tensor of shape [2, num_kv_heads, num_blocks, block_size,
-head_dim] (K then V). Keeping the head dimension outermost makes gathering a request's
-blocks (`index_select` over dim 1) yield [kv_heads, tokens, head_dim] directly, which is
-the operand layout of a batched matmul: no transpose copy per layer.
+head_dim] (K then V). Keeping the head dimension outermost makes a gather of a request's
+blocks yield [kv_heads, tokens, head_dim] directly, which is the operand layout of a
+batched matmul: no transpose copy per layer. The gather runs over dim 0 of the cache
+viewed as [kv_heads * num_blocks, block_size * head_dim], with one index per (head,
+block) precomputed by the runner: torch's CPU `index_select` copies whole rows there, 3x
+faster than the same gather over dim 1 (measured: 1.25 ms against 3.7 ms for 64 requests
+x 512 tokens).
 
 Why not `scaled_dot_product_attention`: on CPU, with a padding mask and grouped-query
 heads, it was ~8x slower than the grouped matmuls below for decode batches (measured
@@ -27,12 +31,15 @@ class DecodeGroup:
 
     token_indices: torch.Tensor
     """[num_requests] rows of these requests' tokens in the flat batch."""
-    block_ids: torch.Tensor
-    """[num_requests * num_blocks] the requests' block tables, padded and flattened."""
+    gather_ids: torch.Tensor
+    """[kv_heads * num_requests * num_blocks] rows of the cache's (head, block) view that
+    hold the requests' padded block tables (see `gather_rows`)."""
     num_blocks: int
     """Blocks per request after padding (the longest table in the group)."""
     mask_bias: torch.Tensor
     """[1, num_requests, 1, num_blocks * block_size]: 0 for real context, -inf for padding."""
+    workspace: list[torch.Tensor] = field(default_factory=list)
+    """Gather buffers for K and V, made by the first layer and reused by the others."""
 
 
 @dataclass
@@ -43,10 +50,13 @@ class PrefillSpan:
     """First row of the chunk in the flat batch."""
     end: int
     """One past the last row."""
-    block_ids: torch.Tensor
-    """[num_blocks] the request's blocks that hold its context, new tokens included."""
+    gather_ids: torch.Tensor
+    """[kv_heads * num_blocks] rows of the cache's (head, block) view holding the request's
+    context, new tokens included (see `gather_rows`)."""
     mask_bias: torch.Tensor
     """[end - start, num_blocks * block_size]: causal mask over the whole context."""
+    workspace: list[torch.Tensor] = field(default_factory=list)
+    """Gather buffers for K and V, made by the first layer and reused by the others."""
 
 
 @dataclass
@@ -58,6 +68,36 @@ class AttentionMetadata:
     """[num_tokens] cache slot (block_id * block_size + offset) each new token's K/V goes to."""
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefill_spans: list[PrefillSpan] = field(default_factory=list)
+
+
+def gather_rows(block_table, num_kv_heads: int, num_cache_blocks: int):
+    """Row indices of the (head, block) view for a block table (numpy, any shape).
+
+    Row h * num_cache_blocks + b holds block b of head h; the result is ordered head
+    first, then the table's own order.
+    """
+    import numpy as np
+
+    offsets = np.arange(num_kv_heads, dtype=np.int64).reshape(-1, 1) * num_cache_blocks
+    return (offsets + np.asarray(block_table, dtype=np.int64).reshape(1, -1)).reshape(-1)
+
+
+def _gather_kv(kv_cache: torch.Tensor, gather_ids: torch.Tensor, groups: int,
+               workspace: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V as [kv_heads, groups, tokens, head_dim] each, gathered into `workspace`.
+
+    Every layer of a step gathers the same shapes, so the buffers are made once per step:
+    fresh multi-megabyte tensors per layer cost page faults on every call.
+    """
+    _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+    rows = kv_cache.view(2, num_kv_heads * num_blocks, block_size * head_dim)
+    if not workspace:
+        workspace.extend(rows.new_empty(2, gather_ids.numel(), block_size * head_dim))
+    key, value = workspace
+    torch.index_select(rows[0], 0, gather_ids, out=key)
+    torch.index_select(rows[1], 0, gather_ids, out=value)
+    return (key.view(num_kv_heads, groups, -1, head_dim),
+            value.view(num_kv_heads, groups, -1, head_dim))
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -82,15 +122,13 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     num_kv_heads = kv_cache.shape[1]
     group = num_heads // num_kv_heads
     out = query.new_empty(num_tokens, num_heads * head_dim)
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
 
     for dg in meta.decode_groups:
         num_reqs = dg.token_indices.numel()
         # [kv_heads, requests, group, head_dim]
         q = query.index_select(0, dg.token_indices).view(
             num_reqs, num_kv_heads, group, head_dim).transpose(0, 1)
-        k = key_cache.index_select(1, dg.block_ids).view(num_kv_heads, num_reqs, -1, head_dim)
-        v = value_cache.index_select(1, dg.block_ids).view(num_kv_heads, num_reqs, -1, head_dim)
+        k, v = _gather_kv(kv_cache, dg.gather_ids, num_reqs, dg.workspace)
         probs = _softmax(torch.matmul(q, k.transpose(-1, -2)), scale, dg.mask_bias)
         o = torch.matmul(probs, v)  # [kv_heads, requests, group, head_dim]
         out.index_copy_(0, dg.token_indices, o.transpose(0, 1).reshape(num_reqs, -1))
@@ -99,8 +137,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         n = span.end - span.start
         # [kv_heads, group, n, head_dim]
         q = query[span.start:span.end].view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        k = key_cache.index_select(1, span.block_ids).view(num_kv_heads, 1, -1, head_dim)
-        v = value_cache.index_select(1, span.block_ids).view(num_kv_heads, 1, -1, head_dim)
+        k, v = _gather_kv(kv_cache, span.gather_ids, 1, span.workspace)
         probs = _softmax(torch.matmul(q, k.transpose(-1, -2)), scale, span.mask_bias)
         o = torch.matmul(probs, v)  # [kv_heads, group, n, head_dim]
         out[span.start:span.end] = o.permute(2, 0, 1, 3).reshape(n, -1)

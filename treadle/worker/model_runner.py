@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput
-from treadle.worker.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from treadle.worker.attention import AttentionMetadata, DecodeGroup, PrefillSpan, gather_rows
 from treadle.worker.sampler import Sampler
 
 # Decodes are padded to the longest context of their group. A group holds contexts
@@ -53,6 +53,7 @@ class ModelRunner:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
+        _, self.num_kv_heads, self.num_cache_blocks = kv_caches[0].shape[:3]
         self.sampler = Sampler(seed)
         self.timings = RunnerTimings()
 
@@ -111,8 +112,7 @@ class ModelRunner:
             bias = np.where(span[None, :] < ctx[:, None], 0.0, -np.inf).astype(np.float32)
             result.append(DecodeGroup(
                 token_indices=torch.from_numpy(row_offsets[group]),
-                block_ids=torch.from_numpy(np.ascontiguousarray(
-                    block_table[group, :num_blocks]).reshape(-1)),
+                gather_ids=torch.from_numpy(self._gather_rows(block_table[group, :num_blocks])),
                 num_blocks=num_blocks,
                 mask_bias=torch.from_numpy(bias).view(1, len(group), 1, -1)))
         return result
@@ -125,8 +125,11 @@ class ModelRunner:
         key_pos = np.arange(num_blocks * bs)
         bias = np.where(key_pos[None, :] <= query_pos[:, None], 0.0, -np.inf).astype(np.float32)
         return PrefillSpan(start=row, end=row + num_new,
-                           block_ids=torch.from_numpy(block_row[:num_blocks].copy()),
+                           gather_ids=torch.from_numpy(self._gather_rows(block_row[:num_blocks])),
                            mask_bias=torch.from_numpy(bias))
+
+    def _gather_rows(self, block_table: np.ndarray) -> np.ndarray:
+        return gather_rows(block_table, self.num_kv_heads, self.num_cache_blocks)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

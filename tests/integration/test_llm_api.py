@@ -1,0 +1,152 @@
+"""The offline API: bad prompts fail alone, string prompts, seeds, prefix caching and
+preemption leave greedy outputs unchanged, and every block is freed."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+
+from treadle import LLM, SamplingParams
+from treadle.models.demo import write_demo_model
+
+TINY_DEMO = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def tiny_demo(tmp_path_factory):
+    """The demo model's tokenizer and architecture, tiny dimensions (fp32 on disk is fine)."""
+    return str(write_demo_model(tmp_path_factory.mktemp("demo") / "m", seed=3,
+                                config_overrides=dict(TINY_DEMO, initializer_range=0.2)))
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    from conftest import make_tiny_checkpoint
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+
+
+def prompts(n, seed=0, lo=1, hi=90, vocab=512):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def greedy(llm, token_prompts, max_tokens=20):
+    outs = llm.generate([{"prompt_token_ids": p} for p in token_prompts],
+                        SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                        use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_bad_prompts_fail_alone(llama_dir):
+    llm = LLM(model=llama_dir, dtype="float32", num_kv_blocks=20, block_size=16)
+    good = prompts(3, seed=1)
+    batch = [{"prompt_token_ids": good[0]},
+             {"prompt_token_ids": []},                        # empty
+             {"prompt_token_ids": good[1]},
+             {"prompt_token_ids": [5] * 500},                 # 500 + 16 > 512 context
+             {"prompt_token_ids": [5] * 400},                 # 400 + 16 > 20 blocks * 16
+             {"prompt_token_ids": [5, 99999]},                # outside the vocabulary
+             {"prompt_token_ids": good[2]}]
+    outs = llm.generate(batch, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outs] == [
+        "length", "error", "length", "error", "error", "error", "length"]
+    assert "empty" in outs[1].error
+    assert "500" in outs[3].error and "512" in outs[3].error and "max_tokens" in outs[3].error
+    assert "20 blocks" in outs[4].error
+    assert "99999" in outs[5].error
+    assert all(len(outs[i].outputs[0].token_ids) == 16 for i in (0, 2, 6))
+    assert llm.engine.scheduler.kv.pool.num_free_blocks == 20
+
+
+def test_mismatched_params_list_is_an_error(llama_dir):
+    llm = LLM(model=llama_dir, dtype="float32", num_kv_blocks=64)
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate([[5, 6], [7, 8]], [SamplingParams()] * 3, use_tqdm=False)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("a string prompt", use_tqdm=False)
+
+
+def test_string_prompts_and_text(tiny_demo):
+    llm = LLM(model=tiny_demo, dtype="float32", num_kv_blocks=256)
+    out = llm.generate(["Hello, world!", "日本語 ✓"], SamplingParams(max_tokens=8, temperature=0,
+                                                                   ignore_eos=True),
+                       use_tqdm=False)
+    for o in out:
+        assert o.prompt_token_ids == llm.tokenizer.encode(o.prompt)
+        completion = o.outputs[0]
+        assert len(completion.token_ids) == 8
+        assert completion.text == llm.tokenizer.decode(completion.token_ids,
+                                                       skip_special_tokens=True)
+
+
+def test_eos_stops_unless_ignored(llama_dir):
+    llm = LLM(model=llama_dir, dtype="float32", num_kv_blocks=64)
+    p = prompts(1, seed=4)[0]
+    first = greedy(llm, [p], max_tokens=10)[0]
+    # Make the 4th greedy token a stop token: generation ends right there, reason "stop".
+    params = SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[first[3]])
+    out = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0]
+    stop_at = first.index(first[3])
+    assert out.token_ids == first[:stop_at + 1] and out.finish_reason == "stop"
+
+
+def test_seeded_sampling_is_independent_of_the_batch(llama_dir):
+    llm = LLM(model=llama_dir, dtype="float32", num_kv_blocks=256, max_num_batched_tokens=32)
+    target = prompts(1, seed=5)[0]
+    params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, top_k=50, seed=1234,
+                            ignore_eos=True)
+    alone = llm.generate([{"prompt_token_ids": target}], params, use_tqdm=False)
+    others = [{"prompt_token_ids": p} for p in prompts(6, seed=6)]
+    crowded = llm.generate(others[:3] + [{"prompt_token_ids": target}] + others[3:],
+                           [SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)] * 3
+                           + [params]
+                           + [SamplingParams(max_tokens=24, temperature=0.7, ignore_eos=True)] * 3,
+                           use_tqdm=False)
+    assert alone[0].outputs[0].token_ids == crowded[3].outputs[0].token_ids
+    different_seed = llm.generate([{"prompt_token_ids": target}],
+                                  SamplingParams(max_tokens=24, temperature=1.0, seed=99,
+                                                 ignore_eos=True), use_tqdm=False)
+    assert different_seed[0].outputs[0].token_ids != alone[0].outputs[0].token_ids
+
+
+def test_prefix_cache_and_preemption_do_not_change_outputs(llama_dir):
+    shared = prompts(1, seed=7, lo=70, hi=70)[0]
+    batch = [shared + tail for tail in prompts(8, seed=8, lo=1, hi=40)] + prompts(4, seed=9)
+    reference = greedy(LLM(model=llama_dir, dtype="float32", num_kv_blocks=512,
+                           enable_prefix_caching=False), batch)
+
+    cached = LLM(model=llama_dir, dtype="float32", num_kv_blocks=512)
+    # Blocks are shared once computed: warm the cache with one request, then every
+    # request with the 70-token prefix reuses its 4 full blocks (64 tokens).
+    assert greedy(cached, batch[:1]) == reference[:1]
+    hits_before = cached.get_stats()["prefix_cache_hit_tokens"]
+    assert greedy(cached, batch) == reference
+    assert cached.get_stats()["prefix_cache_hit_tokens"] - hits_before >= 8 * 64
+
+    # A cache a few blocks larger than the largest request (110 + 20 tokens = 9 blocks).
+    tight = LLM(model=llama_dir, dtype="float32", num_kv_blocks=12, block_size=16,
+                max_num_batched_tokens=64)
+    assert greedy(tight, batch) == reference
+    assert tight.get_stats()["num_preemptions"] > 0
+    assert tight.engine.scheduler.kv.pool.num_free_blocks == 12
+
+
+def test_cli_generate_and_demo_model(tiny_demo, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "treadle.cli", "--log-level", "WARNING",
+                          "generate", "--prompt", "Once upon a time", "--max-tokens", "5",
+                          "--ignore-eos", "--model", tiny_demo, "--dtype", "float32",
+                          "--num-kv-blocks", "64"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("Once upon a time")
+    assert "5 generated" in out.stderr and "finish_reason=length" in out.stderr
+
+    bad = subprocess.run([sys.executable, "-m", "treadle.cli", "generate", "--prompt", "x",
+                          "--model", str(tmp_path / "missing")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "config.json" in bad.stderr
