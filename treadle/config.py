@@ -58,10 +58,15 @@ class ModelConfig:
         "Seed of the engine's random generator for requests without their own seed"))
     num_threads: int | None = field(default=None, metadata=_help(
         "CPU threads for the model's math; torch's default when not given"))
+    attention_backend: str = field(default="auto", metadata=_help(
+        "native (C kernel built on first use), torch, or auto (native when it builds)"))
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "native", "torch"):
+            raise ValueError("attention_backend must be one of auto, native, torch, "
+                             f"got {self.attention_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:

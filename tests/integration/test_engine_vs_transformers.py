@@ -44,9 +44,10 @@ def expected(tiny_checkpoint):
 
 
 @pytest.mark.parametrize("options", [
-    dict(max_num_batched_tokens=64, max_num_seqs=5, block_size=16),
-    dict(max_num_batched_tokens=37, max_num_seqs=16, block_size=4, enable_prefix_caching=False),
-], ids=["budget64-seqs5", "budget37-block4"])
+    dict(max_num_batched_tokens=64, max_num_seqs=5, block_size=16, attention_backend="native"),
+    dict(max_num_batched_tokens=37, max_num_seqs=16, block_size=4, enable_prefix_caching=False,
+         attention_backend="torch"),
+], ids=["budget64-seqs5-native", "budget37-block4-torch"])
 def test_greedy_tokens_match_transformers(expected, options):
     model_dir, prompts, max_tokens, reference = expected
     llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=2048, **options)

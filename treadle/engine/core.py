@@ -78,7 +78,22 @@ class EngineCore:
                     num_blocks * cache.block_size * spec.bytes_per_token / 1024**3)
         kv_caches = allocate_kv_caches(spec, num_blocks, cache.block_size)
         self.scheduler = Scheduler(config.scheduler, cache, num_blocks, self.max_model_len)
-        self.runner = ModelRunner(self.model, kv_caches, cache.block_size, config.model.seed)
+        self.runner = ModelRunner(self.model, kv_caches, cache.block_size, config.model.seed,
+                                  kernels=self._attention_kernels())
+
+    def _attention_kernels(self):
+        """The native decode kernels, per `attention_backend` (None: the torch path)."""
+        backend = self.config.model.attention_backend
+        if backend == "torch":
+            return None
+        from treadle.worker.native import load_kernels
+        kernels = load_kernels()
+        if kernels is not None and kernels.supports(self.dtype):
+            return kernels
+        if backend == "native":
+            raise RuntimeError("attention_backend='native' but the C kernels could not be "
+                               "built or do not support " + str(self.dtype))
+        return None
 
     def _resolve_max_model_len(self) -> int:
         model_limit = self.model.max_position_embeddings

@@ -26,6 +26,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from treadle.paths import cache_dir as default_cache_dir
+
 logger = logging.getLogger(__name__)
 
 DEMO_MODEL_NAME = "demo-model-v1"
@@ -257,7 +259,7 @@ def demo_model_path(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.
     an exclusive lock on `<cache_dir>/demo-model-v1.lock`.
     """
     if cache_dir is None:
-        cache_dir = os.environ.get("TREADLE_CACHE_DIR") or pathlib.Path.home() / ".cache/treadle"
+        cache_dir = default_cache_dir()
     cache = pathlib.Path(cache_dir).expanduser()
     path = cache / DEMO_MODEL_NAME
     if _is_complete(path):

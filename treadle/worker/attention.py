@@ -21,6 +21,7 @@ with torch 2.13, 64 requests x 512 context: 17 ms against 2 ms).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -60,6 +61,20 @@ class PrefillSpan:
 
 
 @dataclass
+class NativeDecode:
+    """All decode tokens of a step for the C kernel: no grouping, no padding waste."""
+
+    kernels: Any
+    """worker.native.NativeKernels"""
+    num_rows: int
+    """Decode tokens occupy rows [0, num_rows) of the flat batch."""
+    block_table: torch.Tensor
+    """[num_rows, max_blocks] int64 block tables (padding past each context is not read)."""
+    ctx_lens: torch.Tensor
+    """[num_rows] int64 context length of each request, its new token included."""
+
+
+@dataclass
 class AttentionMetadata:
     """What every attention layer needs for one step."""
 
@@ -68,6 +83,7 @@ class AttentionMetadata:
     """[num_tokens] cache slot (block_id * block_size + offset) each new token's K/V goes to."""
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefill_spans: list[PrefillSpan] = field(default_factory=list)
+    native_decode: NativeDecode | None = None
 
 
 def gather_rows(block_table, num_kv_heads: int, num_cache_blocks: int):
@@ -122,6 +138,13 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     num_kv_heads = kv_cache.shape[1]
     group = num_heads // num_kv_heads
     out = query.new_empty(num_tokens, num_heads * head_dim)
+
+    nd = meta.native_decode
+    if nd is not None:
+        rows = nd.num_rows
+        nd.kernels.paged_decode(query[:rows].contiguous(), kv_cache[0], kv_cache[1],
+                                nd.block_table, nd.ctx_lens,
+                                out[:rows].view(rows, num_heads, head_dim), scale)
 
     for dg in meta.decode_groups:
         num_reqs = dg.token_indices.numel()

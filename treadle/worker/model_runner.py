@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput
-from treadle.worker.attention import AttentionMetadata, DecodeGroup, PrefillSpan, gather_rows
+from treadle.worker.attention import (AttentionMetadata, DecodeGroup, NativeDecode,
+                                     PrefillSpan, gather_rows)
 from treadle.worker.sampler import Sampler
 
 # Decodes are padded to the longest context of their group. A group holds contexts
@@ -49,8 +50,10 @@ class ModelRunner:
     """Executes one step of the model over the paged KV cache."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor],
-                 block_size: int, seed: int) -> None:
+                 block_size: int, seed: int, kernels=None) -> None:
+        """`kernels` (worker.native.NativeKernels) runs decode attention when given."""
         self.model = model
+        self.kernels = kernels
         self.kv_caches = kv_caches
         self.block_size = block_size
         _, self.num_kv_heads, self.num_cache_blocks = kv_caches[0].shape[:3]
@@ -83,7 +86,14 @@ class ModelRunner:
         meta = AttentionMetadata(num_tokens=num_tokens,
                                  slot_mapping=torch.from_numpy(slot_mapping))
         decode_rows = np.flatnonzero(q_lens == 1)
-        if decode_rows.size:
+        num_decodes = decode_rows.size
+        if num_decodes and self.kernels is not None and decode_rows[-1] == num_decodes - 1:
+            # The scheduler puts single-token rows first: the kernel reads them in place.
+            meta.native_decode = NativeDecode(
+                self.kernels, num_decodes,
+                torch.from_numpy(np.ascontiguousarray(block_table[:num_decodes])),
+                torch.from_numpy(ctx_lens[:num_decodes].copy()))
+        elif num_decodes:
             meta.decode_groups = self._decode_groups(decode_rows, row_offsets, ctx_lens,
                                                      block_table)
         for i in np.flatnonzero(q_lens > 1):
