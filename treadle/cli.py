@@ -115,6 +115,43 @@ def _cmd_bench_engine_core(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_kv(args: argparse.Namespace) -> int:
+    from treadle.bench import kv_pressure, workloads
+
+    options = options_from_args(args)
+    options["model"] = _model_path(args)
+    result: dict = {}
+    if args.measure in ("fragmentation", "all"):
+        trace = workloads.azure_conv(num_requests=args.trace_requests, max_model_len=8192)
+        result["fragmentation"] = {"workload": trace.description,
+                                   **kv_pressure.fragmentation(trace, block_size=args.block_size
+                                                               or 16)}
+        print(f"KV fragmentation, azure-conv ({args.trace_requests} requests, token scale 1), "
+              f"block size {args.block_size or 16}: "
+              f"{result['fragmentation']['kv_fragmentation']:.2%}")
+    if args.measure in ("prefix", "all"):
+        wl = workloads.shared_prefix(num_requests=args.num_requests, output_len=16)
+        r = kv_pressure.prefix_cache_effect(wl, **options)
+        result["prefix"] = {"workload": wl.description, **r}
+        print(f"prefix cache on/off ({args.num_requests} requests, 4 prefixes of 512 tokens): "
+              f"mean TTFT {r['on']['mean_ttft_s']:.2f}s vs {r['off']['mean_ttft_s']:.2f}s "
+              f"({r['mean_ttft_ratio_off_over_on']:.2f}x lower), output tok/s "
+              f"{r['on']['output_tokens_per_s']:.1f} vs {r['off']['output_tokens_per_s']:.1f}, "
+              f"identical outputs: {r['identical_outputs']}")
+    if args.measure in ("preemption", "all"):
+        wl = workloads.synthetic(num_requests=args.num_requests, seed=args.workload_seed)
+        options.pop("num_kv_blocks", None)
+        r = kv_pressure.preemption_modes(wl, args.pressure_blocks, **options)
+        result["preemption"] = {"workload": wl.description, **r}
+        for mode, run in r["modes"].items():
+            print(f"{mode:>9}: {run['output_tokens_per_s']:.1f} out tok/s, "
+                  f"{run['num_preemptions']} preemptions ({run['num_preemptions_swap']} swap), "
+                  f"identical to unpressured: {run['identical_to_unpressured']}")
+        print(f"unpressured: {r['unpressured']['output_tokens_per_s']:.1f} out tok/s")
+    print("wrote", _write_result(result, args.output, "kv_pressure.json"))
+    return 0
+
+
 def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", choices=["synthetic", "azure-conv", "shared-prefix"],
                         default="synthetic", help="which workload to run")
@@ -164,6 +201,18 @@ def build_parser() -> argparse.ArgumentParser:
     core.add_argument("--batch-size", type=int, default=16, help="static batching batch size")
     add_config_arguments(core)
     core.set_defaults(func=_cmd_bench_engine_core)
+    kv = bench_sub.add_parser("kv", help="KV memory: fragmentation, prefix cache, preemption")
+    kv.add_argument("--measure", choices=["fragmentation", "prefix", "preemption", "all"],
+                    default="all")
+    kv.add_argument("--num-requests", type=int, default=32)
+    kv.add_argument("--workload-seed", type=int, default=0)
+    kv.add_argument("--trace-requests", type=int, default=2000,
+                    help="azure-conv requests replayed for the fragmentation figure")
+    kv.add_argument("--pressure-blocks", type=int, default=300,
+                    help="KV blocks for the memory-pressure runs")
+    kv.add_argument("--output", default=None)
+    add_config_arguments(kv)
+    kv.set_defaults(func=_cmd_bench_kv)
     return parser
 
 

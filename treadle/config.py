@@ -84,10 +84,13 @@ class CacheConfig:
         "Exact number of KV-cache blocks; overrides kv_cache_memory"))
     enable_prefix_caching: bool = field(default=True, metadata=_help(
         "Reuse the KV blocks of identical prompt prefixes across requests"))
+    swap_space: int | str = field(default=1024**3, metadata=_help(
+        "Bytes of swap memory for the KV of requests preempted by swap, e.g. 1GiB"))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_memory",
                            parse_size(self.kv_cache_memory, "kv_cache_memory"))
+        object.__setattr__(self, "swap_space", parse_size(self.swap_space, "swap_space"))
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -104,8 +107,22 @@ class SchedulerConfig:
         "Most requests that run in one engine step"))
     enable_chunked_prefill: bool = field(default=True, metadata=_help(
         "Split prompts longer than the remaining budget across steps"))
+    preemption_mode: str = field(default="auto", metadata=_help(
+        "recompute, swap, or auto (the cheaper per victim by measured costs)"))
+    preemption_cooldown_steps: int = field(default=8, metadata=_help(
+        "Steps after resuming during which a request is not preempted again if avoidable"))
+    victim_priority_weight: float = field(default=1000.0, metadata=_help(
+        "Victim loss per priority level, in tokens (docs/scheduling.md)"))
+    victim_wait_weight: float = field(default=100.0, metadata=_help(
+        "Victim loss per second spent in the engine, in tokens (docs/scheduling.md)"))
 
     def __post_init__(self) -> None:
+        if self.preemption_mode not in ("auto", "recompute", "swap"):
+            raise ValueError("preemption_mode must be one of auto, recompute, swap, "
+                             f"got {self.preemption_mode!r}")
+        if self.preemption_cooldown_steps < 0:
+            raise ValueError("preemption_cooldown_steps must be >= 0, "
+                             f"got {self.preemption_cooldown_steps}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
@@ -147,8 +164,12 @@ class EngineConfig:
 def _flag_type(annotation: str):
     if "bool" in annotation:
         return None
-    if "int" in annotation and "str" not in annotation:
+    if "str" in annotation:
+        return str
+    if "int" in annotation:
         return int
+    if "float" in annotation:
+        return float
     return str
 
 

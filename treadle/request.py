@@ -18,6 +18,9 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
+    """Preempted by recompute: back in the waiting queue with no KV."""
+    SWAPPED = 3
+    """Preempted by swap: its KV waits in the swap pool."""
     FINISHED_STOPPED = 10
     FINISHED_LENGTH = 11
     FINISHED_ABORTED = 12
@@ -71,6 +74,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.error: str | None = None
         self.num_preemptions = 0
+        self.resumed_step: int | None = None
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
 

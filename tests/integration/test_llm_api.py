@@ -150,3 +150,29 @@ def test_cli_generate_and_demo_model(tiny_demo, tmp_path):
                           "--model", str(tmp_path / "missing")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "config.json" in bad.stderr
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
+def test_heavy_preemption_keeps_outputs_in_every_mode(llama_dir, mode):
+    batch = prompts(10, seed=11, lo=20, hi=100)
+    reference = greedy(LLM(model=llama_dir, dtype="float32", num_kv_blocks=512), batch,
+                       max_tokens=24)
+    # The largest request needs ceil((100 + 24) / 16) = 8 blocks; the cache has 10.
+    tight = LLM(model=llama_dir, dtype="float32", num_kv_blocks=10, block_size=16,
+                max_num_batched_tokens=64, preemption_mode=mode, swap_space="8MiB",
+                preemption_cooldown_steps=2)
+    assert greedy(tight, batch, max_tokens=24) == reference
+    stats = tight.get_stats()
+    assert stats["num_preemptions"] > 0
+    if mode == "recompute":
+        assert stats["num_preemptions_swap"] == 0 and stats["swap_bytes_out"] == 0
+    if mode == "swap":
+        assert stats["num_preemptions_recompute"] == 0 or stats["num_preemptions_swap"] > 0
+    if mode in ("swap", "auto"):  # on CPU a copy is far cheaper than a recompute
+        assert stats["num_preemptions_swap"] > 0
+        assert stats["swap_bytes_in"] == stats["swap_bytes_out"] > 0
+    assert stats["num_swapped"] == 0
+    assert tight.engine.scheduler.kv.pool.num_free_blocks == 10
+    assert tight.engine.scheduler.kv.swap_pool is None or \
+        tight.engine.scheduler.kv.swap_pool.num_free_blocks == \
+        tight.engine.scheduler.kv.swap_pool.num_blocks

@@ -79,11 +79,45 @@ def test_allocation_failure_changes_nothing():
 class KVManagerMachine(RuleBasedStateMachine):
     """Random allocate / share / grow / free / evict sequences keep every invariant."""
 
-    @initialize(num_blocks=st.integers(4, 24), block_size=st.sampled_from([1, 2, 4]))
-    def setup(self, num_blocks, block_size):
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
+    @initialize(num_blocks=st.integers(4, 24), block_size=st.sampled_from([1, 2, 4]),
+                num_swap_blocks=st.integers(0, 12))
+    def setup(self, num_blocks, block_size, num_swap_blocks):
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True,
+                                 num_swap_blocks=num_swap_blocks)
         self.live: dict[str, Request] = {}
+        self.swapped: dict[str, Request] = {}
         self.counter = 0
+
+    @rule(data=st.data())
+    def swap_out(self, data):
+        if not self.live:
+            return
+        r = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        if self.kv.can_swap_out(r):
+            num_blocks = len(self.kv.block_ids(r.request_id))
+            plan = self.kv.swap_out(r)
+            assert len(plan) == num_blocks and not self.kv.holds(r.request_id)
+            self.swapped[r.request_id] = self.live.pop(r.request_id)
+
+    @rule(data=st.data())
+    def swap_in(self, data):
+        if not self.swapped:
+            return
+        r = self.swapped[data.draw(st.sampled_from(sorted(self.swapped)))]
+        slots = self.kv.num_swapped_slots(r.request_id)
+        plan = self.kv.swap_in(r)
+        if plan is not None:
+            assert len(plan) * self.kv.block_size == slots
+            self.live[r.request_id] = self.swapped.pop(r.request_id)
+            self.kv.cache_full_blocks(r)
+
+    @rule(data=st.data())
+    def abort_swapped(self, data):
+        if not self.swapped:
+            return
+        r = self.swapped.pop(data.draw(st.sampled_from(sorted(self.swapped))))
+        self.kv.free_swapped(r)
+        self.kv.forget(r)
 
     @rule(prefix=st.sampled_from([[1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9], []]),
           tail=st.lists(st.integers(0, 3), max_size=10))
@@ -131,8 +165,15 @@ class KVManagerMachine(RuleBasedStateMachine):
         for block in pool.blocks:
             assert block.ref_cnt == holders.get(block.block_id, 0)
         assert pool.num_free_blocks + len(holders) == pool.num_blocks
+        swap_pool = self.kv.swap_pool
+        if swap_pool is not None:
+            swap_pool.check_invariants()
+            held = sum(len(self.kv._swapped[rid]) for rid in self.swapped)
+            assert swap_pool.num_free_blocks + held == swap_pool.num_blocks
         if not self.live:
             assert pool.num_free_blocks == pool.num_blocks
+        if not self.swapped and swap_pool is not None:
+            assert swap_pool.num_free_blocks == swap_pool.num_blocks
 
 
 TestKVManagerMachine = KVManagerMachine.TestCase

@@ -14,12 +14,15 @@ from treadle.sampling_params import SamplingParams
 
 
 def make_scheduler(max_tokens=64, max_seqs=4, num_blocks=64, block_size=4,
-                   prefix_caching=True, chunked=True, max_model_len=4096) -> Scheduler:
+                   prefix_caching=True, chunked=True, max_model_len=4096,
+                   preemption_mode="recompute", num_swap_blocks=0, cooldown=8,
+                   wait_weight=100.0) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_batched_tokens=max_tokens, max_num_seqs=max_seqs,
-                        enable_chunked_prefill=chunked),
+                        enable_chunked_prefill=chunked, preemption_mode=preemption_mode,
+                        preemption_cooldown_steps=cooldown, victim_wait_weight=wait_weight),
         CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
-        num_kv_blocks=num_blocks, max_model_len=max_model_len)
+        num_kv_blocks=num_blocks, max_model_len=max_model_len, num_swap_blocks=num_swap_blocks)
 
 
 def make_request(rid, prompt_len, max_tokens, priority=0, arrival=None, seed=0):
@@ -174,3 +177,77 @@ def test_duplicate_request_id_rejected():
     sched.add_request(make_request("dup", 3, 2))
     with pytest.raises(ValueError, match="dup"):
         sched.add_request(make_request("dup", 3, 2))
+
+
+@pytest.mark.parametrize("mode, swap_blocks", [("recompute", 0), ("swap", 64), ("auto", 64)])
+def test_preemption_storm_all_finish(mode, swap_blocks):
+    """Five requests that all outgrow a 7-block cache (the largest needs 6 blocks).
+
+    Under swap (and auto, which with no cost model swaps while there is room) every
+    request is preempted at least once. Under recompute the victim loss keeps choosing
+    the requests with the least computed work, so not every request is hit; all must
+    still finish with exactly their token counts.
+    """
+    sched = make_scheduler(max_tokens=64, max_seqs=8, num_blocks=7, block_size=4,
+                           prefix_caching=False, preemption_mode=mode,
+                           num_swap_blocks=swap_blocks, cooldown=4, wait_weight=0.0)
+    requests = [make_request(f"r{i}", prompt_len=2, max_tokens=16 + i, arrival=float(i))
+                for i in range(5)]
+    swaps = {"out": 0, "in": 0}
+
+    def count(s, out):
+        swaps["out"] += len(out.swap_out)
+        swaps["in"] += len(out.swap_in)
+
+    run_to_completion(sched, requests, on_step=count)
+    for r in requests:
+        assert r.num_output_tokens == r.sampling_params.max_tokens
+        assert r.output_token_ids == [7 + (2 + k) % 11 for k in range(r.num_output_tokens)]
+    stats = sched.stats
+    assert stats.num_preemptions > 0
+    assert stats.num_preemptions == stats.num_preemptions_swap + stats.num_preemptions_recompute
+    if mode == "recompute":
+        assert stats.num_preemptions_swap == 0 and swaps["out"] == 0
+    else:
+        assert all(r.num_preemptions >= 1 for r in requests), \
+            [r.num_preemptions for r in requests]
+        assert stats.num_preemptions_swap > 0 and swaps["out"] == swaps["in"] > 0
+    assert sched.kv.pool.num_free_blocks == 7
+    if sched.kv.swap_pool is not None:
+        assert sched.kv.swap_pool.num_free_blocks == 64
+
+
+def test_swapped_requests_resume_before_new_admissions():
+    sched = make_scheduler(max_tokens=64, max_seqs=8, num_blocks=4, block_size=4,
+                           prefix_caching=False, preemption_mode="swap", num_swap_blocks=16)
+    a = make_request("a", prompt_len=4, max_tokens=12, arrival=0.0)
+    b = make_request("b", prompt_len=4, max_tokens=12, arrival=1.0)
+    sched.add_request(a)
+    sched.add_request(b)
+    while not sched.swapped:
+        out = sched.schedule()
+        sched.update_from_output(out, fake_runner(out))
+    late = make_request("late", prompt_len=4, max_tokens=2, arrival=2.0)
+    sched.add_request(late)
+    swapped = sched.swapped[0]
+    while True:
+        out = sched.schedule()
+        if "late" in {s.request_id for s in out.scheduled}:
+            # Only once the swapped request is back in (this step or earlier).
+            assert swapped.status != RequestStatus.SWAPPED
+            break
+        assert swapped.status == RequestStatus.SWAPPED or not sched.swapped
+        sched.update_from_output(out, fake_runner(out))
+
+
+def test_abort_of_swapped_request_frees_swap_blocks():
+    sched = make_scheduler(max_tokens=64, max_seqs=8, num_blocks=4, block_size=4,
+                           prefix_caching=False, preemption_mode="swap", num_swap_blocks=16)
+    for i in range(2):
+        sched.add_request(make_request(f"r{i}", prompt_len=4, max_tokens=12, arrival=float(i)))
+    while not sched.swapped:
+        out = sched.schedule()
+        sched.update_from_output(out, fake_runner(out))
+    victim = sched.swapped[0]
+    sched.finish_request(victim.request_id, RequestStatus.FINISHED_ABORTED)
+    assert sched.kv.swap_pool.num_free_blocks == 16 and not sched.swapped

@@ -48,10 +48,13 @@ class PrefixCacheStats:
 class KVCacheManager:
     """Block tables of the requests that hold KV, on top of a BlockPool."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 num_swap_blocks: int = 0) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        self.swap_pool = BlockPool(num_swap_blocks) if num_swap_blocks > 0 else None
+        self._swapped: dict[str, list[KVBlock]] = {}
         self._blocks: dict[str, list[KVBlock]] = {}
         self._block_ids: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}
@@ -171,6 +174,52 @@ class KVCacheManager:
         self._num_cached_blocks.pop(rid, None)
         if blocks:
             self.pool.free(reversed(blocks))
+
+    # ----- swap ---------------------------------------------------------------------------
+
+    def can_swap_out(self, request: Request) -> bool:
+        held = len(self._blocks.get(request.request_id, ()))
+        return self.swap_pool is not None and 0 < held <= self.swap_pool.num_free_blocks
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Move the request's KV to the swap pool: (device block, swap block) copies to make.
+
+        Its device blocks are freed at once: the worker performs the copies before the
+        next forward pass, so no later write can reach them first.
+        """
+        rid = request.request_id
+        blocks = self._blocks.pop(rid)
+        self._block_ids.pop(rid)
+        self._num_cached_blocks.pop(rid, None)
+        swap_blocks = self.swap_pool.allocate(len(blocks))
+        self._swapped[rid] = swap_blocks
+        plan = [(d.block_id, s.block_id) for d, s in zip(blocks, swap_blocks)]
+        self.pool.free(reversed(blocks))
+        return plan
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
+        """Bring a swapped request's KV back: (swap block, device block) copies, or None
+        when the device has too few free blocks (nothing changes then)."""
+        rid = request.request_id
+        swap_blocks = self._swapped[rid]
+        if len(swap_blocks) > self.pool.num_free_blocks:
+            return None
+        blocks = self.pool.allocate(len(swap_blocks))
+        del self._swapped[rid]
+        self._blocks[rid] = blocks
+        self._block_ids[rid] = [b.block_id for b in blocks]
+        plan = [(s.block_id, d.block_id) for s, d in zip(swap_blocks, blocks)]
+        self.swap_pool.free(swap_blocks)
+        return plan
+
+    def num_swapped_slots(self, request_id: str) -> int:
+        return len(self._swapped.get(request_id, ())) * self.block_size
+
+    def free_swapped(self, request: Request) -> None:
+        """Release the swap blocks of a request that ends while swapped out."""
+        blocks = self._swapped.pop(request.request_id, None)
+        if blocks:
+            self.swap_pool.free(blocks)
 
     def forget(self, request: Request) -> None:
         """Drop the memoised hashes of a request that has ended."""

@@ -44,6 +44,10 @@ class SchedulerOutput:
     finished_request_ids: set[str] = field(default_factory=set)
     """Requests that ended since the last step: the worker drops their state."""
     preempted_request_ids: list[str] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    """(device block, swap block) copies to make before the forward pass."""
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    """(swap block, device block) copies to make after swap_out, before the forward pass."""
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -51,7 +55,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.scheduled and not self.swap_out and not self.swap_in
 
 
 @dataclass

@@ -1,30 +1,100 @@
-"""Scheduling policy as pure functions of request state.
+"""Scheduling policy as pure functions of request and cache state.
 
-Each function looks at requests and returns a choice; none of them changes state. The
-scheduler calls them; tests call them directly.
+Each function looks at requests and numbers and returns a choice; none of them changes
+state. The scheduler calls them; tests call them directly. The formulas are written out
+in docs/scheduling.md.
 """
 
 from __future__ import annotations
 
+import enum
+from dataclasses import dataclass
 from typing import Sequence
 
 from treadle.request import Request
 
 
-def victim_key(request: Request) -> tuple[int, float]:
-    """Sort key of preemption candidates: the largest key is preempted first.
+class PreemptionMode(str, enum.Enum):
+    """How a preempted request keeps (or loses) its KV."""
 
-    Least urgent first (the largest `priority` value, vLLM's convention that lower runs
-    first), then the latest arrival, which has the least invested work under FCFS.
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
+
+
+@dataclass(frozen=True)
+class VictimWeights:
+    """Weights of the victim loss, in token-equivalents."""
+
+    priority_weight: float = 1000.0
+    """Loss added per priority level of urgency (a lower `priority` value is more urgent)."""
+    wait_weight: float = 100.0
+    """Loss added per second the request has spent in the engine."""
+
+
+def victim_loss(request: Request, now: float, weights: VictimWeights) -> float:
+    """What preempting this request would cost; the smallest loss is preempted first.
+
+        loss = computed_tokens - priority_weight * priority + wait_weight * seconds_in_engine
+
+    computed_tokens is the work the victim would lose (what a recompute must redo).
+    Requests with a larger `priority` value (less urgent, vLLM's convention) lose less,
+    and so do requests that arrived recently.
     """
-    return (request.priority, request.arrival_time)
+    waited = max(0.0, now - request.arrival_time)
+    return (request.num_computed_tokens - weights.priority_weight * request.priority
+            + weights.wait_weight * waited)
 
 
-def choose_victim(candidates: Sequence[Request]) -> Request:
-    """The running request to preempt when memory runs out."""
+def choose_victim(candidates: Sequence[Request], now: float, step: int,
+                  weights: VictimWeights = VictimWeights(),
+                  cooldown_steps: int = 0) -> Request:
+    """The running request to preempt: the smallest loss, latest arrival on ties.
+
+    Anti-thrash: a request resumed within the last `cooldown_steps` steps is only chosen
+    when every candidate was resumed that recently.
+    """
     if not candidates:
         raise ValueError("choose_victim needs at least one candidate")
-    return max(candidates, key=victim_key)
+    settled = [r for r in candidates
+               if r.resumed_step is None or step - r.resumed_step >= cooldown_steps]
+    pool = settled or list(candidates)
+    return min(pool, key=lambda r: (victim_loss(r, now, weights), -r.arrival_time))
+
+
+@dataclass(frozen=True)
+class PreemptionCosts:
+    """Measured rates behind the choice between recompute and swap."""
+
+    flops_per_token: float
+    """Forward FLOPs of one token (2 x parameters)."""
+    compute_flops_per_s: float
+    """Measured matmul rate of the model's dtype on this machine."""
+    kv_bytes_per_token: int
+    """Bytes of KV one token holds across all layers."""
+    copy_bytes_per_s: float
+    """Measured rate of copying KV blocks between device and swap memory."""
+
+    def recompute_seconds(self, num_tokens: int) -> float:
+        return num_tokens * self.flops_per_token / self.compute_flops_per_s
+
+    def swap_seconds(self, num_slots: int) -> float:
+        """Out and back in again: both copies are paid."""
+        return 2 * num_slots * self.kv_bytes_per_token / self.copy_bytes_per_s
+
+
+def choose_preemption_mode(configured: str, num_computed_tokens: int, num_held_slots: int,
+                           swap_has_room: bool, costs: PreemptionCosts | None) -> PreemptionMode:
+    """recompute, swap or auto (the cheaper of the two by the measured costs).
+
+    Swap needs room in the swap pool; without it every mode falls back to recompute.
+    """
+    if not swap_has_room or configured == PreemptionMode.RECOMPUTE.value:
+        return PreemptionMode.RECOMPUTE
+    if configured == PreemptionMode.SWAP.value or costs is None:
+        return PreemptionMode.SWAP
+    if costs.swap_seconds(num_held_slots) < costs.recompute_seconds(num_computed_tokens):
+        return PreemptionMode.SWAP
+    return PreemptionMode.RECOMPUTE
 
 
 def running_order(running: Sequence[Request]) -> list[Request]:

@@ -4,10 +4,12 @@ Each step has a token budget (`max_num_batched_tokens`) and a request budget
 (`max_num_seqs`). Running requests are served first (decodes before unfinished prefill
 chunks), then waiting requests are admitted in queue order: their prefix-cache hit first,
 then the uncached part, chunked to the remaining budget. When a running request needs a
-block and none is free, a victim chosen by `policy.choose_victim` is preempted (its blocks
-freed; it recomputes on resume). After the step, `update_from_output` appends sampled
-tokens, finishes requests and frees their blocks, so waiting requests join the very next
-step.
+block and none is free, the victim of smallest loss (`policy.choose_victim`) is preempted,
+by recompute (blocks freed, recomputed on resume) or by swap (blocks copied to the swap
+pool), whichever `policy.choose_preemption_mode` picks. Preempted requests resume before
+new admissions: swapped ones as soon as their blocks fit again, recomputed ones from the
+front of the waiting queue. After the step, `update_from_output` appends sampled tokens,
+finishes requests and frees their blocks, so waiting requests join the very next step.
 
 The scheduler owns request state transitions and the running/waiting sets. It never
 touches tensors or the model (no torch import).
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from treadle.config import CacheConfig, SchedulerConfig
@@ -39,6 +42,9 @@ class SchedulerStats:
     """Sum over steps of requests scheduled; / num_steps gives the mean batch size."""
     num_scheduled_tokens: int = 0
     num_preemptions: int = 0
+    num_preemptions_recompute: int = 0
+    num_preemptions_swap: int = 0
+    num_swap_in: int = 0
     allocated_slots: int = 0
     """Sum over steps of KV token slots held by running requests."""
     used_slots: int = 0
@@ -49,12 +55,17 @@ class Scheduler:
     """Chooses each step's batch under the token, sequence and KV-memory budgets."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_kv_blocks: int, max_model_len: int) -> None:
+                 num_kv_blocks: int, max_model_len: int, num_swap_blocks: int = 0,
+                 preemption_costs: policy.PreemptionCosts | None = None) -> None:
         self.config = scheduler_config
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_kv_blocks, cache_config.block_size,
-                                 cache_config.enable_prefix_caching)
+                                 cache_config.enable_prefix_caching, num_swap_blocks)
+        self.preemption_costs = preemption_costs
+        self.victim_weights = policy.VictimWeights(scheduler_config.victim_priority_weight,
+                                                   scheduler_config.victim_wait_weight)
         self.waiting = FCFSQueue()
+        self.swapped: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_since_last_step: set[str] = set()
@@ -77,6 +88,9 @@ class Scheduler:
             return None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+            self.kv.free_swapped(request)
         else:
             self.waiting.remove(request)
         request.error = error
@@ -98,6 +112,10 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -107,6 +125,8 @@ class Scheduler:
         token_budget = self.config.max_num_batched_tokens
         num_new_tokens: dict[str, int] = {}
         preempted: list[Request] = []
+        self._swap_out: list[tuple[int, int]] = []
+        self._swap_in: list[tuple[int, int]] = []
 
         # 1. Running requests, decodes first. Each may preempt others to get a block.
         for request in policy.running_order(self.running):
@@ -116,9 +136,16 @@ class Scheduler:
                 break
             num_tokens = min(request.num_uncomputed_tokens, token_budget)
             while not self.kv.allocate_slots(request, num_tokens):
-                candidates = [r for r in self.running
-                              if r is not request and r.request_id not in num_new_tokens]
-                victim = policy.choose_victim(candidates) if candidates else request
+                # Any other running request can be the victim, even one already scheduled
+                # in this step (its tokens go back to the budget): otherwise the request
+                # that happens to come last would always preempt itself.
+                candidates = [r for r in self.running if r is not request]
+                victim = request
+                if candidates:
+                    victim = policy.choose_victim(
+                        candidates, time.monotonic(), self.stats.num_steps,
+                        self.victim_weights, self.config.preemption_cooldown_steps)
+                token_budget += num_new_tokens.pop(victim.request_id, 0)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -127,8 +154,24 @@ class Scheduler:
                 num_new_tokens[request.request_id] = num_tokens
                 token_budget -= num_tokens
 
-        # 2. Waiting requests in queue order, unless this step already had to preempt.
-        while (self.waiting and not preempted and token_budget > 0
+        # 2. Swapped-out requests come back in before anything new is admitted.
+        while (self.swapped and not preempted and token_budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.swapped[0]
+            plan = self.kv.swap_in(request)
+            if plan is None:
+                break
+            self.swapped.popleft()
+            self._swap_in.extend(plan)
+            self.stats.num_swap_in += 1
+            self._resume(request)
+            num_tokens = min(request.num_uncomputed_tokens, token_budget)
+            if self.kv.allocate_slots(request, num_tokens):
+                num_new_tokens[request.request_id] = num_tokens
+                token_budget -= num_tokens
+
+        # 3. Waiting requests in queue order, unless this step already had to preempt.
+        while (self.waiting and not preempted and not self.swapped and token_budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting.peek()
             computed_blocks, num_hit_tokens = [], 0
@@ -143,10 +186,12 @@ class Scheduler:
                 break
             self.waiting.pop()
             request.num_computed_tokens += num_hit_tokens
-            request.status = RequestStatus.RUNNING
-            if request.first_scheduled_time is None:
+            if request.status == RequestStatus.PREEMPTED:
+                self._resume(request)
+            else:
+                request.status = RequestStatus.RUNNING
                 request.first_scheduled_time = time.monotonic()
-            self.running.append(request)
+                self.running.append(request)
             num_new_tokens[request.request_id] = num_tokens
             token_budget -= num_tokens
 
@@ -181,20 +226,39 @@ class Scheduler:
                 stats.used_slots += request.num_computed_tokens + num_new_tokens.get(
                     request.request_id, 0)
         return SchedulerOutput(scheduled=scheduled, finished_request_ids=finished,
-                               preempted_request_ids=[r.request_id for r in preempted])
+                               preempted_request_ids=[r.request_id for r in preempted],
+                               swap_out=self._swap_out, swap_in=self._swap_in)
+
+    def _resume(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        request.resumed_step = self.stats.num_steps
+        self.running.append(request)
 
     def _preempt(self, request: Request) -> None:
-        """Free the request's blocks and send it back to the front of the queue."""
-        num_lost = request.num_computed_tokens
+        """Take the request's KV away, by swap or recompute, and park the request."""
         self.running.remove(request)
-        self.kv.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
+        held_slots = self.kv.num_allocated_slots(request.request_id)
+        mode = policy.choose_preemption_mode(
+            self.config.preemption_mode, request.num_computed_tokens, held_slots,
+            self.kv.can_swap_out(request), self.preemption_costs)
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.waiting.push_front(request)
-        logger.info("preempted request %s (mode=recompute, %d computed tokens to recompute)",
-                    request.request_id, num_lost)
+        if mode == policy.PreemptionMode.SWAP:
+            self._swap_out.extend(self.kv.swap_out(request))
+            request.status = RequestStatus.SWAPPED
+            self.swapped.append(request)
+            self.stats.num_preemptions_swap += 1
+            logger.info("preempted request %s (mode=swap, %d tokens of KV swapped out)",
+                        request.request_id, request.num_computed_tokens)
+        else:
+            num_lost = request.num_computed_tokens
+            self.kv.free(request)
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            self.waiting.push_front(request)
+            self.stats.num_preemptions_recompute += 1
+            logger.info("preempted request %s (mode=recompute, %d computed tokens to "
+                        "recompute)", request.request_id, num_lost)
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:

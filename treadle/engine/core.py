@@ -17,10 +17,12 @@ import torch
 
 from treadle.config import EngineConfig
 from treadle.core.outputs import EngineCoreOutput
+from treadle.core.policy import PreemptionCosts
 from treadle.core.scheduler import Scheduler
 from treadle.models.loader import load_model
 from treadle.request import FinishReason, Request, RequestStatus
-from treadle.worker.kv_cache import KVCacheSpec, allocate_kv_caches
+from treadle.worker.cost_probe import measure_copy_bytes_per_s, measure_matmul_flops_per_s
+from treadle.worker.kv_cache import KVCacheSpec, allocate_kv_caches, allocate_swap_space
 from treadle.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -77,9 +79,32 @@ class EngineCore:
                     spec.bytes_per_token,
                     num_blocks * cache.block_size * spec.bytes_per_token / 1024**3)
         kv_caches = allocate_kv_caches(spec, num_blocks, cache.block_size)
-        self.scheduler = Scheduler(config.scheduler, cache, num_blocks, self.max_model_len)
+        num_swap_blocks = spec.num_blocks_for_memory(cache.swap_space, cache.block_size)
+        if config.scheduler.preemption_mode == "recompute":
+            num_swap_blocks = 0
+        swap_caches = (allocate_swap_space(spec, num_swap_blocks, cache.block_size)
+                       if num_swap_blocks else None)
+        if config.scheduler.preemption_mode == "swap" and not num_swap_blocks:
+            logger.warning("preemption_mode=swap with swap_space=%d bytes holds no block: "
+                           "preemption falls back to recompute", cache.swap_space)
+        self.scheduler = Scheduler(config.scheduler, cache, num_blocks, self.max_model_len,
+                                   num_swap_blocks, self._preemption_costs(spec))
         self.runner = ModelRunner(self.model, kv_caches, cache.block_size, config.model.seed,
-                                  kernels=self._attention_kernels())
+                                  kernels=self._attention_kernels(), swap_caches=swap_caches)
+
+    def _preemption_costs(self, spec: KVCacheSpec) -> PreemptionCosts | None:
+        """Measured rates for preemption_mode=auto (None for the fixed modes)."""
+        if self.config.scheduler.preemption_mode != "auto":
+            return None
+        hidden = self.model.hidden_size
+        costs = PreemptionCosts(
+            flops_per_token=2.0 * self.model.num_parameters,
+            compute_flops_per_s=measure_matmul_flops_per_s(hidden, 4 * hidden, self.dtype),
+            kv_bytes_per_token=spec.bytes_per_token,
+            copy_bytes_per_s=measure_copy_bytes_per_s())
+        logger.info("preemption costs: recompute %.2e s/token, swap %.2e s/token (out + in)",
+                    costs.recompute_seconds(1), costs.swap_seconds(1))
+        return costs
 
     def _attention_kernels(self):
         """The native decode kernels, per `attention_backend` (None: the torch path)."""
@@ -180,6 +205,12 @@ class EngineCore:
                                       if s.num_steps else 0.0),
             "mean_tokens_per_step": s.num_scheduled_tokens / s.num_steps if s.num_steps else 0.0,
             "num_preemptions": s.num_preemptions,
+            "num_preemptions_recompute": s.num_preemptions_recompute,
+            "num_preemptions_swap": s.num_preemptions_swap,
+            "num_swapped": self.scheduler.num_swapped,
+            "swap_bytes_out": self.runner.num_swap_bytes_out,
+            "swap_bytes_in": self.runner.num_swap_bytes_in,
+            "prefix_cache_queries": kv.prefix_stats.num_queries,
             "kv_fragmentation": (1.0 - s.used_slots / s.allocated_slots
                                  if s.allocated_slots else 0.0),
             "kv_usage": kv.usage,

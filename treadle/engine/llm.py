@@ -38,6 +38,23 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When things happened to a request (time.monotonic seconds)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+
+    @property
+    def ttft(self) -> float | None:
+        """Arrival to first generated token."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass
 class RequestOutput:
     """The result of one prompt."""
 
@@ -48,6 +65,7 @@ class RequestOutput:
     finished: bool = True
     error: str | None = None
     """Why the request failed, when its finish_reason is 'error'."""
+    metrics: RequestMetrics | None = None
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -160,6 +178,8 @@ class LLM:
                 self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True))
         result.outputs.append(CompletionOutput(
             0, text, list(request.output_token_ids), request.finish_reason.value))
+        result.metrics = RequestMetrics(request.arrival_time, request.first_scheduled_time,
+                                        request.first_token_time, time.monotonic())
 
     def get_stats(self) -> dict:
         """Engine-side statistics accumulated since the engine started."""

@@ -40,3 +40,29 @@ def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, block_size: int,
     """
     shape = (2, spec.num_kv_heads, num_blocks, block_size, spec.head_dim)
     return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+
+
+def allocate_swap_space(spec: KVCacheSpec, num_blocks: int, block_size: int,
+                        pin_memory: bool = False) -> list[torch.Tensor]:
+    """Host-memory blocks for swapped-out KV, laid out like the cache (pinned for CUDA)."""
+    shape = (2, spec.num_kv_heads, num_blocks, block_size, spec.head_dim)
+    return [torch.zeros(shape, dtype=spec.dtype, pin_memory=pin_memory)
+            for _ in range(spec.num_layers)]
+
+
+def copy_blocks(src: list[torch.Tensor], dst: list[torch.Tensor],
+                pairs: list[tuple[int, int]]) -> int:
+    """Copy block pairs[i][0] of every layer of `src` to block pairs[i][1] of `dst`.
+
+    Returns the bytes copied.
+    """
+    if not pairs:
+        return 0
+    src_ids = torch.tensor([p[0] for p in pairs], dtype=torch.long)
+    dst_ids = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst[0].device)
+    num_bytes = 0
+    for s, d in zip(src, dst):
+        blocks = s.index_select(2, src_ids.to(s.device))
+        d.index_copy_(2, dst_ids, blocks.to(d.device, non_blocking=True))
+        num_bytes += blocks.numel() * blocks.element_size()
+    return num_bytes

@@ -19,6 +19,7 @@ import torch
 from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput
 from treadle.worker.attention import (AttentionMetadata, DecodeGroup, NativeDecode,
                                      PrefillSpan, gather_rows)
+from treadle.worker.kv_cache import copy_blocks
 from treadle.worker.sampler import Sampler
 
 # Decodes are padded to the longest context of their group. A group holds contexts
@@ -50,10 +51,15 @@ class ModelRunner:
     """Executes one step of the model over the paged KV cache."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor],
-                 block_size: int, seed: int, kernels=None) -> None:
-        """`kernels` (worker.native.NativeKernels) runs decode attention when given."""
+                 block_size: int, seed: int, kernels=None,
+                 swap_caches: list[torch.Tensor] | None = None) -> None:
+        """`kernels` (worker.native.NativeKernels) runs decode attention when given;
+        `swap_caches` hold swapped-out blocks (same layout as kv_caches)."""
         self.model = model
         self.kernels = kernels
+        self.swap_caches = swap_caches
+        self.num_swap_bytes_out = 0
+        self.num_swap_bytes_in = 0
         self.kv_caches = kv_caches
         self.block_size = block_size
         _, self.num_kv_heads, self.num_cache_blocks = kv_caches[0].shape[:3]
@@ -144,7 +150,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.sampler.drop(scheduler_output.finished_request_ids)
-        if scheduler_output.is_empty:
+        # Swap-outs first: a block freed by a swap-out may be the target of a swap-in.
+        if scheduler_output.swap_out:
+            self.num_swap_bytes_out += copy_blocks(self.kv_caches, self.swap_caches,
+                                                   scheduler_output.swap_out)
+        if scheduler_output.swap_in:
+            self.num_swap_bytes_in += copy_blocks(self.swap_caches, self.kv_caches,
+                                                  scheduler_output.swap_in)
+        if not scheduler_output.scheduled:
             return ModelRunnerOutput(sampled_token_ids={})
         t0 = time.perf_counter()
         inputs = self.prepare(scheduler_output)
