@@ -8,6 +8,7 @@ EngineCoreOutput per request that produced something.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from treadle.request import FinishReason
 from treadle.sampling_params import SamplingParams
@@ -29,6 +30,10 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     num_output_tokens: int
     """Tokens the request has generated so far (the sampler's penalties and seeds use it)."""
+    prompt_token_ids: list[int] = field(default_factory=list)
+    """The request's prompt (a reference, not a copy: read-only for the worker)."""
+    output_token_ids: list[int] = field(default_factory=list)
+    """The request's generated tokens so far (a reference, not a copy: read-only)."""
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -64,6 +69,11 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, int]
     """Next token of each request scheduled with sample=True."""
+    logprobs: dict[str, Any] = field(default_factory=dict)
+    """Per request that sampled and asked for logprobs: the sampled token's logprob and
+    the top-N (the sampler defines the entry type)."""
+    prompt_logprobs: dict[str, Any] = field(default_factory=dict)
+    """Per request with a prompt chunk this step that asked for prompt logprobs."""
 
 
 @dataclass
@@ -74,6 +84,10 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
     error: str | None = None
+    new_logprobs: Any = None
+    """The runner's logprobs entry for the new token, when asked for."""
+    new_prompt_logprobs: Any = None
+    """The runner's prompt-logprobs entry for this step's prompt chunk, when asked for."""
 
     @property
     def finished(self) -> bool:

@@ -213,6 +213,8 @@ class Scheduler:
                 sample=start + n == request.num_tokens,
                 sampling_params=request.sampling_params,
                 num_output_tokens=request.num_output_tokens,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=request.output_token_ids,
             ))
         scheduled.sort(key=lambda s: len(s.token_ids) > 1)  # decodes first
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
@@ -271,7 +273,11 @@ class Scheduler:
                 continue  # aborted while the step ran
             request.num_computed_tokens += len(sched.token_ids)
             self.kv.cache_full_blocks(request)
+            prompt_logprobs = runner_output.prompt_logprobs.get(sched.request_id)
             if not sched.sample:
+                if prompt_logprobs is not None:
+                    outputs.append(EngineCoreOutput(request.request_id, [],
+                                                    new_prompt_logprobs=prompt_logprobs))
                 continue
             token_id = sampled[sched.request_id]
             request.append_output_token(token_id)
@@ -283,5 +289,7 @@ class Scheduler:
                 self._end(request, status)
             outputs.append(EngineCoreOutput(
                 request_id=request.request_id, new_token_ids=[token_id],
-                finish_reason=request.finish_reason))
+                finish_reason=request.finish_reason,
+                new_logprobs=runner_output.logprobs.get(sched.request_id),
+                new_prompt_logprobs=prompt_logprobs))
         return outputs

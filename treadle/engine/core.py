@@ -182,6 +182,11 @@ class EngineCore:
             return None
         return EngineCoreOutput(request_id, [], FinishReason.ABORT)
 
+    def stop_request(self, request_id: str) -> None:
+        """End a request that the output processor found finished (a stop string matched):
+        its blocks are freed at once and it is not scheduled again."""
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
