@@ -58,3 +58,13 @@ def test_unsupported_shape_is_an_error(kernels):
     with pytest.raises(ValueError, match="exceeds its limits"):
         kernels.paged_decode(q, kc, kc, torch.zeros(1, 1, dtype=torch.long),
                              torch.ones(1, dtype=torch.long), torch.empty_like(q), 1.0)
+
+
+def test_loading_the_kernels_keeps_subnormal_floats(kernels):
+    """A shared object linked with -ffast-math switches the whole process to flush-to-zero
+    on load; the kernels must leave every other computation's floats alone."""
+    import numpy as np
+
+    assert 5e-324 * 1.0 != 0.0
+    assert (np.array([1e-310]) * 0.5)[0] != 0.0
+    assert (torch.tensor([1e-40], dtype=torch.float32) * 0.5).item() != 0.0

@@ -1,7 +1,8 @@
 """C kernels for the CPU attention path, compiled on first use and called through ctypes.
 
-Owns building (gcc, `-O3 -march=native -fopenmp`, into `<cache>/kernels/`, keyed by a
-hash of the source and flags, written atomically) and the typed call wrappers. The
+Owns building (gcc, `-O3 -march=native -ffast-math -fopenmp` to compile, fast-math kept
+off the link; into `<cache>/kernels/`, keyed by a hash of the source and flags, written
+atomically) and the typed call wrappers. The
 shared object links `libgomp.so.1` by soname, so inside a process where torch already
 loaded its own libgomp there is one OpenMP runtime and one thread pool.
 
@@ -28,9 +29,14 @@ from treadle.paths import cache_dir
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("kernels") / "paged_decode.c"
-# -ffast-math lets gcc vectorize expf and the reductions; the kernel has no inf/NaN
-# inputs by construction (only real context positions are visited).
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+# -ffast-math lets gcc vectorize expf and the reductions (the kernel has no inf/NaN
+# inputs by construction: only real context positions are visited). It is given to the
+# compile step only: on the link command of a shared object (gcc < 13) it pulls in
+# crtfastmath.o, which switches the WHOLE process to flush-to-zero when the library
+# loads, silently changing every float computation of numpy, torch and Python (a test
+# caught it; tests/integration/test_native_attention.py guards it).
+_COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
+_LINK_FLAGS = ["-shared", "-fopenmp"]
 _ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float]
 
 
@@ -76,8 +82,10 @@ def _compiler() -> str | None:
 def _build(compiler: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        partial = Path(tmp) / target.name
-        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(partial), "-lm"],
+        partial, obj = Path(tmp) / target.name, Path(tmp) / "paged_decode.o"
+        subprocess.run([compiler, *_COMPILE_FLAGS, str(_SOURCE), "-o", str(obj)],
+                       check=True, capture_output=True, text=True, timeout=300)
+        subprocess.run([compiler, *_LINK_FLAGS, str(obj), "-o", str(partial), "-lm"],
                        check=True, capture_output=True, text=True, timeout=300)
         os.replace(partial, target)
 
@@ -90,7 +98,7 @@ def load_kernels() -> NativeKernels | None:
     if compiler is None:
         logger.warning("no C compiler found: using the slower torch attention path")
         return None
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()
+    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_COMPILE_FLAGS + _LINK_FLAGS).encode()
                          + platform.machine().encode() + compiler.encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"paged_decode-{key}.so"
     try:

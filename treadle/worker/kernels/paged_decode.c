@@ -46,7 +46,9 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *block_ta
     if (group > MAX_GROUP || group * head_dim > MAX_GROUP_DIM                              \
         || group * block_size > MAX_GROUP_TOKENS)                                          \
         return 1;                                                                          \
-    _Pragma("omp parallel for collapse(2) schedule(dynamic, 1)")                           \
+    /* Small batches run on one thread: a parallel region's barrier costs more than the  \
+       work, and on an oversubscribed machine it can wait out a whole time slice. */      \
+    _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) if(num_reqs * num_kv_heads > 8)") \
     for (int64_t r = 0; r < num_reqs; r++) {                                               \
         for (int64_t h = 0; h < num_kv_heads; h++) {                                       \
             float qf[MAX_GROUP_DIM], acc[MAX_GROUP_DIM], kf[MAX_GROUP_DIM];                 \
