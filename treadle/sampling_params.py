@@ -1,56 +1,121 @@
 """SamplingParams: how one request's tokens are chosen and when it stops.
 
-Owns validation: every bad value is a ValueError naming the field and its allowed range.
-It knows nothing about models, tokenizers or batches.
+Owns validation: every bad value is a ValueError whose message starts with the field's
+name and states the allowed range (the server turns it into a 400 naming the parameter).
+It knows nothing about models, tokenizers or batches; the one check that needs the
+vocabulary (`token_id_error`) takes its size as an argument.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 
 _MAX_SEED = 2**63 - 1
+_GREEDY_BELOW = 1e-5
+"""Temperatures below this sample greedily (1 / T would overflow float32 logits)."""
+MAX_LOGPROBS = 20
+"""Most alternatives per token that `logprobs` and `prompt_logprobs` may ask for."""
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_N = 128
 
 
 @dataclass
 class SamplingParams:
-    """Per-request sampling controls (names and meanings follow vLLM and the OpenAI API)."""
+    """Per-request sampling controls (names and meanings follow vLLM and the OpenAI API).
+
+    Order of application to the model's raw logits, as in vLLM: logit_bias, min_tokens
+    masking, penalties (repetition, frequency, presence) -> temperature -> top_k -> top_p
+    -> min_p -> sample. Logprobs always come from the raw logits, before any of these.
+    """
 
     max_tokens: int = 16
     """Most tokens to generate."""
     temperature: float = 1.0
-    """0 means greedy; higher flattens the distribution."""
+    """0 (or anything below 1e-5, as in vLLM) means greedy; higher flattens the
+    distribution."""
     top_p: float = 1.0
-    """Keep the smallest set of tokens whose probability adds up to top_p."""
+    """Keep the smallest set of most likely tokens whose probability adds up to top_p."""
     top_k: int = 0
     """Keep the top_k most likely tokens; 0 keeps all."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely token; 0 keeps all."""
+    repetition_penalty: float = 1.0
+    """Tokens of the prompt or output: logit / p if positive, logit * p otherwise (1: off)."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token that appears in the output so far."""
+    frequency_penalty: float = 0.0
+    """Times each token's count in the output so far, subtracted from its logit."""
     seed: int | None = None
-    """Seed of this request's own random generator (reproducible sampling)."""
+    """Seed of this request's own random generator (reproducible sampling). With n > 1,
+    sample i uses seed + i (mod 2**63)."""
+    min_tokens: int = 0
+    """EOS, stop_token_ids and stop strings cannot end generation before this many tokens."""
+    stop: list[str] | str | None = None
+    """Strings that end generation; the text ends before the match (see
+    include_stop_str_in_output). Stored as a list."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end generation (the token is kept in token_ids)."""
     ignore_eos: bool = False
     """Keep generating past the end-of-sequence token."""
-    stop_token_ids: list[int] = field(default_factory=list)
-    """Token ids that end generation (the token is kept in the output)."""
+    logprobs: int | None = None
+    """Return the chosen token's logprob and this many most likely alternatives (0..20)."""
+    prompt_logprobs: int | None = None
+    """Return, for every prompt token, its logprob and this many alternatives (0..20)."""
     n: int = 1
-    """Number of samples per prompt (only 1 is supported so far)."""
+    """Number of independent samples of the prompt (they share the prompt's KV blocks)."""
+    logit_bias: dict[int, float] | None = None
+    """Added to the logits of these token ids before sampling ({token_id: bias})."""
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string (or stop token's text) at the end of the text."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the output text."""
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, low=1)
         _check_number("temperature", self.temperature, low=0.0, high=100.0)
         _check_number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         _check_int("top_k", self.top_k, low=0)
+        _check_number("min_p", self.min_p, low=0.0, high=1.0)
+        _check_number("repetition_penalty", self.repetition_penalty, low=0.0, high=100.0,
+                      low_open=True)
+        _check_number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _check_number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         if self.seed is not None:
             _check_int("seed", self.seed, low=0, high=_MAX_SEED)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        _check_int("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
+        self.stop = _check_stop(self.stop)
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
         for token_id in self.stop_token_ids:
-            _check_int("stop_token_ids[]", token_id, low=0)
+            _check_int("stop_token_ids", token_id, low=0)
         self.stop_token_ids = list(self.stop_token_ids)
-        _check_int("n", self.n, low=1, high=1)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), low=0, high=MAX_LOGPROBS)
+        _check_int("n", self.n, low=1, high=MAX_N)
+        self.logit_bias = _check_logit_bias(self.logit_bias)
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < _GREEDY_BELOW
+
+    def token_id_error(self, vocab_size: int) -> str | None:
+        """Why this request's token ids do not fit a vocabulary of `vocab_size`, or None."""
+        bad = next((t for t in self.logit_bias or () if t >= vocab_size), None)
+        if bad is not None:
+            return (f"logit_bias has token id {bad}, outside the vocabulary "
+                    f"[0, {vocab_size})")
+        return None
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The parameters of sample `index` of an n > 1 request: n=1, seed + index."""
+        seed = None if self.seed is None else (self.seed + index) % (_MAX_SEED + 1)
+        return replace(self, n=1, seed=seed, stop=list(self.stop),
+                       stop_token_ids=list(self.stop_token_ids))
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
@@ -68,3 +133,36 @@ def _check_number(name: str, value: object, low: float, high: float,
     if value > high or value < low or (low_open and value == low):
         bracket = "(" if low_open else "["
         raise ValueError(f"{name} must be in {bracket}{low}, {high}], got {value}")
+
+
+def _check_stop(stop: object) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    for s in stops:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop must contain non-empty strings, got {s!r}")
+    return list(stops)
+
+
+def _check_logit_bias(logit_bias: object) -> dict[int, float] | None:
+    if logit_bias is None:
+        return None
+    if not isinstance(logit_bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {logit_bias!r}")
+    if len(logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"logit_bias must have at most {MAX_LOGIT_BIAS_ENTRIES} entries, "
+                         f"got {len(logit_bias)}")
+    checked = {}
+    for key, bias in logit_bias.items():
+        token_id = int(key) if isinstance(key, str) and key.isdigit() else key
+        if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+            raise ValueError(f"logit_bias keys must be token ids >= 0, got {key!r}")
+        if (not isinstance(bias, (int, float)) or isinstance(bias, bool)
+                or not math.isfinite(bias) or not -100.0 <= bias <= 100.0):
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} "
+                             f"for token {token_id}")
+        checked[token_id] = float(bias)
+    return checked

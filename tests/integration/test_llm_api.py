@@ -176,3 +176,23 @@ def test_heavy_preemption_keeps_outputs_in_every_mode(llama_dir, mode):
     assert tight.engine.scheduler.kv.swap_pool is None or \
         tight.engine.scheduler.kv.swap_pool.num_free_blocks == \
         tight.engine.scheduler.kv.swap_pool.num_blocks
+
+
+def test_priority_and_tenant_reach_the_engine(llama_dir):
+    llm = LLM(model=llama_dir, dtype="float32", num_kv_blocks=256, scheduling_policy="priority",
+              max_num_seqs=1)
+    seen = {}
+    original = llm.engine.add_request
+
+    def spy(request):
+        seen[request.request_id] = (request.priority, request.tenant, request.length_hint)
+        return original(request)
+
+    llm.engine.add_request = spy
+    outs = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3, n=2, seed=1),
+                        priority=[3, 0], tenant=["a", "b"], length_hint=7, use_tqdm=False)
+    assert all(len(o.outputs) == 2 for o in outs)
+    assert sorted(seen.values()) == [(0, "b", 7), (0, "b", 7), (3, "a", 7), (3, "a", 7)]
+    assert not llm._scheduling
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate([[5], [6]], priority=[1, 2, 3], use_tqdm=False)

@@ -64,16 +64,41 @@ class SchedulerOutput:
 
 
 @dataclass
+class TokenLogprobs:
+    """Logprobs at one position, from the model's raw logits (before any sampling control).
+
+    Entry 0 is the token actually there (the sampled token, or the prompt token), then the
+    top-N most likely tokens in rank order (the token at 0 may appear among them again).
+    Ranks start at 1; a token's rank counts the tokens at least as likely as it.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+
+
+@dataclass
+class PromptLogprobs:
+    """Prompt logprobs computed in one step for a run of consecutive prompt positions."""
+
+    first_position: int
+    """Index in the prompt of the token that entries[0] scores (>= 1: nothing predicts
+    token 0). A recomputed chunk repeats positions already reported; readers key by it."""
+    entries: list[TokenLogprobs]
+
+
+@dataclass
 class ModelRunnerOutput:
     """What one forward pass produced."""
 
     sampled_token_ids: dict[str, int]
     """Next token of each request scheduled with sample=True."""
     logprobs: dict[str, Any] = field(default_factory=dict)
-    """Per request that sampled and asked for logprobs: the sampled token's logprob and
-    the top-N (the sampler defines the entry type)."""
+    """Per request that sampled and asked for logprobs: a TokenLogprobs of the sampled
+    token and the top-N."""
     prompt_logprobs: dict[str, Any] = field(default_factory=dict)
-    """Per request with a prompt chunk this step that asked for prompt logprobs."""
+    """Per request with a prompt chunk this step that asked for prompt logprobs: a
+    PromptLogprobs."""
 
 
 @dataclass
@@ -85,9 +110,9 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     error: str | None = None
     new_logprobs: Any = None
-    """The runner's logprobs entry for the new token, when asked for."""
+    """The runner's TokenLogprobs for the new token, when asked for."""
     new_prompt_logprobs: Any = None
-    """The runner's prompt-logprobs entry for this step's prompt chunk, when asked for."""
+    """The runner's PromptLogprobs for this step's prompt chunk, when asked for."""
 
     @property
     def finished(self) -> bool:

@@ -1,8 +1,9 @@
 """The offline API, shaped like vLLM's: `LLM(model=...).generate(prompts, params)`.
 
-Owns tokenization of string prompts, the loop that steps the engine until every request
-of a `generate` call has ended, the progress bar, and the user-facing output objects.
-Scheduling and model execution stay in EngineCore.
+Owns tokenization of string prompts and the loop that steps the engine until every
+request of a `generate` call has ended, with its progress bar. Detokenization, stop
+strings, logprobs and n > 1 grouping are the OutputProcessor's; scheduling and model
+execution stay in EngineCore. RequestOutput and CompletionOutput are re-exported here.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence, Union
 
@@ -18,54 +18,16 @@ from tqdm.auto import tqdm
 
 from treadle.config import EngineConfig
 from treadle.engine.core import EngineCore
-from treadle.request import Request
+from treadle.engine.output_processor import (CompletionOutput, Logprob, OutputProcessor,
+                                             RequestMetrics, RequestOutput)
 from treadle.sampling_params import SamplingParams
+
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput",
+           "load_tokenizer"]
 
 logger = logging.getLogger(__name__)
 
 PromptType = Union[str, list[int], dict[str, Any]]
-
-
-@dataclass
-class CompletionOutput:
-    """One generated sequence."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    """'stop', 'length', 'abort' or 'error'."""
-
-
-@dataclass
-class RequestMetrics:
-    """When things happened to a request (time.monotonic seconds)."""
-
-    arrival_time: float
-    first_scheduled_time: float | None
-    first_token_time: float | None
-    finished_time: float | None
-
-    @property
-    def ttft(self) -> float | None:
-        """Arrival to first generated token."""
-        if self.first_token_time is None:
-            return None
-        return self.first_token_time - self.arrival_time
-
-
-@dataclass
-class RequestOutput:
-    """The result of one prompt."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput] = field(default_factory=list)
-    finished: bool = True
-    error: str | None = None
-    """Why the request failed, when its finish_reason is 'error'."""
-    metrics: RequestMetrics | None = None
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -91,7 +53,10 @@ class LLM:
         self.config = EngineConfig.from_options(model=model, **engine_options)
         self.engine = EngineCore(self.config)
         self.tokenizer = load_tokenizer(self.engine.model_dir)
+        self.processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
+        self._scheduling: dict[str, tuple] = {}
+        """request id -> (priority, tenant, length_hint), for samples added later."""
 
     def _prompt_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -111,12 +76,16 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: int | Sequence[int] = 0,
+                 tenant: str | None | Sequence[str | None] = None,
+                 length_hint: int | None | Sequence[int | None] = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
-        A prompt that can never run (empty, too long for the context or the KV cache)
-        gets an output with finish_reason 'error' and the reason in `error`; the other
-        prompts complete normally.
+        `priority` (lower runs first), `tenant` (the `fair` policy's share) and
+        `length_hint` (expected output tokens, for `srpt`) are one value for every prompt
+        or one per prompt. A prompt that can never run (empty, too long for the context
+        or the KV cache) gets an output with finish_reason 'error' and the reason in
+        `error`; the other prompts complete normally.
         """
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -129,58 +98,88 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} "
                              "sampling_params: pass one, or one per prompt")
 
+        count = len(prompts)
+        scheduling = list(zip(_per_prompt(priority, count, "priority"),
+                              _per_prompt(tenant, count, "tenant"),
+                              _per_prompt(length_hint, count, "length_hint")))
+        # Tokenize everything first: a bad prompt raises before any request is in the engine.
+        tokenized = [self._prompt_token_ids(prompt) for prompt in prompts]
         results: dict[str, RequestOutput] = {}
-        requests: dict[str, Request] = {}
         order = []
-        for prompt, params in zip(prompts, sampling_params):
-            text, token_ids = self._prompt_token_ids(prompt)
+        for (text, token_ids), params, attrs in zip(tokenized, sampling_params, scheduling):
             request_id = str(next(self._request_counter))
-            request = Request(request_id, token_ids, params)
             order.append(request_id)
-            results[request_id] = RequestOutput(request_id, text, request.prompt_token_ids)
-            rejected = self.engine.add_request(request)
-            if rejected is not None:
-                results[request_id].error = rejected.error
-                results[request_id].outputs.append(CompletionOutput(0, "", [], "error"))
-            else:
-                requests[request_id] = request
+            self._scheduling[request_id] = attrs
+            self.processor.add_request(request_id, text, token_ids, params, time.monotonic())
+            rejected = self._add_ready_samples(request_id)
+            if rejected:
+                results[request_id] = self.processor.reject(request_id, rejected[0].error)
+                self._scheduling.pop(request_id, None)
 
-        self._run(requests, results, use_tqdm)
+        self._run([rid for rid in order if rid not in results], results, use_tqdm)
         return [results[rid] for rid in order]
 
-    def _run(self, requests: dict[str, Request], results: dict[str, RequestOutput],
+    def _add_ready_samples(self, request_id: str) -> list:
+        """Hand the request's ready samples to the engine; the rejections, if any."""
+        priority, tenant, length_hint = self._scheduling[request_id]
+        rejected = []
+        for request in self.processor.engine_requests(request_id):
+            request.priority, request.tenant, request.length_hint = priority, tenant, length_hint
+            error = self.engine.add_request(request)
+            if error is not None:
+                rejected.append(error)
+        return rejected
+
+    def _run(self, request_ids: list[str], results: dict[str, RequestOutput],
              use_tqdm: bool) -> None:
-        pending = set(requests)
-        progress = tqdm(total=len(requests), desc="Generating", unit="req",
+        pending = set(request_ids)
+        progress = tqdm(total=len(pending), desc="Generating", unit="req",
                         disable=not use_tqdm, dynamic_ncols=True)
         start = time.perf_counter()
         num_output_tokens = 0
         try:
             while pending:
-                for out in self.engine.step():
-                    num_output_tokens += len(out.new_token_ids)
-                    if out.finished and out.request_id in pending:
-                        pending.discard(out.request_id)
-                        self._finish(requests[out.request_id], results[out.request_id])
+                if not self.engine.has_unfinished_requests():
+                    raise RuntimeError(f"{len(pending)} requests neither run nor finished")
+                core_outputs = self.engine.step()
+                num_output_tokens += sum(len(o.new_token_ids) for o in core_outputs)
+                outputs, to_stop = self.processor.process(core_outputs)
+                for engine_id in to_stop:
+                    self.engine.stop_request(engine_id)
+                rejected = []
+                for request_id in self.processor.requests_to_add():  # samples 1..n-1
+                    rejected += self._add_ready_samples(request_id)
+                if rejected:
+                    outputs += self.processor.process(rejected)[0]
+                for output in outputs:
+                    if output.finished and output.request_id in pending:
+                        pending.discard(output.request_id)
+                        self._scheduling.pop(output.request_id, None)
+                        results[output.request_id] = output
                         progress.update(1)
                 elapsed = time.perf_counter() - start
                 progress.set_postfix_str(f"{num_output_tokens / max(elapsed, 1e-9):.1f} out tok/s",
                                          refresh=False)
         except BaseException:
             for request_id in pending:  # leave the engine clean for the next call
-                self.engine.abort_request(request_id)
+                self._scheduling.pop(request_id, None)
+                for engine_id in self.processor.engine_request_ids(request_id):
+                    self.engine.abort_request(engine_id)
+                self.processor.abort(request_id)
             raise
         finally:
             progress.close()
 
-    def _finish(self, request: Request, result: RequestOutput) -> None:
-        text = ("" if self.tokenizer is None else
-                self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True))
-        result.outputs.append(CompletionOutput(
-            0, text, list(request.output_token_ids), request.finish_reason.value))
-        result.metrics = RequestMetrics(request.arrival_time, request.first_scheduled_time,
-                                        request.first_token_time, time.monotonic())
-
     def get_stats(self) -> dict:
         """Engine-side statistics accumulated since the engine started."""
         return self.engine.stats()
+
+
+def _per_prompt(value, count: int, name: str) -> list:
+    """One value per prompt: a scalar repeated, or a sequence of exactly `count`."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"got {count} prompts but {len(value)} values of {name}: "
+                             "pass one, or one per prompt")
+        return list(value)
+    return [value] * count

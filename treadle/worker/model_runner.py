@@ -3,7 +3,9 @@
 Input preparation is vectorized with numpy over the flat batch (all scheduled tokens of
 all requests concatenated, no padding): the only Python loops run once per request,
 never once per token. Attention metadata is built here once per step and shared by every
-layer. Logits are computed only for the last scheduled token of requests that sample.
+layer. Logits are computed only for the last scheduled token of requests that sample,
+plus, for requests that ask for prompt logprobs, every position of their prompt chunk
+(in slices, so a long chunk never holds [chunk, vocab] logits at once).
 The runner never decides policy: it computes exactly what it is given.
 """
 
@@ -16,16 +18,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput
+from treadle.core.outputs import (ModelRunnerOutput, PromptLogprobs, ScheduledRequest,
+                                  SchedulerOutput)
 from treadle.worker.attention import (AttentionMetadata, DecodeGroup, NativeDecode,
                                      PrefillSpan, gather_rows)
 from treadle.worker.kv_cache import copy_blocks
-from treadle.worker.sampler import Sampler
+from treadle.worker.sampler import Sampler, group_order, prompt_logprobs
 
 # Decodes are padded to the longest context of their group. A group holds contexts
 # within this factor of its shortest one, which bounds padding waste while keeping the
 # number of groups (each a few kernel launches per layer) to about log2(longest/shortest).
 _DECODE_GROUP_SPREAD = 2.0
+_PROMPT_LOGPROBS_ROWS = 256
+"""Prompt positions whose logits are computed at once ([rows, vocab] float32)."""
 
 
 @dataclass
@@ -64,6 +69,8 @@ class ModelRunner:
         self.block_size = block_size
         _, self.num_kv_heads, self.num_cache_blocks = kv_caches[0].shape[:3]
         self.sampler = Sampler(seed)
+        self.eos_token_id: int | None = None
+        """The model's end-of-sequence id, masked until a request's min_tokens."""
         self.timings = RunnerTimings()
 
     def prepare(self, scheduler_output: SchedulerOutput) -> PreparedInputs:
@@ -164,15 +171,45 @@ class ModelRunner:
         t1 = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
                             inputs.attn_metadata)
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
-        t2 = time.perf_counter()
         scheduled = scheduler_output.scheduled
         sampling = [scheduled[i] for i in inputs.sample_rows]
-        tokens = self.sampler.sample(logits, [s.request_id for s in sampling],
-                                     [s.sampling_params for s in sampling])
+        # Logits rows in the sampler's group order: it then works in place, copying none.
+        order = group_order([s.sampling_params for s in sampling])
+        sampling = [sampling[i] for i in order]
+        logits = self.model.compute_logits(
+            hidden.index_select(0, inputs.logits_indices[order]))
+        t2 = time.perf_counter()
+        sampled = self.sampler.sample(
+            logits, [s.request_id for s in sampling], [s.sampling_params for s in sampling],
+            [s.prompt_token_ids for s in sampling], [s.output_token_ids for s in sampling],
+            self.eos_token_id)
+        prompt_lps = self._prompt_logprobs(scheduled, hidden)
         t3 = time.perf_counter()
         self.timings.prepare += t1 - t0
         self.timings.forward += t2 - t1
         self.timings.sample += t3 - t2
-        return ModelRunnerOutput(sampled_token_ids={
-            s.request_id: token for s, token in zip(sampling, tokens)})
+        return ModelRunnerOutput(
+            sampled_token_ids={s.request_id: t for s, t in zip(sampling, sampled.token_ids)},
+            logprobs={s.request_id: e for s, e in zip(sampling, sampled.logprobs)
+                      if e is not None},
+            prompt_logprobs=prompt_lps)
+
+    def _prompt_logprobs(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor
+                         ) -> dict[str, PromptLogprobs]:
+        """Prompt logprobs of the prompt positions computed this step, for the requests
+        that ask: position j's logits score prompt token j + 1."""
+        result = {}
+        row = 0
+        for s in scheduled:
+            num_top = s.sampling_params.prompt_logprobs
+            start = s.num_computed_tokens
+            end = min(start + len(s.token_ids), len(s.prompt_token_ids) - 1)
+            if num_top is not None and end > start:
+                entries = []
+                for a in range(start, end, _PROMPT_LOGPROBS_ROWS):
+                    b = min(end, a + _PROMPT_LOGPROBS_ROWS)
+                    logits = self.model.compute_logits(hidden[row + a - start:row + b - start])
+                    entries += prompt_logprobs(logits, s.prompt_token_ids[a + 1:b + 1], num_top)
+                result[s.request_id] = PromptLogprobs(start + 1, entries)
+            row += len(s.token_ids)
+        return result

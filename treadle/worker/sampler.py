@@ -1,16 +1,63 @@
-"""Batched sampling of the next token from each request's logits.
+"""Batched sampling of the next token from each request's logits, and logprobs.
 
-One vectorized pass over the batch, each row with its own temperature, top-k and top-p;
-an all-greedy batch takes an argmax fast path. Randomness comes from per-request
-generators for seeded requests (reproducible whatever else is in the batch) and from the
-engine's generator otherwise. The sampler holds no request state beyond those generators.
+One vectorized pass over the batch, each row with its own SamplingParams, in vLLM's
+order: logit_bias, min_tokens masking and penalties on the raw logits, then temperature
+-> top-k -> top-p -> min-p -> sample. Greedy rows take the argmax of the adjusted logits.
+
+How it stays cheap on a [256, 49152] batch: rows are grouped by kind (greedy, top-k,
+top-p, neither; `group_order`, which the model runner applies before computing logits, so
+each group is a contiguous slice and no row is copied) and every step works in place on
+its slice: the logits become weights exp((x - max) / T) once, sampling is an inverse CDF
+over block sums (one read of the row), top-k rows use `torch.topk` candidates, and top-p
+without top-k is exact rejection sampling (draw; accept when the tokens more likely than
+the draw weigh less than top_p; else drop every token no more likely and draw again), so
+no row sorts the vocabulary. Logprobs come from the raw logits of the same call.
+
+A seeded request draws its uniform numbers from its own generator only, so its tokens do
+not depend on the rest of the batch (a request recomputed after preemption samples once,
+at its last token). The sampler holds no request state beyond those generators; it never
+decides which requests run and never touches the KV cache.
 """
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
+from typing import Sequence
+
 import torch
 
+from treadle.core.outputs import TokenLogprobs
 from treadle.sampling_params import SamplingParams
+
+_BLOCK = 512
+"""Weights per block of the two-level inverse CDF (block sums, then one block)."""
+_MAX_REJECTION_ROUNDS = 32
+"""Top-p draws per row before it falls back to sorting. A rejection drops the drawn token
+and every token no more likely, so rows need few draws; the cap guards pathological ties."""
+_GREEDY, _TOP_K, _TOP_P, _PLAIN = range(4)
+
+
+def _kind(p: SamplingParams) -> int:
+    if p.is_greedy:
+        return _GREEDY
+    if p.top_k > 0:
+        return _TOP_K
+    return _TOP_P if p.top_p < 1.0 else _PLAIN
+
+
+def group_order(params: Sequence[SamplingParams]) -> list[int]:
+    """The row order in which `sample` needs no copy: greedy, top-k, top-p, neither (rows
+    with min-p last within their group). Stable."""
+    return sorted(range(len(params)), key=lambda i: (_kind(params[i]), params[i].min_p > 0))
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    """One sampled token per row."""
+    logprobs: list[TokenLogprobs | None]
+    """Per row: the sampled token's logprob and the top-N, or None when not asked for."""
 
 
 class Sampler:
@@ -25,54 +72,349 @@ class Sampler:
         for request_id in request_ids:
             self._request_generators.pop(request_id, None)
 
-    def _generator_for(self, request_id: str, seed: int) -> torch.Generator:
-        generator = self._request_generators.get(request_id)
-        if generator is None:
-            generator = torch.Generator().manual_seed(seed)
-            self._request_generators[request_id] = generator
-        return generator
-
-    def sample(self, logits: torch.Tensor, request_ids: list[str],
-               params: list[SamplingParams]) -> list[int]:
-        """logits: [num_requests, vocab] float32. Returns one token id per row."""
-        greedy = [p.is_greedy for p in params]
-        if all(greedy):
-            return logits.argmax(dim=-1).tolist()
-
-        temperatures = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)],
-                                    dtype=logits.dtype)
-        scaled = logits / temperatures.unsqueeze(1)
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            scaled = _apply_top_k_top_p(scaled, params)
-        probs = torch.softmax(scaled, dim=-1)
-
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws a token with probability p.
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, p in enumerate(params) if p.seed is None]
-        if unseeded:
-            rows = torch.empty(len(unseeded), probs.shape[1], dtype=probs.dtype)
-            rows.exponential_(generator=self._generator)
-            noise[unseeded] = rows
+    def _draw(self, request_ids: Sequence[str], params: Sequence[SamplingParams]
+              ) -> torch.Tensor:
+        """One U[0, 1) number per row: seeded rows from their own generator."""
+        u = torch.rand(len(params), generator=self._generator, dtype=torch.float64)
         for i, p in enumerate(params):
             if p.seed is not None:
-                noise[i].exponential_(generator=self._generator_for(request_ids[i], p.seed))
-        sampled = (probs / noise).argmax(dim=-1)
-        if any(greedy):
-            sampled = torch.where(torch.tensor(greedy), logits.argmax(dim=-1), sampled)
-        return sampled.tolist()
+                generator = self._request_generators.get(request_ids[i])
+                if generator is None:
+                    generator = torch.Generator().manual_seed(p.seed)
+                    self._request_generators[request_ids[i]] = generator
+                u[i] = torch.rand(1, generator=generator, dtype=torch.float64)[0]
+        return u
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, request_ids: Sequence[str],
+               params: Sequence[SamplingParams],
+               prompt_token_ids: Sequence[Sequence[int]] | None = None,
+               output_token_ids: Sequence[Sequence[int]] | None = None,
+               eos_token_id: int | None = None) -> SamplerOutput:
+        """logits: [num_rows, vocab] float32, overwritten. Per row: its request id,
+        parameters, prompt and generated tokens so far (for penalties and min_tokens).
+        Rows in `group_order` are sampled in place; others are first copied into it."""
+        num_rows = logits.shape[0]
+        order = group_order(params)
+        if order != list(range(num_rows)):
+            result = self.sample(logits[order], [request_ids[i] for i in order],
+                                 [params[i] for i in order],
+                                 None if prompt_token_ids is None else
+                                 [prompt_token_ids[i] for i in order],
+                                 None if output_token_ids is None else
+                                 [output_token_ids[i] for i in order], eos_token_id)
+            tokens, entries = [0] * num_rows, [None] * num_rows
+            for j, i in enumerate(order):
+                tokens[i], entries[i] = result.token_ids[j], result.logprobs[j]
+            return SamplerOutput(tokens, entries)
+
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw = logits[logprob_rows] if logprob_rows else None
+        adjust_logits(logits, params, prompt_token_ids, output_token_ids, eos_token_id)
+        kinds = [_kind(p) for p in params]
+        num_greedy = kinds.count(_GREEDY)
+        tokens = torch.empty(num_rows, dtype=torch.long)
+        if num_greedy:
+            tokens[:num_greedy] = logits[:num_greedy].argmax(dim=-1)
+        if num_greedy < num_rows:
+            rids, rparams = request_ids[num_greedy:], params[num_greedy:]
+            tokens[num_greedy:] = _sample_random(
+                logits[num_greedy:], rparams, kinds[num_greedy:],
+                lambda rows: self._draw([rids[r] for r in rows], [rparams[r] for r in rows]))
+
+        entries: list[TokenLogprobs | None] = [None] * num_rows
+        if raw is not None:
+            num_top = [params[i].logprobs for i in logprob_rows]
+            for i, entry in zip(logprob_rows, logprob_entries(
+                    raw, tokens[logprob_rows], num_top)):
+                entries[i] = entry
+        return SamplerOutput(tokens.tolist(), entries)
+
+    @torch.inference_mode()
+    def processed_logits(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                         prompt_token_ids: Sequence[Sequence[int]] | None = None,
+                         output_token_ids: Sequence[Sequence[int]] | None = None,
+                         eos_token_id: int | None = None) -> torch.Tensor:
+        """The logits the sampler draws from, with every control applied (filtered tokens
+        at -inf); greedy rows get no temperature and no filtering. Does not modify
+        `logits`. For tests and inspection (it sorts; `sample` never does)."""
+        x = logits.clone()
+        adjust_logits(x, params, prompt_token_ids, output_token_ids, eos_token_id)
+        for i, p in enumerate(params):
+            if p.is_greedy:
+                continue
+            row = x[i:i + 1] / p.temperature
+            vals, idx = row.topk(p.top_k or row.shape[1], dim=-1)
+            keep = int(_keep_counts(vals, [p])[0])
+            x[i] = float("-inf")
+            x[i, idx[0, :keep]] = vals[0, :keep]
+        return x
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Mask to -inf every token outside each row's top-k and top-p nucleus."""
+def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
+                  prompt_token_ids: Sequence[Sequence[int]] | None,
+                  output_token_ids: Sequence[Sequence[int]] | None,
+                  eos_token_id: int | None) -> None:
+    """Apply logit_bias, min_tokens masking and the penalties, in place, on raw logits.
+
+    Repetition (transformers): each distinct token of prompt + output, logit / p when
+    positive, * p otherwise. Frequency and presence (OpenAI): logit -= frequency * count
+    + presence * (count > 0), counts over the output only. Work is per token, not per
+    vocabulary entry: only the logits of tokens that appear are touched.
+    """
     vocab = logits.shape[1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
-    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab).unsqueeze(0)
-    remove = ranks >= top_k.unsqueeze(1)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    # Remove a token when the tokens ranked above it already reach top_p (keeps >= 1).
-    mass_before = probs.cumsum(dim=-1) - probs
-    remove |= mass_before >= top_p.unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    num_rows = logits.shape[0]
+    outputs = output_token_ids if output_token_ids is not None else [()] * num_rows
+    prompts = prompt_token_ids if prompt_token_ids is not None else [()] * num_rows
+
+    rows, cols, values = [], [], []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            for token_id, bias in p.logit_bias.items():
+                if token_id < vocab:  # admission rejects others; never index past the row
+                    rows.append(i)
+                    cols.append(token_id)
+                    values.append(bias)
+    if rows:
+        logits.index_put_((torch.tensor(rows), torch.tensor(cols)),
+                          torch.tensor(values, dtype=logits.dtype), accumulate=True)
+
+    rows, cols = [], []
+    for i, p in enumerate(params):
+        if p.min_tokens and len(outputs[i]) < p.min_tokens:
+            banned = list(p.stop_token_ids)
+            if eos_token_id is not None and not p.ignore_eos:
+                banned.append(eos_token_id)
+            banned = [t for t in banned if t < vocab]
+            rows += [i] * len(banned)
+            cols += banned
+    if rows:
+        logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
+
+    rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if rep:
+        r, c = _distinct_pairs([itertools.chain(prompts[i], outputs[i]) for i in rep],
+                               [len(prompts[i]) + len(outputs[i]) for i in rep], rep, vocab)
+        if r.numel():
+            pen = torch.tensor([params[i].repetition_penalty for i in rep],
+                               dtype=logits.dtype)
+            pen = pen[torch.searchsorted(torch.tensor(rep), r)]
+            v = logits[r, c]
+            logits[r, c] = torch.where(v > 0, v / pen, v * pen)
+
+    freq = [i for i, p in enumerate(params)
+            if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
+    if freq:
+        r, c, counts = _distinct_pairs([outputs[i] for i in freq],
+                                       [len(outputs[i]) for i in freq], freq, vocab,
+                                       return_counts=True)
+        if r.numel():
+            index = torch.searchsorted(torch.tensor(freq), r)
+            f = torch.tensor([params[i].frequency_penalty for i in freq],
+                             dtype=logits.dtype)[index]
+            pres = torch.tensor([params[i].presence_penalty for i in freq],
+                                dtype=logits.dtype)[index]
+            logits[r, c] -= f * counts.to(logits.dtype) + pres
+
+
+def _distinct_pairs(token_lists, lengths: list[int], rows: list[int], vocab: int,
+                    return_counts: bool = False):
+    """Distinct (row, token) pairs of each row's tokens, sorted by row (and counts)."""
+    total = sum(lengths)
+    tokens = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long)
+    if total == 0:
+        empty = torch.empty(0, dtype=torch.long)
+        return (empty, empty, empty) if return_counts else (empty, empty)
+    row_of = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long),
+                                     torch.tensor(lengths, dtype=torch.long))
+    keys = row_of * vocab + tokens
+    if return_counts:
+        keys, counts = torch.unique(keys, return_counts=True)
+        return keys // vocab, keys % vocab, counts
+    keys = torch.unique(keys)
+    return keys // vocab, keys % vocab
+
+
+def _sample_random(w: torch.Tensor, params: Sequence[SamplingParams], kinds: list[int],
+                   draw) -> torch.Tensor:
+    """One token per row of adjusted logits w [rows, vocab] (temperature > 0, rows in
+    group order), computed in place. draw(rows) gives fresh uniforms for those rows."""
+    num_rows = w.shape[0]
+    inv_t = torch.tensor([1.0 / p.temperature for p in params], dtype=w.dtype).unsqueeze(1)
+    u = draw(list(range(num_rows)))
+    tokens = torch.empty(num_rows, dtype=torch.long)
+    k_end = kinds.count(_TOP_K)
+    if k_end:  # top-k commutes with temperature: only the candidates are scaled
+        kparams = params[:k_end]
+        vals, idx = w[:k_end].topk(max(p.top_k for p in kparams), dim=-1)
+        vals = (vals - vals[:, :1]) * inv_t[:k_end]
+        keep = _keep_counts(vals, kparams)
+        vals.exp_().masked_fill_(torch.arange(vals.shape[1]) >= keep.unsqueeze(1), 0.0)
+        pick = _inverse_cdf(vals, u[:k_end])[0].minimum(keep - 1)
+        tokens[:k_end] = idx.gather(1, pick.unsqueeze(1)).squeeze(1)
+    if k_end == num_rows:
+        return tokens
+    rest = w[k_end:]
+    row_max = rest.amax(dim=-1, keepdim=True)
+    torch.addcmul(-row_max * inv_t[k_end:], rest, inv_t[k_end:], out=rest)
+    rest.exp_()  # weights: the most likely token of each row weighs 1
+    min_p = torch.tensor([p.min_p for p in params[k_end:]], dtype=w.dtype).unsqueeze(1)
+    first_min_p = next((i for i, p in enumerate(params[k_end:]) if p.min_p > 0), None)
+    n_end = kinds.count(_TOP_P)
+    totals = None
+    if first_min_p is not None:
+        if n_end:  # top-p is relative to the mass before min-p
+            totals = rest[:n_end].sum(dim=-1).double()
+        for lo, hi in _min_p_slices(params[k_end:], n_end):
+            part = rest[lo:hi]
+            part.masked_fill_(part < min_p[lo:hi], 0.0)
+    pick, mass = _block_inverse_cdf(rest, u[k_end:])
+    if n_end:
+        nucleus = torch.tensor([p.top_p for p in params[k_end:k_end + n_end]],
+                               dtype=torch.float64)
+        z = mass[:n_end] if totals is None else totals
+        pick[:n_end] = _reject_outside_nucleus(
+            rest[:n_end], pick[:n_end], nucleus * z,
+            lambda rows: draw([k_end + r for r in rows]))
+    tokens[k_end:] = pick
+    return tokens
+
+
+def _min_p_slices(params: Sequence[SamplingParams], n_end: int) -> list[tuple[int, int]]:
+    """Contiguous runs of min-p rows (at the end of the top-p group and of the rest)."""
+    runs = []
+    for lo, hi in ((0, n_end), (n_end, len(params))):
+        first = next((i for i in range(lo, hi) if params[i].min_p > 0), None)
+        if first is not None:
+            runs.append((first, hi))
+    return runs
+
+
+def _reject_outside_nucleus(w: torch.Tensor, pick: torch.Tensor, limit: torch.Tensor, draw
+                            ) -> torch.Tensor:
+    """Top-p by rejection over weights w [rows, vocab] (overwritten). A draw is in the
+    nucleus when the tokens strictly more likely weigh less than limit (top_p times the
+    row's mass); when it is not, no token as unlikely is either: they get weight 0 and
+    the row draws again (later rounds work on a copy of the rows still drawing). Tokens
+    above a draw are never min-p-filtered, so sums over the filtered weights are exact."""
+    rows = list(range(w.shape[0]))
+    sub, sub_pick, sub_limit = w, pick.clone(), limit
+    for _ in range(_MAX_REJECTION_ROUNDS):
+        drawn = sub.gather(1, sub_pick.unsqueeze(1))
+        above = (sub * (sub > drawn)).sum(dim=-1).double()
+        out = (above >= sub_limit).nonzero().flatten().tolist()
+        if not out:
+            return pick
+        rows = [rows[j] for j in out]
+        sub = sub[out]
+        sub.masked_fill_(sub <= drawn[out], 0.0)
+        sub_pick, sub_limit = _block_inverse_cdf(sub, draw(rows))[0], sub_limit[out]
+        pick[rows] = sub_pick
+    # Pathological ties: sort the rows still drawing and take their exact nucleus.
+    for j, r in enumerate(rows):
+        vals, idx = sub[j].sort(descending=True)
+        keep = max(1, int(((vals.double().cumsum(0) - vals) < sub_limit[j]).sum()))
+        pick[r] = idx[int(_inverse_cdf(vals[None, :keep], draw([r]))[0][0])]
+    return pick
+
+
+def _block_inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse CDF over non-negative weights w [rows, vocab] (unnormalized) without a
+    full cumsum: block sums choose a block, then a cumsum of that block alone.
+    Returns (token per row, total weight per row as float64)."""
+    rows, vocab = w.shape
+    if vocab <= 4 * _BLOCK:
+        return _inverse_cdf(w, u)
+    sums = w.unfold(1, _BLOCK, _BLOCK).sum(dim=-1).double()  # float32 sums: vectorized
+    main = sums.shape[1] * _BLOCK
+    if main < vocab:
+        sums = torch.cat([sums, w[:, main:].sum(dim=-1, keepdim=True).double()], 1)
+    cdf = sums.cumsum(dim=-1)
+    total = cdf[:, -1]
+    target = (u * total).unsqueeze(1)
+    block = torch.searchsorted(cdf, target, right=True).clamp_(max=sums.shape[1] - 1)
+    before = torch.where(block > 0, cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    cols = block * _BLOCK + torch.arange(_BLOCK)
+    inside = cols < vocab
+    weights = w.gather(1, cols.clamp(max=vocab - 1)).double() * inside
+    j = torch.searchsorted(weights.cumsum(dim=-1), target - before, right=True)
+    pick = (block * _BLOCK + j.clamp_(max=_BLOCK - 1)).squeeze(1).clamp_(max=vocab - 1)
+    bad = (w.gather(1, pick.unsqueeze(1)).squeeze(1) <= 0).nonzero().flatten()
+    for r in bad.tolist():  # rounding at the end of a block or row: a kept token near it
+        kept = (w[r] > 0).nonzero().flatten()
+        before_pick = kept[kept <= pick[r]]
+        pick[r] = before_pick[-1] if len(before_pick) else kept[0]
+    return pick, total
+
+
+def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of non-negative weights w [rows, n] (unnormalized), the first index whose
+    cumulative weight exceeds u * total, never a zero-weight entry. Returns (index per
+    row, total weight per row as float64)."""
+    cdf = w.double().cumsum(dim=-1)
+    total = cdf[:, -1]
+    pick = torch.searchsorted(cdf, (u * total).unsqueeze(1), right=True).squeeze(1)
+    pick.clamp_(max=w.shape[1] - 1)
+    bad = (w.gather(1, pick.unsqueeze(1)).squeeze(1) <= 0).nonzero().flatten()
+    for row in bad.tolist():  # u * total rounded up to the total: take the last kept entry
+        pick[row] = int((w[row] > 0).nonzero().max())
+    return pick, total
+
+
+def _keep_counts(vals: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """How many of the descending candidate logits vals [rows, K] survive top-k, top-p
+    and min-p (>= 1); K covers each row's top_k (or the whole vocabulary). Semantics of
+    transformers' TopK, TopP and MinP warpers: top-p renormalizes over the top-k set and
+    keeps a token while the mass of the tokens ranked above it is below top_p; min-p
+    keeps tokens at least min_p times as likely as the best."""
+    width = vals.shape[1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else width for p in params])
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
+    min_p = torch.tensor([p.min_p for p in params], dtype=vals.dtype)
+    in_k = torch.arange(width) < top_k.unsqueeze(1)
+    probs = (vals - vals[:, :1]).exp().double().masked_fill(~in_k, 0.0)
+    cum = probs.cumsum(dim=-1)
+    before = (cum - probs) / cum[:, -1:]
+    n_p = torch.where(top_p >= 1.0, width, (before < top_p.unsqueeze(1)).sum(dim=-1))
+    n_min = (vals >= vals[:, :1] + torch.log(min_p).unsqueeze(1)).sum(dim=-1)
+    return torch.minimum(torch.minimum(top_k, n_p), n_min).clamp(min=1)
+
+
+def logprob_entries(logits: torch.Tensor, token_ids: torch.Tensor,
+                    num_top: Sequence[int]) -> list[TokenLogprobs]:
+    """Per row of raw logits [rows, vocab] (overwritten): the given token's logprob and
+    rank, then the num_top[row] most likely tokens (ranks 1..N). log_softmax is computed
+    as logit - logsumexp; a token's rank counts the tokens at least as likely."""
+    chosen = logits.gather(1, token_ids.view(-1, 1))
+    ranks = (logits >= chosen).sum(dim=-1).tolist()
+    width = max(num_top, default=0)
+    top_vals = top_ids = None
+    if width:
+        top_vals, top_ids = logits.topk(width, dim=-1)
+    row_max = logits.amax(dim=-1, keepdim=True)
+    lse = row_max + logits.sub_(row_max).exp_().sum(dim=-1, keepdim=True).log()
+    chosen_ids, chosen_lps = token_ids.tolist(), (chosen - lse).squeeze(1).tolist()
+    if width:
+        top_lps, top_ids = (top_vals - lse).tolist(), top_ids.tolist()
+    out = []
+    for r, n in enumerate(num_top):
+        ids, lps, rks = [chosen_ids[r]], [chosen_lps[r]], [ranks[r]]
+        if n:
+            ids += top_ids[r][:n]
+            lps += top_lps[r][:n]
+            rks += range(1, n + 1)
+        out.append(TokenLogprobs(ids, lps, rks))
+    return out
+
+
+def prompt_logprobs(logits: torch.Tensor, next_token_ids: list[int], num_top: int,
+                    max_rows: int = 256) -> list[TokenLogprobs]:
+    """Logprobs of each next prompt token given logits [rows, vocab] of the positions
+    before it (overwritten), in slices of `max_rows` rows."""
+    out = []
+    targets = torch.tensor(next_token_ids, dtype=torch.long)
+    for start in range(0, logits.shape[0], max_rows):
+        chunk = logits[start:start + max_rows].float()
+        out += logprob_entries(chunk, targets[start:start + max_rows],
+                               [num_top] * chunk.shape[0])
+    return out

@@ -1,0 +1,227 @@
+"""The batched sampler: filters and penalties match transformers' logits processors,
+sampling follows the filtered distribution (chi-square), seeds are independent of the
+batch, and logprobs come from the raw logits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers.generation.logits_process import (MinPLogitsWarper,
+                                                    RepetitionPenaltyLogitsProcessor,
+                                                    TemperatureLogitsWarper, TopKLogitsWarper,
+                                                    TopPLogitsWarper)
+
+from treadle.sampling_params import SamplingParams
+from treadle.worker.sampler import Sampler, prompt_logprobs
+
+
+def reference(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """transformers' warpers, in vLLM's order: temperature, top-k, top-p, min-p."""
+    scores = logits.unsqueeze(0).clone()
+    ids = torch.zeros((1, 1), dtype=torch.long)
+    scores = TemperatureLogitsWarper(p.temperature)(ids, scores)
+    if p.top_k:
+        scores = TopKLogitsWarper(p.top_k)(ids, scores)
+    if p.top_p < 1.0:
+        scores = TopPLogitsWarper(p.top_p)(ids, scores)
+    if p.min_p > 0:
+        scores = MinPLogitsWarper(p.min_p)(ids, scores)
+    return scores[0]
+
+
+MIXED = [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.0, top_k=7),
+    SamplingParams(temperature=1.3, top_p=0.8),
+    SamplingParams(temperature=0.9, top_p=0.95, top_k=300),
+    SamplingParams(temperature=1.0, min_p=0.05),
+    SamplingParams(temperature=0.5, top_k=50, top_p=0.9, min_p=0.02),
+    SamplingParams(temperature=2.0, top_p=0.5),
+    SamplingParams(temperature=1.0, top_k=1),
+]
+
+
+@pytest.mark.parametrize("scale", [4.0, 0.3], ids=["peaked", "flat"])
+def test_filters_match_transformers_warpers(scale):
+    # "flat" makes the top-p nucleus far wider than the first candidate set: the sampler
+    # must widen it (up to the whole vocabulary) and still agree.
+    torch.manual_seed(0)
+    logits = torch.randn(len(MIXED), 5000) * scale
+    ours = Sampler(0).processed_logits(logits, MIXED)
+    for row, p in enumerate(MIXED):
+        ref = reference(logits[row], p)
+        assert torch.equal(torch.isfinite(ours[row]), torch.isfinite(ref)), f"row {row}: {p}"
+        torch.testing.assert_close(ours[row].softmax(-1), ref.softmax(-1), atol=1e-6, rtol=1e-5)
+    if scale < 1:
+        assert torch.isfinite(ours[6]).sum() > 128  # the nucleus did not fit the first 128
+
+
+def test_repetition_penalty_matches_transformers():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 300) * 3
+    prompts = [[5, 6, 7, 7, 250], [1, 2, 3], [9]]
+    outputs = [[6, 8, 8, 299], [], [9, 10]]
+    params = [SamplingParams(temperature=0, repetition_penalty=1.3),
+              SamplingParams(temperature=0, repetition_penalty=0.7),
+              SamplingParams(temperature=0)]
+    ours = Sampler(0).processed_logits(logits, params, prompts, outputs)
+    for row, p in enumerate(params):
+        ids = torch.tensor([prompts[row] + outputs[row]])
+        ref = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(ids, logits[row:row + 1])
+        torch.testing.assert_close(ours[row], ref[0])
+
+
+def test_presence_and_frequency_penalties_follow_openai():
+    logits = torch.zeros(2, 20)
+    outputs = [[3, 3, 3, 4], [5]]
+    prompts = [[6, 6], [7]]  # the prompt does not count for these two
+    params = [SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.25),
+              SamplingParams(temperature=0, presence_penalty=-1.0)]
+    ours = Sampler(0).processed_logits(logits, params, prompts, outputs)
+    expected = torch.zeros(2, 20)
+    expected[0, 3] = -(0.5 + 3 * 0.25)
+    expected[0, 4] = -(0.5 + 0.25)
+    expected[1, 5] = 1.0
+    torch.testing.assert_close(ours, expected)
+
+
+def test_logit_bias_and_min_tokens():
+    logits = torch.zeros(3, 10)
+    params = [SamplingParams(temperature=0, logit_bias={4: 5.0, 9: -100}),
+              SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[7]),
+              SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[7])]
+    outputs = [[], [1, 1], [1, 1, 1]]
+    ours = Sampler(0).processed_logits(logits, params, None, outputs, eos_token_id=2)
+    assert ours[0, 4] == 5.0 and ours[0, 9] == -100.0
+    assert ours[1, 2] == -math.inf and ours[1, 7] == -math.inf  # 2 tokens < min_tokens
+    assert torch.isfinite(ours[2]).all()                       # 3 tokens: free to stop
+    out = Sampler(0).sample(logits.clone(), ["a", "b", "c"], params, None, outputs, 2)
+    assert out.token_ids[0] == 4
+
+
+def test_greedy_rows_take_the_argmax_of_adjusted_logits():
+    torch.manual_seed(2)
+    logits = torch.randn(4, 100)
+    top = logits.argmax(-1)
+    params = [SamplingParams(temperature=0),
+              SamplingParams(temperature=0, logit_bias={int(top[1]): -100.0}),
+              SamplingParams(temperature=1.0, seed=3),
+              SamplingParams(temperature=0, top_k=3)]
+    out = Sampler(0).sample(logits.clone(), list("abcd"), params)
+    assert out.token_ids[0] == top[0] and out.token_ids[3] == top[3]
+    assert out.token_ids[1] == logits[1].topk(2).indices[1]
+    assert Sampler(0).sample(logits.clone(), list("abcd"), [SamplingParams(temperature=0)] * 4
+                             ).token_ids == top.tolist()
+
+
+def _chi_square_bound(dof: int, z: float = 3.09) -> float:
+    """Upper 0.1% point of chi-square with `dof` degrees of freedom (Wilson-Hilferty)."""
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.6),
+    SamplingParams(temperature=1.0, top_k=6),
+    SamplingParams(temperature=1.2, top_p=0.7),
+    SamplingParams(temperature=1.0, min_p=0.1),
+], ids=["t1", "t0.6", "topk6", "topp0.7", "minp0.1"])
+def test_empirical_frequencies_match_the_distribution(params):
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(40, generator=gen) * 1.5
+    expected = Sampler(0).processed_logits(logits[None], [params])[0].softmax(-1)
+    num_draws = 20000
+    out = Sampler(1234).sample(logits.expand(num_draws, -1).clone(),
+                               [str(i) for i in range(num_draws)], [params] * num_draws)
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=40).double()
+    assert (counts[expected == 0] == 0).all()  # nothing outside the filtered set
+    support = expected > 0
+    exp_counts = expected[support].double() * num_draws
+    chi2 = float(((counts[support] - exp_counts) ** 2 / exp_counts).sum())
+    assert chi2 < _chi_square_bound(int(support.sum()) - 1), chi2
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.8, top_p=0.8),
+    SamplingParams(temperature=1.0, top_p=0.9, min_p=0.02),
+    SamplingParams(temperature=1.0, top_k=300, top_p=0.95),
+], ids=["t1", "topp0.8", "topp-minp", "topk-topp"])
+def test_frequencies_over_a_large_vocabulary(params):
+    # 5000 ids: the two-level inverse CDF (block sums) and top-p rejection rounds. Tokens
+    # expected fewer than 5 times are pooled into one bin.
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(5000, generator=gen) * 2.5
+    expected = Sampler(0).processed_logits(logits[None], [params])[0].softmax(-1).double()
+    num_draws, sampler, tokens = 12000, Sampler(77), []
+    for _ in range(6):
+        tokens += sampler.sample(logits.expand(2000, -1).clone(), ["x"] * 2000,
+                                 [params] * 2000).token_ids
+    counts = torch.bincount(torch.tensor(tokens), minlength=5000).double()
+    assert (counts[expected == 0] == 0).all()
+    big = expected * num_draws >= 5
+    observed = torch.cat([counts[big], counts[~big].sum().view(1)])
+    exp_counts = torch.cat([expected[big], expected[~big].sum().view(1)]) * num_draws
+    keep = exp_counts > 0
+    chi2 = float(((observed[keep] - exp_counts[keep]) ** 2 / exp_counts[keep]).sum())
+    assert chi2 < _chi_square_bound(int(keep.sum()) - 1), chi2
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    torch.manual_seed(3)
+    steps = [torch.randn(1, 500) * 2 for _ in range(12)]
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=77)
+    alone, crowded = Sampler(0), Sampler(99)
+    a, b = [], []
+    for i, row in enumerate(steps):
+        a += alone.sample(row.clone(), ["r"], [seeded]).token_ids
+        # Other rows before and after it, with their own (unseeded, seeded) parameters.
+        pos, num_others = i % 3, 2 + i % 4
+        others = torch.randn(num_others, 500)
+        batch = torch.cat([others[:pos], row, others[pos:]])
+        params = [SamplingParams(temperature=0.8, top_k=5 * (j + 1), seed=j if j % 2 else None)
+                  for j in range(num_others + 1)]
+        params[pos] = seeded
+        ids = [f"other{j}" for j in range(num_others + 1)]
+        ids[pos] = "r"
+        b.append(crowded.sample(batch, ids, params).token_ids[pos])
+    assert a == b
+    other_seed = Sampler(0)
+    c = [other_seed.sample(r.clone(), ["r"], [SamplingParams(temperature=1.0, top_p=0.9,
+                                                             seed=78)]).token_ids[0]
+         for r in steps]
+    assert c != a
+
+
+def test_logprobs_come_from_the_raw_logits():
+    torch.manual_seed(4)
+    logits = torch.randn(3, 200) * 2
+    raw = logits.log_softmax(-1)
+    params = [SamplingParams(temperature=0.5, top_k=3, logprobs=5, presence_penalty=2.0),
+              SamplingParams(temperature=0, logprobs=0),
+              SamplingParams(temperature=1.0)]
+    out = Sampler(0).sample(logits.clone(), list("abc"), params, None, [[7, 8], [], []])
+    first, second, third = out.logprobs
+    assert third is None
+    assert first.token_ids[0] == out.token_ids[0]
+    assert first.logprobs[0] == pytest.approx(float(raw[0, out.token_ids[0]]), abs=1e-6)
+    assert first.ranks[0] == int((raw[0] >= raw[0, out.token_ids[0]]).sum())
+    top = raw[0].topk(5)
+    assert first.token_ids[1:] == top.indices.tolist() and first.ranks[1:] == [1, 2, 3, 4, 5]
+    torch.testing.assert_close(torch.tensor(first.logprobs[1:]), top.values)
+    assert second.token_ids == [int(raw[1].argmax())] and second.ranks == [1]
+
+
+def test_prompt_logprobs_score_each_next_token():
+    torch.manual_seed(5)
+    logits = torch.randn(600, 50)
+    targets = torch.randint(0, 50, (600,)).tolist()
+    raw = logits.log_softmax(-1)
+    entries = prompt_logprobs(logits.clone(), targets, 2, max_rows=256)
+    assert len(entries) == 600
+    for j in (0, 255, 256, 599):
+        assert entries[j].token_ids[0] == targets[j]
+        assert entries[j].logprobs[0] == pytest.approx(float(raw[j, targets[j]]), abs=1e-6)
+        assert entries[j].token_ids[1:] == raw[j].topk(2).indices.tolist()
