@@ -44,6 +44,22 @@ def _help(text: str) -> dict[str, str]:
     return {"help": text}
 
 
+def parse_tenant_weights(text: str) -> dict[str, float]:
+    """Parse 'a=1,b=3' into {'a': 1.0, 'b': 3.0}; an empty string gives {}."""
+    weights: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        try:
+            weight = float(value) if sep and name.strip() else None
+        except ValueError:
+            weight = None
+        if weight is None or not weight > 0 or weight == float("inf"):
+            raise ValueError("tenant_weights must look like 'a=1,b=3' with positive weights, "
+                             f"got {text!r}")
+        weights[name.strip()] = weight
+    return weights
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which checkpoint to load and how to run it."""
@@ -115,8 +131,39 @@ class SchedulerConfig:
         "Victim loss per priority level, in tokens (docs/scheduling.md)"))
     victim_wait_weight: float = field(default=100.0, metadata=_help(
         "Victim loss per second spent in the engine, in tokens (docs/scheduling.md)"))
+    scheduling_policy: str = field(default="fcfs", metadata=_help(
+        "Order of waiting requests: fcfs, priority, srpt or fair (docs/scheduling.md)"))
+    priority_aging_rate: float = field(default=0.01, metadata=_help(
+        "priority policy: priority levels a request gains per second in the engine (0: none)"))
+    srpt_aging_rate: float = field(default=10.0, metadata=_help(
+        "srpt policy: tokens of remaining work a request sheds per second in the engine (0: none)"))
+    tenant_weights: str = field(default="", metadata=_help(
+        "fair policy: token-share weights per tenant, e.g. 'a=1,b=3' (unlisted tenants weigh 1)"))
+    admission_preemption: bool = field(default=True, metadata=_help(
+        "Preempt a running request for a waiting one more urgent by the threshold (not fcfs)"))
+    admission_preemption_threshold: float | None = field(default=None, metadata=_help(
+        "Urgency gap needed to preempt at admission, in the policy's unit (levels or tokens); "
+        "the policy's default when not given"))
+    max_head_bypasses: int = field(default=16, metadata=_help(
+        "Times smaller requests may pass a waiting request that does not fit before it gets "
+        "the next opening (0: strict order)"))
+    trace: str | None = field(default=None, metadata=_help(
+        "Write a per-step JSON-lines trace of which requests ran to this file"))
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in ("fcfs", "priority", "srpt", "fair"):
+            raise ValueError("scheduling_policy must be one of fcfs, priority, srpt, fair, "
+                             f"got {self.scheduling_policy!r}")
+        for name in ("priority_aging_rate", "srpt_aging_rate"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if (self.admission_preemption_threshold is not None
+                and not self.admission_preemption_threshold > 0):
+            raise ValueError("admission_preemption_threshold must be > 0, "
+                             f"got {self.admission_preemption_threshold}")
+        if self.max_head_bypasses < 0:
+            raise ValueError(f"max_head_bypasses must be >= 0, got {self.max_head_bypasses}")
+        parse_tenant_weights(self.tenant_weights)
         if self.preemption_mode not in ("auto", "recompute", "swap"):
             raise ValueError("preemption_mode must be one of auto, recompute, swap, "
                              f"got {self.preemption_mode!r}")
@@ -175,20 +222,9 @@ def _flag_type(annotation: str):
 
 def add_config_arguments(parser: argparse.ArgumentParser,
                          skip: tuple[str, ...] = ()) -> None:
-    """Add one --flag per config field (underscores become dashes)."""
+    """Add one --flag per engine config field (underscores become dashes)."""
     for section, section_type in EngineConfig.section_types().items():
-        group = parser.add_argument_group(f"{section} options")
-        for f in dataclasses.fields(section_type):
-            if f.name in skip:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            help_text = f.metadata.get("help", "")
-            if _flag_type(str(f.type)) is None:
-                group.add_argument(flag, dest=f.name, default=None,
-                                   action=argparse.BooleanOptionalAction, help=help_text)
-            else:
-                group.add_argument(flag, dest=f.name, default=None,
-                                   type=_flag_type(str(f.type)), help=help_text)
+        add_dataclass_arguments(parser, section_type, f"{section} options", skip)
 
 
 def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -197,3 +233,65 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
              for f in dataclasses.fields(section_type)}
     return {name: value for name, value in vars(args).items()
             if name in names and value is not None}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP server in front of the engine (`treadle serve`)."""
+
+    host: str = field(default="127.0.0.1", metadata=_help("Address to bind"))
+    port: int = field(default=8000, metadata=_help("Port to bind"))
+    served_model_name: str | None = field(default=None, metadata=_help(
+        "Model name in the API; the checkpoint folder's name when not given"))
+    api_key: list[str] | None = field(default=None, metadata=_help(
+        "Accept this Bearer key on /v1/* (repeatable); no keys means an open server"))
+    api_keys_file: str | None = field(default=None, metadata=_help(
+        "YAML/JSON list of {key, tenant, weight}: keys with tenant names and weights"))
+    max_waiting_requests: int = field(default=512, metadata=_help(
+        "Requests accepted and not yet started beyond which new ones get 429"))
+    max_waiting_tokens: int = field(default=1_000_000, metadata=_help(
+        "Prompt tokens waiting beyond which new requests get 429"))
+    tenant_max_concurrent_requests: int = field(default=256, metadata=_help(
+        "Requests in flight per tenant beyond which new ones get 429"))
+    tenant_tokens_per_minute: int = field(default=0, metadata=_help(
+        "Prompt + max_tokens per tenant per minute (0: unlimited)"))
+    max_request_body_bytes: int = field(default=8 * 1024**2, metadata=_help(
+        "Largest accepted request body"))
+    shutdown_timeout: float = field(default=30.0, metadata=_help(
+        "Seconds in-flight requests may finish after SIGTERM before they are aborted"))
+
+    def __post_init__(self) -> None:
+        for name in ("max_waiting_requests", "max_waiting_tokens",
+                     "tenant_max_concurrent_requests", "max_request_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tenant_tokens_per_minute < 0:
+            raise ValueError("tenant_tokens_per_minute must be >= 0")
+        if self.shutdown_timeout < 0:
+            raise ValueError("shutdown_timeout must be >= 0")
+
+
+def add_dataclass_arguments(parser: argparse.ArgumentParser, config_type: type,
+                            title: str, skip: tuple[str, ...] = ()) -> None:
+    """One --flag per field of a config dataclass (lists become repeatable flags)."""
+    group = parser.add_argument_group(title)
+    for f in dataclasses.fields(config_type):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "")
+        annotation = str(f.type)
+        if "list" in annotation:
+            group.add_argument(flag, dest=f.name, action="append", default=None, help=help_text)
+        elif _flag_type(annotation) is None:
+            group.add_argument(flag, dest=f.name, default=None,
+                               action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            group.add_argument(flag, dest=f.name, default=None, type=_flag_type(annotation),
+                               help=help_text)
+
+
+def dataclass_from_args(config_type: type, args: argparse.Namespace):
+    """An instance of a config dataclass from the flags given (unset flags keep defaults)."""
+    names = {f.name for f in dataclasses.fields(config_type)}
+    return config_type(**{k: v for k, v in vars(args).items() if k in names and v is not None})

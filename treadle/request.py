@@ -60,7 +60,8 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_id: int | None = None,
                  arrival_time: float | None = None, priority: int = 0,
-                 cache_salt: str | None = None) -> None:
+                 cache_salt: str | None = None, tenant: str | None = None,
+                 length_hint: int | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -68,6 +69,11 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        self.tenant = tenant
+        """Who the request is for: the `fair` policy shares tokens between tenants."""
+        self.length_hint = length_hint
+        """Expected number of output tokens, when known (the `srpt` policy uses it instead
+        of max_tokens)."""
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
@@ -77,6 +83,9 @@ class Request:
         self.resumed_step: int | None = None
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        self.parent_id: str | None = None
+        """The user request this one is a sample of (the n samples of an n > 1 request
+        share it); None for a request made directly."""
 
     @property
     def num_prompt_tokens(self) -> int:

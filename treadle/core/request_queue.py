@@ -1,13 +1,18 @@
-"""The waiting queue: the order in which waiting requests are offered to the scheduler.
+"""The waiting queues: where requests wait to be admitted, and in which order they are offered.
 
-FCFS for now; preempted requests go back to the front so they resume before new
-admissions. The scheduler only uses peek / pop / push_front / push_back / remove.
+`FCFSQueue` keeps arrival order, and preempted requests go back to its front so they
+resume before new admissions. `PolicyQueue` holds its requests unordered and hands them
+out sorted by a key the scheduler passes in (the policy's urgency, from
+`treadle.core.policy`), because that order depends on the clock and, for the fair policy,
+on counters that change every step. Both offer the same small protocol: push_back,
+push_front, remove, `in_order(key)`, len and iteration. Queues hold requests; they never
+decide policy themselves or touch KV memory.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 from treadle.request import Request
 
@@ -33,6 +38,10 @@ class FCFSQueue:
     def remove(self, request: Request) -> None:
         self._queue.remove(request)
 
+    def in_order(self, key: Callable[[Request], Any] | None = None) -> list[Request]:
+        """The requests front first (the key is ignored: the queue's order is the order)."""
+        return list(self._queue)
+
     def __len__(self) -> int:
         return len(self._queue)
 
@@ -41,3 +50,42 @@ class FCFSQueue:
 
     def __iter__(self) -> Iterator[Request]:
         return iter(self._queue)
+
+
+class PolicyQueue:
+    """Requests offered in the order of a key given at each look (most urgent first).
+
+    Insertion order breaks no ties: the key must be a total order (policy.order_key is).
+    push_front is push_back: where a preempted request stands is the key's business.
+    """
+
+    def __init__(self) -> None:
+        self._requests: dict[str, Request] = {}
+
+    def push_back(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+
+    push_front = push_back
+
+    def remove(self, request: Request) -> None:
+        del self._requests[request.request_id]
+
+    def in_order(self, key: Callable[[Request], Any]) -> list[Request]:
+        return sorted(self._requests.values(), key=key)
+
+    def __contains__(self, request: Request) -> bool:
+        return request.request_id in self._requests
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __bool__(self) -> bool:
+        return bool(self._requests)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(list(self._requests.values()))
+
+
+def make_queue(policy: str) -> FCFSQueue | PolicyQueue:
+    """The waiting queue a scheduling policy uses."""
+    return FCFSQueue() if policy == "fcfs" else PolicyQueue()

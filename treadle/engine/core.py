@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from treadle.config import EngineConfig
 from treadle.core.outputs import EngineCoreOutput
 from treadle.core.policy import PreemptionCosts
 from treadle.core.scheduler import Scheduler
+from treadle.engine.trace import TraceRecorder
 from treadle.models.loader import load_model
 from treadle.request import FinishReason, Request, RequestStatus
 from treadle.worker.cost_probe import measure_copy_bytes_per_s, measure_matmul_flops_per_s
@@ -91,6 +93,10 @@ class EngineCore:
                                    num_swap_blocks, self._preemption_costs(spec))
         self.runner = ModelRunner(self.model, kv_caches, cache.block_size, config.model.seed,
                                   kernels=self._attention_kernels(), swap_caches=swap_caches)
+        self.runner.eos_token_id = self.eos_token_id  # masked until min_tokens
+        self.trace = (TraceRecorder(config.scheduler.trace, config.scheduler.scheduling_policy)
+                      if config.scheduler.trace else None)
+        """Per-step trace (treadle.engine.trace), when `scheduler.trace` names a file."""
 
     def _preemption_costs(self, spec: KVCacheSpec) -> PreemptionCosts | None:
         """Measured rates for preemption_mode=auto (None for the fixed modes)."""
@@ -147,6 +153,9 @@ class EngineCore:
         bad = next((t for t in request.prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             return f"prompt_token_ids contains {bad}, outside the vocabulary [0, {vocab})"
+        token_id_error = request.sampling_params.token_id_error(vocab)
+        if token_id_error is not None:
+            return token_id_error
         max_tokens = request.sampling_params.max_tokens
         if num_prompt + max_tokens > self.max_model_len:
             return (f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = "
@@ -173,19 +182,30 @@ class EngineCore:
             request.status = RequestStatus.FINISHED_ERROR
             request.error = error
             return EngineCoreOutput(request.request_id, [], FinishReason.ERROR, error)
+        if request.sampling_params.prompt_logprobs is not None:
+            # Every prompt position must be computed: a private salt keeps the prefix
+            # cache from skipping any (the n samples of one request still share blocks).
+            family = request.parent_id or request.request_id
+            request.cache_salt = f"{request.cache_salt or ''}\x00prompt-logprobs:{family}"
         self.scheduler.add_request(request)
+        if self.trace is not None:
+            self.trace.record_arrival(request)
         return None
 
     def abort_request(self, request_id: str) -> EngineCoreOutput | None:
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         if request is None:
             return None
+        if self.trace is not None:
+            self.trace.record_end(request_id, FinishReason.ABORT.value)
         return EngineCoreOutput(request_id, [], FinishReason.ABORT)
 
     def stop_request(self, request_id: str) -> None:
         """End a request that the output processor found finished (a stop string matched):
         its blocks are freed at once and it is not scheduled again."""
-        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+        request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+        if request is not None and self.trace is not None:
+            self.trace.record_end(request_id, FinishReason.STOP.value)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -193,9 +213,18 @@ class EngineCore:
     # ----- one step ------------------------------------------------------------------------
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.trace is None:
+            scheduler_output = self.scheduler.schedule()
+            runner_output = self.runner.execute(scheduler_output)
+            return self.scheduler.update_from_output(scheduler_output, runner_output)
+        t_start = time.monotonic()
+        step = self.scheduler.stats.num_steps
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if scheduler_output.scheduled or scheduler_output.preempted_request_ids:
+            self.trace.record_step(step, t_start, time.monotonic(), scheduler_output, outputs)
+        return outputs
 
     def stats(self) -> dict:
         """Engine-side figures for benchmarks and metrics."""
@@ -212,6 +241,8 @@ class EngineCore:
             "num_preemptions": s.num_preemptions,
             "num_preemptions_recompute": s.num_preemptions_recompute,
             "num_preemptions_swap": s.num_preemptions_swap,
+            "num_admission_preemptions": s.num_admission_preemptions,
+            "num_head_bypasses": s.num_head_bypasses,
             "num_swapped": self.scheduler.num_swapped,
             "swap_bytes_out": self.runner.num_swap_bytes_out,
             "swap_bytes_in": self.runner.num_swap_bytes_in,
