@@ -1,4 +1,4 @@
-"""The `treadle` command line: generate, demo-model, bench.
+"""The `treadle` command line: serve, generate, demo-model, bench.
 
 Engine flags are generated from the config dataclasses (treadle/config.py), so every
 knob has exactly one name and one help text. This module only parses arguments and calls
@@ -13,7 +13,8 @@ import logging
 import sys
 from pathlib import Path
 
-from treadle.config import add_config_arguments, options_from_args
+from treadle.config import (ServerConfig, add_config_arguments, add_dataclass_arguments,
+                            options_from_args)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -32,6 +33,27 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     print(f"[{len(output.prompt_token_ids)} prompt tokens, {len(completion.token_ids)} "
           f"generated, finish_reason={completion.finish_reason}]", file=sys.stderr)
     return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from treadle.config import EngineConfig, ServerConfig, dataclass_from_args
+    from treadle.server.serve import serve
+
+    return serve(EngineConfig.from_options(**options_from_args(args)),
+                 dataclass_from_args(ServerConfig, args))
+
+
+def _cmd_trace_plot(args: argparse.Namespace) -> int:
+    from treadle.bench.trace_plot import plot_trace
+
+    print(plot_trace(args.file, args.out, max_rows=args.max_rows))
+    return 0
+
+
+def _cmd_bench_scheduling(args: argparse.Namespace) -> int:
+    from treadle.bench.scheduling import main as scheduling_main
+
+    return scheduling_main(args.rest)
 
 
 def _cmd_demo_model(args: argparse.Namespace) -> int:
@@ -152,6 +174,74 @@ def _cmd_bench_kv(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_slo(text: str | None) -> dict[str, float]:
+    """'ttft=500,tpot=50' -> {'ttft': 500.0, 'tpot': 50.0} (milliseconds)."""
+    slo: dict[str, float] = {}
+    for part in filter(None, (text or "").split(",")):
+        key, _, value = part.partition("=")
+        if key not in ("ttft", "tpot") or not value:
+            raise ValueError(f"--slo takes ttft=MS,tpot=MS, got {part!r}")
+        slo[key] = float(value)
+    return slo
+
+
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import contextlib
+    import shlex
+
+    import numpy as np
+
+    from treadle.bench import workloads
+    from treadle.bench.launch import launched_server
+    from treadle.bench.serve import run_load, summarize
+
+    if (args.url is None) == (args.launch is None):
+        raise ValueError("give exactly one of --url URL or --launch 'SERVE OPTIONS'")
+    slo = _parse_slo(args.slo)
+    if args.workload == "azure-conv":
+        workload = workloads.azure_conv(num_requests=args.num_requests,
+                                        token_scale=args.token_scale,
+                                        time_scale=args.time_scale,
+                                        max_model_len=args.max_model_len)
+    else:
+        workload = workloads.synthetic(num_requests=args.num_requests, seed=args.workload_seed,
+                                       max_model_len=args.max_model_len)
+    priorities = None
+    if args.priority_mix:
+        # A fraction of the requests are urgent (priority 0); the rest background (1).
+        rng = np.random.default_rng(args.workload_seed)
+        priorities = [0 if x < args.priority_mix else 1 for x in rng.random(len(workload.requests))]
+    server = (launched_server(shlex.split(args.launch)) if args.launch is not None
+              else contextlib.nullcontext((args.url, None)))
+    with server as (url, _):
+        model = args.served_model or _served_model(url, args.api_key)
+        results, duration = asyncio.run(run_load(
+            url, workload, model, rate=args.rate, burstiness=args.burstiness,
+            max_concurrency=args.max_concurrency, priorities=priorities, api_key=args.api_key,
+            seed=args.workload_seed, use_trace_times=args.workload == "azure-conv"))
+    summary = summarize(results, duration, slo.get("ttft"), slo.get("tpot"))
+    if priorities is not None:
+        for level in (0, 1):
+            subset = [r for r in results if r.priority == level]
+            summary[f"priority_{level}"] = summarize(subset, duration, slo.get("ttft"),
+                                                     slo.get("tpot"))
+    summary["workload"] = workload.description | {"name": workload.name}
+    summary["load"] = {"rate": args.rate, "burstiness": args.burstiness,
+                       "max_concurrency": args.max_concurrency, "url": args.url,
+                       "launch": args.launch, "priority_mix": args.priority_mix}
+    print(json.dumps({k: v for k, v in summary.items() if k != "workload"}, indent=2))
+    print("wrote", _write_result(summary, args.output, "serve.json"))
+    return 0
+
+
+def _served_model(url: str, api_key: str | None) -> str:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+
+
 def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", choices=["synthetic", "azure-conv", "shared-prefix"],
                         default="synthetic", help="which workload to run")
@@ -178,6 +268,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(gen)
     gen.set_defaults(func=_cmd_generate)
 
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API (demo model by default)")
+    add_config_arguments(srv)
+    add_dataclass_arguments(srv, ServerConfig, "server options")
+    srv.set_defaults(func=_cmd_serve)
+
+    trace = sub.add_parser("trace", help="per-step traces (written with --trace FILE)")
+    trace_sub = trace.add_subparsers(dest="trace_command", required=True)
+    plot = trace_sub.add_parser("plot", help="draw a trace as a timeline PNG")
+    plot.add_argument("file")
+    plot.add_argument("-o", "--out", default=None, help="PNG path (default: FILE.png)")
+    plot.add_argument("--max-rows", type=int, default=400)
+    plot.set_defaults(func=_cmd_trace_plot)
+
     demo = sub.add_parser("demo-model", help="write the built-in demo checkpoint to a folder")
     demo.add_argument("--out", required=True)
     demo.add_argument("--seed", type=int, default=0)
@@ -201,6 +304,37 @@ def build_parser() -> argparse.ArgumentParser:
     core.add_argument("--batch-size", type=int, default=16, help="static batching batch size")
     add_config_arguments(core)
     core.set_defaults(func=_cmd_bench_engine_core)
+    online = bench_sub.add_parser("serve", help="load an OpenAI-compatible server over HTTP")
+    online.add_argument("--url", default=None, help="base URL of a running server")
+    online.add_argument("--launch", default=None,
+                        help="start `treadle serve` with these options instead, e.g. "
+                             "\"--max-num-seqs 64\"; stopped when the run ends")
+    online.add_argument("--workload", choices=["synthetic", "azure-conv"], default="synthetic")
+    online.add_argument("--num-requests", type=int, default=64)
+    online.add_argument("--workload-seed", type=int, default=0)
+    online.add_argument("--rate", type=float, default=None,
+                        help="requests per second (default: all at once)")
+    online.add_argument("--burstiness", type=float, default=1.0,
+                        help="gamma shape of inter-arrivals (1: Poisson)")
+    online.add_argument("--max-concurrency", type=int, default=None)
+    online.add_argument("--token-scale", type=float, default=1.0)
+    online.add_argument("--time-scale", type=float, default=1.0,
+                        help="azure-conv: divide the trace's arrival times by this")
+    online.add_argument("--max-model-len", type=int, default=2048)
+    online.add_argument("--slo", default=None, help="ttft=MS,tpot=MS for goodput")
+    online.add_argument("--priority-mix", type=float, default=None,
+                        help="fraction of requests sent with priority 0 (the rest 1)")
+    online.add_argument("--served-model", default=None, help="model name (asked when omitted)")
+    online.add_argument("--api-key", default=None)
+    online.add_argument("--output", default=None)
+    online.set_defaults(func=_cmd_bench_serve)
+
+    sched = bench_sub.add_parser(
+        "scheduling", help="mixed-priority and azure-conv replays under several policies "
+                           "(options: treadle bench scheduling -- --help)")
+    sched.add_argument("rest", nargs=argparse.REMAINDER)
+    sched.set_defaults(func=_cmd_bench_scheduling)
+
     kv = bench_sub.add_parser("kv", help="KV memory: fragmentation, prefix cache, preemption")
     kv.add_argument("--measure", choices=["fragmentation", "prefix", "preemption", "all"],
                     default="all")

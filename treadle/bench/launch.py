@@ -1,0 +1,68 @@
+"""Start `treadle serve` as a child process on 127.0.0.1, wait for /health, stop it by PID.
+
+Used by `treadle bench serve --launch` and by the server tests. The child's output goes
+to a log file, never to a pipe: an unread pipe fills after a few hundred access-log lines
+and then blocks the server mid-request. The child gets SIGTERM (a graceful drain) and is
+killed only if it does not exit within the timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def launched_server(serve_args: list[str], startup_timeout: float = 300.0,
+                    log_level: str = "WARNING") -> Iterator[tuple[str, subprocess.Popen]]:
+    """Yields (base URL, process) of `treadle serve <serve_args> --port <free port>`.
+
+    The process's `log_path` attribute names the file holding its output."""
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "treadle.cli", "--log-level", log_level, "serve",
+           "--host", "127.0.0.1", "--port", str(port), *serve_args]
+    log = tempfile.NamedTemporaryFile(prefix="treadle-serve-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc.log_path = log.name
+    log.close()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if proc.poll() is not None:
+                tail = Path(proc.log_path).read_text(errors="replace")[-4000:]
+                raise RuntimeError(f"server exited with {proc.returncode}; its log ends:\n{tail}")
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server did not become healthy in {startup_timeout} s")
+            time.sleep(0.2)
+        yield base, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

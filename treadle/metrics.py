@@ -1,0 +1,122 @@
+"""Prometheus metrics of a serving engine, named as vLLM names them with a `treadle:` prefix.
+
+Owns one CollectorRegistry per engine (no module-level state) and the conversions from
+engine stats and request timings to gauges, counters and histograms, so dashboards and
+routers built for vLLM read treadle unchanged. It never decides anything.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                          0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_FRACTION_BUCKETS = tuple(i / 10 for i in range(1, 11))
+
+# Engine counters (cumulative in EngineCore.stats()) -> Prometheus counter names.
+_COUNTER_STATS = {
+    "prefix_cache_queried_tokens": ("prefix_cache_queries", "Prefix-cache queries, in tokens"),
+    "prefix_cache_hit_tokens": ("prefix_cache_hits", "Prefix-cache hits, in tokens"),
+    "num_preemptions": ("num_preemptions", "Preemptions (all modes)"),
+    "num_preemptions_swap": ("num_preemptions_swap", "Preemptions by swap"),
+    "swap_bytes_out": ("swap_out_bytes", "Bytes of KV swapped out"),
+    "swap_bytes_in": ("swap_in_bytes", "Bytes of KV swapped in"),
+}
+
+
+class EngineMetrics:
+    """The metrics of one engine, exposed at /metrics."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+        self._model = model_name
+
+        def gauge(name, doc):
+            return Gauge(f"treadle:{name}", doc, labels, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(f"treadle:{name}", doc, labels, registry=r).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(f"treadle:{name}", doc, labels, buckets=buckets,
+                             registry=r).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Requests holding KV and scheduled")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
+        self.swapped = gauge("num_requests_swapped", "Requests whose KV is swapped out")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)")
+        self.batch_efficiency = gauge(
+            "batch_slot_efficiency", "Scheduled requests over max_num_seqs, last step")
+        self.batch_efficiency_hist = histogram(
+            "iteration_batch_slot_efficiency", "Scheduled requests over max_num_seqs per step",
+            _FRACTION_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens")
+        self._success = Counter("treadle:request_success", "Finished requests by reason",
+                                ["model_name", "finished_reason"], registry=r)
+        self._engine_counters = {key: counter(name, doc)
+                                 for key, (name, doc) in _COUNTER_STATS.items()}
+        self._last_stats: dict[str, float] = {}
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token",
+                              _LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between streamed tokens",
+                             _TOKEN_LATENCY_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds",
+                              "(E2E - TTFT) / (output tokens - 1) per request",
+                              _TOKEN_LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish",
+                             _LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled",
+                                    _LATENCY_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds",
+                                      "First scheduled to first token", _LATENCY_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "First token to finish",
+                                     _LATENCY_BUCKETS)
+
+    def record_step(self, stats: dict, num_running: int, num_waiting: int, num_swapped: int,
+                    num_scheduled: int, max_num_seqs: int) -> None:
+        """Gauges after a step, and the engine's cumulative counters as increments."""
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+        self.swapped.set(num_swapped)
+        self.kv_usage.set(stats["kv_usage"])
+        if num_scheduled:
+            efficiency = num_scheduled / max_num_seqs
+            self.batch_efficiency.set(efficiency)
+            self.batch_efficiency_hist.observe(efficiency)
+        for key, metric in self._engine_counters.items():
+            increment = stats[key] - self._last_stats.get(key, 0)
+            if increment > 0:
+                metric.inc(increment)
+            self._last_stats[key] = stats[key]
+
+    def record_new_tokens(self, num_tokens: int, ttft: float | None = None,
+                          gap: float | None = None) -> None:
+        """Tokens streamed to a request; its TTFT on the first, else the gap since the last."""
+        self.generation_tokens.inc(num_tokens)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        elif gap is not None:
+            self.itl.observe(gap)
+
+    def record_finished(self, finish_reason: str, num_prompt_tokens: int,
+                        num_output_tokens: int, arrival: float, first_scheduled: float | None,
+                        first_token: float | None, finished: float) -> None:
+        """A request's counters and latency histograms (monotonic-clock timestamps)."""
+        self._success.labels(self._model, finish_reason).inc()
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.e2e.observe(finished - arrival)
+        if first_scheduled is not None:
+            self.queue_time.observe(first_scheduled - arrival)
+        if first_token is not None:
+            if first_scheduled is not None:
+                self.prefill_time.observe(first_token - first_scheduled)
+            self.decode_time.observe(finished - first_token)
+            if num_output_tokens > 1:
+                self.tpot.observe((finished - first_token) / (num_output_tokens - 1))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

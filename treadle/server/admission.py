@@ -1,0 +1,107 @@
+"""Overload control: the bounds a request must pass before it touches the engine.
+
+Owns the counts of requests the server has accepted and not yet started (waiting
+requests and their prompt tokens), each tenant's in-flight requests, and each tenant's
+tokens in the last minute. A request beyond a bound is refused at once with the seconds
+after which a retry may pass (HTTP 429 with Retry-After). Pure bookkeeping: no engine,
+no I/O, time passed in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict, deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    max_waiting_requests: int
+    max_waiting_tokens: int
+    tenant_max_concurrent_requests: int
+    tenant_tokens_per_minute: int
+    """0 means unlimited."""
+
+
+class Overloaded(Exception):
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = max(1, math.ceil(retry_after_s))
+
+
+@dataclass
+class Ticket:
+    """One admitted request's share of the counters."""
+
+    tenant: str
+    num_prompt_tokens: int
+    started: bool = False
+    released: bool = False
+
+
+class AdmissionControl:
+    _WINDOW_S = 60.0
+
+    def __init__(self, limits: AdmissionLimits) -> None:
+        self.limits = limits
+        self.num_waiting = 0
+        self.num_waiting_tokens = 0
+        self._in_flight: dict[str, int] = defaultdict(int)
+        self._recent_tokens: dict[str, deque[tuple[float, int]]] = defaultdict(deque)
+
+    def _tokens_last_minute(self, tenant: str, now: float) -> int:
+        window = self._recent_tokens[tenant]
+        while window and window[0][0] <= now - self._WINDOW_S:
+            window.popleft()
+        return sum(n for _, n in window)
+
+    def admit(self, tenant: str, num_prompt_tokens: int, max_tokens: int, now: float) -> Ticket:
+        """Count the request in, or raise Overloaded naming the bound it hit."""
+        lim = self.limits
+        if self.num_waiting + 1 > lim.max_waiting_requests:
+            raise Overloaded(f"server overloaded: {self.num_waiting} requests waiting "
+                             f"(max_waiting_requests={lim.max_waiting_requests})", 1)
+        if self.num_waiting_tokens + num_prompt_tokens > lim.max_waiting_tokens:
+            raise Overloaded(f"server overloaded: {self.num_waiting_tokens} prompt tokens "
+                             f"waiting (max_waiting_tokens={lim.max_waiting_tokens})", 1)
+        if self._in_flight[tenant] + 1 > lim.tenant_max_concurrent_requests:
+            raise Overloaded(f"tenant {tenant!r} has {self._in_flight[tenant]} requests in "
+                             f"flight (tenant_max_concurrent_requests="
+                             f"{lim.tenant_max_concurrent_requests})", 1)
+        cost = num_prompt_tokens + max_tokens
+        if lim.tenant_tokens_per_minute:
+            if cost > lim.tenant_tokens_per_minute:
+                raise Overloaded(f"request needs {cost} tokens, more than tenant_tokens_per_minute"
+                                 f"={lim.tenant_tokens_per_minute}", self._WINDOW_S)
+            used = self._tokens_last_minute(tenant, now)
+            if used + cost > lim.tenant_tokens_per_minute:
+                window = self._recent_tokens[tenant]
+                freed, retry = 0, self._WINDOW_S
+                for t, n in window:  # wait until enough of the window has expired
+                    freed += n
+                    if used - freed + cost <= lim.tenant_tokens_per_minute:
+                        retry = t + self._WINDOW_S - now
+                        break
+                raise Overloaded(f"tenant {tenant!r} used {used} tokens in the last minute "
+                                 f"(tenant_tokens_per_minute={lim.tenant_tokens_per_minute})",
+                                 retry)
+            self._recent_tokens[tenant].append((now, cost))
+        self.num_waiting += 1
+        self.num_waiting_tokens += num_prompt_tokens
+        self._in_flight[tenant] += 1
+        return Ticket(tenant, num_prompt_tokens)
+
+    def started(self, ticket: Ticket) -> None:
+        """The request produced its first output: it no longer waits."""
+        if not ticket.started and not ticket.released:
+            ticket.started = True
+            self.num_waiting -= 1
+            self.num_waiting_tokens -= ticket.num_prompt_tokens
+
+    def release(self, ticket: Ticket) -> None:
+        """The request ended (any way): drop it from every count, once."""
+        if ticket.released:
+            return
+        self.started(ticket)
+        ticket.released = True
+        self._in_flight[ticket.tenant] -= 1

@@ -1,0 +1,80 @@
+"""API keys and tenants: who is calling, decided from the key and never from the body.
+
+Owns loading keys (`--api-key`, repeatable, and `--api-keys-file`, a YAML/JSON list of
+{key, tenant, weight}) and the constant-time check of a Bearer token. A request's tenant
+feeds the `fair` scheduling policy and becomes its prefix-cache salt, so tenants never
+share KV blocks. With no keys configured the server is open and every request belongs
+to the tenant "default".
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+DEFAULT_TENANT = "default"
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    weight: float = 1.0
+
+
+class AuthError(Exception):
+    """The caller did not present a valid key."""
+
+
+class KeyRing:
+    """The configured keys and the tenant each belongs to."""
+
+    def __init__(self, keys: dict[str, Tenant]) -> None:
+        self._keys = [(key.encode("utf-8"), tenant) for key, tenant in keys.items()]
+
+    @classmethod
+    def from_options(cls, api_keys: list[str] | None, keys_file: str | None) -> "KeyRing":
+        keys: dict[str, Tenant] = {}
+        for i, key in enumerate(api_keys or []):
+            if not key:
+                raise ValueError("api_key must not be empty")
+            keys[key] = Tenant(f"key{i}")
+        if keys_file:
+            entries = yaml.safe_load(Path(keys_file).read_text())
+            if isinstance(entries, dict):
+                entries = entries.get("keys", [])
+            if not isinstance(entries, list):
+                raise ValueError(f"{keys_file}: expected a list of {{key, tenant, weight}}")
+            for n, entry in enumerate(entries):
+                if not isinstance(entry, dict) or not entry.get("key") or not entry.get("tenant"):
+                    raise ValueError(f"{keys_file}: entry {n} needs 'key' and 'tenant'")
+                weight = float(entry.get("weight", 1.0))
+                if weight <= 0:
+                    raise ValueError(f"{keys_file}: entry {n} weight must be > 0, got {weight}")
+                keys[str(entry["key"])] = Tenant(str(entry["tenant"]), weight)
+        return cls(keys)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._keys)
+
+    def tenants(self) -> dict[str, float]:
+        """Tenant name -> weight."""
+        return {tenant.name: tenant.weight for _, tenant in self._keys}
+
+    def authenticate(self, authorization: str | None) -> Tenant:
+        """The tenant of an `Authorization: Bearer KEY` header; AuthError if not valid."""
+        if not self.enabled:
+            return Tenant(DEFAULT_TENANT)
+        if not authorization or not authorization.startswith("Bearer "):
+            raise AuthError("missing bearer token: send 'Authorization: Bearer <api key>'")
+        presented = authorization[len("Bearer "):].strip().encode("utf-8")
+        found = None
+        for key, tenant in self._keys:  # compare with every key: timing reveals nothing
+            if hmac.compare_digest(presented, key):
+                found = tenant
+        if found is None:
+            raise AuthError("invalid api key")
+        return found

@@ -1,0 +1,75 @@
+"""`treadle serve`: start the engine, serve the API with uvicorn, shut down gracefully.
+
+Owns the process lifecycle. On SIGTERM or SIGINT the server stops accepting work (new
+requests get 503), lets in-flight requests finish for up to `shutdown_timeout` seconds,
+aborts whatever is left with an error event on its stream, and exits with status 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import uvicorn
+
+from treadle.config import EngineConfig, ServerConfig
+from treadle.engine.async_engine import AsyncEngine
+from treadle.server.api import build_app
+from treadle.server.auth import KeyRing
+
+logger = logging.getLogger(__name__)
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn, with a drain phase between the signal and the exit."""
+
+    def __init__(self, config: uvicorn.Config, app, engine: AsyncEngine,
+                 shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self._app, self._engine, self._timeout = app, engine, shutdown_timeout
+        self._draining = False
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._draining:  # a second signal: exit now
+            self.force_exit = True
+            self.should_exit = True
+            return
+        self._draining = True
+        self._app.state.shutting_down = True
+        logger.info("shutting down: draining %d in-flight requests (up to %.0f s)",
+                    self._engine.num_in_flight, self._timeout)
+        asyncio.get_event_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self._timeout
+        while self._engine.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._engine.num_in_flight:
+            logger.warning("aborting %d requests still in flight", self._engine.num_in_flight)
+            self._engine.abort_all("server shutting down")
+            for _ in range(100):  # let the error events reach their clients
+                if not self._engine.num_in_flight:
+                    break
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.2)
+        self.should_exit = True
+
+
+def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    keyring = KeyRing.from_options(server_config.api_key, server_config.api_keys_file)
+    engine = AsyncEngine(engine_config, server_config.served_model_name)
+    for tenant, weight in keyring.tenants().items():  # the `fair` policy's shares
+        engine.core.scheduler.set_tenant_weight(tenant, weight)
+    engine.start()
+    app = build_app(engine, server_config, keyring)
+    config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
+                            log_level="info", timeout_graceful_shutdown=5)
+    server = _GracefulServer(config, app, engine, server_config.shutdown_timeout)
+    logger.info("serving %s on http://%s:%d", engine.model_name, server_config.host,
+                server_config.port)
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    return 0
