@@ -251,3 +251,16 @@ def test_abort_of_swapped_request_frees_swap_blocks():
     victim = sched.swapped[0]
     sched.finish_request(victim.request_id, RequestStatus.FINISHED_ABORTED)
     assert sched.kv.swap_pool.num_free_blocks == 16 and not sched.swapped
+
+
+def test_recompute_resume_is_chunked_even_without_chunked_prefill():
+    """Regression: with chunked prefill off, a request preempted by recompute whose
+    prompt + generated tokens outgrew the token budget could never resume."""
+    sched = make_scheduler(max_tokens=16, max_seqs=4, num_blocks=9, block_size=4,
+                           prefix_caching=False, chunked=False, cooldown=0)
+    requests = [make_request(f"r{i}", prompt_len=14, max_tokens=12, arrival=float(i))
+                for i in range(2)]
+    run_to_completion(sched, requests, max_steps=500)
+    assert sched.stats.num_preemptions > 0
+    assert all(r.num_output_tokens == 12 for r in requests)
+    assert sched.kv.pool.num_free_blocks == 9

@@ -394,6 +394,15 @@ class Scheduler:
         self._num_bypasses.pop(request.request_id, None)
         return _Admission.ADMITTED
 
+    def _may_chunk(self, request: Request) -> bool:
+        """Whether this request's uncomputed tokens may be split across steps.
+
+        `enable_chunked_prefill=False` keeps prompts whole; a request recomputing its
+        prompt plus generated tokens after a preemption is always chunked, or one whose
+        total outgrew the token budget could never resume.
+        """
+        return self.config.enable_chunked_prefill or request.num_output_tokens > 0
+
     def _fit(self, request: Request, swapped: bool, num_hit_tokens: int,
              computed_blocks: list) -> tuple[_Admission, int]:
         """Whether the request fits in this step now, and with how many tokens."""
@@ -406,7 +415,7 @@ class Scheduler:
             return _Admission.ADMITTED, 0
         num_tokens = request.num_uncomputed_tokens - num_hit_tokens
         if num_tokens > self._budget:
-            if not self.config.enable_chunked_prefill:
+            if not self._may_chunk(request):
                 return _Admission.NO_FIT, 0
             num_tokens = self._budget
         if not self.kv.can_allocate(request, num_tokens, computed_blocks):
@@ -450,7 +459,7 @@ class Scheduler:
                 continue
             tokens = need_tokens
             if tokens > budget:
-                if not self.config.enable_chunked_prefill:
+                if not self._may_chunk(request):
                     continue
                 tokens = budget
             needed = (self.kv.num_blocks_for(request.num_computed_tokens + num_hit_tokens
