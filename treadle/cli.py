@@ -194,7 +194,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
     from treadle.bench import workloads
     from treadle.bench.launch import launched_server
-    from treadle.bench.serve import run_load, summarize
+    from treadle.bench.serve import run_load, served_model, summarize
 
     if (args.url is None) == (args.launch is None):
         raise ValueError("give exactly one of --url URL or --launch 'SERVE OPTIONS'")
@@ -215,7 +215,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     server = (launched_server(shlex.split(args.launch)) if args.launch is not None
               else contextlib.nullcontext((args.url, None)))
     with server as (url, _):
-        model = args.served_model or _served_model(url, args.api_key)
+        model = args.served_model or served_model(url, args.api_key)
         results, duration = asyncio.run(run_load(
             url, workload, model, rate=args.rate, burstiness=args.burstiness,
             max_concurrency=args.max_concurrency, priorities=priorities, api_key=args.api_key,
@@ -235,11 +235,18 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _served_model(url: str, api_key: str | None) -> str:
-    import httpx
+def _cmd_bench_compare(args: argparse.Namespace) -> int:
+    from treadle.bench.compare import compare, load_config, main_table, plot, strip_samples
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    return httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    result = compare(load_config(args.config))
+    out_dir = Path(args.output or Path("results") / Path(args.config).stem)
+    print(main_table(result))
+    for path in plot(result, out_dir):
+        print("wrote", path)
+    clean = strip_samples(result)
+    clean["config"] = str(args.config)
+    print("wrote", _write_result(clean, str(out_dir / "compare.json"), "compare.json"))
+    return 0
 
 
 def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -304,6 +311,12 @@ def build_parser() -> argparse.ArgumentParser:
     core.add_argument("--batch-size", type=int, default=16, help="static batching batch size")
     add_config_arguments(core)
     core.set_defaults(func=_cmd_bench_engine_core)
+    cmp_ = bench_sub.add_parser("compare", help="several systems on one workload, side by "
+                                                "side (see benchmarks/*.yaml)")
+    cmp_.add_argument("config", help="YAML: model, workload, load, repeats, systems")
+    cmp_.add_argument("--output", default=None, help="folder for compare.json and the PNGs")
+    cmp_.set_defaults(func=_cmd_bench_compare)
+
     online = bench_sub.add_parser("serve", help="load an OpenAI-compatible server over HTTP")
     online.add_argument("--url", default=None, help="base URL of a running server")
     online.add_argument("--launch", default=None,

@@ -137,6 +137,14 @@ async def run_load(url: str, workload: Workload, model: str, rate: float | None 
     return list(results), time.perf_counter() - t0
 
 
+def served_model(url: str, api_key: str | None = None) -> str:
+    """The first model a server lists at /v1/models."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+
+
 def summarize(results: list[RequestResult], duration_s: float,
               slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None) -> dict:
     """The run's figures (latencies in milliseconds)."""

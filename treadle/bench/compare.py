@@ -1,0 +1,266 @@
+"""`treadle bench compare CONFIG.yaml`: several systems, one workload, one run, side by side.
+
+Owns reading the comparison config, running each system on the same workload in turn
+(alternating over repeats, so drift on a shared machine hits every system alike), the
+table of figures with ratios against the first entry, and the plots. A system is one of:
+
+- `treadle`: `treadle serve <options>` launched on 127.0.0.1, loaded over HTTP;
+- `server`: any OpenAI-compatible server started by a shell `command` (`{port}` and
+  `{model}` are filled in), loaded over HTTP, stopped by its process group;
+- `static`: transformers `generate` in padded batches (offline: throughput only).
+
+Example (benchmarks/compare_cpu.yaml):
+
+    model: null                 # a checkpoint folder; null = the demo model
+    workload: {name: synthetic, num_requests: 64, seed: 0}
+    load: {rates: [null]}       # requests/s per point; null = all at once;
+                                # "trace" = the workload's own arrival times
+    repeats: 1
+    systems:
+      - {name: treadle, kind: treadle, options: "--dtype bfloat16"}
+      - {name: static-16, kind: static, batch_size: 16}
+      - {name: vllm, kind: server, command: "python -m vllm... --port {port}"}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import signal
+import subprocess
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import yaml
+
+from treadle.bench import workloads
+from treadle.bench.launch import free_port, launched_server
+from treadle.bench.report import format_table
+from treadle.bench.serve import run_load, summarize
+
+_KINDS = ("treadle", "server", "static")
+
+
+def load_config(path: str | Path) -> dict:
+    config = yaml.safe_load(Path(path).read_text())
+    systems = config.get("systems") or []
+    if not systems:
+        raise ValueError(f"{path}: 'systems' must list at least one system")
+    for i, system in enumerate(systems):
+        if system.get("kind") not in _KINDS:
+            raise ValueError(f"{path}: systems[{i}].kind must be one of {_KINDS}, "
+                             f"got {system.get('kind')!r}")
+        if system["kind"] == "server" and not system.get("command"):
+            raise ValueError(f"{path}: systems[{i}] (server) needs a 'command'")
+        system.setdefault("name", f"{system['kind']}-{i}")
+    config.setdefault("workload", {"name": "synthetic"})
+    config.setdefault("load", {})
+    config.setdefault("repeats", 1)
+    return config
+
+
+def make_workload(spec: dict) -> workloads.Workload:
+    spec = dict(spec)
+    name = spec.pop("name", "synthetic")
+    builders = {"synthetic": workloads.synthetic, "azure-conv": workloads.azure_conv,
+                "shared-prefix": workloads.shared_prefix}
+    if name not in builders:
+        raise ValueError(f"workload.name must be one of {sorted(builders)}, got {name!r}")
+    return builders[name](**spec)
+
+
+@contextmanager
+def _external_server(command: str, model: str, timeout_s: float) -> Iterator[str]:
+    """Start a server from a shell command; yield its base URL; stop its process group."""
+    import httpx
+
+    port = free_port()
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"compare-server-{port}.log", "w")
+    # Only {port} and {model} are placeholders: the shell's own ${VAR} braces stay as
+    # they are (str.format would read them as fields).
+    command = command.replace("{port}", str(port)).replace("{model}", shlex.quote(model))
+    proc = subprocess.Popen(command, shell=True,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server command exited with {proc.returncode}; "
+                                   f"see {log.name}")
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server did not become healthy in {timeout_s} s")
+            time.sleep(0.5)
+        yield base
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()
+
+
+def _online(base: str, workload, rates: list, load: dict) -> list[dict]:
+    """One summary per rate, every request streamed over HTTP."""
+    from treadle.bench.serve import served_model
+
+    model = served_model(base)
+    points = []
+    for rate in rates:
+        results, duration = asyncio.run(run_load(
+            base, workload, model, rate=rate, burstiness=load.get("burstiness", 1.0),
+            max_concurrency=load.get("max_concurrency"), progress=False,
+            use_trace_times=rate == "trace"))
+        summary = summarize(results, duration, load.get("slo_ttft_ms"), load.get("slo_tpot_ms"))
+        summary["rate"] = rate
+        summary["ttft_s_values"] = sorted(r.ttft for r in results if r.ok)
+        summary["tpot_s_values"] = sorted(r.tpot for r in results if r.ok and r.tpot)
+        points.append(summary)
+    return points
+
+
+def run_system(system: dict, model: str, workload, load: dict) -> list[dict]:
+    """Every load point of one system (one point for static batching)."""
+    rates = load.get("rates") or [None]
+    timeout = float(system.get("startup_timeout_s", 600))
+    if system["kind"] == "static":
+        from treadle.bench.static import run_static
+        r = run_static(model, workload, batch_size=int(system.get("batch_size", 16)),
+                       dtype=system.get("dtype", "bfloat16"), progress=False)
+        return [{"rate": None, "output_tokens_per_s": r["output_tokens_per_s"],
+                 "total_tokens_per_s": r["total_tokens_per_s"], "num_failed": 0,
+                 "static": {k: v for k, v in r.items() if k != "per_batch"}}]
+    if system["kind"] == "treadle":
+        serve_args = ["--model", model, *shlex.split(system.get("options", ""))]
+        with launched_server(serve_args, startup_timeout=timeout) as (base, _):
+            return _online(base, workload, rates, load)
+    with _external_server(system["command"], model, timeout) as base:
+        return _online(base, workload, rates, load)
+
+
+def compare(config: dict) -> dict:
+    """Run every system `repeats` times, alternating; keep every point of every run."""
+    model = config.get("model")
+    if model is None:
+        from treadle.models.demo import demo_model_path
+        model = str(demo_model_path())
+    workload = make_workload(config["workload"])
+    runs: dict[str, list[list[dict]]] = {s["name"]: [] for s in config["systems"]}
+    for _ in range(int(config["repeats"])):
+        for system in config["systems"]:
+            runs[system["name"]].append(run_system(system, model, workload, config["load"]))
+    return {"model": model, "workload": workload.description | {"name": workload.name},
+            "load": config["load"], "systems": config["systems"], "runs": runs,
+            "table": table(runs)}
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def table(runs: dict[str, list[list[dict]]]) -> list[dict]:
+    """One row per system at its first load point: medians over repeats, and the ratio of
+    output tokens/s and p99 TTFT against the first system."""
+    rows = []
+    for name, repeats in runs.items():
+        first_points = [points[0] for points in repeats]
+        row = {"system": name,
+               "output tok/s": _median([p["output_tokens_per_s"] for p in first_points]),
+               "total tok/s": _median([p["total_tokens_per_s"] for p in first_points]),
+               "TTFT p50 ms": None, "TTFT p99 ms": None, "TPOT p50 ms": None,
+               "failed": sum(p["num_failed"] for p in first_points)}
+        if "ttft_ms" in first_points[0]:
+            row["TTFT p50 ms"] = _median([p["ttft_ms"]["median"] for p in first_points])
+            row["TTFT p99 ms"] = _median([p["ttft_ms"]["p99"] for p in first_points])
+            row["TPOT p50 ms"] = _median([p["tpot_ms"]["median"] for p in first_points])
+        rows.append(row)
+    base = rows[0]
+    for row in rows:
+        row["x output tok/s"] = row["output tok/s"] / base["output tok/s"]
+        if row["TTFT p99 ms"] is not None and base["TTFT p99 ms"]:
+            row["x TTFT p99"] = row["TTFT p99 ms"] / base["TTFT p99 ms"]
+    return rows
+
+
+TABLE_COLUMNS = ["system", "output tok/s", "x output tok/s", "total tok/s", "TTFT p50 ms",
+                 "TTFT p99 ms", "x TTFT p99", "TPOT p50 ms", "failed"]
+
+
+def plot(result: dict, out_dir: str | Path) -> list[Path]:
+    """Throughput bars, TTFT / TPOT distributions, and latency against request rate."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, runs, written = result["table"], result["runs"], []
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar([r["system"] for r in rows], [r["output tok/s"] for r in rows], color="#4c72b0")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"throughput, {result['workload']['name']}")
+    fig.tight_layout()
+    written.append(out / "throughput.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+
+    online = {name: reps[0][0] for name, reps in runs.items() if "ttft_s_values" in reps[0][0]}
+    if online:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+        for name, point in online.items():
+            for ax, key, label in ((axes[0], "ttft_s_values", "TTFT (s)"),
+                                   (axes[1], "tpot_s_values", "TPOT (s)")):
+                values = point[key]
+                if values:
+                    ax.plot(values, [(i + 1) / len(values) for i in range(len(values))],
+                            label=name)
+                ax.set_xlabel(label)
+                ax.set_ylabel("fraction of requests")
+        axes[0].legend()
+        fig.tight_layout()
+        written.append(out / "latency_cdf.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+
+        if any(len(reps[0]) > 1 for reps in runs.values()):
+            fig, ax = plt.subplots(figsize=(6, 3.5))
+            for name, reps in runs.items():
+                points = [p for p in reps[0] if isinstance(p.get("rate"), (int, float))]
+                if points:
+                    ax.plot([p["rate"] for p in points], [p["ttft_ms"]["p99"] for p in points],
+                            marker="o", label=name)
+            ax.set_xlabel("request rate (req/s)")
+            ax.set_ylabel("p99 TTFT (ms)")
+            ax.legend()
+            fig.tight_layout()
+            written.append(out / "latency_vs_rate.png")
+            fig.savefig(written[-1], dpi=120)
+            plt.close(fig)
+    return written
+
+
+def main_table(result: dict) -> str:
+    return format_table(result["table"], TABLE_COLUMNS)
+
+
+def strip_samples(result: dict) -> dict[str, Any]:
+    """The result without per-request latency lists (kept for plots, not for JSON)."""
+    clean = dict(result)
+    clean["runs"] = {name: [[{k: v for k, v in p.items() if not k.endswith("_values")}
+                             for p in points] for points in reps]
+                     for name, reps in result["runs"].items()}
+    return clean
