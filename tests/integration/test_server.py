@@ -295,14 +295,16 @@ def test_schemathesis_fuzz_finds_no_5xx(tiny_demo, tmp_path):
 
 
 def test_sigterm_drains_then_aborts_and_exits_zero(tiny_demo):
-    with running_server(tiny_demo, "--num-kv-blocks", "128", "--shutdown-timeout", "1") \
+    # The drain window (0.5 s) must outlive the late request's arrival (~0.1 s after the
+    # signal) but not the long stream (~450 more tokens), so that something is aborted.
+    with running_server(tiny_demo, "--num-kv-blocks", "128", "--shutdown-timeout", "0.5") \
             as (base, proc):
         events = []
 
         async def long_stream():
             async with httpx.AsyncClient(timeout=60) as client:
                 async with client.stream("POST", base + "/v1/completions", json={
-                        "model": "tiny", "prompt": "long", "max_tokens": 450, "stream": True,
+                        "model": "tiny", "prompt": "long", "max_tokens": 500, "stream": True,
                         "ignore_eos": True}) as response:
                     async for line in response.aiter_lines():
                         if line.startswith("data: "):
