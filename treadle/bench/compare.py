@@ -29,7 +29,6 @@ import os
 import shlex
 import signal
 import subprocess
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -37,7 +36,7 @@ from typing import Any, Iterator
 import yaml
 
 from treadle.bench import workloads
-from treadle.bench.launch import free_port, launched_server
+from treadle.bench.launch import free_port, launched_server, wait_healthy
 from treadle.bench.report import format_table
 from treadle.bench.serve import run_load, summarize
 
@@ -75,8 +74,6 @@ def make_workload(spec: dict) -> workloads.Workload:
 @contextmanager
 def _external_server(command: str, model: str, timeout_s: float) -> Iterator[str]:
     """Start a server from a shell command; yield its base URL; stop its process group."""
-    import httpx
-
     port = free_port()
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"compare-server-{port}.log", "w")
     # Only {port} and {model} are placeholders: the shell's own ${VAR} braces stay as
@@ -86,19 +83,7 @@ def _external_server(command: str, model: str, timeout_s: float) -> Iterator[str
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server command exited with {proc.returncode}; "
-                                   f"see {log.name}")
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server did not become healthy in {timeout_s} s")
-            time.sleep(0.5)
+        wait_healthy(base, proc, timeout_s, log.name)
         yield base
     finally:
         if proc.poll() is None:

@@ -26,14 +26,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(base: str, proc: subprocess.Popen, timeout_s: float, log_path: str) -> None:
+    """Return once `base`/health answers 200; raise if the process exits or time runs out."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            tail = Path(log_path).read_text(errors="replace")[-4000:]
+            raise RuntimeError(f"server exited with {proc.returncode}; its log ends:\n{tail}")
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"server did not become healthy in {timeout_s} s; "
+                               f"its log: {log_path}")
+        time.sleep(0.2)
+
+
 @contextmanager
 def launched_server(serve_args: list[str], startup_timeout: float = 300.0,
                     log_level: str = "WARNING") -> Iterator[tuple[str, subprocess.Popen]]:
     """Yields (base URL, process) of `treadle serve <serve_args> --port <free port>`.
 
     The process's `log_path` attribute names the file holding its output."""
-    import httpx
-
     port = free_port()
     cmd = [sys.executable, "-m", "treadle.cli", "--log-level", log_level, "serve",
            "--host", "127.0.0.1", "--port", str(port), *serve_args]
@@ -44,19 +62,7 @@ def launched_server(serve_args: list[str], startup_timeout: float = 300.0,
     log.close()
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            if proc.poll() is not None:
-                tail = Path(proc.log_path).read_text(errors="replace")[-4000:]
-                raise RuntimeError(f"server exited with {proc.returncode}; its log ends:\n{tail}")
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server did not become healthy in {startup_timeout} s")
-            time.sleep(0.2)
+        wait_healthy(base, proc, startup_timeout, proc.log_path)
         yield base, proc
     finally:
         if proc.poll() is None:

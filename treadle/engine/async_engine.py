@@ -29,7 +29,6 @@ from treadle.engine.core import EngineCore
 from treadle.engine.llm import load_tokenizer
 from treadle.engine.output_processor import OutputProcessor, RequestOutput
 from treadle.metrics import EngineMetrics
-from treadle.request import Request
 from treadle.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
