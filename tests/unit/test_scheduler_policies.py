@@ -457,3 +457,49 @@ def test_replay_measures_every_request_and_priority_reorders():
     late = [ReplayRequest([5, 6], 2, 0.0), ReplayRequest([5, 6], 2, 0.2)]
     result = replay(FakeEngine("fcfs"), late)
     assert result.wall_s >= 0.2 and all(t.ttft < 0.1 for t in result.timings)
+
+
+# ----- urgent prefill isolation ------------------------------------------------------------
+
+@pytest.mark.parametrize("isolate", [True, False])
+def test_urgent_prefill_step_defers_background_chunks(isolate):
+    clock = FakeClock()
+    sched = make_scheduler("priority", max_tokens=64, max_seqs=8, clock=clock,
+                           isolate_urgent_prefill=isolate)
+    # Two lows decode; a third has a long prompt that is being prefilled in chunks.
+    lows = [make_request(f"low{i}", 8, 40, priority=1) for i in range(2)]
+    long_low = make_request("long", 400, 4, priority=1, arrival=0.1)
+    for r in lows + [long_low]:
+        sched.add_request(r)
+    for _ in range(3):
+        step(sched, clock)
+    assert long_low.num_computed_tokens < long_low.num_prompt_tokens
+    high = make_request("high", 20, 4, priority=0, arrival=clock.t)
+    sched.add_request(high)
+    out = step(sched, clock)
+    tokens = {s.request_id: len(s.token_ids) for s in out.scheduled}
+    assert tokens["high"] == 20 and tokens["low0"] == tokens["low1"] == 1
+    if isolate:
+        # The urgent step is the decodes plus the urgent prompt only...
+        assert "long" not in tokens
+        out = step(sched, clock)
+        # ...and the background chunk takes the rest of the budget in the next one.
+        tokens = {s.request_id: len(s.token_ids) for s in out.scheduled}
+        assert tokens["long"] == 64 - 3
+    else:
+        assert tokens["long"] == 64 - 22
+    replay(sched, clock, [])
+    assert all(r.output_token_ids == expected_tokens(r) for r in lows + [long_low, high])
+
+
+def test_same_class_prefills_share_a_step_whatever_their_age():
+    clock = FakeClock()
+    sched = make_scheduler("priority", max_tokens=64, max_seqs=8, clock=clock,
+                           priority_aging_rate=1.0)
+    old = make_request("old", 40, 2, priority=1, arrival=0.0)
+    sched.add_request(old)
+    clock.t = 30.0  # 30 levels of aging apart, same class: no isolation
+    young = make_request("young", 10, 2, priority=1, arrival=clock.t)
+    sched.add_request(young)
+    out = step(sched, clock)
+    assert {s.request_id for s in out.scheduled} == {"old", "young"}
