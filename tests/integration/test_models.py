@@ -110,8 +110,8 @@ def prefill_meta(seq: Sequence, start: int, end: int, row: int = 0):
     """Positions, slots and the PrefillSpan of tokens [start, end) of seq at batch row `row`."""
     positions = torch.arange(start, end)
     blocks = seq.blocks(end)
-    span = PrefillSpan(row, row + end - start, head_rows(seq, blocks),
-                       causal_bias(positions, blocks.numel() * seq.block_size))
+    bias = causal_bias(positions, blocks.numel() * seq.block_size)
+    span = PrefillSpan(row, row + end - start, head_rows(seq, blocks), bias, bias == 0)
     return positions, seq.slots(positions), span
 
 

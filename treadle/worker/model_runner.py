@@ -146,10 +146,11 @@ class ModelRunner:
         num_blocks = (start + num_new + bs - 1) // bs
         query_pos = np.arange(start, start + num_new)
         key_pos = np.arange(num_blocks * bs)
-        bias = np.where(key_pos[None, :] <= query_pos[:, None], 0.0, -np.inf).astype(np.float32)
+        allowed = key_pos[None, :] <= query_pos[:, None]
+        bias = np.where(allowed, 0.0, -np.inf).astype(np.float32)
         return PrefillSpan(start=row, end=row + num_new,
                            gather_ids=torch.from_numpy(self._gather_rows(block_row[:num_blocks])),
-                           mask_bias=torch.from_numpy(bias))
+                           mask_bias=torch.from_numpy(bias), allowed=torch.from_numpy(allowed))
 
     def _gather_rows(self, block_table: np.ndarray) -> np.ndarray:
         return gather_rows(block_table, self.num_kv_heads, self.num_cache_blocks)
