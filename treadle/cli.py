@@ -67,6 +67,8 @@ def _cmd_demo_model(args: argparse.Namespace) -> int:
 def _workload(args: argparse.Namespace):
     from treadle.bench import workloads
 
+    if getattr(args, "workload_file", None):
+        return workloads.load_workload(args.workload_file)
     if args.workload == "synthetic":
         return workloads.synthetic(num_requests=args.num_requests, seed=args.workload_seed)
     if args.workload == "azure-conv":
@@ -256,6 +258,9 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload-seed", type=int, default=0)
     parser.add_argument("--token-scale", type=float, default=1.0,
                         help="azure-conv: multiply the trace's token counts by this")
+    parser.add_argument("--workload-file", default=None,
+                        help="a workload saved as JSON (bench/workloads.save_workload); "
+                             "overrides the options above")
     parser.add_argument("--output", default=None, help="where to write the JSON result")
 
 

@@ -9,7 +9,9 @@ import pytest
 import yaml
 
 from conftest import make_tiny_checkpoint
-from treadle.bench.compare import compare, load_config, main_table, plot, table
+from treadle.bench.compare import (compare, load_config, main_table, make_workload, plot,
+                                   table)
+from treadle.bench.workloads import load_workload, save_workload
 
 STUB = textwrap.dedent('''
     import argparse, asyncio, json
@@ -59,6 +61,65 @@ def test_config_errors_name_the_field(tmp_path):
     bad.write_text(yaml.safe_dump({"systems": [{"kind": "server"}]}))
     with pytest.raises(ValueError, match="command"):
         load_config(bad)
+
+
+OFFLINE_STUB = textwrap.dedent('''
+    import json, sys
+    args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+    requests = json.load(open(args["--workload"]))["requests"]
+    out = sum(r["max_tokens"] for r in requests)
+    total = out + sum(len(r["prompt_token_ids"]) for r in requests)
+    json.dump({"output_tokens_per_s": out / 2.0, "total_tokens_per_s": total / 2.0,
+               "model": args["--model"]}, open(args["--output"], "w"))
+''')
+
+
+def test_offline_runners_get_the_workload_file_and_report_its_figures(tmp_path):
+    model = make_tiny_checkpoint(tmp_path / "tiny", "llama")
+    stub = tmp_path / "offline_stub.py"
+    stub.write_text(OFFLINE_STUB)
+    workload = {"name": "synthetic", "num_requests": 5, "prompt_len": [4, 12],
+                "output_len": [2, 6], "num_long": 0, "vocab_size": 512, "seed": 3}
+    config_path = tmp_path / "cmp.yaml"
+    config_path.write_text(yaml.safe_dump({
+        "model": model, "workload": workload, "repeats": 1,
+        "systems": [
+            {"name": "treadle-offline", "kind": "treadle-offline",
+             "options": "--dtype float32 --num-kv-blocks 64"},
+            {"name": "stub", "kind": "offline",
+             "command": f"{sys.executable} {stub} --model {{model}} --workload {{workload}} "
+                        "--output {output}"},
+        ]}))
+    result = compare(load_config(config_path))
+    expected = make_workload(workload)
+    stub_point = result["runs"]["stub"][0][0]
+    # The stub saw exactly the configured workload and model.
+    assert stub_point["output_tokens_per_s"] == expected.total_output_tokens / 2.0
+    assert stub_point["offline"]["model"] == model
+    ours = result["runs"]["treadle-offline"][0][0]["offline"]
+    assert ours["output_tokens"] == ours["expected_output_tokens"] == expected.total_output_tokens
+    assert ours["num_errors"] == 0 and ours["output_tokens_per_s"] > 0
+    rows = {r["system"]: r for r in result["table"]}
+    assert rows["stub"]["TTFT p99 ms"] is None
+
+
+def test_a_failing_offline_runner_is_an_error_with_its_log(tmp_path):
+    config_path = tmp_path / "cmp.yaml"
+    config_path.write_text(yaml.safe_dump({
+        "model": str(tmp_path), "workload": {"name": "synthetic", "num_requests": 2, "num_long": 0},
+        "systems": [{"name": "broken", "kind": "offline",
+                     "command": "echo no such runner >&2; exit 3"}]}))
+    with pytest.raises(RuntimeError, match="exited with 3(.|\n)*no such runner"):
+        compare(load_config(config_path))
+
+
+def test_workload_file_round_trip(tmp_path):
+    original = make_workload({"name": "synthetic", "num_requests": 7, "seed": 5})
+    loaded = load_workload(save_workload(original, tmp_path / "w.json"))
+    assert loaded.requests == original.requests and loaded.description == original.description
+    (tmp_path / "bad.json").write_text('{"requests": [{"max_tokens": 3}]}')
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        load_workload(tmp_path / "bad.json")
 
 
 def test_compare_treadle_static_and_an_external_server(tmp_path):

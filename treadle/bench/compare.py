@@ -7,7 +7,13 @@ table of figures with ratios against the first entry, and the plots. A system is
 - `treadle`: `treadle serve <options>` launched on 127.0.0.1, loaded over HTTP;
 - `server`: any OpenAI-compatible server started by a shell `command` (`{port}` and
   `{model}` are filled in), loaded over HTTP, stopped by its process group;
-- `static`: transformers `generate` in padded batches (offline: throughput only).
+- `static`: transformers `generate` in padded batches (offline: throughput only);
+- `treadle-offline`: `treadle bench throughput <options>` in a child process, i.e.
+  `LLM.generate` on the whole workload at once (offline: throughput only);
+- `offline`: any offline runner started by a shell `command` with `{model}`, `{workload}`
+  (the workload as a JSON file, `workloads.save_workload`) and `{output}` (where it writes
+  a JSON object with `output_tokens_per_s` and `total_tokens_per_s`), e.g.
+  benchmarks/vllm_offline.py for vLLM's `LLM.generate`.
 
 Example (benchmarks/compare_cpu.yaml):
 
@@ -29,6 +35,7 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -40,7 +47,8 @@ from treadle.bench.launch import free_port, launched_server, wait_healthy
 from treadle.bench.report import format_table
 from treadle.bench.serve import run_load, summarize
 
-_KINDS = ("treadle", "server", "static")
+_KINDS = ("treadle", "server", "static", "treadle-offline", "offline")
+_NEEDS_COMMAND = ("server", "offline")
 
 
 def load_config(path: str | Path) -> dict:
@@ -52,8 +60,8 @@ def load_config(path: str | Path) -> dict:
         if system.get("kind") not in _KINDS:
             raise ValueError(f"{path}: systems[{i}].kind must be one of {_KINDS}, "
                              f"got {system.get('kind')!r}")
-        if system["kind"] == "server" and not system.get("command"):
-            raise ValueError(f"{path}: systems[{i}] (server) needs a 'command'")
+        if system["kind"] in _NEEDS_COMMAND and not system.get("command"):
+            raise ValueError(f"{path}: systems[{i}] ({system['kind']}) needs a 'command'")
         system.setdefault("name", f"{system['kind']}-{i}")
     config.setdefault("workload", {"name": "synthetic"})
     config.setdefault("load", {})
@@ -71,14 +79,60 @@ def make_workload(spec: dict) -> workloads.Workload:
     return builders[name](**spec)
 
 
+def _fill(command: str, **values: str) -> str:
+    """Fill `{name}` placeholders with shell-quoted values. Only these names are filled:
+    the shell's own ${VAR} braces stay as they are (str.format would read them as fields)."""
+    for name, value in values.items():
+        command = command.replace("{" + name + "}", shlex.quote(value))
+    return command
+
+
+def _server_log(port_or_name) -> Path:
+    return Path(os.environ.get("TMPDIR", "/tmp")) / f"compare-server-{port_or_name}.log"
+
+
+def _offline(command: str, model: str, workload, timeout_s: float) -> dict:
+    """Run an offline runner on the workload (written to a file); its JSON result."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="treadle-compare-") as tmp:
+        workload_path = workloads.save_workload(workload, Path(tmp) / "workload.json")
+        output = Path(tmp) / "result.json"
+        filled = _fill(command, model=model, workload=str(workload_path), output=str(output))
+        log_path = _server_log(f"offline-{os.getpid()}")
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(filled, shell=True, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                code = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise RuntimeError(f"offline runner ran past {timeout_s:.0f} s "
+                                   f"(log: {log_path})") from None
+        if code != 0 or not output.exists():
+            tail = log_path.read_text()[-2000:]
+            raise RuntimeError(f"offline runner exited with {code} (log: {log_path}):\n{tail}")
+        result = json.loads(output.read_text())
+    for key in ("output_tokens_per_s", "total_tokens_per_s"):
+        if not isinstance(result.get(key), (int, float)):
+            raise RuntimeError(f"offline runner's result has no number {key!r}")
+    return result
+
+
+def treadle_offline_command(options: str) -> str:
+    """The `offline` command that runs treadle's own LLM.generate on a workload file."""
+    return (f"{shlex.quote(sys.executable)} -m treadle.cli bench throughput "
+            f"--workload-file {{workload}} --model {{model}} --output {{output}} {options}")
+
+
 @contextmanager
 def _external_server(command: str, model: str, timeout_s: float) -> Iterator[str]:
     """Start a server from a shell command; yield its base URL; stop its process group."""
     port = free_port()
-    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"compare-server-{port}.log", "w")
-    # Only {port} and {model} are placeholders: the shell's own ${VAR} braces stay as
-    # they are (str.format would read them as fields).
-    command = command.replace("{port}", str(port)).replace("{model}", shlex.quote(model))
+    log = open(_server_log(port), "w")
+    command = _fill(command, port=str(port), model=model)
     proc = subprocess.Popen(command, shell=True,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -126,6 +180,14 @@ def run_system(system: dict, model: str, workload, load: dict) -> list[dict]:
         return [{"rate": None, "output_tokens_per_s": r["output_tokens_per_s"],
                  "total_tokens_per_s": r["total_tokens_per_s"], "num_failed": 0,
                  "static": {k: v for k, v in r.items() if k != "per_batch"}}]
+    if system["kind"] in ("offline", "treadle-offline"):
+        command = (system["command"] if system["kind"] == "offline"
+                   else treadle_offline_command(system.get("options", "")))
+        r = _offline(command, model, workload, timeout)
+        return [{"rate": None, "output_tokens_per_s": r["output_tokens_per_s"],
+                 "total_tokens_per_s": r["total_tokens_per_s"],
+                 "num_failed": int(r.get("num_errors", 0)),
+                 "offline": {k: v for k, v in r.items() if k not in ("per_batch",)}}]
     if system["kind"] == "treadle":
         serve_args = ["--model", model, *shlex.split(system.get("options", ""))]
         with launched_server(serve_args, startup_timeout=timeout) as (base, _):

@@ -1,8 +1,10 @@
 """Benchmark workloads: deterministic lists of token-id requests with arrival times.
 
 Owns the request generators every benchmark shares (`synthetic`, `azure_conv`,
-`shared_prefix`) and the record of the parameters used (`Workload.description`),
-so a result can say exactly what was run. Prompts are random token ids (no text,
+`shared_prefix`), the record of the parameters used (`Workload.description`), so a
+result can say exactly what was run, and the JSON file form (`save_workload`,
+`load_workload`) that hands one workload to another program, e.g. vLLM's own offline
+runner in its own virtual environment (benchmarks/vllm_offline.py). Prompts are random token ids (no text,
 no tokenizer); output lengths are forced (generation ignores EOS).
 Must not: import torch, load a model, time anything, or read any trace other than
 the one it is pointed at. Same arguments -> identical workload, always.
@@ -11,6 +13,7 @@ the one it is pointed at. Same arguments -> identical workload, always.
 from __future__ import annotations
 
 import csv
+import json
 import os
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -52,6 +55,31 @@ class Workload:
     @property
     def total_output_tokens(self) -> int:
         return sum(r.max_tokens for r in self.requests)
+
+
+def save_workload(workload: Workload, path: str | Path) -> Path:
+    """Write the workload as JSON: name, description, and per request its prompt token
+    ids, max_tokens and arrival_time (the format benchmarks/vllm_offline.py reads)."""
+    path = Path(path)
+    path.write_text(json.dumps({
+        "name": workload.name, "description": workload.description,
+        "requests": [{"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens,
+                      "arrival_time": r.arrival_time} for r in workload.requests]}))
+    return path
+
+
+def load_workload(path: str | Path) -> Workload:
+    """A workload written by `save_workload`."""
+    data = json.loads(Path(path).read_text())
+    try:
+        requests = [WorkloadRequest(list(r["prompt_token_ids"]), int(r["max_tokens"]),
+                                    float(r.get("arrival_time", 0.0)))
+                    for r in data["requests"]]
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not a workload file (requests[].prompt_token_ids and "
+                         f"max_tokens are required): {exc!r}") from None
+    return Workload(data.get("name", Path(path).stem), requests,
+                    dict(data.get("description") or {}))
 
 
 def _check_range(name: str, value: tuple[int, int], minimum: int = 1) -> tuple[int, int]:
