@@ -1,13 +1,15 @@
-"""C kernels for the CPU attention path, compiled on first use and called through ctypes.
+"""C kernels for the CPU attention path and the sampler, compiled on first use and called
+through ctypes.
 
-Owns building (gcc, `-O3 -march=native -ffast-math -fopenmp` to compile, fast-math kept
-off the link; into `<cache>/kernels/`, keyed by a hash of the source and flags, written
-atomically) and the typed call wrappers. The
-shared object links `libgomp.so.1` by soname, so inside a process where torch already
-loaded its own libgomp there is one OpenMP runtime and one thread pool.
+Owns building (gcc: every `kernels/*.c` compiled with `-O3 -march=native -fopenmp` plus
+its own flags, linked into one shared object without fast-math; into `<cache>/kernels/`,
+keyed by a hash of all sources and flags, written atomically) and the typed call
+wrappers. The shared object links `libgomp.so.1` by soname, so inside a process where
+torch already loaded its own libgomp there is one OpenMP runtime and one thread pool.
 
 When no compiler is available or the build fails, `load_kernels()` returns None and the
-torch implementation in worker/attention.py is used instead: slower, same results.
+torch implementations (worker/attention.py, worker/sampler.py) are used instead: slower,
+same results.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,16 +31,37 @@ from treadle.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("kernels") / "paged_decode.c"
-# -ffast-math lets gcc vectorize expf and the reductions (the kernel has no inf/NaN
-# inputs by construction: only real context positions are visited). It is given to the
-# compile step only: on the link command of a shared object (gcc < 13) it pulls in
-# crtfastmath.o, which switches the WHOLE process to flush-to-zero when the library
-# loads, silently changing every float computation of numpy, torch and Python (a test
-# caught it; tests/integration/test_native_attention.py guards it).
-_COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
+_KERNEL_DIR = Path(__file__).with_name("kernels")
+_COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-c"]
+# -ffast-math lets gcc vectorize expf and the reductions of the attention kernel (it has
+# no inf/NaN inputs by construction: only real context positions are visited). The
+# sampling kernel needs infinities (masked tokens), so it does without; -fno-trapping-math
+# is what lets its exp polynomial (floorf, float->int) vectorize. Fast-math is
+# given to the compile step only: on the link command of a shared object (gcc < 13) it
+# pulls in crtfastmath.o, which switches the WHOLE process to flush-to-zero when the
+# library loads, silently changing every float computation of numpy, torch and Python (a
+# test caught it; tests/integration/test_native_attention.py guards it).
+_FILE_FLAGS = {"paged_decode.c": ["-ffast-math"],
+               "sampling.c": ["-fno-trapping-math", "-fno-math-errno"]}
 _LINK_FLAGS = ["-shared", "-fopenmp"]
 _ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_SAMPLE_ARGTYPES = [_P, _I64, _I64, _I64] + [_P] * 6
+_LOGPROB_ARGTYPES = [_P, _I64, _I64, _P, _I64, _P, _I64] + [_P] * 4
+
+
+@dataclass
+class RowLogprobs:
+    """What `NativeKernels.logprobs` gives per row."""
+
+    lse: torch.Tensor
+    """[n] float64: log-sum-exp of the row."""
+    ranks: torch.Tensor
+    """[n] int64: entries at least as large as the token's."""
+    top_values: torch.Tensor
+    """[n, num_top] float32: the largest entries, descending (ties: lower id first)."""
+    top_ids: torch.Tensor
+    """[n, num_top] int64: their ids."""
 
 
 class NativeKernels:
@@ -48,6 +72,12 @@ class NativeKernels:
         for fn in self._decode.values():
             fn.argtypes = _ARGTYPES
             fn.restype = ctypes.c_int
+        self._sample_rows = lib.sample_rows
+        self._sample_rows.argtypes = _SAMPLE_ARGTYPES
+        self._sample_rows.restype = ctypes.c_int
+        self._logprob_rows = lib.logprob_rows
+        self._logprob_rows.argtypes = _LOGPROB_ARGTYPES
+        self._logprob_rows.restype = None
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in self._decode
@@ -75,17 +105,69 @@ class NativeKernels:
                              f"head_dim {head_dim} x block_size {block_size} exceeds its limits")
 
 
+    def sample(self, logits: torch.Tensor, inv_temperature: torch.Tensor, top_k: torch.Tensor,
+               top_p: torch.Tensor, min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """One token per row of logits [rows, vocab] (float32, rows contiguous; not
+        modified). Per row: inv_temperature float32 (0: greedy, the first argmax),
+        top_k int64 (0: off), top_p float64 (1: off), min_p float32 (0: off), u float64
+        in [0, 1) (the inverse CDF's point). Returns int64 [rows]."""
+        rows, vocab = logits.shape
+        assert logits.dtype == torch.float32 and logits.stride(1) == 1
+        args = [(inv_temperature, torch.float32), (top_k, torch.int64),
+                (top_p, torch.float64), (min_p, torch.float32), (u, torch.float64)]
+        for t, dtype in args:
+            assert t.dtype == dtype and t.shape == (rows,) and t.is_contiguous()
+        tokens = torch.empty(rows, dtype=torch.int64)
+        if rows == 0:
+            return tokens
+        status = self._sample_rows(logits.data_ptr(), rows, vocab, logits.stride(0),
+                                   *(t.data_ptr() for t, _ in args), tokens.data_ptr())
+        if status != 0:
+            raise MemoryError("sample_rows: could not allocate its buffers")
+        return tokens
+
+    def logprobs(self, logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,
+                 num_top: int) -> RowLogprobs:
+        """For logits[rows[j]] (float32 [*, vocab], rows contiguous): the log-sum-exp, the
+        rank of token_ids[j] and the num_top largest entries. rows, token_ids: int64."""
+        vocab = logits.shape[1]
+        assert logits.dtype == torch.float32 and logits.stride(1) == 1
+        n = rows.shape[0]
+        for t in (rows, token_ids):
+            assert t.dtype == torch.int64 and t.shape == (n,) and t.is_contiguous()
+        out = RowLogprobs(torch.empty(n, dtype=torch.float64), torch.empty(n, dtype=torch.int64),
+                          torch.empty(n, num_top, dtype=torch.float32),
+                          torch.empty(n, num_top, dtype=torch.int64))
+        if n:
+            self._logprob_rows(logits.data_ptr(), vocab, logits.stride(0), rows.data_ptr(), n,
+                               token_ids.data_ptr(), num_top, out.lse.data_ptr(),
+                               out.ranks.data_ptr(), out.top_values.data_ptr(),
+                               out.top_ids.data_ptr())
+        return out
+
+
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
-def _build(compiler: str, target: Path) -> None:
+def _sources() -> list[Path]:
+    return sorted(_KERNEL_DIR.glob("*.c"))
+
+
+def _compile_flags(source: Path) -> list[str]:
+    return _COMPILE_FLAGS + _FILE_FLAGS.get(source.name, [])
+
+
+def _build(compiler: str, sources: list[Path], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        partial, obj = Path(tmp) / target.name, Path(tmp) / "paged_decode.o"
-        subprocess.run([compiler, *_COMPILE_FLAGS, str(_SOURCE), "-o", str(obj)],
-                       check=True, capture_output=True, text=True, timeout=300)
-        subprocess.run([compiler, *_LINK_FLAGS, str(obj), "-o", str(partial), "-lm"],
+        partial, objects = Path(tmp) / target.name, []
+        for source in sources:
+            objects.append(Path(tmp) / (source.stem + ".o"))
+            subprocess.run([compiler, *_compile_flags(source), str(source),
+                            "-o", str(objects[-1])],
+                           check=True, capture_output=True, text=True, timeout=300)
+        subprocess.run([compiler, *_LINK_FLAGS, *map(str, objects), "-o", str(partial), "-lm"],
                        check=True, capture_output=True, text=True, timeout=300)
         os.replace(partial, target)
 
@@ -96,18 +178,22 @@ def load_kernels() -> NativeKernels | None:
         return None
     compiler = _compiler()
     if compiler is None:
-        logger.warning("no C compiler found: using the slower torch attention path")
+        logger.warning("no C compiler found: using the slower torch attention and sampler")
         return None
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_COMPILE_FLAGS + _LINK_FLAGS).encode()
-                         + platform.machine().encode() + compiler.encode()).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"paged_decode-{key}.so"
+    sources = _sources()
+    digest = hashlib.sha256()
+    for source in sources:
+        digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0"
+                      + " ".join(_compile_flags(source)).encode() + b"\0")
+    digest.update(" ".join(_LINK_FLAGS).encode() + platform.machine().encode()
+                  + compiler.encode())
+    target = cache_dir() / "kernels" / f"kernels-{digest.hexdigest()[:16]}.so"
     try:
         if not target.exists():
-            _build(compiler, target)
-            logger.info("built CPU attention kernels at %s", target)
+            _build(compiler, sources, target)
+            logger.info("built the CPU kernels at %s", target)
         return NativeKernels(ctypes.CDLL(str(target)))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        logger.warning("could not build the CPU attention kernels (%s): using the torch path",
-                       detail)
+        logger.warning("could not build the CPU kernels (%s): using the torch paths", detail)
         return None
