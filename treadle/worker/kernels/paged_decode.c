@@ -10,10 +10,26 @@
  *   k_cache, v_cache  [num_kv_heads, num_blocks, block_size, head_dim]
  *   block_table   [num_reqs, max_blocks] (int64), ctx_lens [num_reqs] (int64)
  * Built at run time by treadle/worker/native.py; T is float or bfloat16 (uint16_t).
+ *
+ * Two implementations:
+ *  - fast path (AVX-512, compiled when the build machine has it, -march=native): head_dim
+ *    64 or 128 and 1..8 query heads per KV head, specialised at compile time (constant
+ *    trip counts, accumulators in registers). Keys are walked in chunks of 16 tokens (any
+ *    block_size): the 16 scores of a chunk come from vector dot products (bf16 pairs with
+ *    vdpbf16ps when available, exact products, fp32 sums) folded by one transpose-reduce,
+ *    one online-softmax update per chunk with a vectorised exp2, values accumulated in
+ *    fp32. Work is split over (request, KV head) and, when there are too few of those to
+ *    keep every thread busy (small batches, long contexts), over context ranges too, whose
+ *    partial softmaxes are merged at the end (flash-decoding).
+ *  - generic path (any shape, any CPU): the plain loops below, auto-vectorised by gcc.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define MAX_GROUP_DIM 4096   /* query heads per KV head x head_dim */
 #define MAX_GROUP_TOKENS 8192 /* query heads per KV head x block_size */
@@ -37,15 +53,16 @@ static inline uint16_t bf16_store(float f) {
 static inline float f32_load(float x) { return x; }
 static inline float f32_store(float f) { return f; }
 
-#define DEFINE_PAGED_DECODE(NAME, T, LOAD, STORE)                                          \
-int NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *block_table,      \
+/* ------------------------------------------------------------------------------------ */
+/* Generic path                                                                          */
+/* ------------------------------------------------------------------------------------ */
+
+#define DEFINE_GENERIC_DECODE(NAME, T, LOAD, STORE)                                          \
+static int NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *block_table,      \
          const int64_t *ctx_lens, T *out, int64_t num_reqs, int64_t num_heads,             \
          int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,   \
          int64_t max_blocks, float scale) {                                                \
     const int64_t group = num_heads / num_kv_heads;                                        \
-    if (group > MAX_GROUP || group * head_dim > MAX_GROUP_DIM                              \
-        || group * block_size > MAX_GROUP_TOKENS)                                          \
-        return 1;                                                                          \
     /* Small batches run on one thread: a parallel region's barrier costs more than the  \
        work, and on an oversubscribed machine it can wait out a whole time slice. */      \
     _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) if(num_reqs * num_kv_heads > 8)") \
@@ -110,5 +127,395 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *block_ta
     return 0;                                                                              \
 }
 
-DEFINE_PAGED_DECODE(paged_decode_bf16, uint16_t, bf16_load, bf16_store)
-DEFINE_PAGED_DECODE(paged_decode_f32, float, f32_load, f32_store)
+
+DEFINE_GENERIC_DECODE(generic_decode_bf16, uint16_t, bf16_load, bf16_store)
+DEFINE_GENERIC_DECODE(generic_decode_f32, float, f32_load, f32_store)
+
+/* ------------------------------------------------------------------------------------ */
+/* Fast path (AVX-512)                                                                   */
+/* ------------------------------------------------------------------------------------ */
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#define FAST_GROUP_MAX 8
+#define CHUNK 16                 /* tokens scored together: one zmm of scores */
+#define NEG_BIG (-1e30f)         /* "minus infinity" without inf (compiled with fast-math) */
+/* Below this many K/V bytes in a call, one thread does it all: a parallel region's
+   barrier costs more than the work, and on an oversubscribed machine it can wait out a
+   whole time slice. */
+#define PARALLEL_MIN_BYTES (256 * 1024)
+/* Fewer (request, KV head) pairs than this many per thread: split the contexts too. */
+#define UNITS_PER_THREAD 8
+#define MIN_SPLIT_TOKENS 128     /* no context range shorter than this */
+#ifndef V_UNROLL
+#define V_UNROLL 4
+#endif
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#define PRAGMA(x) _Pragma(#x)
+#define UNROLL(n) PRAGMA(GCC unroll n)
+
+typedef struct {
+    const void *q, *k_cache, *v_cache;
+    const int64_t *block_table, *ctx_lens;
+    void *out;
+    int64_t num_heads, num_kv_heads, num_blocks, block_size, max_blocks;
+    float c;                     /* scale * log2(e): scores are kept in the exp2 domain */
+} decode_args;
+
+/* One piece of work: request r, KV head h, blocks [b0, b1); writes the normalised result
+   to out (part < 0) or its partial softmax to partials slot part. */
+typedef struct { int64_t r, b0, b1, part; } work_item;
+
+/* 16 consecutive elements as fp32. */
+ALWAYS_INLINE __m512 load16(const void *base, int64_t i, const int bf16) {
+    if (bf16) {
+        __m256i x = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+    }
+    return _mm512_loadu_ps((const float *)base + i);
+}
+
+/* fp32 -> bf16, round to nearest even (inputs are finite). */
+ALWAYS_INLINE __m256i to_bf16(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+}
+
+ALWAYS_INLINE void store16(void *base, int64_t i, __m512 x, const int bf16) {
+    if (bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)base + i), to_bf16(x));
+    else _mm512_storeu_ps((float *)base + i, x);
+}
+
+/* 2^x, ~1e-7 relative error; x below -126 gives (about) 0. */
+ALWAYS_INLINE __m512 exp2_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-127.f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n); /* [-0.5, 0.5] */
+    __m512 p = _mm512_set1_ps(1.535336188e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* a[t] holds 16 partial sums of token t's score; returns the 16 scores, token t in lane t. */
+ALWAYS_INLINE __m512 transpose_reduce16(const __m512 *a) {
+    __m512 l1[8], l2[4], l3[2];
+    #pragma GCC unroll 64
+    for (int i = 0; i < 8; i++)  /* per 128-bit lane: [t0 t1 t0 t1] */
+        l1[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                              _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    #pragma GCC unroll 64
+    for (int i = 0; i < 4; i++)  /* per 128-bit lane: [t0 t1 t2 t3] */
+        l2[i] = _mm512_add_ps(_mm512_shuffle_ps(l1[2 * i], l1[2 * i + 1], 0x44),
+                              _mm512_shuffle_ps(l1[2 * i], l1[2 * i + 1], 0xEE));
+    #pragma GCC unroll 64
+    for (int i = 0; i < 2; i++)  /* 128-bit lanes: [t0-3 t0-3 t4-7 t4-7] */
+        l3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(l2[2 * i], l2[2 * i + 1], 0x88),
+                              _mm512_shuffle_f32x4(l2[2 * i], l2[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(l3[0], l3[1], 0x88),
+                         _mm512_shuffle_f32x4(l3[0], l3[1], 0xDD));
+}
+
+/* Raw scores (q . k, unscaled) of the 16 tokens at k for query head qg. */
+ALWAYS_INLINE __m512 chunk_scores(const void *qg, const void *k, const int HD, const int bf16) {
+    __m512 a[CHUNK];
+#if defined(__AVX512BF16__)
+    if (bf16) {  /* bf16 pairs: exact products, fp32 sums */
+        __m512i qv[HD / 32];
+        #pragma GCC unroll 64
+        for (int j = 0; j < HD / 32; j++)
+            qv[j] = _mm512_loadu_si512((const uint16_t *)qg + 32 * j);
+        #pragma GCC unroll 64
+        for (int t = 0; t < CHUNK; t++) {
+            const uint16_t *kt = (const uint16_t *)k + (int64_t)t * HD;
+            a[t] = _mm512_setzero_ps();
+            #pragma GCC unroll 64
+            for (int j = 0; j < HD / 32; j++)
+                a[t] = _mm512_dpbf16_ps(a[t], (__m512bh)_mm512_loadu_si512(kt + 32 * j),
+                                        (__m512bh)qv[j]);
+        }
+        return transpose_reduce16(a);
+    }
+#endif
+    __m512 qv[HD / 16];
+    #pragma GCC unroll 64
+    for (int j = 0; j < HD / 16; j++) qv[j] = load16(qg, 16 * j, bf16);
+    #pragma GCC unroll 64
+    for (int t = 0; t < CHUNK; t++) {
+        a[t] = _mm512_mul_ps(load16(k, (int64_t)t * HD, bf16), qv[0]);
+        #pragma GCC unroll 64
+        for (int j = 1; j < HD / 16; j++)
+            a[t] = _mm512_fmadd_ps(load16(k, (int64_t)t * HD + 16 * j, bf16), qv[j], a[t]);
+    }
+    return transpose_reduce16(a);
+}
+
+/* Fold the first n of the 16 tokens at k (keys) and v (values) into the group's online
+   softmax. All 16 rows are read: the caller pads a short chunk with zeros. */
+ALWAYS_INLINE void fold_chunk(const void *q, const void *k, const void *v, int64_t n, float c,
+                              float *m, __m512 *l, __m512 *acc, const int HD, const int G,
+                              const int bf16) {
+    const __mmask16 valid = (__mmask16)((1u << n) - 1u);
+    float p_buf[FAST_GROUP_MAX * CHUNK] __attribute__((aligned(64)));
+    const int esz = bf16 ? 2 : 4;
+    #pragma GCC unroll 64
+    for (int g = 0; g < G; g++) {
+        __m512 x = _mm512_mul_ps(chunk_scores((const char *)q + (int64_t)g * HD * esz, k, HD,
+                                              bf16), _mm512_set1_ps(c));
+        x = _mm512_mask_mov_ps(_mm512_set1_ps(NEG_BIG), valid, x);
+        const float cmax = _mm512_reduce_max_ps(x);
+        const float new_max = cmax > m[g] ? cmax : m[g];
+        const __m512 corr = exp2_ps(_mm512_set1_ps(m[g] - new_max));
+        const __m512 p = _mm512_maskz_mov_ps(valid, exp2_ps(_mm512_sub_ps(x, _mm512_set1_ps(new_max))));
+        m[g] = new_max;
+        l[g] = _mm512_fmadd_ps(l[g], corr, p);
+        #pragma GCC unroll 64
+        for (int j = 0; j < HD / 16; j++)
+            acc[g * (HD / 16) + j] = _mm512_mul_ps(acc[g * (HD / 16) + j], corr);
+        _mm512_store_ps(p_buf + g * CHUNK, p);
+    }
+    UNROLL(V_UNROLL)
+    for (int t = 0; t < CHUNK; t++) {
+        __m512 vt[HD / 16];
+        #pragma GCC unroll 64
+        for (int j = 0; j < HD / 16; j++) vt[j] = load16(v, (int64_t)t * HD + 16 * j, bf16);
+        #pragma GCC unroll 64
+        for (int g = 0; g < G; g++) {
+            const __m512 pt = _mm512_set1_ps(p_buf[g * CHUNK + t]);
+            #pragma GCC unroll 64
+            for (int j = 0; j < HD / 16; j++)
+                acc[g * (HD / 16) + j] = _mm512_fmadd_ps(pt, vt[j], acc[g * (HD / 16) + j]);
+        }
+    }
+}
+
+ALWAYS_INLINE void prefetch_rows(const char *p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+}
+
+/* One work item: the group of query heads of (r, h) over blocks [b0, b1). */
+ALWAYS_INLINE void run_item(const decode_args *a, int64_t h, const work_item *w,
+                            float *partial, const int HD, const int G, const int bf16) {
+    const int esz = bf16 ? 2 : 4;
+    const int64_t row = HD * esz, chunk_bytes = CHUNK * row;
+    const int64_t bs = a->block_size, ctx = a->ctx_lens[w->r];
+    const int64_t head0 = w->r * a->num_heads + h * G;
+    const char *q = (const char *)a->q + head0 * row;
+    const char *kh = (const char *)a->k_cache + h * a->num_blocks * bs * row;
+    const char *vh = (const char *)a->v_cache + h * a->num_blocks * bs * row;
+    const int64_t *table = a->block_table + w->r * a->max_blocks;
+    float m[FAST_GROUP_MAX];
+    __m512 l[FAST_GROUP_MAX], acc[FAST_GROUP_MAX * 8];
+    #pragma GCC unroll 64
+    for (int g = 0; g < G; g++) { m[g] = NEG_BIG; l[g] = _mm512_setzero_ps(); }
+    #pragma GCC unroll 64
+    for (int j = 0; j < G * (HD / 16); j++) acc[j] = _mm512_setzero_ps();
+
+    for (int64_t b = w->b0; b < w->b1; b++) {
+        const int64_t tokens = ctx - b * bs < bs ? ctx - b * bs : bs;
+        const char *kb = kh + table[b] * bs * row, *vb = vh + table[b] * bs * row;
+        for (int64_t t = 0; t < tokens; t += CHUNK) {
+            /* Fetch the next block while this one computes, unless it follows this one
+               in memory: then the hardware prefetcher streams it, and better. */
+            if (t == 0 && b + 1 < w->b1 && table[b + 1] != table[b] + 1) {
+                const int64_t nb = bs < CHUNK ? bs * row : chunk_bytes;
+                prefetch_rows(kh + table[b + 1] * bs * row, nb);
+                prefetch_rows(vh + table[b + 1] * bs * row, nb);
+            }
+            const int64_t n = tokens - t;
+            if (n >= CHUNK) {
+                fold_chunk(q, kb + t * row, vb + t * row, CHUNK, a->c, m, l, acc, HD, G, bf16);
+            } else {  /* the context's last tokens, or a block shorter than a chunk */
+                char kpad[CHUNK * 128 * 4] __attribute__((aligned(64)));
+                char vpad[CHUNK * 128 * 4] __attribute__((aligned(64)));
+                memcpy(kpad, kb + t * row, n * row);
+                memcpy(vpad, vb + t * row, n * row);
+                memset(kpad + n * row, 0, (CHUNK - n) * row);
+                memset(vpad + n * row, 0, (CHUNK - n) * row);
+                fold_chunk(q, kpad, vpad, n, a->c, m, l, acc, HD, G, bf16);
+            }
+        }
+    }
+
+    if (w->part < 0) {
+        char *o = (char *)a->out + head0 * HD * esz;
+        #pragma GCC unroll 64
+        for (int g = 0; g < G; g++) {
+            const float sum = _mm512_reduce_add_ps(l[g]);
+            const __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
+            #pragma GCC unroll 64
+            for (int j = 0; j < HD / 16; j++)
+                store16(o, (int64_t)g * HD + 16 * j, _mm512_mul_ps(acc[g * (HD / 16) + j], inv),
+                        bf16);
+        }
+    } else {
+        /* partial layout per (part, h): G x [max, sum, acc[HD]] */
+        float *p = partial + (w->part * a->num_kv_heads + h) * G * (HD + 2);
+        #pragma GCC unroll 64
+        for (int g = 0; g < G; g++, p += HD + 2) {
+            p[0] = m[g];
+            p[1] = _mm512_reduce_add_ps(l[g]);
+            #pragma GCC unroll 64
+            for (int j = 0; j < HD / 16; j++) _mm512_storeu_ps(p + 2 + 16 * j, acc[g * (HD / 16) + j]);
+        }
+    }
+}
+
+typedef void (*item_fn)(const decode_args *, int64_t, const work_item *, float *);
+
+#define ITEM_FN(B, HD, G) \
+    static void item_##B##_##HD##_##G(const decode_args *a, int64_t h, const work_item *w, \
+                                      float *partial) { run_item(a, h, w, partial, HD, G, B); }
+#define ITEM_FNS(B, HD) ITEM_FN(B, HD, 1) ITEM_FN(B, HD, 2) ITEM_FN(B, HD, 3) ITEM_FN(B, HD, 4) \
+    ITEM_FN(B, HD, 5) ITEM_FN(B, HD, 6) ITEM_FN(B, HD, 7) ITEM_FN(B, HD, 8)
+ITEM_FNS(0, 64)
+ITEM_FNS(0, 128)
+ITEM_FNS(1, 64)
+ITEM_FNS(1, 128)
+#define ITEM_ROW(B, HD) {item_##B##_##HD##_1, item_##B##_##HD##_2, item_##B##_##HD##_3, \
+    item_##B##_##HD##_4, item_##B##_##HD##_5, item_##B##_##HD##_6, item_##B##_##HD##_7, \
+    item_##B##_##HD##_8}
+static const item_fn ITEM_FNS_TABLE[2][2][FAST_GROUP_MAX] = {
+    {ITEM_ROW(0, 64), ITEM_ROW(0, 128)}, {ITEM_ROW(1, 64), ITEM_ROW(1, 128)}};
+
+/* Returns -1 when the shape has no fast path, else the kernel's status. */
+static int fast_decode(const decode_args *a, int64_t num_reqs, int64_t head_dim, int bf16) {
+    const int64_t group = a->num_heads / a->num_kv_heads;
+    if ((head_dim != 64 && head_dim != 128) || group < 1 || group > FAST_GROUP_MAX) return -1;
+    const item_fn fn = ITEM_FNS_TABLE[bf16][head_dim == 128][group - 1];
+    const int64_t bs = a->block_size, kvh = a->num_kv_heads;
+
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    int64_t total_blocks = 0, total_tokens = 0;
+    for (int64_t r = 0; r < num_reqs; r++) {
+        const int64_t ctx = a->ctx_lens[r] > 0 ? a->ctx_lens[r] : 0;
+        total_tokens += ctx;
+        total_blocks += (ctx + bs - 1) / bs;
+    }
+    const int64_t bytes = total_tokens * kvh * head_dim * 2 * (bf16 ? 2 : 4);
+    const int parallel = threads > 1 && bytes >= PARALLEL_MIN_BYTES;
+
+    /* Context range per work item, in blocks: whole contexts unless there are too few
+       (request, KV head) pairs to share among the threads. */
+    int64_t split_blocks = INT64_MAX;
+    const int64_t target = (int64_t)UNITS_PER_THREAD * threads;
+    if (parallel && num_reqs * kvh < target) {
+        const int64_t min_blocks = (MIN_SPLIT_TOKENS + bs - 1) / bs;
+        split_blocks = (total_blocks * kvh + target - 1) / target;
+        if (split_blocks < min_blocks) split_blocks = min_blocks;
+    }
+    int64_t num_items = 0;
+    for (int64_t r = 0; r < num_reqs; r++) {
+        const int64_t nb = (a->ctx_lens[r] > 0 ? a->ctx_lens[r] + bs - 1 : 0) / bs;
+        num_items += nb <= split_blocks ? 1 : (nb + split_blocks - 1) / split_blocks;
+    }
+    work_item *items = malloc(sizeof(work_item) * (num_items + num_reqs));
+    if (!items) return 2;
+    work_item *merges = items + num_items;  /* split requests: r, first part, count */
+    int64_t num_parts = 0, num_merges = 0, i = 0;
+    for (int64_t r = 0; r < num_reqs; r++) {
+        const int64_t nb = (a->ctx_lens[r] > 0 ? a->ctx_lens[r] + bs - 1 : 0) / bs;
+        if (nb <= split_blocks) {
+            items[i++] = (work_item){r, 0, nb, -1};
+            continue;
+        }
+        const int64_t parts = (nb + split_blocks - 1) / split_blocks;
+        merges[num_merges++] = (work_item){r, num_parts, parts, 0};
+        for (int64_t s = 0; s < parts; s++) {
+            const int64_t b0 = nb * s / parts, b1 = nb * (s + 1) / parts;
+            items[i++] = (work_item){r, b0, b1, num_parts++};
+        }
+    }
+    float *partial = NULL;
+    if (num_parts) {
+        partial = malloc(sizeof(float) * num_parts * kvh * group * (head_dim + 2));
+        if (!partial) { free(items); return 2; }
+    }
+
+    #pragma omp parallel if(parallel)
+    {
+        #pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t u = 0; u < num_items * kvh; u++)
+            fn(a, u % kvh, &items[u / kvh], partial);
+        if (num_merges) {
+            #pragma omp barrier
+            #pragma omp for schedule(static)
+            for (int64_t u = 0; u < num_merges * kvh; u++) {
+                const work_item *mg = &merges[u / kvh];
+                const int64_t h = u % kvh;
+                const int64_t stride = kvh * group * (head_dim + 2);
+                for (int64_t g = 0; g < group; g++) {
+                    const float *p0 = partial + (mg->b0 * kvh + h) * group * (head_dim + 2)
+                                      + g * (head_dim + 2);
+                    float mx = NEG_BIG;
+                    for (int64_t s = 0; s < mg->b1; s++)
+                        mx = p0[s * stride] > mx ? p0[s * stride] : mx;
+                    float sum = 0.f;
+                    __m512 o[8];
+                    for (int j = 0; j < head_dim / 16; j++) o[j] = _mm512_setzero_ps();
+                    for (int64_t s = 0; s < mg->b1; s++) {
+                        const float *ps = p0 + s * stride;
+                        const float ws = exp2f(ps[0] - mx);
+                        sum += ws * ps[1];
+                        for (int j = 0; j < head_dim / 16; j++)
+                            o[j] = _mm512_fmadd_ps(_mm512_set1_ps(ws),
+                                                   _mm512_loadu_ps(ps + 2 + 16 * j), o[j]);
+                    }
+                    const __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
+                    const int64_t base = (mg->r * a->num_heads + h * group + g) * head_dim;
+                    for (int j = 0; j < head_dim / 16; j++)
+                        store16(a->out, base + 16 * j, _mm512_mul_ps(o[j], inv), bf16);
+                }
+            }
+        }
+    }
+    free(partial);
+    free(items);
+    return 0;
+}
+#endif /* __AVX512F__ */
+
+/* ------------------------------------------------------------------------------------ */
+/* Exported entry points                                                                 */
+/* ------------------------------------------------------------------------------------ */
+
+#define DEFINE_PAGED_DECODE(NAME, T, GENERIC, BF16)                                         \
+int NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *block_table,       \
+         const int64_t *ctx_lens, T *out, int64_t num_reqs, int64_t num_heads,              \
+         int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,    \
+         int64_t max_blocks, float scale) {                                                 \
+    const int64_t group = num_heads / num_kv_heads;                                         \
+    if (group > MAX_GROUP || group * head_dim > MAX_GROUP_DIM                               \
+        || group * block_size > MAX_GROUP_TOKENS)                                           \
+        return 1;                                                                           \
+    FAST_PATH(BF16)                                                                         \
+    return GENERIC(q, k_cache, v_cache, block_table, ctx_lens, out, num_reqs, num_heads,    \
+                   num_kv_heads, head_dim, num_blocks, block_size, max_blocks, scale);      \
+}
+
+#if defined(__AVX512F__)
+#define FAST_PATH(BF16)                                                                     \
+    {                                                                                       \
+        const decode_args a = {q, k_cache, v_cache, block_table, ctx_lens, out, num_heads,  \
+                               num_kv_heads, num_blocks, block_size, max_blocks,            \
+                               scale * 1.4426950408889634f};                                \
+        const int status = fast_decode(&a, num_reqs, head_dim, BF16);                       \
+        if (status >= 0) return status;                                                     \
+    }
+#else
+#define FAST_PATH(BF16)
+#endif
+
+DEFINE_PAGED_DECODE(paged_decode_bf16, uint16_t, generic_decode_bf16, 1)
+DEFINE_PAGED_DECODE(paged_decode_f32, float, generic_decode_f32, 0)

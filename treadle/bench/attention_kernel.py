@@ -1,0 +1,125 @@
+"""Microbenchmark of the C decode-attention kernel (worker/kernels/paged_decode.c).
+
+Times `paged_decode` on the benchmark model's head layout (SmolLM2-135M: 9 query heads,
+3 KV heads, head_dim 64, block_size 16, bf16) for several (batch, context) shapes and
+prints JSON: milliseconds per call (best of several rounds) and the K/V read rate in GB/s
+(bytes of K and V actually attended, divided by the time).
+
+Like the model, each shape keeps one KV cache per layer and the timed loop cycles through
+them, so the caches do not stay in the CPU's last-level cache between calls; the blocks of
+each request are scattered at random in its cache, as after a while of serving.
+
+    python -m treadle.bench.attention_kernel                  # default shapes
+    python -m treadle.bench.attention_kernel --shapes 4x600 1x4000 --threads 1
+    python -m treadle.bench.attention_kernel --so old.so      # another build of the kernel
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import math
+import time
+
+import torch
+
+DEFAULT_SHAPES = ["1x4000", "4x600", "64x400", "256x200"]
+
+
+class SharedObjectKernel:
+    """`paged_decode` of a given shared object (one built from another version of
+    paged_decode.c, say), with NativeKernels.paged_decode's signature."""
+
+    def __init__(self, path: str) -> None:
+        lib = ctypes.CDLL(path)
+        self._decode = {torch.bfloat16: lib.paged_decode_bf16, torch.float32: lib.paged_decode_f32}
+        for fn in self._decode.values():
+            fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+            fn.restype = ctypes.c_int
+
+    def paged_decode(self, query, key_cache, value_cache, block_table, ctx_lens, out, scale):
+        num_reqs, num_heads, head_dim = query.shape
+        num_kv_heads, num_blocks, block_size, _ = key_cache.shape
+        status = self._decode[query.dtype](
+            query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+            block_table.data_ptr(), ctx_lens.data_ptr(), out.data_ptr(), num_reqs, num_heads,
+            num_kv_heads, head_dim, num_blocks, block_size, block_table.shape[1], scale)
+        if status != 0:
+            raise ValueError(f"paged_decode failed with status {status}")
+
+
+def _kernels(so: str | None):
+    if so:
+        return SharedObjectKernel(so)
+    from treadle.worker.native import load_kernels
+    kernels = load_kernels()
+    if kernels is None:
+        raise SystemExit("the C kernels could not be built")
+    return kernels
+
+
+def bench_shape(kernels, batch: int, context: int, *, num_heads: int = 9, num_kv_heads: int = 3,
+                head_dim: int = 64, block_size: int = 16, dtype: torch.dtype = torch.bfloat16,
+                min_cache_bytes: int = 256 << 20, max_layers: int = 30, rounds: int = 7,
+                min_round_s: float = 0.05, scattered: bool = True, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_req = (context + block_size - 1) // block_size
+    num_blocks = batch * blocks_per_req + 1
+    layer_bytes = 2 * num_kv_heads * num_blocks * block_size * head_dim * dtype.itemsize
+    layers = max(2, min(max_layers, math.ceil(min_cache_bytes / layer_bytes)))
+    caches = [torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim,
+                          generator=gen).to(dtype) for _ in range(layers)]
+    table = (torch.randperm(num_blocks - 1, generator=gen) if scattered
+             else torch.arange(num_blocks - 1))[:batch * blocks_per_req]
+    table = table.view(batch, blocks_per_req).contiguous()
+    ctx = torch.full((batch,), context, dtype=torch.long)
+    q = torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype)
+    out = torch.empty_like(q)
+    scale = head_dim ** -0.5
+
+    def one_pass():
+        for c in caches:
+            kernels.paged_decode(q, c[0], c[1], table, ctx, out, scale)
+
+    one_pass()  # warm up (page faults, thread pool)
+    passes = max(1, math.ceil(min_round_s / max(_timed(one_pass), 1e-6)))
+    best = math.inf
+    for _ in range(rounds):
+        elapsed = _timed(lambda: [one_pass() for _ in range(passes)])
+        best = min(best, elapsed / (passes * layers))
+    kv_bytes = 2 * batch * context * num_kv_heads * head_dim * dtype.itemsize
+    return {"batch": batch, "context": context, "layers_cycled": layers,
+            "ms_per_call": round(best * 1e3, 4), "kv_bytes_per_call": kv_bytes,
+            "gb_per_s": round(kv_bytes / best / 1e9, 2)}
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES,
+                        help="BATCHxCONTEXT pairs (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=None, help="OpenMP/torch threads")
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds, best kept")
+    parser.add_argument("--so", default=None, help="a shared object to load instead of the "
+                        "kernels that treadle builds")
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    kernels = _kernels(args.so)
+    results = []
+    for spec in args.shapes:
+        batch, context = (int(x) for x in spec.lower().split("x"))
+        results.append(bench_shape(kernels, batch, context, rounds=args.rounds))
+    print(json.dumps({"layout": {"num_heads": 9, "num_kv_heads": 3, "head_dim": 64,
+                                 "block_size": 16, "dtype": "bfloat16"},
+                      "threads": torch.get_num_threads(), "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
