@@ -1,6 +1,7 @@
 """The batched sampler: filters and penalties match transformers' logits processors,
 sampling follows the filtered distribution (chi-square), seeds are independent of the
-batch, and logprobs come from the raw logits."""
+batch, and logprobs come from the raw logits. Sampling tests run on both paths: the torch
+fallback and the C kernel (which must build where gcc is available)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,18 @@ from transformers.generation.logits_process import (MinPLogitsWarper,
                                                     TopPLogitsWarper)
 
 from treadle.sampling_params import SamplingParams
+from treadle.worker.native import load_kernels
 from treadle.worker.sampler import Sampler, prompt_logprobs
+
+
+@pytest.fixture(params=["torch", "native"])
+def kernels(request):
+    """None (the torch path) or the C kernels."""
+    if request.param == "torch":
+        return None
+    k = load_kernels()
+    assert k is not None, "the C kernels must build on the test machine (gcc is required)"
+    return k
 
 
 def reference(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -87,7 +99,7 @@ def test_presence_and_frequency_penalties_follow_openai():
     torch.testing.assert_close(ours, expected)
 
 
-def test_logit_bias_and_min_tokens():
+def test_logit_bias_and_min_tokens(kernels):
     logits = torch.zeros(3, 10)
     params = [SamplingParams(temperature=0, logit_bias={4: 5.0, 9: -100}),
               SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[7]),
@@ -97,11 +109,12 @@ def test_logit_bias_and_min_tokens():
     assert ours[0, 4] == 5.0 and ours[0, 9] == -100.0
     assert ours[1, 2] == -math.inf and ours[1, 7] == -math.inf  # 2 tokens < min_tokens
     assert torch.isfinite(ours[2]).all()                       # 3 tokens: free to stop
-    out = Sampler(0).sample(logits.clone(), ["a", "b", "c"], params, None, outputs, 2)
+    out = Sampler(0, kernels).sample(logits.clone(), ["a", "b", "c"], params, None, outputs, 2)
     assert out.token_ids[0] == 4
+    assert out.token_ids[1] not in (2, 7)
 
 
-def test_greedy_rows_take_the_argmax_of_adjusted_logits():
+def test_greedy_rows_take_the_argmax_of_adjusted_logits(kernels):
     torch.manual_seed(2)
     logits = torch.randn(4, 100)
     top = logits.argmax(-1)
@@ -109,11 +122,12 @@ def test_greedy_rows_take_the_argmax_of_adjusted_logits():
               SamplingParams(temperature=0, logit_bias={int(top[1]): -100.0}),
               SamplingParams(temperature=1.0, seed=3),
               SamplingParams(temperature=0, top_k=3)]
-    out = Sampler(0).sample(logits.clone(), list("abcd"), params)
+    out = Sampler(0, kernels).sample(logits.clone(), list("abcd"), params)
     assert out.token_ids[0] == top[0] and out.token_ids[3] == top[3]
     assert out.token_ids[1] == logits[1].topk(2).indices[1]
-    assert Sampler(0).sample(logits.clone(), list("abcd"), [SamplingParams(temperature=0)] * 4
-                             ).token_ids == top.tolist()
+    assert Sampler(0, kernels).sample(logits.clone(), list("abcd"),
+                                      [SamplingParams(temperature=0)] * 4
+                                      ).token_ids == top.tolist()
 
 
 def _chi_square_bound(dof: int, z: float = 3.09) -> float:
@@ -128,12 +142,12 @@ def _chi_square_bound(dof: int, z: float = 3.09) -> float:
     SamplingParams(temperature=1.2, top_p=0.7),
     SamplingParams(temperature=1.0, min_p=0.1),
 ], ids=["t1", "t0.6", "topk6", "topp0.7", "minp0.1"])
-def test_empirical_frequencies_match_the_distribution(params):
+def test_empirical_frequencies_match_the_distribution(params, kernels):
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(40, generator=gen) * 1.5
     expected = Sampler(0).processed_logits(logits[None], [params])[0].softmax(-1)
     num_draws = 20000
-    out = Sampler(1234).sample(logits.expand(num_draws, -1).clone(),
+    out = Sampler(1234, kernels).sample(logits.expand(num_draws, -1).clone(),
                                [str(i) for i in range(num_draws)], [params] * num_draws)
     counts = torch.bincount(torch.tensor(out.token_ids), minlength=40).double()
     assert (counts[expected == 0] == 0).all()  # nothing outside the filtered set
@@ -149,13 +163,13 @@ def test_empirical_frequencies_match_the_distribution(params):
     SamplingParams(temperature=1.0, top_p=0.9, min_p=0.02),
     SamplingParams(temperature=1.0, top_k=300, top_p=0.95),
 ], ids=["t1", "topp0.8", "topp-minp", "topk-topp"])
-def test_frequencies_over_a_large_vocabulary(params):
+def test_frequencies_over_a_large_vocabulary(params, kernels):
     # 5000 ids: the two-level inverse CDF (block sums) and top-p rejection rounds. Tokens
     # expected fewer than 5 times are pooled into one bin.
     gen = torch.Generator().manual_seed(6)
     logits = torch.randn(5000, generator=gen) * 2.5
     expected = Sampler(0).processed_logits(logits[None], [params])[0].softmax(-1).double()
-    num_draws, sampler, tokens = 12000, Sampler(77), []
+    num_draws, sampler, tokens = 12000, Sampler(77, kernels), []
     for _ in range(6):
         tokens += sampler.sample(logits.expand(2000, -1).clone(), ["x"] * 2000,
                                  [params] * 2000).token_ids
@@ -169,11 +183,11 @@ def test_frequencies_over_a_large_vocabulary(params):
     assert chi2 < _chi_square_bound(int(keep.sum()) - 1), chi2
 
 
-def test_seeded_rows_do_not_depend_on_the_batch():
+def test_seeded_rows_do_not_depend_on_the_batch(kernels):
     torch.manual_seed(3)
     steps = [torch.randn(1, 500) * 2 for _ in range(12)]
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=77)
-    alone, crowded = Sampler(0), Sampler(99)
+    alone, crowded = Sampler(0, kernels), Sampler(99, kernels)
     a, b = [], []
     for i, row in enumerate(steps):
         a += alone.sample(row.clone(), ["r"], [seeded]).token_ids
@@ -188,21 +202,22 @@ def test_seeded_rows_do_not_depend_on_the_batch():
         ids[pos] = "r"
         b.append(crowded.sample(batch, ids, params).token_ids[pos])
     assert a == b
-    other_seed = Sampler(0)
+    other_seed = Sampler(0, kernels)
     c = [other_seed.sample(r.clone(), ["r"], [SamplingParams(temperature=1.0, top_p=0.9,
                                                              seed=78)]).token_ids[0]
          for r in steps]
     assert c != a
 
 
-def test_logprobs_come_from_the_raw_logits():
+def test_logprobs_come_from_the_raw_logits(kernels):
     torch.manual_seed(4)
     logits = torch.randn(3, 200) * 2
     raw = logits.log_softmax(-1)
     params = [SamplingParams(temperature=0.5, top_k=3, logprobs=5, presence_penalty=2.0),
               SamplingParams(temperature=0, logprobs=0),
               SamplingParams(temperature=1.0)]
-    out = Sampler(0).sample(logits.clone(), list("abc"), params, None, [[7, 8], [], []])
+    out = Sampler(0, kernels).sample(logits.clone(), list("abc"), params, None,
+                                     [[7, 8], [], []])
     first, second, third = out.logprobs
     assert third is None
     assert first.token_ids[0] == out.token_ids[0]

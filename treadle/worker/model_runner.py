@@ -58,7 +58,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor],
                  block_size: int, seed: int, kernels=None,
                  swap_caches: list[torch.Tensor] | None = None) -> None:
-        """`kernels` (worker.native.NativeKernels) runs decode attention when given;
+        """`kernels` (worker.native.NativeKernels) runs decode attention and sampling when given;
         `swap_caches` hold swapped-out blocks (same layout as kv_caches)."""
         self.model = model
         self.kernels = kernels
@@ -68,7 +68,7 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         _, self.num_kv_heads, self.num_cache_blocks = kv_caches[0].shape[:3]
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, kernels)
         self.eos_token_id: int | None = None
         """The model's end-of-sequence id, masked until a request's min_tokens."""
         self.timings = RunnerTimings()

@@ -1,22 +1,43 @@
 """Batched sampling of the next token from each request's logits, and logprobs.
 
-One vectorized pass over the batch, each row with its own SamplingParams, in vLLM's
-order: logit_bias, min_tokens masking and penalties on the raw logits, then temperature
--> top-k -> top-p -> min-p -> sample. Greedy rows take the argmax of the adjusted logits.
+One pass over the batch, each row with its own SamplingParams, in vLLM's order:
+logit_bias, min_tokens masking and penalties on the raw logits, then temperature -> top-k
+-> top-p -> min-p -> sample. Greedy rows take the argmax of the adjusted logits.
 
-How it stays cheap on a [256, 49152] batch: rows are grouped by kind (greedy, top-k,
-top-p, neither; `group_order`, which the model runner applies before computing logits, so
-each group is a contiguous slice and no row is copied) and every step works in place on
-its slice: the logits become weights exp((x - max) / T) once, sampling is an inverse CDF
-over block sums (one read of the row), top-k rows use `torch.topk` candidates, and top-p
-without top-k is exact rejection sampling (draw; accept when the tokens more likely than
-the draw weigh less than top_p; else drop every token no more likely and draw again), so
-no row sorts the vocabulary. Logprobs come from the raw logits of the same call.
+Semantics of the filters (transformers' warpers): top-k keeps the k most likely tokens and
+every token tied with the k-th; top-p renormalizes over the top-k set and keeps a token
+while the tokens more likely than it weigh less than top_p (tied tokens are kept or
+dropped together); min-p keeps tokens at least min_p times as likely as the best.
 
-A seeded request draws its uniform numbers from its own generator only, so its tokens do
-not depend on the rest of the batch (a request recomputed after preemption samples once,
-at its last token). The sampler holds no request state beyond those generators; it never
-decides which requests run and never touches the KV cache.
+Two implementations, same distribution:
+
+* The C kernel (worker/kernels/sampling.c, when `kernels` is given: the model runner
+  passes the engine's NativeKernels). logit_bias, min_tokens and the penalties touch few
+  entries and are applied here, in place; then one kernel call samples every row, rows in
+  parallel. Each row is read from memory once; in cache, its max, its weights
+  exp((x - max) / T), the top-k and top-p cuts (a threshold on the logit, found by a
+  histogram of counts or weights over logit buckets and a selection within one bucket, or
+  among the few candidates above a bound estimated from a sample of the row), min-p, and
+  the inverse CDF at the row's uniform number. No row is sorted and the logits are not
+  modified, so the logprob rows only get their few adjusted entries back before a second
+  kernel call computes log-sum-exp, rank and top-N of the raw logits.
+* The torch fallback, when no C compiler is available. Rows are grouped by kind (greedy,
+  top-k, top-p, neither; `group_order`, which the model runner applies before computing
+  logits, so each group is a contiguous slice and no row is copied) and every step works
+  in place on its slice: the logits become weights exp((x - max) / T) once, sampling is an
+  inverse CDF over block sums (one read of the row), top-k rows use `torch.topk`
+  candidates (keeping exactly k on a tie at the k-th logit), and top-p without top-k is
+  exact rejection sampling (draw; accept when the tokens more likely than the draw weigh
+  less than top_p; else drop every token no more likely and draw again).
+
+A row draws one uniform number per step (the torch path's top-p rejections draw more),
+and a seeded request draws from its own generator only, so its tokens do not depend on
+the rest of the batch (a request recomputed after preemption samples once, at its last
+token). The two paths map uniform numbers to tokens differently (the torch path walks
+top-k candidates by rank and draws again after a top-p rejection), so a seeded request's
+tokens are reproducible on one path, not across them. The sampler holds no request state
+beyond those generators; it never decides which requests run and never touches the KV
+cache.
 """
 
 from __future__ import annotations
@@ -63,9 +84,11 @@ class SamplerOutput:
 class Sampler:
     """Chooses one token per row of logits."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, kernels=None) -> None:
+        """`kernels` (worker.native.NativeKernels): sample with the C kernel when given."""
         self._generator = torch.Generator().manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
+        self.kernels = kernels
 
     def drop(self, request_ids: set[str]) -> None:
         """Forget the generators of requests that have ended."""
@@ -93,7 +116,11 @@ class Sampler:
                eos_token_id: int | None = None) -> SamplerOutput:
         """logits: [num_rows, vocab] float32, overwritten. Per row: its request id,
         parameters, prompt and generated tokens so far (for penalties and min_tokens).
-        Rows in `group_order` are sampled in place; others are first copied into it."""
+        Rows in `group_order` are sampled in place; others are first copied into it
+        (the C kernel takes rows in any order)."""
+        if self.kernels is not None and logits.dtype == torch.float32 and logits.stride(1) == 1:
+            return self._sample_native(logits, request_ids, params, prompt_token_ids,
+                                       output_token_ids, eos_token_id)
         num_rows = logits.shape[0]
         order = group_order(params)
         if order != list(range(num_rows)):
@@ -130,6 +157,52 @@ class Sampler:
                 entries[i] = entry
         return SamplerOutput(tokens.tolist(), entries)
 
+    def _sample_native(self, logits: torch.Tensor, request_ids: Sequence[str],
+                       params: Sequence[SamplingParams],
+                       prompt_token_ids: Sequence[Sequence[int]] | None,
+                       output_token_ids: Sequence[Sequence[int]] | None,
+                       eos_token_id: int | None) -> SamplerOutput:
+        """`sample` through the C kernel: penalties in place here, then one kernel call for
+        every row; the logprob rows get their raw logits back (the kernel leaves the
+        logits as it found them, so only the few adjusted entries need restoring)."""
+        num_rows = logits.shape[0]
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        saved = adjust_logits(logits, params, prompt_token_ids, output_token_ids,
+                              eos_token_id, save_rows=logprob_rows)
+        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        u = torch.zeros(num_rows, dtype=torch.float64)
+        if random_rows:
+            u[random_rows] = self._draw([request_ids[i] for i in random_rows],
+                                        [params[i] for i in random_rows])
+        # Greedy rows: inverse temperature 0. 1 / T is rounded to float32 as in the torch path.
+        inv_t = torch.tensor([0.0 if p.is_greedy else 1.0 / p.temperature for p in params],
+                             dtype=torch.float32)
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+        tokens = self.kernels.sample(logits, inv_t, top_k, top_p, min_p, u)
+
+        entries: list[TokenLogprobs | None] = [None] * num_rows
+        if logprob_rows:
+            for rows, cols, values in reversed(saved):
+                logits[rows, cols] = values
+            rows = torch.tensor(logprob_rows, dtype=torch.int64)
+            num_top = [params[i].logprobs for i in logprob_rows]
+            stats = self.kernels.logprobs(logits, rows, tokens[rows].contiguous(),
+                                          max(num_top))
+            chosen = logits[rows, tokens[rows]].double()
+            chosen_lps = (chosen - stats.lse).tolist()
+            ranks, lse = stats.ranks.tolist(), stats.lse
+            top_lps = (stats.top_values.double() - lse.unsqueeze(1)).tolist()
+            top_ids = stats.top_ids.tolist()
+            token_list = tokens.tolist()
+            for j, (i, n) in enumerate(zip(logprob_rows, num_top)):
+                entries[i] = TokenLogprobs([token_list[i]] + top_ids[j][:n],
+                                           [chosen_lps[j]] + top_lps[j][:n],
+                                           [ranks[j]] + list(range(1, n + 1)))
+            return SamplerOutput(token_list, entries)
+        return SamplerOutput(tokens.tolist(), entries)
+
     @torch.inference_mode()
     def processed_logits(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                          prompt_token_ids: Sequence[Sequence[int]] | None = None,
@@ -144,28 +217,43 @@ class Sampler:
             if p.is_greedy:
                 continue
             row = x[i:i + 1] / p.temperature
-            vals, idx = row.topk(p.top_k or row.shape[1], dim=-1)
+            vals = row.topk(p.top_k or row.shape[1], dim=-1).values
             keep = int(_keep_counts(vals, [p])[0])
-            x[i] = float("-inf")
-            x[i, idx[0, :keep]] = vals[0, :keep]
+            # Every logit equal to the last kept one is kept too (transformers' top-k).
+            x[i] = torch.where(row[0] >= vals[0, keep - 1], row[0], float("-inf"))
         return x
 
 
 def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
                   prompt_token_ids: Sequence[Sequence[int]] | None,
                   output_token_ids: Sequence[Sequence[int]] | None,
-                  eos_token_id: int | None) -> None:
+                  eos_token_id: int | None, save_rows: Sequence[int] = ()
+                  ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Apply logit_bias, min_tokens masking and the penalties, in place, on raw logits.
 
     Repetition (transformers): each distinct token of prompt + output, logit / p when
     positive, * p otherwise. Frequency and presence (OpenAI): logit -= frequency * count
     + presence * (count > 0), counts over the output only. Work is per token, not per
     vocabulary entry: only the logits of tokens that appear are touched.
+
+    Returns, for the rows in `save_rows`, the (rows, cols, values) each change overwrote,
+    in order: written back in reverse order, they restore the raw logits.
     """
     vocab = logits.shape[1]
     num_rows = logits.shape[0]
     outputs = output_token_ids if output_token_ids is not None else [()] * num_rows
     prompts = prompt_token_ids if prompt_token_ids is not None else [()] * num_rows
+    saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    save_mask = None
+    if save_rows:
+        save_mask = torch.zeros(num_rows, dtype=torch.bool)
+        save_mask[list(save_rows)] = True
+
+    def remember(r: torch.Tensor, c: torch.Tensor) -> None:
+        if save_mask is not None:
+            keep = save_mask[r]
+            if bool(keep.any()):
+                saved.append((r[keep], c[keep], logits[r[keep], c[keep]].clone()))
 
     rows, cols, values = [], [], []
     for i, p in enumerate(params):
@@ -176,8 +264,9 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
                     cols.append(token_id)
                     values.append(bias)
     if rows:
-        logits.index_put_((torch.tensor(rows), torch.tensor(cols)),
-                          torch.tensor(values, dtype=logits.dtype), accumulate=True)
+        r, c = torch.tensor(rows), torch.tensor(cols)
+        remember(r, c)
+        logits.index_put_((r, c), torch.tensor(values, dtype=logits.dtype), accumulate=True)
 
     rows, cols = [], []
     for i, p in enumerate(params):
@@ -189,7 +278,9 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
             rows += [i] * len(banned)
             cols += banned
     if rows:
-        logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
+        r, c = torch.tensor(rows), torch.tensor(cols)
+        remember(r, c)
+        logits[r, c] = float("-inf")
 
     rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if rep:
@@ -199,6 +290,7 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
             pen = torch.tensor([params[i].repetition_penalty for i in rep],
                                dtype=logits.dtype)
             pen = pen[torch.searchsorted(torch.tensor(rep), r)]
+            remember(r, c)
             v = logits[r, c]
             logits[r, c] = torch.where(v > 0, v / pen, v * pen)
 
@@ -214,7 +306,9 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
                              dtype=logits.dtype)[index]
             pres = torch.tensor([params[i].presence_penalty for i in freq],
                                 dtype=logits.dtype)[index]
+            remember(r, c)
             logits[r, c] -= f * counts.to(logits.dtype) + pres
+    return saved
 
 
 def _distinct_pairs(token_lists, lengths: list[int], rows: list[int], vocab: int,
