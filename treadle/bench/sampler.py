@@ -7,7 +7,9 @@ logprobs); for steps where all 256 only decode, it reports the median whole-step
 the median time inside the sampler (logits of the model, penalties over real token
 histories), and the share. It also times the sampler alone on synthetic [256, 49152]
 logits, peaked (typical of a trained model) and flat (the demo's random weights, the worst
-case for top-p). It reports what it measured; nothing here is a target.
+case for top-p), through the C kernel (as the engine runs it when the kernels build) and
+through the torch fallback (`_torch` keys). It reports what it measured; nothing here is a
+target.
 
 Run: `python -m treadle.bench.sampler [--steps N] [--repeats N]` (prints JSON).
 """
@@ -42,10 +44,13 @@ def mixed_params(num_requests: int, max_tokens: int = 64):
 
 
 def sampler_alone(num_requests: int = 256, vocab_size: int = 49152, scale: float = 3.0,
-                  history: int = 512, repeats: int = 5, seed: int = 0) -> dict:
-    """Median seconds of one Sampler.sample call on [num_requests, vocab] logits."""
+                  history: int = 512, repeats: int = 5, seed: int = 0,
+                  native: bool = True) -> dict:
+    """Median seconds of one Sampler.sample call on [num_requests, vocab] logits, with the
+    C kernel (when it builds and `native`) or the torch path."""
     import torch
 
+    from treadle.worker.native import load_kernels
     from treadle.worker.sampler import Sampler
 
     gen = torch.Generator().manual_seed(seed)
@@ -55,7 +60,8 @@ def sampler_alone(num_requests: int = 256, vocab_size: int = 49152, scale: float
                for _ in range(num_requests)]
     outputs = [p[:history // 8] for p in prompts]
     ids = [str(i) for i in range(num_requests)]
-    sampler = Sampler(seed)
+    kernels = load_kernels() if native else None
+    sampler = Sampler(seed, kernels)
     times = []
     for _ in range(repeats + 1):
         x = logits.clone()
@@ -63,6 +69,7 @@ def sampler_alone(num_requests: int = 256, vocab_size: int = 49152, scale: float
         sampler.sample(x, ids, params, prompts, outputs, eos_token_id=2)
         times.append(time.perf_counter() - t0)
     return {"logit_scale": scale, "history_tokens": history,
+            "path": "native" if kernels is not None else "torch",
             "median_s": statistics.median(times[1:])}
 
 
@@ -105,12 +112,14 @@ def run(steps: int = 5, repeats: int = 5, num_threads: int | None = None) -> dic
     import torch
 
     in_step = sampler_in_step(steps=steps, num_threads=num_threads)
-    peaked = sampler_alone(scale=3.0, repeats=repeats)
-    flat = sampler_alone(scale=0.05, repeats=repeats)
     step_s = in_step["median_step_s"]
-    return {"torch_threads": torch.get_num_threads(), "in_step": in_step,
-            "alone_peaked": dict(peaked, share_of_step=peaked["median_s"] / step_s),
-            "alone_flat": dict(flat, share_of_step=flat["median_s"] / step_s)}
+    out = {"torch_threads": torch.get_num_threads(), "in_step": in_step}
+    for native in (True, False):
+        for name, scale in (("peaked", 3.0), ("flat", 0.05)):
+            alone = sampler_alone(scale=scale, repeats=repeats, native=native)
+            key = f"alone_{name}" + ("" if alone["path"] == "native" else "_torch")
+            out[key] = dict(alone, share_of_step=alone["median_s"] / step_s)
+    return out
 
 
 def main() -> None:
