@@ -205,15 +205,9 @@ class AsyncEngine:
     def _step(self) -> None:
         num_scheduled_before = self.core.scheduler.stats.num_scheduled_requests
         core_outputs = self.core.step()
-        request_outputs, to_stop = self.processor.process(core_outputs)
-        for engine_id in to_stop:
-            self.core.stop_request(engine_id)
-        rejected = []
-        for request_id in self.processor.requests_to_add():  # samples 1..n-1 of n > 1
-            if request_id in self._streams:
-                rejected += self._add_engine_requests(request_id)
-        if rejected:
-            request_outputs += self.processor.process(rejected)[0]
+        request_outputs = self.processor.after_step(
+            self.core, core_outputs,
+            lambda rid: self._add_engine_requests(rid) if rid in self._streams else [])
         sched = self.core.scheduler
         self.metrics.record_step(
             self.core.stats(), sched.num_running, sched.num_waiting, sched.num_swapped,

@@ -143,14 +143,8 @@ class LLM:
                     raise RuntimeError(f"{len(pending)} requests neither run nor finished")
                 core_outputs = self.engine.step()
                 num_output_tokens += sum(len(o.new_token_ids) for o in core_outputs)
-                outputs, to_stop = self.processor.process(core_outputs)
-                for engine_id in to_stop:
-                    self.engine.stop_request(engine_id)
-                rejected = []
-                for request_id in self.processor.requests_to_add():  # samples 1..n-1
-                    rejected += self._add_ready_samples(request_id)
-                if rejected:
-                    outputs += self.processor.process(rejected)[0]
+                outputs = self.processor.after_step(self.engine, core_outputs,
+                                                    self._add_ready_samples)
                 for output in outputs:
                     if output.finished and output.request_id in pending:
                         pending.discard(output.request_id)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from treadle.core.outputs import EngineCoreOutput, PromptLogprobs, TokenLogprobs
 from treadle.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher, make_decode
@@ -269,6 +270,22 @@ class OutputProcessor:
         for state in changed.values():
             results.append(self._finish(state) if state.finished else self._snapshot(state))
         return results, to_stop
+
+    def after_step(self, core, core_outputs: list[EngineCoreOutput],
+                   add_ready: Callable[[str], list[EngineCoreOutput]]) -> list[RequestOutput]:
+        """Everything a driver does with one step's outputs, in order: process them, stop
+        in `core` the requests whose stop string matched, hand the samples that became
+        ready (n > 1) to the core through `add_ready(request_id)` (which returns the core's
+        rejections), and return the user-facing outputs, rejections included."""
+        outputs, to_stop = self.process(core_outputs)
+        for engine_id in to_stop:
+            core.stop_request(engine_id)
+        rejected: list[EngineCoreOutput] = []
+        for request_id in self.requests_to_add():
+            rejected += add_ready(request_id)
+        if rejected:
+            outputs += self.process(rejected)[0]
+        return outputs
 
     def _update(self, state: _UserRequest, sample: _Sample, out: EngineCoreOutput) -> bool:
         """Apply one output to one sample; True when a stop string ended it."""
