@@ -18,7 +18,8 @@
  *    block_size): the 16 scores of a chunk come from vector dot products (bf16 pairs with
  *    vdpbf16ps when available, exact products, fp32 sums) folded by one transpose-reduce,
  *    one online-softmax update per chunk with a vectorised exp2, values accumulated in
- *    fp32. Work is split over (request, KV head) and, when there are too few of those to
+ *    fp32; the next block is prefetched when it does not follow the current one in
+ *    memory. Work is split over (request, KV head) and, when there are too few of those to
  *    keep every thread busy (small batches, long contexts), over context ranges too, whose
  *    partial softmaxes are merged at the end (flash-decoding).
  *  - generic path (any shape, any CPU): the plain loops below, auto-vectorised by gcc.
@@ -148,9 +149,9 @@ DEFINE_GENERIC_DECODE(generic_decode_f32, float, f32_load, f32_store)
 /* Fewer (request, KV head) pairs than this many per thread: split the contexts too. */
 #define UNITS_PER_THREAD 8
 #define MIN_SPLIT_TOKENS 128     /* no context range shorter than this */
-#ifndef V_UNROLL
+/* Tokens per iteration of the value loop: unrolling all 16 compiles twice as slowly
+   (every shape is instantiated) for no measurable gain. */
 #define V_UNROLL 4
-#endif
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define PRAGMA(x) _Pragma(#x)
@@ -319,6 +320,8 @@ ALWAYS_INLINE void run_item(const decode_args *a, int64_t h, const work_item *w,
     #pragma GCC unroll 64
     for (int j = 0; j < G * (HD / 16); j++) acc[j] = _mm512_setzero_ps();
 
+    char kpad[CHUNK * 128 * 4] __attribute__((aligned(64)));
+    char vpad[CHUNK * 128 * 4] __attribute__((aligned(64)));
     for (int64_t b = w->b0; b < w->b1; b++) {
         const int64_t tokens = ctx - b * bs < bs ? ctx - b * bs : bs;
         const char *kb = kh + table[b] * bs * row, *vb = vh + table[b] * bs * row;
@@ -330,18 +333,17 @@ ALWAYS_INLINE void run_item(const decode_args *a, int64_t h, const work_item *w,
                 prefetch_rows(kh + table[b + 1] * bs * row, nb);
                 prefetch_rows(vh + table[b + 1] * bs * row, nb);
             }
-            const int64_t n = tokens - t;
-            if (n >= CHUNK) {
-                fold_chunk(q, kb + t * row, vb + t * row, CHUNK, a->c, m, l, acc, HD, G, bf16);
-            } else {  /* the context's last tokens, or a block shorter than a chunk */
-                char kpad[CHUNK * 128 * 4] __attribute__((aligned(64)));
-                char vpad[CHUNK * 128 * 4] __attribute__((aligned(64)));
-                memcpy(kpad, kb + t * row, n * row);
-                memcpy(vpad, vb + t * row, n * row);
+            const int64_t n = tokens - t < CHUNK ? tokens - t : CHUNK;
+            const char *kc = kb + t * row, *vc = vb + t * row;
+            if (n < CHUNK) {  /* the context's last tokens, or a block shorter than a chunk */
+                memcpy(kpad, kc, n * row);
+                memcpy(vpad, vc, n * row);
                 memset(kpad + n * row, 0, (CHUNK - n) * row);
                 memset(vpad + n * row, 0, (CHUNK - n) * row);
-                fold_chunk(q, kpad, vpad, n, a->c, m, l, acc, HD, G, bf16);
+                kc = kpad;
+                vc = vpad;
             }
+            fold_chunk(q, kc, vc, n, a->c, m, l, acc, HD, G, bf16);
         }
     }
 
