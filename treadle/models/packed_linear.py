@@ -6,6 +6,10 @@ step and ~15% faster at 64 rows (measured on the benchmark model's shapes, 2 cor
 torch 2.13), with the same results. The packed kernel is a torch-internal op (the one
 inductor uses for frozen CPU models), so it is probed once and the plain `F.linear`
 path is kept wherever the probe fails or the dtype is not bfloat16.
+
+At the few rows of a decode step, a C kernel that streams the original [out, in] weight
+(worker/native_linear.py, `NativeLayerOps.linear`) is faster still; the engine attaches
+it with `attach_native_ops`, and `apply_linear` takes it first wherever it applies.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 _PACKED = "packed_weight"
+_NATIVE = "native_ops"
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -65,14 +70,28 @@ def pack_linear_weights(model: nn.Module) -> int:
     return count
 
 
+def attach_native_ops(model: nn.Module, ops) -> None:
+    """Give every nn.Linear of `model` the small-batch kernels `ops`
+    (worker.native_linear.NativeLayerOps; None detaches them)."""
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.__dict__[_NATIVE] = ops
+
+
 def apply_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 packed: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T + bias, through `packed` when given."""
+                 packed: torch.Tensor | None, native=None) -> torch.Tensor:
+    """x @ weight.T + bias: through `native` (NativeLayerOps) where it covers x, else
+    through `packed` when given, else F.linear."""
+    if native is not None:
+        y = native.linear(x, weight, bias)
+        if y is not None:
+            return y
     if packed is not None:
         return _packed_linear(x, packed, bias)
     return F.linear(x, weight, bias)
 
 
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """`layer(x)`, through the packed weight when the layer has one."""
-    return apply_linear(x, layer.weight, layer.bias, layer.__dict__.get(_PACKED))
+    """`layer(x)`, through the native kernel or the packed weight when the layer has one."""
+    state = layer.__dict__
+    return apply_linear(x, layer.weight, layer.bias, state.get(_PACKED), state.get(_NATIVE))

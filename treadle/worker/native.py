@@ -68,6 +68,8 @@ class NativeKernels:
     """Typed wrappers around the compiled kernels."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        """The loaded library; worker/native_linear.py wraps its bf16 layer kernels."""
         self._decode = {torch.bfloat16: lib.paged_decode_bf16, torch.float32: lib.paged_decode_f32}
         for fn in self._decode.values():
             fn.argtypes = _ARGTYPES

@@ -1,0 +1,110 @@
+"""The small-batch bf16 C kernels (worker/native_linear.py) against torch: the linear layer
+against F.linear in float32 rounded to bf16, the fused residual-add + RMSNorm and
+silu * mul against the model's torch code, and the fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from treadle.models.llama import rms_norm
+from treadle.models.packed_linear import apply_linear, pack_weight
+from treadle.worker.native import load_kernels
+from treadle.worker.native_linear import NativeLayerOps
+
+
+@pytest.fixture(scope="module")
+def ops():
+    kernels = load_kernels()
+    assert kernels is not None, "the C kernels must build on the test machine (gcc is required)"
+    layer_ops = NativeLayerOps.load(kernels.lib)
+    if layer_ops is None:
+        pytest.skip("the build machine has no AVX512-BF16")
+    return layer_ops
+
+
+def reference(x, w, b):
+    return F.linear(x.float(), w.float(), None if b is None else b.float())
+
+
+def assert_bf16_close(got: torch.Tensor, ref32: torch.Tensor) -> None:
+    """Within one bf16 rounding of the float32 result (plus float32 summation slack)."""
+    assert got.dtype == torch.bfloat16 and got.shape == ref32.shape
+    torch.testing.assert_close(got.float(), ref32, rtol=2 ** -8, atol=1e-3)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("n, k", [(1, 1), (5, 31), (17, 33), (49, 100), (960, 576),
+                                  (576, 1536), (100, 577)])
+def test_linear_matches_float32_reference(ops, n, k, bias):
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
+    for m in range(1, ops.max_rows + 1):
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        ref = reference(x, w, b)
+        got = ops.linear(x, w, b)
+        assert_bf16_close(got, ref)
+        # fp32 accumulation and round-to-nearest-even: almost every output is the
+        # correctly rounded float32 result.
+        assert (got != ref.to(torch.bfloat16)).float().mean() < 0.01
+
+
+def test_linear_strided_rows_and_threads(ops):
+    gen = torch.Generator().manual_seed(1)
+    wide = torch.randn(7, 300, generator=gen).to(torch.bfloat16)
+    x = wide[:, 10:266]  # rows 300 apart
+    w = torch.randn(333, 256, generator=gen).to(torch.bfloat16)
+    got = ops.linear(x, w, None)
+    assert_bf16_close(got, reference(x, w, None))
+    assert torch.equal(ops.linear(x, w, None, threads=1), got)
+    assert torch.equal(ops.linear(x.contiguous(), w, None, threads=2), got)
+
+
+def test_linear_falls_back_where_not_covered(ops):
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(40, 64, generator=gen).to(torch.bfloat16)
+    too_many = torch.randn(ops.max_rows + 1, 64, generator=gen).to(torch.bfloat16)
+    assert ops.linear(too_many, w, None) is None
+    assert ops.linear(too_many[:4].float(), w.float(), None) is None
+    assert ops.linear(too_many[:4].t().contiguous().t(), w, None) is None  # column-major x
+    assert ops.linear(too_many[:4], w.t().contiguous().t(), None) is None  # strided weight
+    # apply_linear takes the packed / F.linear path then, with the same results.
+    packed = pack_weight(w)
+    for x in (too_many, too_many[:3]):
+        got = apply_linear(x, w, None, packed, ops)
+        assert_bf16_close(got, reference(x, w, None))
+    got = apply_linear(too_many.float(), w.float(), None, None, ops)
+    torch.testing.assert_close(got, reference(too_many, w, None))
+
+
+@pytest.mark.parametrize("m, h", [(1, 576), (4, 576), (16, 576), (3, 100), (200, 64)])
+def test_add_rms_norm_matches_torch(ops, m, h):
+    gen = torch.Generator().manual_seed(m * h)
+    hidden = (torch.randn(m, h, generator=gen) * 3).to(torch.bfloat16)
+    delta = torch.randn(m, h, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(h, generator=gen).to(torch.bfloat16)
+    expected_hidden = hidden + delta
+    expected = rms_norm(expected_hidden, weight, 1e-5)
+    got_hidden = hidden.clone()
+    got = ops.add_rms_norm(got_hidden, delta, weight, 1e-5)
+    assert torch.equal(got_hidden, expected_hidden)
+    # Summation order may differ from torch's in the last float bit: rarely one bf16 ulp.
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -7, atol=0)
+    assert (got != expected).float().mean() < 0.01
+    got = ops.add_rms_norm(got_hidden, None, weight, 1e-5)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -7, atol=0)
+    assert torch.equal(got_hidden, expected_hidden)
+    assert ops.add_rms_norm(hidden.float(), None, weight.float(), 1e-5) is None
+
+
+@pytest.mark.parametrize("m, i", [(1, 1536), (4, 1536), (16, 1536), (3, 37)])
+def test_silu_mul_matches_torch(ops, m, i):
+    gen = torch.Generator().manual_seed(m + i)
+    gate_up = (torch.randn(m, 2 * i, generator=gen) * 4).to(torch.bfloat16)
+    expected = F.silu(gate_up[:, :i]) * gate_up[:, i:]
+    got = ops.silu_mul(gate_up)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -7, atol=1e-30)
+    assert (got != expected).float().mean() < 0.01
+    assert ops.silu_mul(gate_up.float()) is None

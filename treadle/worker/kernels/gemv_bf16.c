@@ -1,0 +1,191 @@
+/* Small-batch bf16 linear layer: y[M, N] = x[M, K] . W[N, K]^T (+ bias), for the few rows
+ * of a decode step, reading the weight in its original row-major [N, K] layout.
+ *
+ * At 1-16 rows a linear layer is bound by reading the weight once, so the kernel streams
+ * W once and reuses each 64-byte load of it for up to 4 rows of x (`_mm512_dpbf16_ps`
+ * on 32 bf16 pairs, fp32 accumulation). A tile is MT rows of x by NT rows of W with
+ * MT * NT = 16 accumulators, folded at the end by a 4-level shuffle tree into one vector
+ * of 16 sums (the accumulators enter the tree permuted so that the sums come out in
+ * row-major tile order), rounded to bf16 nearest-even like torch. M is covered by chunks
+ * of 4, 2 and 1 rows; W is walked in blocks of BLOCK_N rows, small enough that the later
+ * row chunks re-read the block from L2 rather than memory. OpenMP splits the blocks
+ * statically, so each thread streams one contiguous part of W.
+ *
+ * K need not be a multiple of 32 (the tail is a masked, zero-filled load) and N need not
+ * be a multiple of the tile (the last tile re-reads a valid row and stores only the
+ * valid outputs). x rows may be strided (ldx); W and y rows are dense.
+ *
+ * Compiled only where the build machine has AVX512-BF16 (-march=native); elsewhere
+ * gemv_bf16_available() returns 0 and callers use torch.
+ */
+
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+
+#ifndef BLOCK_N
+#define BLOCK_N 32
+#endif
+#ifndef PF_BYTES
+#define PF_BYTES 8192
+#endif
+
+typedef uint16_t bf16_t;
+
+/* One 64-byte bf16 load, zero-filled past `rem` elements when `rem` < 32. */
+static inline __m512bh load32(const bf16_t *p, __mmask32 mask) {
+    return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
+}
+
+/* Sums of 16 vectors: out[e] = sum(v[e]) */
+static inline __m512 reduce16(const __m512 *v) {
+    /* The tree puts the sum of its i-th input at lane 4*(i%4) + i/4; feeding it
+     * v[4*(i%4) + i/4] as the i-th input (the permutation is its own inverse) puts
+     * sum(v[e]) at e. */
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) {
+        int p = 2 * i, q = 2 * i + 1;
+        __m512 x = v[4 * (p % 4) + p / 4], y = v[4 * (q % 4) + q / 4];
+        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+    }
+    for (int i = 0; i < 4; i++)
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+}
+
+static inline float bf16_to_float(bf16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* One MT x NT tile: rows x[0..MT) against W rows n0..n0+NT (only `nvalid` of them real). */
+static inline __attribute__((always_inline)) void tile(
+        const int MT, const int NT, const bf16_t *x, int64_t ldx, const bf16_t *w,
+        int64_t K, const bf16_t *bias, bf16_t *y, int64_t ldy, int64_t n0, int nvalid,
+        int prefetch) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    const bf16_t *wr[16];
+    for (int n = 0; n < NT; n++) wr[n] = w + (n0 + (n < nvalid ? n : nvalid - 1)) * K;
+    int64_t k = 0;
+    /* Each row stream is prefetched PF_BYTES / NT ahead; past the end of its row the
+     * distance carries into the same row of the next tile (the next NT rows of W). */
+    const int64_t ahead = (PF_BYTES / NT / 64) * 32;
+    for (; k + 32 <= K; k += 32) {
+        __m512bh wv[16];
+        if (prefetch) {
+            int64_t p = k + ahead;
+            const bf16_t *base = p < K ? w + n0 * K + p : w + (n0 + NT) * K + (p - K);
+            for (int n = 0; n < NT; n++) _mm_prefetch((const char *)(base + n * K), _MM_HINT_T0);
+        }
+        for (int n = 0; n < NT; n++) wv[n] = load32(wr[n] + k, (__mmask32)-1);
+        for (int m = 0; m < MT; m++) {
+            __m512bh xv = load32(x + m * ldx + k, (__mmask32)-1);
+            for (int n = 0; n < NT; n++)
+                acc[m * NT + n] = _mm512_dpbf16_ps(acc[m * NT + n], xv, wv[n]);
+        }
+    }
+    if (k < K) {
+        __mmask32 mask = (__mmask32)((1ull << (K - k)) - 1);
+        __m512bh wv[16];
+        for (int n = 0; n < NT; n++) wv[n] = load32(wr[n] + k, mask);
+        for (int m = 0; m < MT; m++) {
+            __m512bh xv = load32(x + m * ldx + k, mask);
+            for (int n = 0; n < NT; n++)
+                acc[m * NT + n] = _mm512_dpbf16_ps(acc[m * NT + n], xv, wv[n]);
+        }
+    }
+    __m512 sums = reduce16(acc);
+    if (bias) {
+        float b[16];
+        for (int e = 0; e < 16; e++) {
+            int n = e % NT;
+            b[e] = bf16_to_float(bias[n0 + (n < nvalid ? n : nvalid - 1)]);
+        }
+        sums = _mm512_add_ps(sums, _mm512_loadu_ps(b));
+    }
+    bf16_t out[16];
+    _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(sums));
+    for (int m = 0; m < MT; m++) {
+        if (nvalid == NT)
+            memcpy(y + m * ldy + n0, out + m * NT, NT * sizeof(bf16_t));
+        else
+            memcpy(y + m * ldy + n0, out + m * NT, nvalid * sizeof(bf16_t));
+    }
+}
+
+/* Rows [0, mt) of x (mt in {1, 2, 4}) against W rows [nb, ne). */
+static void row_chunk(int mt, const bf16_t *x, int64_t ldx, const bf16_t *w, int64_t K,
+                      const bf16_t *bias, bf16_t *y, int64_t ldy, int64_t nb, int64_t ne,
+                      int prefetch) {
+    switch (mt) {
+    case 4:
+        for (int64_t n = nb; n < ne; n += 4)
+            tile(4, 4, x, ldx, w, K, bias, y, ldy, n, ne - n < 4 ? (int)(ne - n) : 4,
+                 prefetch);
+        break;
+    case 2:
+        for (int64_t n = nb; n < ne; n += 8)
+            tile(2, 8, x, ldx, w, K, bias, y, ldy, n, ne - n < 8 ? (int)(ne - n) : 8,
+                 prefetch);
+        break;
+    default:
+        for (int64_t n = nb; n < ne; n += 16)
+            tile(1, 16, x, ldx, w, K, bias, y, ldy, n, ne - n < 16 ? (int)(ne - n) : 16,
+                 prefetch);
+        break;
+    }
+}
+
+int gemv_bf16_available(void) { return 1; }
+
+/* y[M, N] (dense rows of ldy) = x[M, K] (rows ldx apart) . w[N, K]^T + bias[N] (NULL: none).
+ * threads <= 0: OpenMP's default. Returns 0. */
+int gemv_bf16(const bf16_t *x, int64_t ldx, const bf16_t *w, const bf16_t *bias, bf16_t *y,
+              int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
+    if (M <= 0 || N <= 0) return 0;
+    int64_t num_blocks = (N + BLOCK_N - 1) / BLOCK_N;
+#ifdef _OPENMP
+    if (threads <= 0) threads = omp_get_max_threads();
+    if (threads > num_blocks) threads = (int)num_blocks;
+#else
+    threads = 1;
+#endif
+    #pragma omp parallel for schedule(static) num_threads(threads) if(threads > 1)
+    for (int64_t blk = 0; blk < num_blocks; blk++) {
+        int64_t nb = blk * BLOCK_N, ne = nb + BLOCK_N < N ? nb + BLOCK_N : N;
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4)
+            row_chunk(4, x + m * ldx, ldx, w, K, bias, y + m * ldy, ldy, nb, ne, m == 0);
+        if (m + 2 <= M) {
+            row_chunk(2, x + m * ldx, ldx, w, K, bias, y + m * ldy, ldy, nb, ne, m == 0);
+            m += 2;
+        }
+        if (m < M) row_chunk(1, x + m * ldx, ldx, w, K, bias, y + m * ldy, ldy, nb, ne, m == 0);
+    }
+    return 0;
+}
+
+#else
+
+int gemv_bf16_available(void) { return 0; }
+
+int gemv_bf16(const void *x, int64_t ldx, const void *w, const void *bias, void *y,
+              int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
+    (void)x; (void)ldx; (void)w; (void)bias; (void)y; (void)ldy; (void)M; (void)N; (void)K;
+    (void)threads;
+    return -1;
+}
+
+#endif

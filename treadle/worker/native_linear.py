@@ -1,0 +1,94 @@
+"""Typed wrappers of the C kernels for small-batch bf16 layers (kernels/gemv_bf16.c,
+kernels/norm_bf16.c): the linear layer, fused residual-add + RMSNorm, and silu(gate) * up.
+
+A decode step runs every layer on a few rows (one per request), where a linear layer is
+bound by reading its weight and the elementwise steps by per-op dispatch. `NativeLayerOps`
+takes the library that `treadle.worker.native.load_kernels` built (all kernels live in one
+shared object) and is handed to the model by the engine (`LlamaForCausalLM.
+use_native_ops`); each method returns None where it does not apply (dtype, rows, layout)
+so that the caller runs its torch path instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+MAX_ROWS = 16
+"""Rows up to which the C linear kernel is used: up to here it reads each weight once and
+beats oneDNN's packed kernel (python -m treadle.bench.linear_kernel); above, compute
+dominates and oneDNN's register blocking wins."""
+
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class NativeLayerOps:
+    """The bf16 layer kernels of one loaded library."""
+
+    def __init__(self, lib: ctypes.CDLL, max_rows: int = MAX_ROWS) -> None:
+        self.max_rows = max_rows
+        self._gemv = lib.gemv_bf16
+        self._gemv.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int]
+        self._gemv.restype = ctypes.c_int
+        self._add_rms_norm = lib.add_rms_norm_bf16
+        self._add_rms_norm.argtypes = [_P, _P, _P, _P, _I64, _I64, ctypes.c_float]
+        self._add_rms_norm.restype = ctypes.c_int
+        self._silu_mul = lib.silu_mul_bf16
+        self._silu_mul.argtypes = [_P, _P, _I64, _I64]
+        self._silu_mul.restype = ctypes.c_int
+
+    @classmethod
+    def load(cls, lib: ctypes.CDLL | None, max_rows: int = MAX_ROWS) -> NativeLayerOps | None:
+        """The kernels of `lib`, or None when it lacks them or was built without
+        AVX512-BF16."""
+        if lib is None or not hasattr(lib, "gemv_bf16_available"):
+            return None
+        lib.gemv_bf16_available.restype = ctypes.c_int
+        if not lib.gemv_bf16_available():
+            return None
+        return cls(lib, max_rows)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               threads: int = 0) -> torch.Tensor | None:
+        """x [M, K] @ weight[N, K].T + bias as bf16 [M, N], or None when not covered:
+        not bf16, M > max_rows, x not 2-D with unit stride along K, weight or bias not
+        contiguous. threads: 0 = OpenMP's default."""
+        if (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() != 2
+                or x.shape[0] > self.max_rows or x.stride(1) != 1
+                or not weight.is_contiguous() or weight.shape[1] != x.shape[1]
+                or (bias is not None and (bias.dtype != torch.bfloat16
+                                          or not bias.is_contiguous()))):
+            return None
+        m, k = x.shape
+        n = weight.shape[0]
+        y = torch.empty(m, n, dtype=torch.bfloat16)
+        self._gemv(x.data_ptr(), x.stride(0), weight.data_ptr(),
+                   None if bias is None else bias.data_ptr(), y.data_ptr(), n, m, n, k, threads)
+        return y
+
+    def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None,
+                     weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+        """`hidden += delta` (in place; skipped when delta is None), then rms_norm(hidden)
+        * weight as a new tensor; None when not covered (bf16, contiguous [M, H])."""
+        if (hidden.dtype != torch.bfloat16 or hidden.dim() != 2 or not hidden.is_contiguous()
+                or weight.dtype != torch.bfloat16 or not weight.is_contiguous()
+                or weight.shape != hidden.shape[1:]
+                or (delta is not None and (delta.dtype != torch.bfloat16
+                                           or delta.shape != hidden.shape
+                                           or not delta.is_contiguous()))):
+            return None
+        out = torch.empty_like(hidden)
+        self._add_rms_norm(hidden.data_ptr(), None if delta is None else delta.data_ptr(),
+                           weight.data_ptr(), out.data_ptr(), hidden.shape[0], hidden.shape[1],
+                           eps)
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate_up[:, :I]) * gate_up[:, I:] as bf16 [M, I]; None when not covered."""
+        if gate_up.dtype != torch.bfloat16 or gate_up.dim() != 2 or not gate_up.is_contiguous():
+            return None
+        m, two_i = gate_up.shape
+        out = torch.empty(m, two_i // 2, dtype=torch.bfloat16)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), m, two_i // 2)
+        return out
