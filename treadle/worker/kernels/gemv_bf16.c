@@ -8,8 +8,9 @@
  * of 16 sums (the accumulators enter the tree permuted so that the sums come out in
  * row-major tile order), rounded to bf16 nearest-even like torch. M is covered by chunks
  * of 4, 2 and 1 rows; W is walked in blocks of BLOCK_N rows, small enough that the later
- * row chunks re-read the block from L2 rather than memory. OpenMP splits the blocks
- * statically, so each thread streams one contiguous part of W.
+ * row chunks re-read the block from cache rather than memory, and prefetched in order a
+ * few blocks ahead. OpenMP splits the blocks statically, so each thread streams one
+ * contiguous part of W.
  *
  * K need not be a multiple of 32 (the tail is a masked, zero-filled load) and N need not
  * be a multiple of the tile (the last tile re-reads a valid row and stores only the
@@ -29,20 +30,24 @@
 #include <immintrin.h>
 
 #ifndef BLOCK_N
-#define BLOCK_N 32
+#define BLOCK_N 16
 #endif
-#ifndef PF_BYTES
-#define PF_BYTES 8192
+/* Software prefetch of W, PF_BLOCKS blocks ahead, into L2. A block is BLOCK_N rows of
+ * only K * 2 bytes each (1152 at K = 576): the tiles read NT short row streams at once,
+ * too short for the hardware prefetchers to train on (measured: 35-60% of the machine's
+ * single-core read bandwidth without, 90-100% with). */
+#ifndef PF_BLOCKS
+#define PF_BLOCKS 2
 #endif
 
 typedef uint16_t bf16_t;
 
-/* One 64-byte bf16 load, zero-filled past `rem` elements when `rem` < 32. */
+/* One 64-byte load of 32 bf16, zero where `mask` is clear (the tail of K). */
 static inline __m512bh load32(const bf16_t *p, __mmask32 mask) {
     return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
 }
 
-/* Sums of 16 vectors: out[e] = sum(v[e]) */
+/* The 16 horizontal sums: out[e] = sum of the lanes of v[e]. */
 static inline __m512 reduce16(const __m512 *v) {
     /* The tree puts the sum of its i-th input at lane 4*(i%4) + i/4; feeding it
      * v[4*(i%4) + i/4] as the i-th input (the permutation is its own inverse) puts
@@ -73,21 +78,17 @@ static inline float bf16_to_float(bf16_t v) {
 static inline __attribute__((always_inline)) void tile(
         const int MT, const int NT, const bf16_t *x, int64_t ldx, const bf16_t *w,
         int64_t K, const bf16_t *bias, bf16_t *y, int64_t ldy, int64_t n0, int nvalid,
-        int prefetch) {
+        const char **pf) {
     __m512 acc[16];
     for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
     const bf16_t *wr[16];
     for (int n = 0; n < NT; n++) wr[n] = w + (n0 + (n < nvalid ? n : nvalid - 1)) * K;
     int64_t k = 0;
-    /* Each row stream is prefetched PF_BYTES / NT ahead; past the end of its row the
-     * distance carries into the same row of the next tile (the next NT rows of W). */
-    const int64_t ahead = (PF_BYTES / NT / 64) * 32;
     for (; k + 32 <= K; k += 32) {
         __m512bh wv[16];
-        if (prefetch) {
-            int64_t p = k + ahead;
-            const bf16_t *base = p < K ? w + n0 * K + p : w + (n0 + NT) * K + (p - K);
-            for (int n = 0; n < NT; n++) _mm_prefetch((const char *)(base + n * K), _MM_HINT_T0);
+        if (*pf) {
+            for (int n = 0; n < NT; n++) _mm_prefetch(*pf + n * 64, _MM_HINT_T1);
+            *pf += NT * 64;
         }
         for (int n = 0; n < NT; n++) wv[n] = load32(wr[n] + k, (__mmask32)-1);
         for (int m = 0; m < MT; m++) {
@@ -128,22 +129,22 @@ static inline __attribute__((always_inline)) void tile(
 /* Rows [0, mt) of x (mt in {1, 2, 4}) against W rows [nb, ne). */
 static void row_chunk(int mt, const bf16_t *x, int64_t ldx, const bf16_t *w, int64_t K,
                       const bf16_t *bias, bf16_t *y, int64_t ldy, int64_t nb, int64_t ne,
-                      int prefetch) {
+                      const char *pf) {
     switch (mt) {
     case 4:
         for (int64_t n = nb; n < ne; n += 4)
             tile(4, 4, x, ldx, w, K, bias, y, ldy, n, ne - n < 4 ? (int)(ne - n) : 4,
-                 prefetch);
+                 &pf);
         break;
     case 2:
         for (int64_t n = nb; n < ne; n += 8)
             tile(2, 8, x, ldx, w, K, bias, y, ldy, n, ne - n < 8 ? (int)(ne - n) : 8,
-                 prefetch);
+                 &pf);
         break;
     default:
         for (int64_t n = nb; n < ne; n += 16)
             tile(1, 16, x, ldx, w, K, bias, y, ldy, n, ne - n < 16 ? (int)(ne - n) : 16,
-                 prefetch);
+                 &pf);
         break;
     }
 }
@@ -166,13 +167,17 @@ int gemv_bf16(const bf16_t *x, int64_t ldx, const bf16_t *w, const bf16_t *bias,
     for (int64_t blk = 0; blk < num_blocks; blk++) {
         int64_t nb = blk * BLOCK_N, ne = nb + BLOCK_N < N ? nb + BLOCK_N : N;
         int64_t m = 0;
+        /* The first row chunk (the one that reads the block from memory) prefetches, NT
+         * lines per k step, which sweeps one block's rows in order per block. */
+        const char *pf = (const char *)(w + (nb + PF_BLOCKS * BLOCK_N) * K);
+        if (nb + PF_BLOCKS * BLOCK_N >= N || PF_BLOCKS == 0) pf = 0;
         for (; m + 4 <= M; m += 4)
-            row_chunk(4, x + m * ldx, ldx, w, K, bias, y + m * ldy, ldy, nb, ne, m == 0);
+            row_chunk(4, x + m * ldx, ldx, w, K, bias, y + m * ldy, ldy, nb, ne, m == 0 ? pf : 0);
         if (m + 2 <= M) {
-            row_chunk(2, x + m * ldx, ldx, w, K, bias, y + m * ldy, ldy, nb, ne, m == 0);
+            row_chunk(2, x + m * ldx, ldx, w, K, bias, y + m * ldy, ldy, nb, ne, m == 0 ? pf : 0);
             m += 2;
         }
-        if (m < M) row_chunk(1, x + m * ldx, ldx, w, K, bias, y + m * ldy, ldy, nb, ne, m == 0);
+        if (m < M) row_chunk(1, x + m * ldx, ldx, w, K, bias, y + m * ldy, ldy, nb, ne, m == 0 ? pf : 0);
     }
     return 0;
 }
