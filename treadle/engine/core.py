@@ -26,6 +26,7 @@ from treadle.request import FinishReason, Request, RequestStatus
 from treadle.worker.cost_probe import measure_copy_bytes_per_s, measure_matmul_flops_per_s
 from treadle.worker.kv_cache import KVCacheSpec, allocate_kv_caches, allocate_swap_space
 from treadle.worker.model_runner import ModelRunner
+from treadle.worker.native_linear import NativeLayerOps
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,13 @@ class EngineCore:
         num_packed = self.model.pack_weights()
         if num_packed:
             logger.info("prepacked %d linear weights for the oneDNN bf16 kernel", num_packed)
+        self._native = self._load_native()
+        layer_ops = (NativeLayerOps.load(self._native.lib)
+                     if self._native is not None and self.dtype == torch.bfloat16 else None)
+        if layer_ops is not None:
+            self.model.use_native_ops(layer_ops)
+            logger.info("small-batch bf16 layers (<= %d rows) run the C kernels",
+                        layer_ops.max_rows)
         self.eos_token_id = read_eos_token_id(self.model_dir, self.hf_config)
         self.max_model_len = self._resolve_max_model_len()
 
@@ -112,13 +120,21 @@ class EngineCore:
                     costs.recompute_seconds(1), costs.swap_seconds(1))
         return costs
 
+    def _load_native(self):
+        """The compiled C kernels (worker.native.NativeKernels), or None when they cannot
+        be built or nothing would use them: the attention backend is torch and the model
+        is not bf16 (the small-batch layer kernels are bf16 only)."""
+        if self.config.model.attention_backend == "torch" and self.dtype != torch.bfloat16:
+            return None
+        from treadle.worker.native import load_kernels
+        return load_kernels()
+
     def _attention_kernels(self):
         """The native decode kernels, per `attention_backend` (None: the torch path)."""
         backend = self.config.model.attention_backend
         if backend == "torch":
             return None
-        from treadle.worker.native import load_kernels
-        kernels = load_kernels()
+        kernels = self._native
         if kernels is not None and kernels.supports(self.dtype):
             return kernels
         if backend == "native":

@@ -8,6 +8,11 @@ names onto the fused parameters. Attention over the paged KV cache is delegated 
 samples. It takes the checkpoint's parsed config.json dict, not a transformers config
 object, so it does not depend on the transformers version.
 
+In bf16 the engine may hand the model C kernels for small batches
+(`use_native_ops`: worker.native_linear.NativeLayerOps): linear layers at up to 16 rows,
+residual-add + RMSNorm and silu(gate) * up fused into one call each. Each falls back to
+the torch code below where it does not apply.
+
 Family switches (as transformers defines them): Qwen2 always has q/k/v biases; Qwen3
 applies a per-head RMSNorm (`q_norm`, `k_norm`) to queries and keys before RoPE; Llama
 and Qwen3 read `attention_bias`, Llama reads `mlp_bias`.
@@ -22,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treadle.models.packed_linear import apply_linear, linear, pack_linear_weights, pack_weight
+from treadle.models.packed_linear import (apply_linear, attach_native_ops, linear,
+                                          pack_linear_weights, pack_weight)
 from treadle.models.rope import RotaryEmbedding, apply_rotary
 from treadle.worker.attention import AttentionMetadata, paged_attention
 
@@ -50,6 +56,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     variance = xf.pow(2).mean(-1, keepdim=True)
     normed = xf * torch.rsqrt(variance.add_(eps))
     return normed.to(x.dtype).mul_(weight)  # a fresh tensor either way: safe in place
+
+
+def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm,
+                 ops) -> torch.Tensor:
+    """`hidden += delta` in place (when delta is given), then rms_norm(hidden): one fused
+    call through `ops` (NativeLayerOps) where it applies."""
+    if ops is not None:
+        out = ops.add_rms_norm(hidden, delta, norm.weight, norm.eps)
+        if out is not None:
+            return out
+    if delta is not None:
+        hidden.add_(delta)
+    return rms_norm(hidden, norm.weight, norm.eps)
 
 
 class RMSNorm(nn.Module):
@@ -113,11 +132,15 @@ class MLP(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = _linear(hidden, 2 * intermediate, bias, dtype)
         self.down_proj = _linear(intermediate, hidden, bias, dtype)
+        self.native_ops = None
+        """NativeLayerOps (see LlamaForCausalLM.use_native_ops), or None."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_proj)
-        h = F.silu(gate_up[:, :self.intermediate])
-        h.mul_(gate_up[:, self.intermediate:])
+        h = None if self.native_ops is None else self.native_ops.silu_mul(gate_up)
+        if h is None:
+            h = F.silu(gate_up[:, :self.intermediate])
+            h.mul_(gate_up[:, self.intermediate:])
         return linear(h, self.down_proj)
 
 
@@ -130,14 +153,15 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, family, dims, dtype)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
         self.mlp = MLP(cfg, family, hidden, dims["intermediate_size"], dtype)
+        self.native_ops = None
+        """NativeLayerOps (see LlamaForCausalLM.use_native_ops), or None."""
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """hidden is the residual stream, owned by the caller's forward: updated in place."""
-        x = rms_norm(hidden, self.input_layernorm.weight, self.input_layernorm.eps)
-        hidden.add_(self.self_attn.forward(x, cos, sin, kv_cache, meta))
-        x = rms_norm(hidden, self.post_attention_layernorm.weight,
-                     self.post_attention_layernorm.eps)
+        x = add_rms_norm(hidden, None, self.input_layernorm, self.native_ops)
+        attn = self.self_attn.forward(x, cos, sin, kv_cache, meta)
+        x = add_rms_norm(hidden, attn, self.post_attention_layernorm, self.native_ops)
         hidden.add_(self.mlp.forward(x))
         return hidden
 
@@ -193,6 +217,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = _linear(hidden, self.vocab_size, False, dtype)
         self.rotary = RotaryEmbedding(cfg, self.head_dim, self.max_position_embeddings, dtype)
         self._packed_lm_head: torch.Tensor | None = None
+        self._native_ops = None
 
     @property
     def num_parameters(self) -> int:
@@ -213,12 +238,23 @@ class LlamaForCausalLM(nn.Module):
         hidden = F.embedding(input_ids, embed)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             hidden = layer.forward(hidden, cos, sin, kv_cache, attn_metadata)
-        norm = self.model.norm
-        return rms_norm(hidden, norm.weight, norm.eps)
+        return add_rms_norm(hidden, None, self.model.norm, self._native_ops)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] of hidden states [N, hidden]."""
-        return apply_linear(hidden, self.lm_head_weight, None, self._packed_lm_head).float()
+        return apply_linear(hidden, self.lm_head_weight, None, self._packed_lm_head,
+                            self._native_ops).float()
+
+    def use_native_ops(self, ops) -> None:
+        """Run the small-batch C kernels `ops` (worker.native_linear.NativeLayerOps) in
+        every layer where they apply; None goes back to torch only. The engine calls this
+        once after loading (EngineCore); the kernels read the weights in place, so later
+        weight changes are seen."""
+        self._native_ops = ops
+        attach_native_ops(self, ops)
+        for module in self.modules():
+            if isinstance(module, (DecoderLayer, MLP)):
+                module.native_ops = ops
 
     def pack_weights(self) -> int:
         """Prepack every projection and the LM head for the fast bf16 CPU kernel.
