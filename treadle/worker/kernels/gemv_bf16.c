@@ -163,21 +163,38 @@ int gemv_bf16(const bf16_t *x, int64_t ldx, const bf16_t *w, const bf16_t *bias,
 #else
     threads = 1;
 #endif
-    #pragma omp parallel for schedule(static) num_threads(threads) if(threads > 1)
-    for (int64_t blk = 0; blk < num_blocks; blk++) {
-        int64_t nb = blk * BLOCK_N, ne = nb + BLOCK_N < N ? nb + BLOCK_N : N;
-        int64_t m = 0;
-        /* The first row chunk (the one that reads the block from memory) prefetches, NT
-         * lines per k step, which sweeps one block's rows in order per block. */
-        const char *pf = (const char *)(w + (nb + PF_BLOCKS * BLOCK_N) * K);
-        if (nb + PF_BLOCKS * BLOCK_N >= N || PF_BLOCKS == 0) pf = 0;
-        for (; m + 4 <= M; m += 4)
-            row_chunk(4, x + m * ldx, ldx, w, K, bias, y + m * ldy, ldy, nb, ne, m == 0 ? pf : 0);
-        if (m + 2 <= M) {
-            row_chunk(2, x + m * ldx, ldx, w, K, bias, y + m * ldy, ldy, nb, ne, m == 0 ? pf : 0);
-            m += 2;
+    #pragma omp parallel num_threads(threads) if(threads > 1)
+    {
+#ifdef _OPENMP
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        int t = 0, nt = 1;
+#endif
+        int64_t b0 = num_blocks * t / nt, b1 = num_blocks * (t + 1) / nt;
+        /* The first blocks of this thread's part, which no earlier block prefetches. */
+        int64_t warm_end = (b0 + PF_BLOCKS < b1 ? b0 + PF_BLOCKS : b1) * BLOCK_N;
+        const char *p = (const char *)(w + b0 * BLOCK_N * K);
+        const char *end = (const char *)(w + (warm_end < N ? warm_end : N) * K);
+        for (; p < end; p += 64) _mm_prefetch(p, _MM_HINT_T1);
+        for (int64_t blk = b0; blk < b1; blk++) {
+            int64_t nb = blk * BLOCK_N, ne = nb + BLOCK_N < N ? nb + BLOCK_N : N;
+            int64_t m = 0;
+            /* The first row chunk (the one that reads the block from memory) prefetches,
+             * NT lines per k step, which sweeps one block's rows in order per block. */
+            const char *pf = (const char *)(w + (nb + PF_BLOCKS * BLOCK_N) * K);
+            if (nb + PF_BLOCKS * BLOCK_N >= N || PF_BLOCKS == 0) pf = 0;
+            for (; m + 4 <= M; m += 4)
+                row_chunk(4, x + m * ldx, ldx, w, K, bias, y + m * ldy, ldy, nb, ne,
+                          m == 0 ? pf : 0);
+            if (m + 2 <= M) {
+                row_chunk(2, x + m * ldx, ldx, w, K, bias, y + m * ldy, ldy, nb, ne,
+                          m == 0 ? pf : 0);
+                m += 2;
+            }
+            if (m < M)
+                row_chunk(1, x + m * ldx, ldx, w, K, bias, y + m * ldy, ldy, nb, ne,
+                          m == 0 ? pf : 0);
         }
-        if (m < M) row_chunk(1, x + m * ldx, ldx, w, K, bias, y + m * ldy, ldy, nb, ne, m == 0 ? pf : 0);
     }
     return 0;
 }
