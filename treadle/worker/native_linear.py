@@ -58,6 +58,7 @@ class NativeLayerOps:
                 or x.shape[0] > self.max_rows or x.stride(1) != 1
                 or not weight.is_contiguous() or weight.shape[1] != x.shape[1]
                 or (bias is not None and (bias.dtype != torch.bfloat16
+                                          or bias.shape != weight.shape[:1]
                                           or not bias.is_contiguous()))):
             return None
         m, k = x.shape
