@@ -3,7 +3,9 @@
 Times `paged_decode` on the benchmark model's head layout (SmolLM2-135M: 9 query heads,
 3 KV heads, head_dim 64, block_size 16, bf16) for several (batch, context) shapes and
 prints JSON: milliseconds per call (best of several rounds) and the K/V read rate in GB/s
-(bytes of K and V actually attended, divided by the time).
+(bytes of K and V actually attended, divided by the time). cpu_ms_per_call is the CPU
+time of all the process's threads per call: on a shared machine, with --threads 1, it is
+the steadier measure of the kernel's own speed (time spent descheduled is left out).
 
 Like the model, each shape keeps one KV cache per layer and the timed loop cycles through
 them, so the caches do not stay in the CPU's last-level cache between calls; the blocks of
@@ -11,6 +13,7 @@ each request are scattered at random in its cache, as after a while of serving.
 
     python -m treadle.bench.attention_kernel                  # default shapes
     python -m treadle.bench.attention_kernel --shapes 4x600 1x4000 --threads 1
+    python -m treadle.bench.attention_kernel --sequential     # blocks in order in memory
     python -m treadle.bench.attention_kernel --so old.so      # another build of the kernel
 """
 
@@ -83,21 +86,24 @@ def bench_shape(kernels, batch: int, context: int, *, num_heads: int = 9, num_kv
             kernels.paged_decode(q, c[0], c[1], table, ctx, out, scale)
 
     one_pass()  # warm up (page faults, thread pool)
-    passes = max(1, math.ceil(min_round_s / max(_timed(one_pass), 1e-6)))
-    best = math.inf
+    passes = max(1, math.ceil(min_round_s / max(_timed(one_pass)[0], 1e-6)))
+    best = best_cpu = math.inf
     for _ in range(rounds):
-        elapsed = _timed(lambda: [one_pass() for _ in range(passes)])
+        elapsed, cpu = _timed(lambda: [one_pass() for _ in range(passes)])
         best = min(best, elapsed / (passes * layers))
+        best_cpu = min(best_cpu, cpu / (passes * layers))
     kv_bytes = 2 * batch * context * num_kv_heads * head_dim * dtype.itemsize
     return {"batch": batch, "context": context, "layers_cycled": layers,
-            "ms_per_call": round(best * 1e3, 4), "kv_bytes_per_call": kv_bytes,
+            "ms_per_call": round(best * 1e3, 4), "cpu_ms_per_call": round(best_cpu * 1e3, 4),
+            "kv_bytes_per_call": kv_bytes,
             "gb_per_s": round(kv_bytes / best / 1e9, 2)}
 
 
-def _timed(fn) -> float:
-    start = time.perf_counter()
+def _timed(fn) -> tuple[float, float]:
+    """Wall-clock and CPU seconds (all of the process's threads) of fn()."""
+    start, start_cpu = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - start_cpu
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -106,6 +112,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="BATCHxCONTEXT pairs (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None, help="OpenMP/torch threads")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds, best kept")
+    parser.add_argument("--sequential", action="store_true", help="each request's blocks "
+                        "one after another in memory (default: scattered at random)")
     parser.add_argument("--so", default=None, help="a shared object to load instead of the "
                         "kernels that treadle builds")
     args = parser.parse_args(argv)
@@ -115,9 +123,11 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for spec in args.shapes:
         batch, context = (int(x) for x in spec.lower().split("x"))
-        results.append(bench_shape(kernels, batch, context, rounds=args.rounds))
+        results.append(bench_shape(kernels, batch, context, rounds=args.rounds,
+                                   scattered=not args.sequential))
     print(json.dumps({"layout": {"num_heads": 9, "num_kv_heads": 3, "head_dim": 64,
-                                 "block_size": 16, "dtype": "bfloat16"},
+                                 "block_size": 16, "dtype": "bfloat16",
+                                 "blocks": "sequential" if args.sequential else "scattered"},
                       "threads": torch.get_num_threads(), "results": results}, indent=2))
 
 
