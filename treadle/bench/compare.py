@@ -31,6 +31,7 @@ Example (benchmarks/compare_cpu.yaml):
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import shlex
 import signal
@@ -91,6 +92,9 @@ def _server_log(port_or_name) -> Path:
     return Path(os.environ.get("TMPDIR", "/tmp")) / f"compare-server-{port_or_name}.log"
 
 
+_offline_runs = itertools.count()
+
+
 def _offline(command: str, model: str, workload, timeout_s: float) -> dict:
     """Run an offline runner on the workload (written to a file); its JSON result."""
     import json
@@ -100,7 +104,7 @@ def _offline(command: str, model: str, workload, timeout_s: float) -> dict:
         workload_path = workloads.save_workload(workload, Path(tmp) / "workload.json")
         output = Path(tmp) / "result.json"
         filled = _fill(command, model=model, workload=str(workload_path), output=str(output))
-        log_path = _server_log(f"offline-{os.getpid()}")
+        log_path = _server_log(f"offline-{os.getpid()}-{next(_offline_runs)}")
         with open(log_path, "w") as log:
             proc = subprocess.Popen(filled, shell=True, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)

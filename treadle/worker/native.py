@@ -174,6 +174,19 @@ def _build(compiler: str, sources: list[Path], target: Path) -> None:
         os.replace(partial, target)
 
 
+def _cpu_features() -> bytes:
+    """The CPU's feature flags: `-march=native` builds for this CPU, so a cache folder
+    shared with another machine must not hand it a library built for other features."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"flags"):
+                    return line
+    except OSError:
+        pass
+    return platform.processor().encode()
+
+
 def load_kernels() -> NativeKernels | None:
     """The compiled kernels, building them if needed; None when they cannot be had."""
     if platform.system() != "Linux":
@@ -188,7 +201,7 @@ def load_kernels() -> NativeKernels | None:
         digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0"
                       + " ".join(_compile_flags(source)).encode() + b"\0")
     digest.update(" ".join(_LINK_FLAGS).encode() + platform.machine().encode()
-                  + compiler.encode())
+                  + compiler.encode() + _cpu_features())
     target = cache_dir() / "kernels" / f"kernels-{digest.hexdigest()[:16]}.so"
     try:
         if not target.exists():
