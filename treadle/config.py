@@ -145,8 +145,8 @@ class SchedulerConfig:
         "Urgency gap needed to preempt at admission, in the policy's unit (levels or tokens); "
         "the policy's default when not given"))
     isolate_urgent_prefill: bool = field(default=True, metadata=_help(
-        "priority policy: in a step that prefills a request of a more urgent priority class, "
-        "defer prefill chunks of less urgent classes to later steps (decodes still run)"))
+        "priority policy: a step that prefills a request of a more urgent priority class "
+        "carries no decodes or prefill chunks of less urgent classes (they run next step)"))
     max_head_bypasses: int = field(default=16, metadata=_help(
         "Times smaller requests may pass a waiting request that does not fit before it gets "
         "the next opening (0: strict order)"))

@@ -8,9 +8,9 @@ swapped-out and waiting requests share one order, most urgent first (`policy.urg
 a waiting request more urgent than a running one by the policy's threshold preempts the
 least urgent running request (`policy.choose_admission_victim`, with anti-thrash
 protection) instead of waiting for memory to run out. Under `priority`, a step that
-prefills a request of a more urgent class gives no prefill tokens to less urgent classes
+prefills a request of a more urgent class gives no tokens to less urgent classes
 (`isolate_urgent_prefill`), so the urgent first token is not held up by background
-chunks. An admitted request takes its
+decodes and chunks. An admitted request takes its
 prefix-cache hit first, then the uncached part, chunked to the remaining budget. A
 request that does not fit in KV memory does not block smaller ones behind it, up to
 `max_head_bypasses` times; then it gets the next opening.
@@ -291,7 +291,7 @@ class Scheduler:
                 if request.request_id not in self._num_new:
                     self._schedule_running(request)
                     if urgent is None and request.request_id in self._num_new:
-                        urgent = request
+                        urgent = self._isolate(request)
                 continue
             if (not admitting or request.request_id in self._admitted
                     or request in self._preempted):
@@ -300,7 +300,7 @@ class Scheduler:
                 continue
             outcome = self._try_admit(request)
             if outcome is _Admission.ADMITTED:
-                urgent = urgent or request
+                urgent = urgent or self._isolate(request)
                 if head is not None:
                     num_bypasses = self._num_bypasses.get(head.request_id, 0) + 1
                     self._num_bypasses[head.request_id] = num_bypasses
@@ -315,13 +315,21 @@ class Scheduler:
                 admitting = policy.may_bypass(self._num_bypasses.get(request.request_id, 0),
                                               self.config.max_head_bypasses)
 
+    def _isolate(self, urgent: Request) -> Request:
+        """`urgent` is the first request given prefill tokens in this step (in urgency
+        order): the decodes already scheduled that defer to it wait for the next step."""
+        for request in self.running:
+            if (request is not urgent and self._num_new.get(request.request_id) == 1
+                    and request.num_uncomputed_tokens <= 1 and self._defers_to(request, urgent)):
+                self._unschedule(request)
+        return urgent
+
     def _defers_to(self, request: Request, urgent: Request) -> bool:
-        """Whether `request` gets no prefill tokens in a step that prefills `urgent` (the
-        first request given prefill tokens in urgency order): under the priority policy
-        with `isolate_urgent_prefill`, when it is of a less urgent priority class and
-        less urgent by the admission threshold. The urgent request's first token then
-        waits for its own chunk and the batch's decodes only, not for a background
-        chunk as well; the deferred chunks run in the next step."""
+        """Whether `request` gets no tokens in a step that prefills `urgent`: under the
+        priority policy with `isolate_urgent_prefill`, when it is of a less urgent
+        priority class and less urgent by the admission threshold. The urgent request's
+        first token then waits for its own chunk only, not for the background's decodes
+        and chunks as well; they run in the next step (its blocks stay allocated)."""
         if not self.config.isolate_urgent_prefill or self.order_params.policy != "priority":
             return False
         return (request.priority > urgent.priority
