@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -97,9 +99,6 @@ _offline_runs = itertools.count()
 
 def _offline(command: str, model: str, workload, timeout_s: float) -> dict:
     """Run an offline runner on the workload (written to a file); its JSON result."""
-    import json
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="treadle-compare-") as tmp:
         workload_path = workloads.save_workload(workload, Path(tmp) / "workload.json")
         output = Path(tmp) / "result.json"

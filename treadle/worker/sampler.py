@@ -181,6 +181,7 @@ class Sampler:
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
         min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
         tokens = self.kernels.sample(logits, inv_t, top_k, top_p, min_p, u)
+        token_list = tokens.tolist()
 
         entries: list[TokenLogprobs | None] = [None] * num_rows
         if logprob_rows:
@@ -195,13 +196,11 @@ class Sampler:
             ranks, lse = stats.ranks.tolist(), stats.lse
             top_lps = (stats.top_values.double() - lse.unsqueeze(1)).tolist()
             top_ids = stats.top_ids.tolist()
-            token_list = tokens.tolist()
             for j, (i, n) in enumerate(zip(logprob_rows, num_top)):
                 entries[i] = TokenLogprobs([token_list[i]] + top_ids[j][:n],
                                            [chosen_lps[j]] + top_lps[j][:n],
                                            [ranks[j]] + list(range(1, n + 1)))
-            return SamplerOutput(token_list, entries)
-        return SamplerOutput(tokens.tolist(), entries)
+        return SamplerOutput(token_list, entries)
 
     @torch.inference_mode()
     def processed_logits(self, logits: torch.Tensor, params: Sequence[SamplingParams],
