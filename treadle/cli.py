@@ -196,7 +196,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
     from treadle.bench import workloads
     from treadle.bench.launch import launched_server
-    from treadle.bench.serve import run_load, served_model, summarize
+    from treadle.bench.serve import request_records, run_load, served_model, summarize
 
     if (args.url is None) == (args.launch is None):
         raise ValueError("give exactly one of --url URL or --launch 'SERVE OPTIONS'")
@@ -233,6 +233,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
                        "max_concurrency": args.max_concurrency, "url": args.url,
                        "launch": args.launch, "priority_mix": args.priority_mix}
     print(json.dumps({k: v for k, v in summary.items() if k != "workload"}, indent=2))
+    summary["requests"] = request_records(results)
     print("wrote", _write_result(summary, args.output, "serve.json"))
     return 0
 

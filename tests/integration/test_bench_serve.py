@@ -15,7 +15,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from server_fixtures import free_port
-from treadle.bench.serve import RequestResult, arrival_times, run_load, summarize
+from treadle.bench.serve import (RequestResult, arrival_times, request_records, run_load,
+                                 summarize)
 from treadle.bench.workloads import Workload, WorkloadRequest
 
 TTFT_S, GAP_S = 0.05, 0.02
@@ -38,6 +39,10 @@ def test_summarize_exact():
     assert s["e2e_ms"]["p90"] == pytest.approx(np.percentile([500, 700], 90))
     # only the first meets TTFT <= 200 ms and TPOT <= 150 ms
     assert s["goodput_requests_per_s"] == pytest.approx(0.5)
+    rows = request_records(results)
+    assert [r["ttft_s"] for r in rows] == [0.1, 0.3, None]
+    assert rows[1]["tpot_s"] == pytest.approx(0.2) and rows[2]["error"] == "HTTP 429"
+    assert json.loads(json.dumps(rows)) == rows  # plain JSON, written with the result
 
 
 def test_arrival_times():

@@ -48,7 +48,7 @@ import yaml
 from treadle.bench import workloads
 from treadle.bench.launch import free_port, launched_server, wait_healthy
 from treadle.bench.report import format_table
-from treadle.bench.serve import run_load, summarize
+from treadle.bench.serve import request_records, run_load, summarize
 
 _KINDS = ("treadle", "server", "static", "treadle-offline", "offline")
 _NEEDS_COMMAND = ("server", "offline")
@@ -168,6 +168,7 @@ def _online(base: str, workload, rates: list, load: dict) -> list[dict]:
         summary["rate"] = rate
         summary["ttft_s_values"] = sorted(r.ttft for r in results if r.ok)
         summary["tpot_s_values"] = sorted(r.tpot for r in results if r.ok and r.tpot)
+        summary["requests"] = request_records(results)
         points.append(summary)
     return points
 

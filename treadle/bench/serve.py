@@ -145,6 +145,13 @@ def served_model(url: str, api_key: str | None = None) -> str:
     return httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
 
 
+def request_records(results: list[RequestResult]) -> list[dict]:
+    """One row per request in send order (seconds), for finding which requests were slow."""
+    return [{"start_s": r.start, "prompt_tokens": r.prompt_tokens,
+             "output_tokens": r.output_tokens, "ttft_s": r.ttft, "e2e_s": r.e2e,
+             "tpot_s": r.tpot, "priority": r.priority, "error": r.error} for r in results]
+
+
 def summarize(results: list[RequestResult], duration_s: float,
               slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None) -> dict:
     """The run's figures (latencies in milliseconds)."""
