@@ -16,7 +16,9 @@ x 512 tokens).
 Why not `scaled_dot_product_attention` everywhere: on CPU, with a padding mask and
 grouped-query heads, it was ~8x slower than the grouped matmuls below for decode batches
 (measured with torch 2.13, 64 requests x 512 context: 17 ms against 2 ms). For a prefill
-chunk of many tokens it is the faster one, and is used there (`_FUSED_PREFILL_MIN_SCORES`).
+chunk of many tokens it is the faster one, and is used there (`_FUSED_PREFILL_MIN_SCORES`)
+when the C prefill kernel (`NativePrefill`, bf16 on CPUs with AVX-512 BF16; 2-3x faster
+again) cannot run.
 """
 
 from __future__ import annotations
@@ -85,6 +87,20 @@ class NativeDecode:
 
 
 @dataclass
+class NativePrefill:
+    """All prefill spans of a step for the C kernel (worker/kernels/paged_prefill.c)."""
+
+    kernels: Any
+    """worker.native.NativeKernels"""
+    spans: torch.Tensor
+    """[num_spans, 3] int64: first row in the flat batch, new tokens, positions before."""
+    block_tables: torch.Tensor
+    """[num_spans, max_blocks] int64."""
+    workspace: torch.Tensor
+    """Packed K/V buffer, made once per step and reused by every layer."""
+
+
+@dataclass
 class AttentionMetadata:
     """What every attention layer needs for one step."""
 
@@ -94,6 +110,7 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefill_spans: list[PrefillSpan] = field(default_factory=list)
     native_decode: NativeDecode | None = None
+    native_prefill: NativePrefill | None = None
 
 
 def gather_rows(block_table, num_kv_heads: int, num_cache_blocks: int):
@@ -155,6 +172,11 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         nd.kernels.paged_decode(query[:rows].contiguous(), kv_cache[0], kv_cache[1],
                                 nd.block_table, nd.ctx_lens,
                                 out[:rows].view(rows, num_heads, head_dim), scale)
+
+    npf = meta.native_prefill
+    if npf is not None:
+        npf.kernels.paged_prefill(query, kv_cache[0], kv_cache[1], npf.spans,
+                                  npf.block_tables, out, npf.workspace, scale)
 
     for dg in meta.decode_groups:
         num_reqs = dg.token_indices.numel()

@@ -21,7 +21,7 @@ import torch
 from treadle.core.outputs import (ModelRunnerOutput, PromptLogprobs, ScheduledRequest,
                                   SchedulerOutput)
 from treadle.worker.attention import (AttentionMetadata, DecodeGroup, NativeDecode,
-                                     PrefillSpan, gather_rows)
+                                     NativePrefill, PrefillSpan, gather_rows)
 from treadle.worker.kv_cache import copy_blocks
 from treadle.worker.sampler import Sampler, group_order, prompt_logprobs
 
@@ -68,6 +68,9 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         _, self.num_kv_heads, self.num_cache_blocks = kv_caches[0].shape[:3]
+        self.head_dim = kv_caches[0].shape[-1]
+        self.native_prefill = (kernels is not None
+                               and kernels.supports_prefill(kv_caches[0].dtype, self.head_dim))
         self.sampler = Sampler(seed, kernels)
         self.eos_token_id: int | None = None
         """The model's end-of-sequence id, masked until a request's min_tokens."""
@@ -109,9 +112,17 @@ class ModelRunner:
         elif num_decodes:
             meta.decode_groups = self._decode_groups(decode_rows, row_offsets, ctx_lens,
                                                      block_table)
-        for i in np.flatnonzero(q_lens > 1):
-            meta.prefill_spans.append(self._prefill_span(
-                int(row_offsets[i]), int(starts[i]), int(q_lens[i]), block_table[i]))
+        prefills = np.flatnonzero(q_lens > 1)
+        if prefills.size and self.native_prefill:
+            spans = torch.from_numpy(np.stack(
+                [row_offsets[prefills], q_lens[prefills], starts[prefills]], axis=1))
+            meta.native_prefill = NativePrefill(
+                self.kernels, spans, torch.from_numpy(np.ascontiguousarray(block_table[prefills])),
+                self.kernels.prefill_workspace(spans, self.num_kv_heads, self.head_dim))
+        else:
+            for i in prefills:
+                meta.prefill_spans.append(self._prefill_span(
+                    int(row_offsets[i]), int(starts[i]), int(q_lens[i]), block_table[i]))
 
         sample_rows = [i for i, s in enumerate(scheduled) if s.sample]
         logits_indices = torch.from_numpy(cu_q[sample_rows] - 1)

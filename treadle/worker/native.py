@@ -1,7 +1,7 @@
 """C kernels for the CPU attention path and the sampler, compiled on first use and called
 through ctypes.
 
-Owns building (gcc: every `kernels/*.c` compiled with `-O3 -march=native -fopenmp` plus
+Owns building (gcc: every `kernels/*.c` (with the shared `kernels/*.h`) compiled with `-O3 -march=native -fopenmp` plus
 its own flags, linked into one shared object without fast-math; into `<cache>/kernels/`,
 keyed by a hash of all sources and flags, written atomically) and the typed call
 wrappers. The shared object links `libgomp.so.1` by soname, so inside a process where
@@ -41,13 +41,14 @@ _COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-c"]
 # pulls in crtfastmath.o, which switches the WHOLE process to flush-to-zero when the
 # library loads, silently changing every float computation of numpy, torch and Python (a
 # test caught it; tests/integration/test_native_attention.py guards it).
-_FILE_FLAGS = {"paged_decode.c": ["-ffast-math"],
+_FILE_FLAGS = {"paged_decode.c": ["-ffast-math"], "paged_prefill.c": ["-ffast-math"],
                "sampling.c": ["-fno-trapping-math", "-fno-math-errno"]}
 _LINK_FLAGS = ["-shared", "-fopenmp"]
 _ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float]
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _SAMPLE_ARGTYPES = [_P, _I64, _I64, _I64] + [_P] * 6
 _LOGPROB_ARGTYPES = [_P, _I64, _I64, _P, _I64, _P, _I64] + [_P] * 4
+_PREFILL_ARGTYPES = [_P, _I64] + [_P] * 6 + [_I64] * 7 + [ctypes.c_float]
 
 
 @dataclass
@@ -80,6 +81,14 @@ class NativeKernels:
         self._logprob_rows = lib.logprob_rows
         self._logprob_rows.argtypes = _LOGPROB_ARGTYPES
         self._logprob_rows.restype = None
+        self._prefill = lib.paged_prefill_bf16
+        self._prefill.argtypes = _PREFILL_ARGTYPES
+        self._prefill.restype = ctypes.c_int
+        self._prefill_workspace = lib.paged_prefill_workspace_bytes
+        self._prefill_workspace.argtypes = [_P, _I64, _I64, _I64]
+        self._prefill_workspace.restype = ctypes.c_int64
+        lib.paged_prefill_available.argtypes = [_I64]
+        lib.paged_prefill_available.restype = ctypes.c_int
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in self._decode
@@ -106,6 +115,47 @@ class NativeKernels:
             raise ValueError(f"paged_decode: head grouping {num_heads}/{num_kv_heads} x "
                              f"head_dim {head_dim} x block_size {block_size} exceeds its limits")
 
+
+    def supports_prefill(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether `paged_prefill` runs for this dtype and head size on this CPU (bf16,
+        head_dim 64 or 128, AVX-512 BF16); otherwise torch's attention does prefills."""
+        return dtype == torch.bfloat16 and bool(self.lib.paged_prefill_available(head_dim))
+
+    def prefill_workspace(self, spans: torch.Tensor, num_kv_heads: int,
+                          head_dim: int) -> torch.Tensor:
+        """A buffer for `paged_prefill` with these spans, 64-byte aligned; one per step
+        serves every layer."""
+        size = self._prefill_workspace(spans.data_ptr(), spans.shape[0], num_kv_heads,
+                                       head_dim)
+        raw = torch.empty(size + 64, dtype=torch.uint8)
+        skip = -raw.data_ptr() % 64
+        return raw[skip:skip + size]
+
+    def paged_prefill(self, query: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, spans: torch.Tensor,
+                      block_tables: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor,
+                      scale: float) -> None:
+        """Causal attention of every prefill span's new tokens over their context.
+
+        query: [tokens, num_heads, head_dim] bf16 (rows may be strided); out: [tokens,
+        num_heads * head_dim]; key/value_cache: [kv_heads, num_blocks, block_size,
+        head_dim]; spans: [num_spans, 3] int64 (first row, new tokens, positions before
+        the chunk); block_tables: [num_spans, max_blocks] int64; workspace from
+        `prefill_workspace`. Rows of `out` outside the spans are not written.
+        """
+        num_heads, head_dim = query.shape[1:]
+        num_kv_heads, num_blocks, block_size, _ = key_cache.shape
+        assert query.stride(2) == 1 and query.stride(1) == head_dim
+        for t in (key_cache, value_cache, spans, block_tables, out):
+            assert t.is_contiguous(), "paged_prefill needs contiguous tensors"
+        status = self._prefill(
+            query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+            spans.data_ptr(), block_tables.data_ptr(), out.data_ptr(), workspace.data_ptr(),
+            spans.shape[0], num_heads, num_kv_heads, head_dim, num_blocks, block_size,
+            block_tables.shape[1], scale)
+        if status != 0:
+            raise ValueError(f"paged_prefill: head_dim {head_dim} or heads "
+                             f"{num_heads}/{num_kv_heads} unsupported on this CPU")
 
     def sample(self, logits: torch.Tensor, inv_temperature: torch.Tensor, top_k: torch.Tensor,
                top_p: torch.Tensor, min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -156,6 +206,10 @@ def _sources() -> list[Path]:
     return sorted(_KERNEL_DIR.glob("*.c"))
 
 
+def _headers() -> list[Path]:
+    return sorted(_KERNEL_DIR.glob("*.h"))
+
+
 def _compile_flags(source: Path) -> list[str]:
     return _COMPILE_FLAGS + _FILE_FLAGS.get(source.name, [])
 
@@ -200,6 +254,8 @@ def load_kernels() -> NativeKernels | None:
     for source in sources:
         digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0"
                       + " ".join(_compile_flags(source)).encode() + b"\0")
+    for header in _headers():
+        digest.update(header.name.encode() + b"\0" + header.read_bytes() + b"\0")
     digest.update(" ".join(_LINK_FLAGS).encode() + platform.machine().encode()
                   + compiler.encode() + _cpu_features())
     target = cache_dir() / "kernels" / f"kernels-{digest.hexdigest()[:16]}.so"

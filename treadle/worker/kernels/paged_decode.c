@@ -191,20 +191,7 @@ ALWAYS_INLINE void store16(void *base, int64_t i, __m512 x, const int bf16) {
     else _mm512_storeu_ps((float *)base + i, x);
 }
 
-/* 2^x, ~1e-7 relative error; x below -126 gives (about) 0. */
-ALWAYS_INLINE __m512 exp2_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-127.f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n); /* [-0.5, 0.5] */
-    __m512 p = _mm512_set1_ps(1.535336188e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
+#include "simd_exp2.h"
 
 /* a[t] holds 16 partial sums of token t's score; returns the 16 scores, token t in lane t. */
 ALWAYS_INLINE __m512 transpose_reduce16(const __m512 *a) {

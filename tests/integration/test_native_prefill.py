@@ -1,0 +1,159 @@
+"""The C prefill-attention kernel (worker/kernels/paged_prefill.c) against a plain causal
+softmax(QK^T)V over each span's blocks, and the engine's prefill logprobs with it against
+the torch attention path."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from treadle.worker.native import load_kernels
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = load_kernels()
+    assert k is not None, "the C kernels must build on the test machine (gcc is required)"
+    if not k.supports_prefill(torch.bfloat16, 64):
+        pytest.skip("this CPU has no AVX-512 BF16: prefills use torch's attention")
+    return k
+
+
+def reference(q, kc, vc, table, start, n, scale):
+    """fp32 causal attention of n new tokens at positions [start, start + n)."""
+    num_kv_heads, _, block_size, head_dim = kc.shape
+    group = q.shape[1] // num_kv_heads
+    pos = torch.arange(start + n)
+    blocks, offsets = table[pos // block_size], pos % block_size
+    k = kc[:, blocks, offsets].float().repeat_interleave(group, 0)  # [heads, ctx, dim]
+    v = vc[:, blocks, offsets].float().repeat_interleave(group, 0)
+    scores = q.float().transpose(0, 1) @ k.transpose(1, 2) * scale  # [heads, n, ctx]
+    allowed = pos[None, :] <= (start + torch.arange(n))[:, None]
+    probs = torch.softmax(scores.masked_fill(~allowed, -math.inf), dim=-1)
+    return (probs @ v).transpose(0, 1).reshape(n, -1)
+
+
+def run_spans(kernels, cases, num_heads, num_kv_heads, head_dim, block_size, scale, seed=0,
+              extra_query_heads=0, poison=False):
+    """Lay the spans out in one flat batch over shuffled blocks, run the kernel once, and
+    return (out, [(reference, rows)])."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per = [(s + n + block_size - 1) // block_size for s, n in cases]
+    num_blocks = sum(blocks_per) + 3
+    kc = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen).bfloat16()
+    vc = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen).bfloat16()
+    perm = torch.randperm(num_blocks, generator=gen)
+    rows = sum(n for _, n in cases)
+    # Queries as a strided view, like the model's [tokens, heads + kv_heads, dim] tensor.
+    q = torch.randn(rows, num_heads + extra_query_heads, head_dim, generator=gen).bfloat16()
+    q = q[:, :num_heads]
+    tables = torch.zeros(len(cases), max(blocks_per), dtype=torch.int64)
+    spans, row, used = [], 0, 0
+    for i, ((start, n), nb) in enumerate(zip(cases, blocks_per)):
+        tables[i, :nb] = perm[used:used + nb]
+        used += nb
+        spans.append([row, n, start])
+        row += n
+    if poison:  # cache slots past each context: never read
+        for i, (start, n) in enumerate(cases):
+            last = tables[i, blocks_per[i] - 1]
+            used_slots = (start + n) - (blocks_per[i] - 1) * block_size
+            kc[:, last, used_slots:] = float("nan")
+            vc[:, last, used_slots:] = float("nan")
+    spans = torch.tensor(spans, dtype=torch.int64)
+    out = torch.full((rows, num_heads * head_dim), 7.0, dtype=torch.bfloat16)
+    kernels.paged_prefill(q, kc, vc, spans, tables, out,
+                          kernels.prefill_workspace(spans, num_kv_heads, head_dim), scale)
+    refs = [(reference(q[r:r + n], kc, vc, tables[i], s, n, scale), slice(r, r + n))
+            for i, (r, n, s) in enumerate(spans.tolist())]
+    return out, refs
+
+
+# (spans as (positions before, new tokens), heads, kv heads, head_dim, block_size, scale)
+SHAPES = [
+    ([(0, 512)], 9, 3, 64, 16, 0.125),                      # a first chunk, benchmark layout
+    ([(512, 512), (1536, 300)], 9, 3, 64, 16, 0.125),       # later chunks, two spans
+    ([(0, 2), (5, 3), (31, 1 + 1), (30, 7), (100, 33)], 9, 3, 64, 16, 0.125),  # tile edges
+    ([(0, 65), (17, 40)], 8, 8, 64, 5, 0.3),                # group 1, odd block size
+    ([(0, 100), (250, 31)], 8, 2, 128, 16, 0.09),           # head_dim 128, group 4
+    ([(3, 50)], 16, 2, 128, 32, 0.2),                       # group 8, big blocks
+]
+
+
+@pytest.mark.parametrize("cases, heads, kv_heads, head_dim, block_size, scale", SHAPES,
+                         ids=[f"shape{i}" for i in range(len(SHAPES))])
+def test_paged_prefill_matches_reference(kernels, cases, heads, kv_heads, head_dim,
+                                         block_size, scale):
+    out, refs = run_spans(kernels, cases, heads, kv_heads, head_dim, block_size, scale,
+                          extra_query_heads=kv_heads)
+    for ref, rows in refs:
+        got = out[rows].float()
+        # bf16 output (relative rounding 2^-8) and bf16 probabilities in P.V
+        assert torch.allclose(got, ref, atol=1.5e-2, rtol=1.5e-2), (got - ref).abs().max()
+
+
+def test_paged_prefill_reads_only_the_context(kernels):
+    out, refs = run_spans(kernels, [(0, 37), (20, 12)], 9, 3, 64, 16, 0.125, poison=True)
+    for ref, rows in refs:
+        assert torch.isfinite(out[rows].float()).all()
+        assert torch.allclose(out[rows].float(), ref, atol=1.5e-2, rtol=1.5e-2)
+
+
+def test_paged_prefill_leaves_other_rows_alone(kernels):
+    # Rows 0-3 of the batch are decodes (another kernel's); the span starts at row 4.
+    gen = torch.Generator().manual_seed(1)
+    kc = torch.randn(3, 8, 16, 64, generator=gen).bfloat16()
+    vc = torch.randn(3, 8, 16, 64, generator=gen).bfloat16()
+    q = torch.randn(24, 9, 64, generator=gen).bfloat16()
+    spans = torch.tensor([[4, 20, 10]])
+    tables = torch.arange(8).view(1, 8)
+    out = torch.full((24, 9 * 64), 7.0, dtype=torch.bfloat16)
+    kernels.paged_prefill(q, kc, vc, spans, tables, out, kernels.prefill_workspace(spans, 3, 64),
+                          0.125)
+    assert (out[:4] == 7.0).all()
+    assert torch.allclose(out[4:].float(), reference(q[4:], kc, vc, tables[0], 10, 20, 0.125),
+                          atol=1.5e-2, rtol=1.5e-2)
+
+
+def test_unsupported_head_dim_is_reported(kernels):
+    assert not kernels.supports_prefill(torch.bfloat16, 80)
+    assert not kernels.supports_prefill(torch.float32, 64)
+    spans = torch.tensor([[0, 4, 0]])
+    with pytest.raises(ValueError, match="head_dim 80"):
+        kernels.paged_prefill(torch.zeros(4, 2, 80, dtype=torch.bfloat16),
+                              torch.zeros(1, 2, 16, 80, dtype=torch.bfloat16),
+                              torch.zeros(1, 2, 16, 80, dtype=torch.bfloat16), spans,
+                              torch.zeros(1, 1, dtype=torch.int64),
+                              torch.zeros(4, 160, dtype=torch.bfloat16),
+                              kernels.prefill_workspace(spans, 1, 80), 0.1)
+
+
+def test_engine_prefill_logprobs_native_vs_torch(kernels, tmp_path):
+    """A bf16 model with head_dim 64, prompts chunked over steps: the C prefill path gives
+    the same prompt logprobs as torch's attention, to bf16 accuracy."""
+    import transformers
+
+    from treadle import LLM, SamplingParams
+
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+        initializer_range=0.05, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).eval().save_pretrained(tmp_path)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (300, 77, 5)]
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+
+    def prompt_logprobs(backend):
+        llm = LLM(model=str(tmp_path), dtype="bfloat16", max_num_batched_tokens=128,
+                  attention_backend=backend, enable_prefix_caching=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [torch.tensor([next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]])
+                for o in outs]
+
+    native, reference_path = prompt_logprobs("native"), prompt_logprobs("torch")
+    for a, b in zip(native, reference_path):
+        assert torch.allclose(a, b, atol=0.05), (a - b).abs().max()
