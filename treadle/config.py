@@ -147,6 +147,9 @@ class SchedulerConfig:
     isolate_urgent_prefill: bool = field(default=True, metadata=_help(
         "priority policy: a step that prefills a request of a more urgent priority class "
         "carries no decodes or prefill chunks of less urgent classes (they run next step)"))
+    finish_prompts_first: bool = field(default=True, metadata=_help(
+        "A step that finishes a prompt carries no partial chunk of another prompt (it "
+        "would delay that first token; it starts next step with the budget first)"))
     max_head_bypasses: int = field(default=16, metadata=_help(
         "Times smaller requests may pass a waiting request that does not fit before it gets "
         "the next opening (0: strict order)"))

@@ -16,11 +16,12 @@ from treadle.sampling_params import SamplingParams
 def make_scheduler(max_tokens=64, max_seqs=4, num_blocks=64, block_size=4,
                    prefix_caching=True, chunked=True, max_model_len=4096,
                    preemption_mode="recompute", num_swap_blocks=0, cooldown=8,
-                   wait_weight=100.0) -> Scheduler:
+                   wait_weight=100.0, finish_first=True) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_batched_tokens=max_tokens, max_num_seqs=max_seqs,
                         enable_chunked_prefill=chunked, preemption_mode=preemption_mode,
-                        preemption_cooldown_steps=cooldown, victim_wait_weight=wait_weight),
+                        preemption_cooldown_steps=cooldown, victim_wait_weight=wait_weight,
+                        finish_prompts_first=finish_first),
         CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
         num_kv_blocks=num_blocks, max_model_len=max_model_len, num_swap_blocks=num_swap_blocks)
 
@@ -92,6 +93,50 @@ def test_long_prompt_is_chunked_and_mixed_with_decodes():
         assert by_id["long"].sample == (sum(chunks) == 50)
         sched.update_from_output(out, fake_runner(out))
     assert chunks == [15, 15, 15, 5]
+
+
+def _tokens(out):
+    return {s.request_id: len(s.token_ids) for s in out.scheduled}
+
+
+@pytest.mark.parametrize("finish_first", [True, False])
+def test_step_that_finishes_a_prompt_takes_no_partial_chunk(finish_first):
+    """A 36-token prompt in 16-token steps ends with 4 tokens; a 30-token prompt behind it
+    would get the other 12 and still need a step: with finish_prompts_first it waits and
+    then runs whole, so the first prompt's last step is short and the second loses no
+    step."""
+    sched = make_scheduler(max_tokens=16, max_seqs=4, num_blocks=64, prefix_caching=False,
+                           finish_first=finish_first)
+    first = make_request("first", prompt_len=36, max_tokens=3)
+    second = make_request("second", prompt_len=30, max_tokens=3)
+    sched.add_request(first)
+    sched.add_request(second)
+    steps = []
+    while second.num_output_tokens == 0:
+        out = sched.schedule()
+        steps.append(_tokens(out))
+        sched.update_from_output(out, fake_runner(out))
+    if finish_first:
+        assert steps == [{"first": 16}, {"first": 16}, {"first": 4},
+                         {"first": 1, "second": 15}, {"first": 1, "second": 15}]
+    else:
+        assert steps == [{"first": 16}, {"first": 16}, {"first": 4, "second": 12},
+                         {"first": 1, "second": 15}, {"first": 1, "second": 3}]
+
+
+def test_whole_prompts_still_share_the_step_that_finishes_one():
+    sched = make_scheduler(max_tokens=36, max_seqs=8, num_blocks=64, prefix_caching=False)
+    a, b, c = (make_request(n, prompt_len=10, max_tokens=2) for n in "abc")
+    d = make_request("d", prompt_len=20, max_tokens=2)
+    e = make_request("e", prompt_len=5, max_tokens=2)
+    for r in (a, b, c, d, e):
+        sched.add_request(r)
+    out = sched.schedule()
+    # a, b and c finish their prompts together; d would get 6 of its 20: it waits, and
+    # e, which would fit whole, does not pass it.
+    assert _tokens(out) == {"a": 10, "b": 10, "c": 10}
+    sched.update_from_output(out, fake_runner(out))
+    assert _tokens(sched.schedule()) == {"a": 1, "b": 1, "c": 1, "d": 20, "e": 5}
 
 
 def test_waiting_request_admitted_in_step_after_a_finish():

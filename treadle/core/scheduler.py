@@ -11,7 +11,9 @@ protection) instead of waiting for memory to run out. Under `priority`, a step t
 prefills a request of a more urgent class gives no tokens to less urgent classes
 (`isolate_urgent_prefill`), so the urgent first token is not held up by background
 decodes and chunks. An admitted request takes its
-prefix-cache hit first, then the uncached part, chunked to the remaining budget. A
+prefix-cache hit first, then the uncached part, chunked to the remaining budget; under
+`finish_prompts_first`, a step that already finishes a prompt takes no partial chunk of
+another (it would delay that first token and cannot finish its own prompt anyway). A
 request that does not fit in KV memory does not block smaller ones behind it, up to
 `max_head_bypasses` times; then it gets the next opening.
 
@@ -78,6 +80,9 @@ class _Admission(enum.Enum):
     """No request slot or no token left in this step: nothing behind can be admitted."""
     NO_FIT = "no_fit"
     """Too large for the free KV memory (or the budget, unchunked): smaller ones may fit."""
+    DEFERRED = "deferred"
+    """Would get only part of its prompt in a step that already finishes another prompt
+    (`finish_prompts_first`): it starts next step, and nothing behind it starts now."""
 
 
 class Scheduler:
@@ -221,6 +226,7 @@ class Scheduler:
         self._admitted: set[str] = set()
         self._swap_out: list[tuple[int, int]] = []
         self._swap_in: list[tuple[int, int]] = []
+        self._finishes_prompt = False
         if self.order_params.policy == "fcfs":
             self._schedule_fcfs()
         else:
@@ -307,6 +313,9 @@ class Scheduler:
                     self.stats.num_head_bypasses += 1
                     admitting = policy.may_bypass(num_bypasses, self.config.max_head_bypasses)
                 continue
+            if outcome is _Admission.DEFERRED:
+                admitting = False
+                continue
             num_no_fit += 1
             if outcome is _Admission.FULL or num_no_fit >= MAX_NO_FIT_PER_STEP:
                 admitting = False
@@ -352,6 +361,8 @@ class Scheduler:
         if request.status != RequestStatus.RUNNING or self._budget == 0:
             return
         num_tokens = min(request.num_uncomputed_tokens, self._budget)
+        if self._holds_back(request, num_tokens):
+            return
         while not self.kv.allocate_slots(request, num_tokens):
             # Any other running request can be the victim, even one already scheduled
             # in this step (its tokens go back to the budget): otherwise the request
@@ -370,7 +381,20 @@ class Scheduler:
                 return
         self._schedule_tokens(request, num_tokens)
 
+    def _holds_back(self, request: Request, num_tokens: int) -> bool:
+        """`finish_prompts_first`: a chunk that leaves part of its prompt for later waits
+        for the next step when this step already finishes another prompt. Its tokens
+        would lengthen the step (on a compute-bound CPU, by their share of its time),
+        and so delay that prompt's first token, while its own prompt cannot finish now
+        anyway; next step it gets the budget first. Decodes and whole prompts still
+        share steps."""
+        return (self.config.finish_prompts_first and self._finishes_prompt
+                and num_tokens < request.num_uncomputed_tokens)
+
     def _schedule_tokens(self, request: Request, num_tokens: int) -> None:
+        if num_tokens == request.num_uncomputed_tokens and (
+                num_tokens > 1 or request.num_output_tokens == 0):
+            self._finishes_prompt = True  # its first (or first resumed) token comes out
         self._num_new[request.request_id] = num_tokens
         self._budget -= num_tokens
         tenant = policy.tenant_of(request)
@@ -402,7 +426,8 @@ class Scheduler:
         if not swapped and not self.kv.holds(request.request_id):
             computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
         outcome, num_tokens = self._fit(request, swapped, num_hit_tokens, computed_blocks)
-        if outcome is not _Admission.ADMITTED and self.preempt_at_admission:
+        if (outcome not in (_Admission.ADMITTED, _Admission.DEFERRED)
+                and self.preempt_at_admission):
             victims = self._plan_admission_victims(request, swapped, num_hit_tokens)
             if victims:
                 for victim in victims:
@@ -446,6 +471,8 @@ class Scheduler:
         if num_tokens > self._budget:
             if not self._may_chunk(request):
                 return _Admission.NO_FIT, 0
+            if self._holds_back(request, self._budget):
+                return _Admission.DEFERRED, 0
             num_tokens = self._budget
         if not self.kv.can_allocate(request, num_tokens, computed_blocks):
             return _Admission.NO_FIT, 0
@@ -520,7 +547,8 @@ class Scheduler:
         self.stats.num_swap_in += 1
         self._resume(request)
         num_tokens = min(request.num_uncomputed_tokens, self._budget)
-        if self.kv.allocate_slots(request, num_tokens):
+        if not self._holds_back(request, num_tokens) and self.kv.allocate_slots(request,
+                                                                                num_tokens):
             self._schedule_tokens(request, num_tokens)
 
     def _build_output(self, num_new_tokens: dict[str, int],
