@@ -111,6 +111,35 @@ def test_silu_mul_matches_torch(ops, m, i):
     assert ops.silu_mul(gate_up.float()) is None
 
 
+@pytest.mark.parametrize("m, heads, kv_heads, head_dim", [(1, 9, 3, 64), (4, 9, 3, 64),
+                                                         (100, 8, 2, 128), (5, 4, 2, 24)])
+def test_rope_kv_matches_torch_bit_for_bit(ops, m, heads, kv_heads, head_dim):
+    """Rotated queries, and keys and values at their slots, exactly as apply_rotary then
+    write_kv (the same bf16 roundings); other cache slots untouched."""
+    from treadle.models.rope import apply_rotary
+    from treadle.worker.attention import write_kv
+
+    gen = torch.Generator().manual_seed(m * heads + head_dim)
+    # qk and value as the model makes them: views into one fused qkv row.
+    qkv = (torch.randn(m, (heads + 2 * kv_heads) * head_dim, generator=gen) * 3).bfloat16()
+    qk = qkv[:, :(heads + kv_heads) * head_dim].view(m, heads + kv_heads, head_dim)
+    value = qkv[:, (heads + kv_heads) * head_dim:].view(m, kv_heads, head_dim)
+    table = torch.randn(50, head_dim, generator=gen).bfloat16()  # [cos | sin] per position
+    positions = torch.randint(0, 50, (m,), generator=gen)
+    cos, sin = table.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+    slots = torch.randperm(8 * 16, generator=gen)[:m]
+    expected_cache = torch.randn(2, kv_heads, 8, 16, head_dim, generator=gen).bfloat16()
+    cache = expected_cache.clone()
+
+    q = ops.rope_kv(qk, value, cos, sin, cache, slots)
+    rotated = apply_rotary(qk, cos, sin)
+    write_kv(expected_cache, rotated[:, heads:], value, slots)
+    assert q.is_contiguous() and q.shape == (m, heads, head_dim)
+    assert torch.equal(q, rotated[:, :heads])
+    assert torch.equal(cache, expected_cache)
+    assert ops.rope_kv(qk.float(), value.float(), cos.float(), sin.float(), cache, slots) is None
+
+
 def test_engine_bf16_decode_matches_torch_path(ops, tmp_path_factory):
     """A bf16 engine runs the kernels in every layer and decodes as with torch alone: the
     same greedy tokens and log-probabilities, up to bf16 rounding. (The tiny model's bf16

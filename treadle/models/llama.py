@@ -98,6 +98,8 @@ class Attention(nn.Module):
         self.qkv_proj = _linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias, dtype)
         self.o_proj = _linear(self.q_size, hidden, o_bias, dtype)
         self.eps = dims["eps"]
+        self.native_ops = None
+        """NativeLayerOps (see LlamaForCausalLM.use_native_ops), or None."""
         if family == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, self.eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, self.eps, dtype)
@@ -117,10 +119,15 @@ class Attention(nn.Module):
             weight = torch.cat((self.q_norm.weight.expand(self.num_heads, -1),
                                 self.k_norm.weight.expand(self.num_kv_heads, -1)))
             qk = rms_norm(qk, weight, self.eps)
-        # Queries and keys are rotated together: one set of kernels for both.
-        qk = apply_rotary(qk, cos, sin)
-        out = paged_attention(qk[:, :self.num_heads], qk[:, self.num_heads:], value,
-                              kv_cache, meta, self.scale)
+        query = (None if self.native_ops is None
+                 else self.native_ops.rope_kv(qk, value, cos, sin, kv_cache, meta.slot_mapping))
+        if query is not None:  # rotated, and K/V already in the cache
+            out = paged_attention(query, None, None, kv_cache, meta, self.scale)
+        else:
+            # Queries and keys are rotated together: one set of kernels for both.
+            qk = apply_rotary(qk, cos, sin)
+            out = paged_attention(qk[:, :self.num_heads], qk[:, self.num_heads:], value,
+                                  kv_cache, meta, self.scale)
         return linear(out, self.o_proj)
 
 
@@ -253,7 +260,7 @@ class LlamaForCausalLM(nn.Module):
         self._native_ops = ops
         attach_native_ops(self, ops)
         for module in self.modules():
-            if isinstance(module, (DecoderLayer, MLP)):
+            if isinstance(module, (DecoderLayer, Attention, MLP)):
                 module.native_ops = ops
 
     def pack_weights(self) -> int:

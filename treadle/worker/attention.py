@@ -152,15 +152,17 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     flat[1].index_copy_(1, slot_mapping, value.transpose(0, 1))
 
 
-def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    kv_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
+def paged_attention(query: torch.Tensor, key: torch.Tensor | None,
+                    value: torch.Tensor | None, kv_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend each token to its context.
 
-    query: [num_tokens, num_heads, head_dim]; key, value: [num_tokens, kv_heads, head_dim].
+    query: [num_tokens, num_heads, head_dim]; key, value: [num_tokens, kv_heads, head_dim],
+    or None when the caller already stored them (NativeLayerOps.rope_kv).
     Returns [num_tokens, num_heads * head_dim].
     """
-    write_kv(kv_cache, key, value, meta.slot_mapping)
+    if key is not None:
+        write_kv(kv_cache, key, value, meta.slot_mapping)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[1]
     group = num_heads // num_kv_heads

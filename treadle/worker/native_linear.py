@@ -1,5 +1,6 @@
 """Typed wrappers of the C kernels for small-batch bf16 layers (kernels/gemv_bf16.c,
-kernels/norm_bf16.c): the linear layer, fused residual-add + RMSNorm, and silu(gate) * up.
+kernels/norm_bf16.c): the linear layer, fused residual-add + RMSNorm, silu(gate) * up, and
+rotary embedding fused with the K/V cache write.
 
 A decode step runs every layer on a few rows (one per request), where a linear layer is
 bound by reading its weight and the elementwise steps by per-op dispatch. `NativeLayerOps`
@@ -37,6 +38,9 @@ class NativeLayerOps:
         self._silu_mul = lib.silu_mul_bf16
         self._silu_mul.argtypes = [_P, _P, _I64, _I64]
         self._silu_mul.restype = ctypes.c_int
+        self._rope_kv = lib.rope_kv_bf16
+        self._rope_kv.argtypes = [_P, _I64, _P, _I64, _P, _P, _I64, _P, _P, _P, _P] + [_I64] * 5
+        self._rope_kv.restype = ctypes.c_int
 
     @classmethod
     def load(cls, lib: ctypes.CDLL | None, max_rows: int = MAX_ROWS) -> NativeLayerOps | None:
@@ -93,3 +97,36 @@ class NativeLayerOps:
         out = torch.empty(m, two_i // 2, dtype=torch.bfloat16)
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), m, two_i // 2)
         return out
+
+    def rope_kv(self, qk: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, kv_cache: torch.Tensor,
+                slot_mapping: torch.Tensor) -> torch.Tensor | None:
+        """Rotate queries and keys, store keys and values at their cache slots, and return
+        the rotated queries as a contiguous [M, heads, head_dim]; None when not covered
+        (then nothing was written).
+
+        qk: [M, heads + kv_heads, head_dim] (queries, then keys); value: [M, kv_heads,
+        head_dim]; cos, sin: [M, 1, head_dim // 2] (RotaryEmbedding.cos_sin); kv_cache:
+        [2, kv_heads, num_blocks, block_size, head_dim]; slot_mapping: [M] int64.
+        """
+        m, num_qk, head_dim = qk.shape
+        num_kv_heads = kv_cache.shape[1]
+        tensors = (qk, value, cos, sin, kv_cache)
+        if (any(t.dtype != torch.bfloat16 for t in tensors) or not kv_cache.is_contiguous()
+                or qk.stride(2) != 1 or qk.stride(1) != head_dim
+                or value.stride(2) != 1 or value.stride(1) != head_dim
+                or value.shape != (m, num_kv_heads, head_dim)
+                or cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0)
+                or cos.shape[0] != m or cos.shape[-1] * 2 != head_dim
+                or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
+                or slot_mapping.shape != (m,)):
+            return None
+        num_heads = num_qk - num_kv_heads
+        slots_per_head = kv_cache.shape[2] * kv_cache.shape[3]
+        q = torch.empty(m, num_heads, head_dim, dtype=torch.bfloat16)
+        status = self._rope_kv(qk.data_ptr(), qk.stride(0), value.data_ptr(), value.stride(0),
+                               cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+                               slot_mapping.data_ptr(), q.data_ptr(), kv_cache[0].data_ptr(),
+                               kv_cache[1].data_ptr(), m, num_heads, num_kv_heads, head_dim,
+                               slots_per_head)
+        return q if status == 0 else None

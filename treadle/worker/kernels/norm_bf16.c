@@ -7,6 +7,11 @@
  *    treadle.models.llama.rms_norm (normalized in float32, cast, then scaled in bf16).
  *  - silu_mul_bf16: out = bf16(bf16(silu(gate)) * up) from the fused [M, 2*I] gate_up
  *    projection, as F.silu followed by an in-place multiply.
+ *  - rope_kv_bf16: rotary embedding of queries and keys (rotate_half layout) with the
+ *    roundings of treadle.models.rope.apply_rotary (o1 = bf16(bf16(x1 c) - bf16(x2 s)),
+ *    o2 = bf16(bf16(x2 c) + bf16(x1 s))), rotated queries written to a contiguous
+ *    [M, heads, head_dim], rotated keys and the values stored at each token's KV-cache
+ *    slot: one call for what took a dozen torch ops and two index copies.
  *
  * Results can differ from torch in the last float bit (summation order, exp) and so,
  * rarely, by one bf16 ulp. Compiled where the build machine has AVX512-BF16; elsewhere
@@ -107,7 +112,59 @@ int silu_mul_bf16(const bf16_t *gate_up, bf16_t *out, int64_t M, int64_t I) {
     return 0;
 }
 
+/* Rotate `heads` vectors of length 2 * half at src (stride D between heads) into dst. */
+static inline void rotate_heads(const bf16_t *src, bf16_t *dst, int64_t dst_stride,
+                                int64_t heads, int64_t D, const bf16_t *c, const bf16_t *s) {
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        const bf16_t *x = src + h * D;
+        bf16_t *o = dst + h * dst_stride;
+        for (int64_t j = 0; j < half; j += 16) {
+            __mmask16 mask = tail_mask(half - j);
+            __m512 x1 = load_bf16(x + j, mask), x2 = load_bf16(x + half + j, mask);
+            __m512 cv = load_bf16(c + j, mask), sv = load_bf16(s + j, mask);
+            store_bf16(o + j, _mm512_sub_ps(round_bf16(_mm512_mul_ps(x1, cv)),
+                                            round_bf16(_mm512_mul_ps(x2, sv))), mask);
+            store_bf16(o + half + j, _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, cv)),
+                                                   round_bf16(_mm512_mul_ps(x1, sv))), mask);
+        }
+    }
+}
+
+/* qk: [M, heads + kv_heads, D] rows qk_row apart (queries then keys); v: [M, kv_heads, D]
+   rows v_row apart; cos, sin: [M, D / 2] rows cs_row apart; slots: [M] cache slots;
+   q_out: [M, heads, D]; k_cache, v_cache: [kv_heads, slots_per_head, D]. */
+int rope_kv_bf16(const bf16_t *qk, int64_t qk_row, const bf16_t *v, int64_t v_row,
+                 const bf16_t *cos, const bf16_t *sin, int64_t cs_row, const int64_t *slots,
+                 bf16_t *q_out, bf16_t *k_cache, bf16_t *v_cache, int64_t M, int64_t heads,
+                 int64_t kv_heads, int64_t D, int64_t slots_per_head) {
+    if (D % 2) return -1;
+    #pragma omp parallel for schedule(static) if(M >= PARALLEL_ROWS)
+    for (int64_t m = 0; m < M; m++) {
+        const bf16_t *row = qk + m * qk_row, *c = cos + m * cs_row, *s = sin + m * cs_row;
+        rotate_heads(row, q_out + m * heads * D, D, heads, D, c, s);
+        rotate_heads(row + heads * D, k_cache + slots[m] * D, slots_per_head * D, kv_heads, D,
+                     c, s);
+        for (int64_t g = 0; g < kv_heads; g++) {
+            const bf16_t *src = v + m * v_row + g * D;
+            bf16_t *dst = v_cache + (g * slots_per_head + slots[m]) * D;
+            for (int64_t j = 0; j < D; j++) dst[j] = src[j];
+        }
+    }
+    return 0;
+}
+
 #else
+
+int rope_kv_bf16(const void *qk, int64_t qk_row, const void *v, int64_t v_row,
+                 const void *cos, const void *sin, int64_t cs_row, const int64_t *slots,
+                 void *q_out, void *k_cache, void *v_cache, int64_t M, int64_t heads,
+                 int64_t kv_heads, int64_t D, int64_t slots_per_head) {
+    (void)qk; (void)qk_row; (void)v; (void)v_row; (void)cos; (void)sin; (void)cs_row;
+    (void)slots; (void)q_out; (void)k_cache; (void)v_cache; (void)M; (void)heads;
+    (void)kv_heads; (void)D; (void)slots_per_head;
+    return -1;
+}
 
 int add_rms_norm_bf16(void *hidden, const void *delta, const void *weight, void *out,
                       int64_t M, int64_t H, float eps) {
