@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import yaml
 
@@ -51,6 +52,19 @@ def test_table_ratios_against_first_system():
     assert rows[0]["output tok/s"] == 110 and rows[0]["TTFT p99 ms"] == 60
     assert rows[1]["x output tok/s"] == pytest.approx(300 / 110)
     assert rows[1]["x TTFT p99"] == pytest.approx(20 / 60)
+    assert "TTFT p99 pooled ms" not in rows[0]  # no per-request samples given
+
+
+def test_table_pools_every_repeat_for_a_steadier_p99():
+    def point(ttfts):
+        return {"output_tokens_per_s": 1.0, "total_tokens_per_s": 1.0, "num_failed": 0,
+                "ttft_ms": {"median": 0.0, "p99": 1000 * max(ttfts)},
+                "tpot_ms": {"median": 1.0}, "ttft_s_values": ttfts}
+    runs = [[i / 100 for i in range(100)], [0.5] * 99 + [9.0], [0.2] * 100]
+    rows = table({"a": [[point(r)] for r in runs]})
+    pooled = [v * 1000 for r in runs for v in r]
+    assert rows[0]["TTFT p99 pooled ms"] == pytest.approx(np.percentile(pooled, 99))
+    assert rows[0]["TTFT p99 ms"] == pytest.approx(990)  # the median run's p99
 
 
 def test_config_errors_name_the_field(tmp_path):
