@@ -118,7 +118,8 @@ class SchedulerConfig:
     """Iteration-level scheduling budgets."""
 
     max_num_batched_tokens: int = field(default=512, metadata=_help(
-        "Token budget of one engine step (prefill chunks plus decodes)"))
+        "Token budget of one engine step (prefill chunks plus decodes); LLM (offline) "
+        "defaults to 1024"))
     max_num_seqs: int = field(default=128, metadata=_help(
         "Most requests that run in one engine step"))
     enable_chunked_prefill: bool = field(default=True, metadata=_help(

@@ -196,3 +196,13 @@ def test_priority_and_tenant_reach_the_engine(llama_dir):
     assert not llm._scheduling
     with pytest.raises(ValueError, match="priority"):
         llm.generate([[5], [6]], priority=[1, 2, 3], use_tqdm=False)
+
+
+def test_offline_step_budget_default_and_override(llama_dir):
+    """LLM takes a 1024-token step budget unless given one (the server keeps 512)."""
+    from treadle.config import SchedulerConfig
+
+    assert LLM(model=llama_dir).config.scheduler.max_num_batched_tokens == 1024
+    assert LLM(model=llama_dir, max_num_batched_tokens=64).config.scheduler \
+        .max_num_batched_tokens == 64
+    assert SchedulerConfig().max_num_batched_tokens == 512

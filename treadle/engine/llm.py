@@ -46,10 +46,21 @@ def load_tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
+OFFLINE_MAX_NUM_BATCHED_TOKENS = 1024
+"""The step budget of `LLM` when none is given; the server keeps SchedulerConfig's 512.
+Offline, only throughput counts, and a larger step spreads each step's fixed costs over
+more prompt tokens: +3% output tokens/s on the engine-core workload (bf16, 2 cores, two
+alternating runs each: 302.0 / 297.5 at 1024, 293.8 / 288.9 at 512, 294.3 / 296.9 at
+2048). Online, steps twice as long delay first tokens (azure replay p99 TTFT 1.26 s at
+1024 against 0.92 s at 512, one run each). vLLM makes the same split on CPU (4096 for
+its LLM class, 2048 for its server)."""
+
+
 class LLM:
     """An engine for offline batch generation."""
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        engine_options.setdefault("max_num_batched_tokens", OFFLINE_MAX_NUM_BATCHED_TOKENS)
         self.config = EngineConfig.from_options(model=model, **engine_options)
         self.engine = EngineCore(self.config)
         self.tokenizer = load_tokenizer(self.engine.model_dir)
