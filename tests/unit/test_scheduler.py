@@ -124,6 +124,35 @@ def test_step_that_finishes_a_prompt_takes_no_partial_chunk(finish_first):
                          {"first": 1, "second": 15}, {"first": 1, "second": 3}]
 
 
+@pytest.mark.parametrize("finish_first", [True, False])
+def test_last_chunk_of_a_split_prompt_runs_without_other_prefills(finish_first):
+    """A 20-token prompt in 16-token steps ends with 4 tokens: with finish_prompts_first
+    that step carries no other prompt, even a whole one that fits (the split prompt has
+    waited two steps already); decodes still run with it."""
+    sched = make_scheduler(max_tokens=16, max_seqs=4, num_blocks=64, prefix_caching=False,
+                           finish_first=finish_first)
+    early = make_request("early", prompt_len=3, max_tokens=10)
+    sched.add_request(early)
+    out = sched.schedule()
+    assert _tokens(out) == {"early": 3}
+    sched.update_from_output(out, fake_runner(out))
+    split = make_request("split", prompt_len=20, max_tokens=3)
+    short = make_request("short", prompt_len=3, max_tokens=3)
+    sched.add_request(split)
+    sched.add_request(short)
+    steps = []
+    for _ in range(3):
+        out = sched.schedule()
+        steps.append(_tokens(out))
+        sched.update_from_output(out, fake_runner(out))
+    if finish_first:
+        assert steps == [{"early": 1, "split": 15}, {"early": 1, "split": 5},
+                         {"early": 1, "split": 1, "short": 3}]
+    else:
+        assert steps == [{"early": 1, "split": 15}, {"early": 1, "split": 5, "short": 3},
+                         {"early": 1, "split": 1, "short": 1}]
+
+
 def test_whole_prompts_still_share_the_step_that_finishes_one():
     sched = make_scheduler(max_tokens=36, max_seqs=8, num_blocks=64, prefix_caching=False)
     a, b, c = (make_request(n, prompt_len=10, max_tokens=2) for n in "abc")

@@ -81,8 +81,8 @@ class _Admission(enum.Enum):
     NO_FIT = "no_fit"
     """Too large for the free KV memory (or the budget, unchunked): smaller ones may fit."""
     DEFERRED = "deferred"
-    """Would get only part of its prompt in a step that already finishes another prompt
-    (`finish_prompts_first`): it starts next step, and nothing behind it starts now."""
+    """Held back by `finish_prompts_first` (see `Scheduler._holds_back`): it starts next
+    step, and nothing behind it starts now."""
 
 
 class Scheduler:
@@ -120,6 +120,8 @@ class Scheduler:
         self._finished_since_last_step: set[str] = set()
         self._num_bypasses: dict[str, int] = {}
         self._protected_until: dict[str, int] = {}
+        self._chunked_prompts: set[str] = set()
+        """Requests whose prompt has been split across steps and is not finished yet."""
         """Anti-thrash: step until which a request is not preempted for an admission."""
         self.stats = SchedulerStats()
 
@@ -164,6 +166,7 @@ class Scheduler:
         del self.requests[request.request_id]
         self._num_bypasses.pop(request.request_id, None)
         self._protected_until.pop(request.request_id, None)
+        self._chunked_prompts.discard(request.request_id)
         self._finished_since_last_step.add(request.request_id)
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
@@ -227,6 +230,7 @@ class Scheduler:
         self._swap_out: list[tuple[int, int]] = []
         self._swap_in: list[tuple[int, int]] = []
         self._finishes_prompt = False
+        self._finishes_chunked_prompt = False
         if self.order_params.policy == "fcfs":
             self._schedule_fcfs()
         else:
@@ -361,7 +365,7 @@ class Scheduler:
         if request.status != RequestStatus.RUNNING or self._budget == 0:
             return
         num_tokens = min(request.num_uncomputed_tokens, self._budget)
-        if self._holds_back(request, num_tokens):
+        if self._holds_back(request, num_tokens < request.num_uncomputed_tokens):
             return
         while not self.kv.allocate_slots(request, num_tokens):
             # Any other running request can be the victim, even one already scheduled
@@ -381,20 +385,34 @@ class Scheduler:
                 return
         self._schedule_tokens(request, num_tokens)
 
-    def _holds_back(self, request: Request, num_tokens: int) -> bool:
-        """`finish_prompts_first`: a chunk that leaves part of its prompt for later waits
-        for the next step when this step already finishes another prompt. Its tokens
-        would lengthen the step (on a compute-bound CPU, by their share of its time),
-        and so delay that prompt's first token, while its own prompt cannot finish now
-        anyway; next step it gets the budget first. Decodes and whole prompts still
-        share steps."""
-        return (self.config.finish_prompts_first and self._finishes_prompt
-                and num_tokens < request.num_uncomputed_tokens)
+    def _holds_back(self, request: Request, partial: bool) -> bool:
+        """`finish_prompts_first`: whether prefill tokens of `request` (`partial`: not
+        the rest of its prompt) wait for the next step because of what the step already
+        finishes. On a compute-bound CPU a step's length is proportional to its tokens,
+        and a prompt's first token comes out at the end of the step with its last chunk.
+
+        - After any finishing prompt, a partial chunk waits: it would delay that first
+          token by its share of the step, and its own prompt cannot finish now anyway;
+          next step it gets the budget first. Whole prompts still share the step.
+        - After the last chunk of a prompt split across earlier steps, every prefill
+          waits: that request has already waited several steps (the likeliest tail of
+          TTFT), and its last chunk is often a small remainder that another prompt
+          would outweigh. The other prompt loses one step's fixed cost.
+        Decodes are never held back."""
+        if not self.config.finish_prompts_first or (
+                request.num_uncomputed_tokens == 1 and request.num_output_tokens > 0):
+            return False
+        return self._finishes_chunked_prompt or (self._finishes_prompt and partial)
 
     def _schedule_tokens(self, request: Request, num_tokens: int) -> None:
-        if num_tokens == request.num_uncomputed_tokens and (
-                num_tokens > 1 or request.num_output_tokens == 0):
+        rid = request.request_id
+        if num_tokens < request.num_uncomputed_tokens:
+            self._chunked_prompts.add(rid)
+        elif num_tokens > 1 or request.num_output_tokens == 0:
             self._finishes_prompt = True  # its first (or first resumed) token comes out
+            if rid in self._chunked_prompts:
+                self._finishes_chunked_prompt = True
+                self._chunked_prompts.discard(rid)
         self._num_new[request.request_id] = num_tokens
         self._budget -= num_tokens
         tenant = policy.tenant_of(request)
@@ -468,12 +486,11 @@ class Scheduler:
                 return _Admission.NO_FIT, 0
             return _Admission.ADMITTED, 0
         num_tokens = request.num_uncomputed_tokens - num_hit_tokens
-        if num_tokens > self._budget:
-            if not self._may_chunk(request):
-                return _Admission.NO_FIT, 0
-            if self._holds_back(request, self._budget):
-                return _Admission.DEFERRED, 0
-            num_tokens = self._budget
+        if num_tokens > self._budget and not self._may_chunk(request):
+            return _Admission.NO_FIT, 0
+        if self._holds_back(request, partial=num_tokens > self._budget):
+            return _Admission.DEFERRED, 0
+        num_tokens = min(num_tokens, self._budget)
         if not self.kv.can_allocate(request, num_tokens, computed_blocks):
             return _Admission.NO_FIT, 0
         return _Admission.ADMITTED, num_tokens
@@ -547,8 +564,8 @@ class Scheduler:
         self.stats.num_swap_in += 1
         self._resume(request)
         num_tokens = min(request.num_uncomputed_tokens, self._budget)
-        if not self._holds_back(request, num_tokens) and self.kv.allocate_slots(request,
-                                                                                num_tokens):
+        if (not self._holds_back(request, num_tokens < request.num_uncomputed_tokens)
+                and self.kv.allocate_slots(request, num_tokens)):
             self._schedule_tokens(request, num_tokens)
 
     def _build_output(self, num_new_tokens: dict[str, int],
