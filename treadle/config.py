@@ -150,7 +150,8 @@ class SchedulerConfig:
         "carries no decodes or prefill chunks of less urgent classes (they run next step)"))
     finish_prompts_first: bool = field(default=True, metadata=_help(
         "A step that finishes a prompt carries no partial chunk of another prompt (it "
-        "would delay that first token; it starts next step with the budget first)"))
+        "would delay that first token; it starts next step with the budget first), and "
+        "the last chunk of a prompt split across steps runs with decodes only"))
     max_head_bypasses: int = field(default=16, metadata=_help(
         "Times smaller requests may pass a waiting request that does not fit before it gets "
         "the next opening (0: strict order)"))

@@ -157,3 +157,11 @@ def test_engine_prefill_logprobs_native_vs_torch(kernels, tmp_path):
     native, reference_path = prompt_logprobs("native"), prompt_logprobs("torch")
     for a, b in zip(native, reference_path):
         assert torch.allclose(a, b, atol=0.05), (a - b).abs().max()
+
+
+def test_prefill_benchmark_times_both_paths(kernels):
+    from treadle.bench.attention_kernel import bench_prefill
+
+    row = bench_prefill(kernels, 16, 32, rounds=1)
+    assert row["native_ms"] > 0 and row["sdpa_ms"] > 0
+    assert row["speedup"] == pytest.approx(row["sdpa_ms"] / row["native_ms"], rel=0.05)

@@ -1,4 +1,5 @@
-"""Microbenchmark of the C decode-attention kernel (worker/kernels/paged_decode.c).
+"""Microbenchmark of the C attention kernels: decode (worker/kernels/paged_decode.c) and,
+with --prefill, prefill (worker/kernels/paged_prefill.c) against torch's SDPA.
 
 Times `paged_decode` on the benchmark model's head layout (SmolLM2-135M: 9 query heads,
 3 KV heads, head_dim 64, block_size 16, bf16) for several (batch, context) shapes and
@@ -15,6 +16,12 @@ each request are scattered at random in its cache, as after a while of serving.
     python -m treadle.bench.attention_kernel --shapes 4x600 1x4000 --threads 1
     python -m treadle.bench.attention_kernel --sequential     # blocks in order in memory
     python -m treadle.bench.attention_kernel --so old.so      # another build of the kernel
+    python -m treadle.bench.attention_kernel --prefill 0x512 512x512 1536x512
+
+--prefill takes POSITIONS_BEFORExNEW_TOKENS pairs: one prefill chunk of NEW_TOKENS after
+POSITIONS_BEFORE cached positions, per layer, timed in the C kernel and in torch's
+scaled_dot_product_attention with the causal mask the torch path builds (same tensors;
+the torch time leaves out the gather of the context, which the C time includes).
 """
 
 from __future__ import annotations
@@ -99,6 +106,49 @@ def bench_shape(kernels, batch: int, context: int, *, num_heads: int = 9, num_kv
             "gb_per_s": round(kv_bytes / best / 1e9, 2)}
 
 
+def bench_prefill(kernels, start: int, new: int, *, num_heads: int = 9, num_kv_heads: int = 3,
+                  head_dim: int = 64, block_size: int = 16, rounds: int = 7,
+                  seed: int = 0) -> dict:
+    """ms per layer of one prefill chunk: the C kernel and torch's SDPA."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(seed)
+    ctx = start + new
+    num_blocks = (ctx + block_size - 1) // block_size
+    cache = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim,
+                        generator=gen).bfloat16()
+    q = torch.randn(new, num_heads, head_dim, generator=gen).bfloat16()
+    spans = torch.tensor([[0, new, start]], dtype=torch.int64)
+    table = torch.randperm(num_blocks, generator=gen).view(1, -1).contiguous()
+    out = torch.empty(new, num_heads * head_dim, dtype=torch.bfloat16)
+    workspace = kernels.prefill_workspace(spans, num_kv_heads, head_dim)
+    scale = head_dim ** -0.5
+    # The torch path's operands: the context gathered in order, and the causal mask.
+    k = cache[0][:, table[0]].reshape(num_kv_heads, -1, head_dim)[:, :ctx].unsqueeze(0)
+    v = cache[1][:, table[0]].reshape(num_kv_heads, -1, head_dim)[:, :ctx].unsqueeze(0)
+    allowed = torch.arange(ctx)[None, :] <= (start + torch.arange(new))[:, None]
+    qt = q.transpose(0, 1).unsqueeze(0)
+
+    def native():
+        kernels.paged_prefill(q, cache[0], cache[1], spans, table, out, workspace, scale)
+
+    def sdpa():
+        F.scaled_dot_product_attention(qt, k, v, attn_mask=allowed, scale=scale,
+                                       enable_gqa=True)
+
+    times = {}
+    for name, fn in (("native", native), ("sdpa", sdpa)):
+        fn()
+        times[name] = min(_timed(lambda: [fn() for _ in range(5)])[0] / 5
+                          for _ in range(rounds))
+    useful_flops = 4 * head_dim * num_heads * (new * start + new * (new + 1) / 2)
+    return {"positions_before": start, "new_tokens": new,
+            "native_ms": round(times["native"] * 1e3, 3),
+            "sdpa_ms": round(times["sdpa"] * 1e3, 3),
+            "speedup": round(times["sdpa"] / times["native"], 2),
+            "native_useful_gflop_s": round(useful_flops / times["native"] / 1e9, 1)}
+
+
 def _timed(fn) -> tuple[float, float]:
     """Wall-clock and CPU seconds (all of the process's threads) of fn()."""
     start, start_cpu = time.perf_counter(), time.process_time()
@@ -116,10 +166,21 @@ def main(argv: list[str] | None = None) -> None:
                         "one after another in memory (default: scattered at random)")
     parser.add_argument("--so", default=None, help="a shared object to load instead of the "
                         "kernels that treadle builds")
+    parser.add_argument("--prefill", nargs="+", default=None, metavar="STARTxNEW",
+                        help="time the prefill kernel against SDPA for these chunks instead")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     kernels = _kernels(args.so)
+    if args.prefill:
+        if not kernels.supports_prefill(torch.bfloat16, 64):
+            raise SystemExit("this CPU has no AVX-512 BF16: the prefill kernel does not run")
+        rows = [bench_prefill(kernels, *(int(x) for x in spec.lower().split("x")),
+                              rounds=args.rounds) for spec in args.prefill]
+        print(json.dumps({"layout": {"num_heads": 9, "num_kv_heads": 3, "head_dim": 64,
+                                     "block_size": 16, "dtype": "bfloat16"},
+                          "threads": torch.get_num_threads(), "prefill": rows}, indent=2))
+        return
     results = []
     for spec in args.shapes:
         batch, context = (int(x) for x in spec.lower().split("x"))

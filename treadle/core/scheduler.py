@@ -13,7 +13,8 @@ prefills a request of a more urgent class gives no tokens to less urgent classes
 decodes and chunks. An admitted request takes its
 prefix-cache hit first, then the uncached part, chunked to the remaining budget; under
 `finish_prompts_first`, a step that already finishes a prompt takes no partial chunk of
-another (it would delay that first token and cannot finish its own prompt anyway). A
+another (it would delay that first token and cannot finish its own prompt anyway), and
+the last chunk of a prompt split across steps takes no other prefill at all. A
 request that does not fit in KV memory does not block smaller ones behind it, up to
 `max_head_bypasses` times; then it gets the next opening.
 
