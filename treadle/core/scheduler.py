@@ -75,6 +75,11 @@ class SchedulerStats:
     """Sum over steps of those slots holding a token (computed or scheduled)."""
 
 
+def _is_decode(request: Request) -> bool:
+    """One token to compute, after at least one generated: a decode, not a prompt's end."""
+    return request.num_uncomputed_tokens == 1 and request.num_output_tokens > 0
+
+
 class _Admission(enum.Enum):
     ADMITTED = "admitted"
     FULL = "full"
@@ -121,9 +126,9 @@ class Scheduler:
         self._finished_since_last_step: set[str] = set()
         self._num_bypasses: dict[str, int] = {}
         self._protected_until: dict[str, int] = {}
+        """Anti-thrash: step until which a request is not preempted for an admission."""
         self._chunked_prompts: set[str] = set()
         """Requests whose prompt has been split across steps and is not finished yet."""
-        """Anti-thrash: step until which a request is not preempted for an admission."""
         self.stats = SchedulerStats()
 
     # ----- requests in and out -------------------------------------------------------
@@ -400,8 +405,7 @@ class Scheduler:
           TTFT), and its last chunk is often a small remainder that another prompt
           would outweigh. The other prompt loses one step's fixed cost.
         Decodes are never held back."""
-        if not self.config.finish_prompts_first or (
-                request.num_uncomputed_tokens == 1 and request.num_output_tokens > 0):
+        if not self.config.finish_prompts_first or _is_decode(request):
             return False
         return self._finishes_chunked_prompt or (self._finishes_prompt and partial)
 
@@ -409,12 +413,12 @@ class Scheduler:
         rid = request.request_id
         if num_tokens < request.num_uncomputed_tokens:
             self._chunked_prompts.add(rid)
-        elif num_tokens > 1 or request.num_output_tokens == 0:
+        elif not _is_decode(request):
             self._finishes_prompt = True  # its first (or first resumed) token comes out
             if rid in self._chunked_prompts:
                 self._finishes_chunked_prompt = True
                 self._chunked_prompts.discard(rid)
-        self._num_new[request.request_id] = num_tokens
+        self._num_new[rid] = num_tokens
         self._budget -= num_tokens
         tenant = policy.tenant_of(request)
         self.tenant_counters[tenant] = policy.vtc_charge(

@@ -1,9 +1,10 @@
 """C kernels for the CPU attention path and the sampler, compiled on first use and called
 through ctypes.
 
-Owns building (gcc: every `kernels/*.c` (with the shared `kernels/*.h`) compiled with `-O3 -march=native -fopenmp` plus
-its own flags, linked into one shared object without fast-math; into `<cache>/kernels/`,
-keyed by a hash of all sources and flags, written atomically) and the typed call
+Owns building (gcc: every `kernels/*.c`, which may include the shared `kernels/*.h`,
+compiled with `-O3 -march=native -fopenmp` plus its own flags, linked into one shared
+object without fast-math; into `<cache>/kernels/`, keyed by a hash of all sources,
+headers and flags, written atomically) and the typed call
 wrappers. The shared object links `libgomp.so.1` by soname, so inside a process where
 torch already loaded its own libgomp there is one OpenMP runtime and one thread pool.
 

@@ -103,13 +103,6 @@ static void pack_tile(const prefill_args *a, int64_t s, int64_t h, int64_t t, in
     }
 }
 
-ALWAYS_INLINE __m256i to_bf16_rne(__m512 x) {
-    __m512i u = _mm512_castps_si512(x);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
-}
-
 /* R query rows of one head (rows i0.. of the chunk, `valid` of them real; the others
    repeat the last real row and are not stored) against the packed context. */
 ALWAYS_INLINE void rows_kernel(const prefill_args *a, const uint16_t *q0, uint16_t *o0,
@@ -191,15 +184,16 @@ ALWAYS_INLINE void rows_kernel(const prefill_args *a, const uint16_t *q0, uint16
         const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(l[r]));
         for (int c = 0; c < HD / 16; c++)
             _mm256_storeu_si256((__m256i *)(o0 + r * o_stride + 16 * c),
-                                to_bf16_rne(_mm512_mul_ps(acc[r][c], inv)));
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][c], inv)));
     }
 }
 
 /* Rows [i0, i1) of span s, query head h. */
 ALWAYS_INLINE void item(const prefill_args *a, int64_t s, int64_t h, int64_t i0, int64_t i1,
                         const int HD, const int R) {
-    const int64_t row = a->spans[3 * s], n = a->spans[3 * s + 1], start = a->spans[3 * s + 2];
-    const int64_t pctx = padded_ctx(n + start), group = a->num_heads / a->num_kv_heads;
+    const int64_t row = a->spans[3 * s], start = a->spans[3 * s + 2];
+    const int64_t pctx = padded_ctx(a->spans[3 * s + 1] + start);
+    const int64_t group = a->num_heads / a->num_kv_heads;
     const uint32_t *kp = a->workspace + span_offset(a, s, HD) + (h / group) * pctx * (HD / 2);
     const uint32_t *vp = kp + a->num_kv_heads * pctx * (HD / 2);
     for (int64_t i = i0; i < i1; i += R) {
@@ -208,7 +202,6 @@ ALWAYS_INLINE void item(const prefill_args *a, int64_t s, int64_t h, int64_t i0,
                     a->out + (row + i) * a->num_heads * HD + h * HD, valid, start + i, kp, vp,
                     HD, R);
     }
-    (void)n;
 }
 
 static void item_64(const prefill_args *a, int64_t s, int64_t h, int64_t i0, int64_t i1) {
