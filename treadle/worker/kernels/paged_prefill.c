@@ -40,18 +40,32 @@
 #define KT 32          /* keys per tile */
 #define ROWS_PER_ITEM 16 /* query rows per unit of parallel work */
 
-static int64_t padded_ctx(int64_t ctx) { return (ctx + KT - 1) / KT * KT; }
+/* Span s's context (every position up to its last new token), padded to whole tiles. */
+static int64_t span_padded_ctx(const int64_t *spans, int64_t s) {
+    return (spans[3 * s + 1] + spans[3 * s + 2] + KT - 1) / KT * KT;
+}
+
+/* uint32 words (bf16 pairs) of span s's packed K and V, all KV heads. */
+static int64_t span_words(const int64_t *spans, int64_t s, int64_t num_kv_heads,
+                          int64_t head_dim) {
+    return 2 * num_kv_heads * span_padded_ctx(spans, s) * (head_dim / 2);
+}
 
 /* Bytes of packed K and V for every span (see the layouts above). */
 int64_t paged_prefill_workspace_bytes(const int64_t *spans, int64_t num_spans,
                                       int64_t num_kv_heads, int64_t head_dim) {
-    int64_t total = 0;
-    for (int64_t s = 0; s < num_spans; s++)
-        total += 2 * num_kv_heads * padded_ctx(spans[3 * s + 1] + spans[3 * s + 2]) * head_dim * 2;
-    return total;
+    int64_t words = 0;
+    for (int64_t s = 0; s < num_spans; s++) words += span_words(spans, s, num_kv_heads, head_dim);
+    return words * (int64_t)sizeof(uint32_t);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define HAVE_PREFILL_KERNEL 1
+#else
+#define HAVE_PREFILL_KERNEL 0
+#endif
+
+#if HAVE_PREFILL_KERNEL
 #include <immintrin.h>
 #include "simd_exp2.h"
 
@@ -71,14 +85,14 @@ typedef struct {
 /* Offset (in uint32 pairs) of span s's packed K for KV head 0; V follows all K heads. */
 static int64_t span_offset(const prefill_args *a, int64_t s, int64_t hd) {
     int64_t off = 0;
-    for (int64_t i = 0; i < s; i++)
-        off += 2 * a->num_kv_heads * padded_ctx(a->spans[3 * i + 1] + a->spans[3 * i + 2]) * hd / 2;
+    for (int64_t i = 0; i < s; i++) off += span_words(a->spans, i, a->num_kv_heads, hd);
     return off;
 }
 
 /* Pack tile t (keys [32t, 32t + 32)) of span s, KV head h. */
 static void pack_tile(const prefill_args *a, int64_t s, int64_t h, int64_t t, int64_t hd) {
-    const int64_t ctx = a->spans[3 * s + 1] + a->spans[3 * s + 2], pctx = padded_ctx(ctx);
+    const int64_t ctx = a->spans[3 * s + 1] + a->spans[3 * s + 2];
+    const int64_t pctx = span_padded_ctx(a->spans, s);
     const int64_t half = hd / 2, bs = a->block_size;
     uint32_t *kp = a->workspace + span_offset(a, s, hd) + h * pctx * half;
     uint32_t *vp = kp + a->num_kv_heads * pctx * half;
@@ -192,7 +206,7 @@ ALWAYS_INLINE void rows_kernel(const prefill_args *a, const uint16_t *q0, uint16
 ALWAYS_INLINE void item(const prefill_args *a, int64_t s, int64_t h, int64_t i0, int64_t i1,
                         const int HD, const int R) {
     const int64_t row = a->spans[3 * s], start = a->spans[3 * s + 2];
-    const int64_t pctx = padded_ctx(a->spans[3 * s + 1] + start);
+    const int64_t pctx = span_padded_ctx(a->spans, s);
     const int64_t group = a->num_heads / a->num_kv_heads;
     const uint32_t *kp = a->workspace + span_offset(a, s, HD) + (h / group) * pctx * (HD / 2);
     const uint32_t *vp = kp + a->num_kv_heads * pctx * (HD / 2);
@@ -211,15 +225,23 @@ static void item_128(const prefill_args *a, int64_t s, int64_t h, int64_t i0, in
     item(a, s, h, i0, i1, 128, 2);
 }
 
+#endif /* HAVE_PREFILL_KERNEL */
+
+/* Whether paged_prefill_bf16 runs for this head_dim in this build. */
+int paged_prefill_available(int64_t head_dim) {
+    return HAVE_PREFILL_KERNEL && (head_dim == 64 || head_dim == 128);
+}
+
 int paged_prefill_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *k_cache,
                        const uint16_t *v_cache, const int64_t *spans,
                        const int64_t *block_tables, uint16_t *out, void *workspace,
                        int64_t num_spans, int64_t num_heads, int64_t num_kv_heads,
                        int64_t head_dim, int64_t num_blocks, int64_t block_size,
                        int64_t max_blocks, float scale) {
-    if ((head_dim != 64 && head_dim != 128) || num_heads % num_kv_heads != 0 ||
+    if (!paged_prefill_available(head_dim) || num_heads % num_kv_heads != 0 ||
         ((uintptr_t)workspace & 63) != 0)
         return -1;
+#if HAVE_PREFILL_KERNEL
     void (*fn)(const prefill_args *, int64_t, int64_t, int64_t, int64_t) =
         head_dim == 64 ? item_64 : item_128;
     const prefill_args a = {q, k_cache, v_cache, spans, block_tables, out, workspace,
@@ -228,7 +250,7 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *
     /* Work lists: (span, KV head, tile) to pack, (span, head, row block) to compute. */
     int64_t num_pack = 0, num_items = 0;
     for (int64_t s = 0; s < num_spans; s++) {
-        num_pack += num_kv_heads * padded_ctx(spans[3 * s + 1] + spans[3 * s + 2]) / KT;
+        num_pack += num_kv_heads * span_padded_ctx(spans, s) / KT;
         num_items += num_heads * ((spans[3 * s + 1] + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM);
     }
     #pragma omp parallel
@@ -237,7 +259,7 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *
         for (int64_t w = 0; w < num_pack; w++) {
             int64_t s = 0, rest = w;
             for (;; s++) {
-                const int64_t tiles = padded_ctx(spans[3 * s + 1] + spans[3 * s + 2]) / KT;
+                const int64_t tiles = span_padded_ctx(spans, s) / KT;
                 if (rest < num_kv_heads * tiles) {
                     pack_tile(&a, s, rest / tiles, rest % tiles, head_dim);
                     break;
@@ -264,21 +286,7 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *
         }
     }
     return 0;
-}
-
-int paged_prefill_available(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
-
 #else
-
-int paged_prefill_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *k_cache,
-                       const uint16_t *v_cache, const int64_t *spans,
-                       const int64_t *block_tables, uint16_t *out, void *workspace,
-                       int64_t num_spans, int64_t num_heads, int64_t num_kv_heads,
-                       int64_t head_dim, int64_t num_blocks, int64_t block_size,
-                       int64_t max_blocks, float scale) {
-    return -1;
-}
-
-int paged_prefill_available(int64_t head_dim) { (void)head_dim; return 0; }
-
+    return -1;  /* not reached: paged_prefill_available is 0 in this build */
 #endif
+}
