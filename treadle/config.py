@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,15 +75,21 @@ class ModelConfig:
         "Seed of the engine's random generator for requests without their own seed"))
     num_threads: int | None = field(default=None, metadata=_help(
         "CPU threads for the model's math; torch's default when not given"))
+    device: str = field(default="auto", metadata=_help(
+        "cpu, cuda, or auto (cuda when torch sees a GPU, else cpu)"))
     attention_backend: str = field(default="auto", metadata=_help(
-        "native (C kernel built on first use), torch, or auto (native when it builds)"))
+        "cpu-native (C kernels built on first use; 'native' is the same), torch, "
+        "reference (the slow oracle), or auto (the device's best that builds)"))
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, got {self.dtype!r}")
-        if self.attention_backend not in ("auto", "native", "torch"):
-            raise ValueError("attention_backend must be one of auto, native, torch, "
+        backends = ("auto", "cpu-native", "native", "torch", "reference")
+        if self.attention_backend not in backends:
+            raise ValueError(f"attention_backend must be one of {', '.join(backends)}, "
                              f"got {self.attention_backend!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be one of auto, cpu, cuda, got {self.device!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
@@ -186,32 +193,73 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Where the model runs: the executor and its workers."""
+
+    distributed_executor_backend: str = field(default="uni", metadata=_help(
+        "uni (the worker in the engine's own process) or mp (the worker in a child "
+        "process)"))
+
+    def __post_init__(self) -> None:
+        if self.distributed_executor_backend not in ("uni", "mp"):
+            raise ValueError("distributed_executor_backend must be one of uni, mp, "
+                             f"got {self.distributed_executor_backend!r}")
+
+
+ENV_PREFIX = "TREADLE_"
+"""An engine option not given explicitly takes its value from TREADLE_<NAME> when set
+(e.g. TREADLE_DISTRIBUTED_EXECUTOR_BACKEND=mp), read once in EngineConfig.from_options."""
+
+
+def _from_env(f: dataclasses.Field, text: str) -> Any:
+    kind = _flag_type(str(f.type))
+    if kind is None:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{ENV_PREFIX}{f.name.upper()} must be true or false, got {text!r}")
+    try:
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"{ENV_PREFIX}{f.name.upper()} must be a {kind.__name__}, "
+                         f"got {text!r}") from None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, one section per area."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
-    _SECTIONS = ("model", "cache", "scheduler")
+    _SECTIONS = ("model", "cache", "scheduler", "parallel")
 
     @classmethod
     def section_types(cls) -> dict[str, type]:
-        return {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+        return {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                "parallel": ParallelConfig}
 
     @classmethod
     def from_options(cls, **options: Any) -> "EngineConfig":
-        """Build from flat keyword options (`model=..., block_size=16, ...`).
+        """Build from flat keyword options (`model=..., block_size=16, ...`); options not
+        given come from TREADLE_<NAME> environment variables when set (ENV_PREFIX).
 
         An unknown option is a TypeError naming it, as a wrong keyword argument would be.
         """
         per_section: dict[str, dict[str, Any]] = {name: {} for name in cls._SECTIONS}
-        owners = {f.name: section for section, section_type in cls.section_types().items()
+        fields = {f.name: (section, f) for section, section_type in cls.section_types().items()
                   for f in dataclasses.fields(section_type)}
         for key, value in options.items():
-            if key not in owners:
-                raise TypeError(f"unknown engine option {key!r}; known: {sorted(owners)}")
-            per_section[owners[key]][key] = value
+            if key not in fields:
+                raise TypeError(f"unknown engine option {key!r}; known: {sorted(fields)}")
+            per_section[fields[key][0]][key] = value
+        for name, (section, f) in fields.items():
+            text = os.environ.get(ENV_PREFIX + name.upper())
+            if name not in options and text is not None:
+                per_section[section][name] = _from_env(f, text)
         return cls(**{name: cls.section_types()[name](**kwargs)
                       for name, kwargs in per_section.items()})
 

@@ -8,10 +8,12 @@ names onto the fused parameters. Attention over the paged KV cache is delegated 
 samples. It takes the checkpoint's parsed config.json dict, not a transformers config
 object, so it does not depend on the transformers version.
 
-In bf16 the engine may hand the model C kernels for small batches
-(`use_native_ops`: worker.native_linear.NativeLayerOps): linear layers at up to 16 rows,
-residual-add + RMSNorm and silu(gate) * up fused into one call each. Each falls back to
-the torch code below where it does not apply.
+Kernels are handed in by the worker and never chosen here (`set_kernels`): one
+`LinearKernel` per linear layer (models/linear.py), and optionally elementwise ops
+(`LayerOps`: fused residual-add + RMSNorm, silu(gate) * up; each returns None where it
+does not apply, and the torch code below runs instead). Attention is one
+`AttentionLayer` call per layer with un-rotated queries and keys; the attention backend
+does the rest.
 
 Family switches (as transformers defines them): Qwen2 always has q/k/v biases; Qwen3
 applies a per-head RMSNorm (`q_norm`, `k_norm`) to queries and keys before RoPE; Llama
@@ -21,16 +23,15 @@ and Qwen3 read `attention_bias`, Llama reads `mlp_bias`.
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treadle.models.packed_linear import (apply_linear, attach_native_ops, linear,
-                                          pack_linear_weights, pack_weight)
-from treadle.models.rope import RotaryEmbedding, apply_rotary
-from treadle.worker.attention import AttentionMetadata, paged_attention
+from treadle.models.linear import Linear, LinearKernelFactory, attach_linear_kernels
+from treadle.models.rope import RotaryEmbedding, RotaryInputs
+from treadle.worker.attention import AttentionLayer
 
 _ARCH_TO_FAMILY = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
@@ -50,6 +51,16 @@ def _family(hf_config: dict[str, Any]) -> str:
     return "llama"
 
 
+class LayerOps(Protocol):
+    """Fused elementwise kernels (worker.native_linear.NativeLayerOps); each returns None
+    where it does not apply."""
+
+    def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None,
+                     weight: torch.Tensor, eps: float) -> torch.Tensor | None: ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None: ...
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim: normalized in float32, cast back, then scaled (as HF)."""
     xf = x.float()
@@ -59,9 +70,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm,
-                 ops) -> torch.Tensor:
+                 ops: LayerOps | None) -> torch.Tensor:
     """`hidden += delta` in place (when delta is given), then rms_norm(hidden): one fused
-    call through `ops` (NativeLayerOps) where it applies."""
+    call through `ops` where it applies."""
     if ops is not None:
         out = ops.add_rms_norm(hidden, delta, norm.weight, norm.eps)
         if out is not None:
@@ -78,13 +89,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
 
-def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
-    return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> Linear:
+    return Linear(in_features, out_features, bias, dtype)
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: dict[str, Any], family: str, dims: dict[str, int],
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, layer_index: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = dims["num_heads"], dims["num_kv_heads"]
         self.head_dim = dims["head_dim"]
@@ -98,18 +109,18 @@ class Attention(nn.Module):
         self.qkv_proj = _linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias, dtype)
         self.o_proj = _linear(self.q_size, hidden, o_bias, dtype)
         self.eps = dims["eps"]
-        self.native_ops = None
-        """NativeLayerOps (see LlamaForCausalLM.use_native_ops), or None."""
+        self.attn = AttentionLayer(self.num_heads, self.num_kv_heads, self.head_dim,
+                                   self.scale, layer_index)
         if family == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, self.eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, self.eps, dtype)
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: RotaryInputs, kv_cache: torch.Tensor,
+                meta: Any) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = linear(x, self.qkv_proj)
+        qkv = self.qkv_proj(x)
         qk_size = self.q_size + self.kv_size
         heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, :qk_size].view(num_tokens, heads, self.head_dim)
@@ -119,16 +130,7 @@ class Attention(nn.Module):
             weight = torch.cat((self.q_norm.weight.expand(self.num_heads, -1),
                                 self.k_norm.weight.expand(self.num_kv_heads, -1)))
             qk = rms_norm(qk, weight, self.eps)
-        query = (None if self.native_ops is None
-                 else self.native_ops.rope_kv(qk, value, cos, sin, kv_cache, meta.slot_mapping))
-        if query is not None:  # rotated, and K/V already in the cache
-            out = paged_attention(query, None, None, kv_cache, meta, self.scale)
-        else:
-            # Queries and keys are rotated together: one set of kernels for both.
-            qk = apply_rotary(qk, cos, sin)
-            out = paged_attention(qk[:, :self.num_heads], qk[:, self.num_heads:], value,
-                                  kv_cache, meta, self.scale)
-        return linear(out, self.o_proj)
+        return self.o_proj(self.attn(qk, value, kv_cache, meta, rotary))
 
 
 class MLP(nn.Module):
@@ -139,36 +141,36 @@ class MLP(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = _linear(hidden, 2 * intermediate, bias, dtype)
         self.down_proj = _linear(intermediate, hidden, bias, dtype)
-        self.native_ops = None
-        """NativeLayerOps (see LlamaForCausalLM.use_native_ops), or None."""
+        self.ops: LayerOps | None = None
+        """Fused elementwise kernels (see LlamaForCausalLM.set_kernels), or None."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = linear(x, self.gate_up_proj)
-        h = None if self.native_ops is None else self.native_ops.silu_mul(gate_up)
+        gate_up = self.gate_up_proj(x)
+        h = None if self.ops is None else self.ops.silu_mul(gate_up)
         if h is None:
             h = F.silu(gate_up[:, :self.intermediate])
             h.mul_(gate_up[:, self.intermediate:])
-        return linear(h, self.down_proj)
+        return self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: dict[str, Any], family: str, dims: dict[str, int],
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, layer_index: int) -> None:
         super().__init__()
         hidden, eps = dims["hidden_size"], dims["eps"]
         self.input_layernorm = RMSNorm(hidden, eps, dtype)
-        self.self_attn = Attention(cfg, family, dims, dtype)
+        self.self_attn = Attention(cfg, family, dims, dtype, layer_index)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
         self.mlp = MLP(cfg, family, hidden, dims["intermediate_size"], dtype)
-        self.native_ops = None
-        """NativeLayerOps (see LlamaForCausalLM.use_native_ops), or None."""
+        self.ops: LayerOps | None = None
+        """Fused elementwise kernels (see LlamaForCausalLM.set_kernels), or None."""
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rotary: RotaryInputs, kv_cache: torch.Tensor,
+                meta: Any) -> torch.Tensor:
         """hidden is the residual stream, owned by the caller's forward: updated in place."""
-        x = add_rms_norm(hidden, None, self.input_layernorm, self.native_ops)
-        attn = self.self_attn.forward(x, cos, sin, kv_cache, meta)
-        x = add_rms_norm(hidden, attn, self.post_attention_layernorm, self.native_ops)
+        x = add_rms_norm(hidden, None, self.input_layernorm, self.ops)
+        attn = self.self_attn.forward(x, rotary, kv_cache, meta)
+        x = add_rms_norm(hidden, attn, self.post_attention_layernorm, self.ops)
         hidden.add_(self.mlp.forward(x))
         return hidden
 
@@ -179,7 +181,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(dims["vocab_size"], dims["hidden_size"], dtype=dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, family, dims, dtype) for _ in range(dims["num_layers"]))
+            DecoderLayer(cfg, family, dims, dtype, i) for i in range(dims["num_layers"]))
         self.norm = RMSNorm(dims["hidden_size"], dims["eps"], dtype)
 
 
@@ -223,8 +225,9 @@ class LlamaForCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = _linear(hidden, self.vocab_size, False, dtype)
         self.rotary = RotaryEmbedding(cfg, self.head_dim, self.max_position_embeddings, dtype)
-        self._packed_lm_head: torch.Tensor | None = None
-        self._native_ops = None
+        self.lm_head_kernel = None
+        """The LinearKernel of the LM head (set_kernels), or None for F.linear."""
+        self.ops: LayerOps | None = None
 
     @property
     def num_parameters(self) -> int:
@@ -236,45 +239,42 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden] after the final norm, for every token."""
+                kv_caches: list[torch.Tensor], attn_metadata: Any) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] after the final norm, for every token.
+
+        `attn_metadata` is the attention backend's metadata of the step."""
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"expected {self.num_layers} KV caches, got {len(kv_caches)}")
         embed = self.model.embed_tokens.weight
-        cos, sin = self.rotary.cos_sin(positions, embed.dtype)  # once per step, for all layers
+        rotary = RotaryInputs(*self.rotary.cos_sin(positions, embed.dtype))  # once per step
         hidden = F.embedding(input_ids, embed)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden = layer.forward(hidden, cos, sin, kv_cache, attn_metadata)
-        return add_rms_norm(hidden, None, self.model.norm, self._native_ops)
+            hidden = layer.forward(hidden, rotary, kv_cache, attn_metadata)
+        return add_rms_norm(hidden, None, self.model.norm, self.ops)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] of hidden states [N, hidden]."""
-        return apply_linear(hidden, self.lm_head_weight, None, self._packed_lm_head,
-                            self._native_ops).float()
+        if self.lm_head_kernel is not None:
+            return self.lm_head_kernel(hidden).float()
+        return F.linear(hidden, self.lm_head_weight).float()
 
-    def use_native_ops(self, ops) -> None:
-        """Run the small-batch C kernels `ops` (worker.native_linear.NativeLayerOps) in
-        every layer where they apply; None goes back to torch only. The engine calls this
-        once after loading (EngineCore); the kernels read the weights in place, so later
-        weight changes are seen."""
-        self._native_ops = ops
-        attach_native_ops(self, ops)
-        for module in self.modules():
-            if isinstance(module, (DecoderLayer, Attention, MLP)):
-                module.native_ops = ops
-
-    def pack_weights(self) -> int:
-        """Prepack every projection and the LM head for the fast bf16 CPU kernel.
-
-        Call after load_weights (the packed copies do not follow later weight changes).
-        Returns how many weights were packed; 0 where the kernel does not apply.
-        """
-        count = pack_linear_weights(self)
-        if self.tie_word_embeddings:
-            self._packed_lm_head = pack_weight(self.lm_head_weight)
-            count += self._packed_lm_head is not None
+    def set_kernels(self, linear_kernels: LinearKernelFactory | None,
+                    ops: LayerOps | None) -> int:
+        """Attach a kernel from `linear_kernels` to every linear layer and to the LM head
+        (None: plain F.linear), and `ops` to every layer (None: torch only). The worker
+        calls this after loading; a kernel may hold a packed copy of its weight, made
+        now. Returns how many kernels were attached."""
+        count = attach_linear_kernels(self, linear_kernels)
+        if not self.tie_word_embeddings:
+            self.lm_head_kernel = self.lm_head.kernel  # attached above with the others
         else:
-            self._packed_lm_head = self.lm_head.__dict__.get("packed_weight")
+            self.lm_head_kernel = (None if linear_kernels is None
+                                   else linear_kernels(self.lm_head_weight, None))
+            count += self.lm_head_kernel is not None
+        self.ops = ops
+        for module in self.modules():
+            if isinstance(module, (DecoderLayer, MLP)):
+                module.ops = ops
         return count
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

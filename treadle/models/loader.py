@@ -91,19 +91,21 @@ def iterate_weights(files: list[Path], dtype: torch.dtype) -> Iterator[tuple[str
                 yield name, tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
-def load_model(model_dir: str | Path, dtype: str) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """Build the checkpoint's model with its weights, in eval mode and without gradients.
+def load_model(model_dir: str | Path, dtype: str | torch.dtype,
+               device: torch.device | str = "cpu") -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Build the checkpoint's model with its weights on `device`, in eval mode and without
+    gradients. `dtype` is a torch dtype or a name for `resolve_dtype`.
 
     Returns (model, config dict). Parameters are allocated uninitialized (built on the
     meta device, then materialized empty) since every one of them is overwritten.
     """
     config = read_config(model_dir)
     model_class = resolve_model_class(config.get("architectures"))
-    torch_dtype = resolve_dtype(dtype)
+    torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype)
     files = safetensors_files(model_dir)
     with torch.device("meta"):
         model = model_class(config, torch_dtype)
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     model.load_weights(iterate_weights(files, torch_dtype))
     model.eval()
     model.requires_grad_(False)

@@ -60,7 +60,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     keyring = KeyRing.from_options(server_config.api_key, server_config.api_keys_file)
     engine = AsyncEngine(engine_config, server_config.served_model_name)
     for tenant, weight in keyring.tenants().items():  # the `fair` policy's shares
-        engine.core.scheduler.set_tenant_weight(tenant, weight)
+        engine.set_tenant_weight(tenant, weight)
     engine.start()
     app = build_app(engine, server_config, keyring)
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
