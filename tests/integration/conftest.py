@@ -37,3 +37,34 @@ def tiny_checkpoint(request, tmp_path_factory):
     """(family, checkpoint dir) for each supported family."""
     path = tmp_path_factory.mktemp(f"tiny-{request.param}")
     return request.param, make_tiny_checkpoint(path, request.param)
+
+
+# ----- every engine test runs on each executor ------------------------------------------
+
+EXECUTORS = ("uni", "mp")
+ENGINE_TEST_MODULES = {"test_engine_vs_transformers", "test_llm_api", "test_policies_outputs",
+                       "test_sampling", "test_server", "test_native_prefill"}
+"""Modules whose engines (LLM, `treadle serve`) run once per executor: the outputs must be
+identical whichever process the worker lives in."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def executor_backend(request):
+    """The executor every engine of the test gets, through the environment variable that
+    sets the option's default (config.ENV_PREFIX): LLM(...) and `treadle serve` alike."""
+    import os
+
+    name = getattr(request, "param", "uni")
+    key = "TREADLE_DISTRIBUTED_EXECUTOR_BACKEND"
+    previous = os.environ.get(key)
+    os.environ[key] = name
+    yield name
+    if previous is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = previous
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.module.__name__.rpartition(".")[2] in ENGINE_TEST_MODULES:
+        metafunc.parametrize("executor_backend", EXECUTORS, indirect=True, scope="session")

@@ -64,7 +64,11 @@ class MPExecutor(Executor):
             self._dead = f"the worker process (pid {self._proc.pid}) exited with code {code}"
             raise WorkerDiedError(self._dead) from None
         if kind == "error":
-            raise RuntimeError(f"worker failed in {method}:\n{payload}")
+            exc, text = payload
+            if exc is None:
+                raise RuntimeError(f"worker failed in {method}:\n{text}")
+            exc.add_note(f"(raised in the worker process, in {method}:)\n{text}")
+            raise exc
         return payload
 
     def load(self) -> WorkerInfo:

@@ -2,7 +2,8 @@
 
 Run as `python -m treadle.executor.mp_worker FD LOG_LEVEL` by executor/mp.py, which owns
 the other end of the socket FD. Each message is (method, args); the answer is ("ok",
-result) or ("error", traceback). The process ends when the connection closes.
+result) or ("error", (exception, traceback text)). The process ends when the connection
+closes.
 """
 
 from __future__ import annotations
@@ -29,8 +30,12 @@ def serve(conn: Connection) -> None:
             else:
                 result = getattr(worker, method)(*args)
             conn.send(("ok", result))
-        except Exception:  # the parent decides: it raises it in the engine
-            conn.send(("error", traceback.format_exc()))
+        except Exception as exc:  # the parent raises it in the engine, as it was
+            text = traceback.format_exc()
+            try:
+                conn.send(("error", (exc, text)))
+            except Exception:  # an exception that does not pickle: its text only
+                conn.send(("error", (None, text)))
 
 
 def main() -> int:
