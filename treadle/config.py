@@ -74,7 +74,8 @@ class ModelConfig:
     seed: int = field(default=0, metadata=_help(
         "Seed of the engine's random generator for requests without their own seed"))
     num_threads: int | None = field(default=None, metadata=_help(
-        "CPU threads for the model's math; torch's default when not given"))
+        "CPU threads for the model's math, per worker; torch's default with one worker, "
+        "the cores divided among the workers with several (each bound to its own cores)"))
     device: str = field(default="auto", metadata=_help(
         "cpu, cuda, or auto (cuda when torch sees a GPU, else cpu)"))
     attention_backend: str = field(default="auto", metadata=_help(
@@ -192,18 +193,66 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
 
+def parse_layer_partition(text: str | None) -> list[int] | None:
+    """'8,8,7,7' -> [8, 8, 7, 7]; None or '' -> None (an even split)."""
+    if not text:
+        return None
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"pp_layer_partition must look like '8,8,7,7' (layers per stage, "
+                         f"each >= 1), got {text!r}")
+    return sizes
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Where the model runs: the executor and its workers."""
+    """Where the model runs: the executor, its workers, and how the model is split."""
 
-    distributed_executor_backend: str = field(default="uni", metadata=_help(
-        "uni (the worker in the engine's own process) or mp (the worker in a child "
-        "process)"))
+    distributed_executor_backend: str = field(default="auto", metadata=_help(
+        "uni (one worker in the engine's own process), mp (workers in child processes, "
+        "one node), torchrun (ranks started by torchrun: RANK, WORLD_SIZE, MASTER_ADDR), or "
+        "auto (uni for one worker, mp for several)"))
+    tensor_parallel_size: int = field(default=1, metadata=_help(
+        "Ranks each layer is split over (heads, MLP columns, vocabulary)"))
+    pipeline_parallel_size: int = field(default=1, metadata=_help(
+        "Stages the layers are split into; up to this many step batches are in flight"))
+    pp_layer_partition: str | None = field(default=None, metadata=_help(
+        "Layers per pipeline stage, e.g. '8,8,7,7' (an even split when not given)"))
+    worker_timeout: float = field(default=300.0, metadata=_help(
+        "Seconds a step may take before the workers are declared hung and stopped"))
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor(self) -> str:
+        """The executor `auto` resolves to."""
+        if self.distributed_executor_backend != "auto":
+            return self.distributed_executor_backend
+        return "uni" if self.world_size == 1 else "mp"
 
     def __post_init__(self) -> None:
-        if self.distributed_executor_backend not in ("uni", "mp"):
-            raise ValueError("distributed_executor_backend must be one of uni, mp, "
-                             f"got {self.distributed_executor_backend!r}")
+        backends = ("auto", "uni", "mp", "torchrun")
+        if self.distributed_executor_backend not in backends:
+            raise ValueError(f"distributed_executor_backend must be one of "
+                             f"{', '.join(backends)}, got {self.distributed_executor_backend!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ValueError("distributed_executor_backend=uni runs one worker; "
+                             f"tensor_parallel_size x pipeline_parallel_size = {self.world_size}"
+                             " needs mp or torchrun")
+        partition = parse_layer_partition(self.pp_layer_partition)
+        if partition is not None and len(partition) != self.pipeline_parallel_size:
+            raise ValueError(f"pp_layer_partition gives {len(partition)} stages, "
+                             f"pipeline_parallel_size is {self.pipeline_parallel_size}")
+        if not self.worker_timeout > 0:
+            raise ValueError(f"worker_timeout must be > 0 seconds, got {self.worker_timeout}")
 
 
 ENV_PREFIX = "TREADLE_"

@@ -142,6 +142,8 @@ class StepTimings:
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
+    comm_s: float = 0.0
+    """In collectives: all-reduces, logit gathers, activations between stages."""
     swap_bytes_out: int = 0
     swap_bytes_in: int = 0
 

@@ -125,6 +125,13 @@ class Scheduler:
         self._chunked_prompts: set[str] = set()
         """Requests whose prompt has been split across steps and is not finished yet."""
         self._worker_views: dict[str, _WorkerView] = {}
+        self._in_flight: set[str] = set()
+        """Requests in a step submitted to the workers and not yet answered (pipeline
+        parallelism keeps several steps in flight): not scheduled, preempted or freed
+        until it returns."""
+        self._free_after_step: dict[str, Request] = {}
+        """Requests that ended while in flight: their blocks are freed when the step
+        returns (the workers may still be writing them)."""
         self.stats = SchedulerStats()
 
     @property
@@ -170,8 +177,11 @@ class Scheduler:
 
     def _end(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        self.kv.free(request)
-        self.kv.forget(request)
+        if request.request_id in self._in_flight:
+            self._free_after_step[request.request_id] = request
+        else:
+            self.kv.free(request)
+            self.kv.forget(request)
         del self.requests[request.request_id]
         self._num_bypasses.pop(request.request_id, None)
         self._protected_until.pop(request.request_id, None)
@@ -202,6 +212,17 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def num_in_flight(self) -> int:
+        """Requests in submitted steps not answered yet."""
+        return len(self._in_flight)
+
+    def _idle_running(self) -> list[Request]:
+        """Running requests not in a step in flight: the ones this step may touch."""
+        if not self._in_flight:
+            return self.running
+        return [r for r in self.running if r.request_id not in self._in_flight]
+
     def urgency(self, request: Request, now: float | None = None) -> float:
         """The request's urgency under the configured policy (lower is more urgent)."""
         return self.policy.urgency(request, self._clock() if now is None else now)
@@ -230,7 +251,7 @@ class Scheduler:
 
     def _schedule_fcfs(self) -> None:
         # 1. Running requests, decodes first. Each may preempt others to get a block.
-        for request in policy.running_order(self.running):
+        for request in policy.running_order(self._idle_running()):
             self._schedule_running(request)
         # 2. Swapped-out requests come back in, oldest first, before anything new.
         if self._preempted:
@@ -244,13 +265,13 @@ class Scheduler:
     def _schedule_by_urgency(self) -> None:
         key = self._order_key
         # 1. Decodes: one token each (plus any proposed tokens), most urgent first.
-        for request in policy.running_order(self.running, key):
+        for request in policy.running_order(self._idle_running(), key):
             if request.is_decoding:
                 self._schedule_running(request)
         # 2. Everything else that wants tokens, in one order: running prefill chunks,
         #    swapped-out and waiting requests, most urgent first.
         preempted = {r.request_id for r in self._preempted}
-        items = [r for r in self.running if r.request_id not in self._num_new]
+        items = [r for r in self._idle_running() if r.request_id not in self._num_new]
         items += [r for r in self.swapped if r.request_id not in preempted]
         items += [r for r in self.waiting if r.request_id not in preempted]
         self._admit_in_order(self.policy.order(items, self._now))
@@ -344,8 +365,8 @@ class Scheduler:
         if self._holds_back(request, num_tokens < request.num_uncomputed_tokens):
             return
         while not self.kv.allocate_slots(request, num_tokens):
-            victim = self.preemptor.choose_memory_victim(request, self.running, self._admitted,
-                                                         self._now, self._step)
+            victim = self.preemptor.choose_memory_victim(request, self._idle_running(),
+                                                         self._admitted, self._now, self._step)
             self._preempt_now(victim)
             self._memory_victims.append(victim)
             if victim is request:
@@ -465,7 +486,8 @@ class Scheduler:
         protected |= self._admitted
         return plan_admission_victims(
             self.kv, request, swapped, num_hit_tokens, self._urgency(request),
-            [(r, self._urgency(r)) for r in self.running], self.policy.admission_threshold,
+            [(r, self._urgency(r)) for r in self._idle_running()],
+            self.policy.admission_threshold,
             protected, self._room(), self._num_new, self._may_chunk(request))
 
     def _admit_waiting(self, request: Request, num_tokens: int, num_hit_tokens: int,
@@ -505,6 +527,7 @@ class Scheduler:
             if n is not None:
                 scheduled.append(self._scheduled_request(request, n))
         scheduled.sort(key=lambda s: not s.is_decoding)  # decodes first
+        self._in_flight.update(s.request_id for s in scheduled)
         finished, self._finished_since_last_step = self._finished_since_last_step, []
         stats = self.stats
         if scheduled:
@@ -589,6 +612,12 @@ class Scheduler:
         outputs = []
         sampled = runner_output.sampled_token_ids
         for sched in scheduler_output.scheduled:
+            self._in_flight.discard(sched.request_id)
+            ended = self._free_after_step.pop(sched.request_id, None)
+            if ended is not None:  # it ended while the step ran: its blocks are free now
+                self.kv.free(ended)
+                self.kv.forget(ended)
+                continue
             request = self.requests.get(sched.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from pathlib import Path
 
 from treadle.config import EngineConfig
@@ -28,9 +29,10 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     """The engine without tokenizer: requests of token ids in, new token ids out."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, executor=None) -> None:
+        """`executor`: an Executor to use instead of the one the config names (tests)."""
         self.config = config
-        self.executor = make_executor(config)
+        self.executor = executor if executor is not None else make_executor(config)
         try:
             self.info = info = self.executor.load()
             self._size_cache(info)
@@ -49,6 +51,8 @@ class EngineCore:
         """Per-step trace (treadle.engine.trace), when `scheduler.trace` names a file."""
         self.timings = StepTimings()
         """The workers' step costs, summed over steps."""
+        self._in_flight: deque[tuple] = deque()
+        """Submitted steps not answered yet: (SchedulerOutput, step number, start time)."""
 
     def _size_cache(self, info: WorkerInfo) -> None:
         """Decide the block counts from the workers' report and allocate them."""
@@ -138,13 +142,20 @@ class EngineCore:
             self.trace.record_end(request_id, FinishReason.STOP.value)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def check_health(self) -> None:
         """Raise executor.WorkerDiedError when a worker is gone."""
         self.executor.check_health()
 
     def shutdown(self) -> None:
+        """Wait for the steps in flight (their answers are dropped), stop the workers."""
+        try:
+            while self._in_flight:
+                self._in_flight.popleft()
+                self.executor.receive()
+        except Exception:  # noqa: BLE001 - a dead worker: stop the rest anyway
+            pass
         self.executor.shutdown()
         if self.trace is not None:
             self.trace.close()
@@ -152,10 +163,24 @@ class EngineCore:
     # ----- one step ------------------------------------------------------------------------
 
     def step(self) -> list[EngineCoreOutput]:
-        t_start = time.monotonic()
-        step = self.scheduler.stats.num_steps
-        scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute_model(scheduler_output)
+        """Schedule and submit steps until the executor has `max_in_flight` of them
+        running (one, unless pipeline stages can overlap), then take the oldest one's
+        answer and update the requests with it."""
+        while len(self._in_flight) < self.executor.max_in_flight:
+            t_start = time.monotonic()
+            step = self.scheduler.stats.num_steps
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.is_empty and not (scheduler_output.finished_request_ids
+                                                  or scheduler_output.preempted_request_ids):
+                break  # nothing to run or to tell the workers
+            self.executor.submit(scheduler_output)
+            self._in_flight.append((scheduler_output, step, t_start))
+            if not scheduler_output.scheduled:
+                break
+        if not self._in_flight:
+            return []
+        scheduler_output, step, t_start = self._in_flight.popleft()
+        runner_output = self.executor.receive()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._add_timings(runner_output.timings)
         if self.trace is not None and (scheduler_output.scheduled
@@ -163,11 +188,16 @@ class EngineCore:
             self.trace.record_step(step, t_start, time.monotonic(), scheduler_output, outputs)
         return outputs
 
+    @property
+    def num_steps_in_flight(self) -> int:
+        return len(self._in_flight)
+
     def _add_timings(self, t: StepTimings) -> None:
         total = self.timings
         total.prepare_s += t.prepare_s
         total.forward_s += t.forward_s
         total.sample_s += t.sample_s
+        total.comm_s += t.comm_s
         total.swap_bytes_out += t.swap_bytes_out
         total.swap_bytes_in += t.swap_bytes_in
 
@@ -201,4 +231,5 @@ class EngineCore:
             "time_prepare_s": t.prepare_s,
             "time_forward_s": t.forward_s,
             "time_sample_s": t.sample_s,
+            "time_comm_s": t.comm_s,
         }

@@ -13,6 +13,12 @@ there: the longest agreeing prefix is kept, then one token of the model's own), 
 for requests that ask for prompt logprobs, every position of their prompt chunk (in
 slices, so a long chunk never holds [chunk, vocab] logits at once).
 
+With pipeline parallelism every stage applies every message (its layers need the same
+metadata); the first stage embeds and sends its activations to the next, a later stage
+receives them first, and only the last computes logits. With tensor parallelism the
+logits are gathered to the stage's first rank, the output rank, which alone samples and
+answers (worker/parallel_state.py); the other ranks return None.
+
 The runner never decides policy: it computes exactly what it is given.
 """
 
@@ -30,6 +36,7 @@ from treadle.core.outputs import (ModelRunnerOutput, PromptLogprobs, ScheduledRe
 from treadle.worker.attention import AttentionBackend, AttentionStep
 from treadle.worker.input_batch import CachedRequestState, InputBatch
 from treadle.worker.kv_cache import copy_blocks
+from treadle.worker.parallel_state import ParallelContext
 from treadle.worker.sampler import Sampler, group_order, prompt_logprobs
 
 _PROMPT_LOGPROBS_ROWS = 256
@@ -65,9 +72,11 @@ class ModelRunner:
                  attention: AttentionBackend, block_size: int, num_cache_blocks: int,
                  max_model_len: int, sampler: Sampler, device: torch.device,
                  swap_caches: list[torch.Tensor] | None = None, block_dim: int = 2,
-                 eos_token_id: int | None = None) -> None:
+                 eos_token_id: int | None = None,
+                 parallel: ParallelContext | None = None) -> None:
         """`swap_caches` hold swapped-out blocks (same layout as kv_caches)."""
         self.model = model
+        self.parallel = parallel or ParallelContext()
         self.kv_caches = kv_caches
         self.swap_caches = swap_caches
         self.attention = attention
@@ -137,7 +146,7 @@ class ModelRunner:
     # ----- one step ------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         self.sampler.drop(scheduler_output.finished_request_ids)
         timings = StepTimings()
         # Swap-outs first: a block freed by a swap-out may be the target of a swap-in.
@@ -147,14 +156,23 @@ class ModelRunner:
         if scheduler_output.swap_in:
             timings.swap_bytes_in = copy_blocks(self.swap_caches, self.kv_caches,
                                                 scheduler_output.swap_in, self.block_dim)
+        par = self.parallel
         if not scheduler_output.scheduled:
             self.batch.update(scheduler_output)
-            return ModelRunnerOutput(sampled_token_ids={}, timings=timings)
+            return (ModelRunnerOutput(sampled_token_ids={}, timings=timings)
+                    if par.is_output_rank else None)
         t0 = time.perf_counter()
         inputs = self.prepare(scheduler_output)
         t1 = time.perf_counter()
+        received = None
+        if not par.is_first_stage:
+            received = par.recv_prev_stage((inputs.positions.shape[0], self.model.hidden_size),
+                                           self.model.dtype)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                            inputs.attn_metadata)
+                            inputs.attn_metadata, received)
+        if not par.is_last_stage:
+            par.send_next_stage(hidden)
+            return None
         rows, sample_rows = inputs.rows, inputs.sample_rows
         # Logits rows in the sampler's group order: it then works in place, copying none.
         order = group_order([rows[i].state.sampling_params for i, _ in sample_rows])
@@ -162,10 +180,14 @@ class ModelRunner:
         indices = torch.from_numpy(inputs.logits_indices[order]).to(hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, indices))
         t2 = time.perf_counter()
+        prompt_lps = self._prompt_logprobs(rows, hidden)
+        if not par.is_output_rank:
+            return None
         output = self._sample(logits, rows, sample_rows)
-        output.prompt_logprobs = self._prompt_logprobs(rows, hidden)
+        output.prompt_logprobs = prompt_lps
         t3 = time.perf_counter()
         timings.prepare_s, timings.forward_s, timings.sample_s = t1 - t0, t2 - t1, t3 - t2
+        timings.comm_s = par.take_comm_seconds()
         output.timings = timings
         return output
 
@@ -219,6 +241,7 @@ class ModelRunner:
             for a in range(start, end, _PROMPT_LOGPROBS_ROWS):
                 b = min(end, a + _PROMPT_LOGPROBS_ROWS)
                 logits = self.model.compute_logits(hidden[first + a - start:first + b - start])
-                entries += prompt_logprobs(logits, prompt[a + 1:b + 1], num_top)
+                if logits is not None:  # None on a rank that only lent its vocabulary shard
+                    entries += prompt_logprobs(logits, prompt[a + 1:b + 1], num_top)
             result[state.request_id] = PromptLogprobs(start + 1, entries)
         return result

@@ -71,7 +71,8 @@ def cuda_platform(index: int = 0) -> Platform:
 
 
 def get_platform(device: str = "auto", index: int = 0) -> Platform:
-    """The platform `--device` names; ValueError for one that is not here."""
+    """The platform `--device` names (rank `index`: its GPU on a multi-GPU node);
+    ValueError for one that is not here."""
     if device not in DEVICES:
         raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
     if device == "auto":
@@ -80,5 +81,5 @@ def get_platform(device: str = "auto", index: int = 0) -> Platform:
         if not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no GPU (torch.cuda.is_available() "
                              "is False)")
-        return cuda_platform(index)
+        return cuda_platform(index % torch.cuda.device_count())
     return CPU

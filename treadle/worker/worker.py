@@ -1,8 +1,11 @@
-"""A worker: one device, one copy (or, later, one shard) of the model, its KV cache.
+"""A worker: one device, one rank's share of the model (all of it with one rank), its KV
+cache.
 
-Owns everything the engine core must not know: the platform, loading the model, the
-C kernels and which of them run (linear, elementwise, attention, sampling), the attention
-backend, the KV-cache and swap tensors, the start-up cost probes, and the model runner.
+Owns everything the engine core must not know: the platform, its place among the ranks
+(worker/parallel_state.py: joining the process group, the cores it is bound to), loading
+its shard of the model, the C kernels and which of them run (linear, elementwise,
+attention, sampling), the attention backend, the KV-cache and swap tensors, the
+start-up cost probes, and the model runner.
 Its life has three calls, made by an executor (treadle/executor): `load()` (model,
 kernels, probes -> a WorkerInfo), `initialize_cache(num_kv_blocks, num_swap_blocks)`
 (the core decides the block counts from what every worker reported), then
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -20,7 +24,9 @@ import torch
 from treadle.config import EngineConfig
 from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 from treadle.core.policy import PreemptionCosts
-from treadle.models.loader import load_model
+from treadle.config import parse_layer_partition
+from treadle.models.loader import build_model, read_config
+from treadle.models.registry import resolve_model_class
 from treadle.worker.attention import make_attention_backend
 from treadle.worker.attention.cpu_native import CpuNativeBackend
 from treadle.worker.cost_probe import measure_copy_bytes_per_s, measure_matmul_flops_per_s
@@ -28,6 +34,7 @@ from treadle.worker.kv_cache import KVCacheSpec, allocate_kv_caches, allocate_sw
 from treadle.worker.linear_kernels import DenseLinearKernel, dense_kernel_factory
 from treadle.worker.model_runner import ModelRunner
 from treadle.worker.native_linear import NativeLayerOps
+from treadle.worker.parallel_state import ParallelContext, init_parallel
 from treadle.worker.platform import get_platform
 from treadle.worker.sampler import Sampler
 
@@ -56,22 +63,40 @@ def read_eos_token_id(model_dir: Path, hf_config: dict) -> int | None:
 class Worker:
     """The device side of the engine."""
 
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, init_method: str | None = None,
+                 cores: list[int] | None = None) -> None:
+        """`rank` among tensor_parallel_size x pipeline_parallel_size ranks, which join
+        their process group at `init_method` (a torch.distributed URL); `cores`: the CPU
+        cores this rank is bound to (its threads: one per core)."""
         self.config = config
         self.rank = rank
-        self.platform = get_platform(config.model.device)
+        self.platform = get_platform(config.model.device, rank)
         self.runner: ModelRunner | None = None
+        if cores:
+            os.sched_setaffinity(0, cores)
+            torch.set_num_threads(len(cores))
+        elif config.model.num_threads is not None:
+            torch.set_num_threads(config.model.num_threads)
+        par = config.parallel
+        self.model_dir = resolve_model_dir(config)
+        self.hf_config = read_config(self.model_dir)
+        if par.world_size > 1:
+            self.parallel = init_parallel(
+                par.tensor_parallel_size, par.pipeline_parallel_size, rank,
+                init_method or "env://", self.platform.dist_backend,
+                int(self.hf_config["num_hidden_layers"]),
+                parse_layer_partition(par.pp_layer_partition), par.worker_timeout)
+        else:
+            self.parallel = ParallelContext()
 
     # ----- start-up --------------------------------------------------------------------------
 
     def load(self) -> WorkerInfo:
         """Load the model and kernels, probe the machine; report what the core needs."""
         config = self.config
-        if config.model.num_threads is not None:
-            torch.set_num_threads(config.model.num_threads)
-        self.model_dir = resolve_model_dir(config)
         dtype = self.platform.resolve_dtype(config.model.dtype)
-        self.model, self.hf_config = load_model(self.model_dir, dtype, self.platform.device)
+        self.model, self.hf_config, self.num_bytes_loaded = build_model(
+            self.model_dir, dtype, self.platform.device, self.parallel)
         self.dtype = dtype
         self.native = self._load_native()
         self.layer_ops = (NativeLayerOps.load(self.native.lib)
@@ -88,7 +113,7 @@ class Worker:
         self.eos_token_id = read_eos_token_id(self.model_dir, self.hf_config)
         self.max_model_len = self._resolve_max_model_len()
         cache = config.cache
-        self.kv_spec = KVCacheSpec(self.model.num_layers, self.model.num_kv_heads,
+        self.kv_spec = KVCacheSpec(self.model.num_local_layers, self.model.num_kv_heads,
                                    self.model.head_dim, dtype, self.attention.kv_layout)
         num_swap_blocks = (0 if config.scheduler.preemption_mode == "recompute" else
                            self.kv_spec.num_blocks_for_memory(cache.swap_space, cache.block_size))
@@ -98,12 +123,22 @@ class Worker:
         return WorkerInfo(
             model_dir=str(self.model_dir), dtype=str(dtype).replace("torch.", ""),
             vocab_size=self.model.vocab_size, eos_token_id=self.eos_token_id,
-            max_model_len=self.max_model_len, num_parameters=self.model.num_parameters,
+            max_model_len=self.max_model_len, num_parameters=self._whole_model_parameters(),
             kv_bytes_per_token=self.kv_spec.bytes_per_token,
             num_kv_blocks=self.kv_spec.num_blocks_for_memory(cache.kv_cache_memory,
                                                              cache.block_size),
             num_swap_blocks=num_swap_blocks, preemption_costs=self._preemption_costs(),
             attention_backend=self.attention.name, kernels=kernels)
+
+    def _whole_model_parameters(self) -> int:
+        """Parameters of the whole model, not of this rank's shard (counted on a copy built
+        on the meta device, which allocates nothing)."""
+        if self.parallel.world_size == 1:
+            return self.model.num_parameters
+        with torch.device("meta"):
+            whole = resolve_model_class(self.hf_config.get("architectures"))(
+                self.hf_config, self.dtype)
+        return whole.num_parameters
 
     def initialize_cache(self, num_kv_blocks: int, num_swap_blocks: int) -> None:
         """Allocate the KV cache and swap space the core decided on; make the runner."""
@@ -116,7 +151,8 @@ class Worker:
         sampler = Sampler(self.config.model.seed, self._sampler_kernels(), device)
         self.runner = ModelRunner(self.model, kv_caches, self.attention, block_size,
                                   num_kv_blocks, self.max_model_len, sampler, device,
-                                  swap_caches, self.kv_spec.block_dim, self.eos_token_id)
+                                  swap_caches, self.kv_spec.block_dim, self.eos_token_id,
+                                  self.parallel)
 
     def _load_native(self):
         """The compiled C kernels (worker.native.NativeKernels), or None when they cannot
@@ -167,8 +203,13 @@ class Worker:
 
     # ----- steps -----------------------------------------------------------------------------
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """One step; the output on the output rank (parallel_state), None on the others."""
         return self.runner.execute(scheduler_output)
+
+    @property
+    def is_output_rank(self) -> bool:
+        return self.parallel.is_output_rank
 
     def set_layer_kernels(self, enabled: bool) -> None:
         """Switch the small-batch C layer kernels (linear, norms, rope + K/V write) on or
