@@ -1,7 +1,7 @@
 """treadle: an LLM inference and serving engine with continuous batching and
 out-of-order scheduling.
 
-Public API: LLM, SamplingParams, EngineConfig (imported lazily so that `core/` and the
+Public API: LLM, SamplingParams, LoRARequest, EngineConfig (imported lazily so that `core/` and the
 command line start without loading torch).
 """
 
@@ -10,11 +10,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "LoRARequest", "EngineConfig", "RequestOutput",
+           "CompletionOutput"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from treadle.config import EngineConfig
     from treadle.engine.llm import LLM, CompletionOutput, RequestOutput
+    from treadle.lora import LoRARequest
     from treadle.sampling_params import SamplingParams
 
 _LAZY = {
@@ -22,6 +24,7 @@ _LAZY = {
     "RequestOutput": "treadle.engine.llm",
     "CompletionOutput": "treadle.engine.llm",
     "SamplingParams": "treadle.sampling_params",
+    "LoRARequest": "treadle.lora",
     "EngineConfig": "treadle.config",
 }
 

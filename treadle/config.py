@@ -255,6 +255,35 @@ class ParallelConfig:
             raise ValueError(f"worker_timeout must be > 0 seconds, got {self.worker_timeout}")
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Serving LoRA adapters beside the base model (docs/lora.md)."""
+
+    enable_lora: bool = field(default=False, metadata=_help(
+        "Serve LoRA adapters (PEFT format) beside the base model"))
+    max_loras: int = field(default=1, metadata=_help(
+        "Adapters resident at once (the worker's slots): at most this many distinct "
+        "adapters run in one step"))
+    max_lora_rank: int = field(default=16, metadata=_help(
+        "Highest adapter rank accepted; an adapter above it is refused when loaded"))
+    max_cpu_loras: int | None = field(default=None, metadata=_help(
+        "Adapters kept in host memory, least recently used evicted (>= max_loras; "
+        "max_loras when not given)"))
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
 ENV_PREFIX = "TREADLE_"
 """An engine option not given explicitly takes its value from TREADLE_<NAME> when set
 (e.g. TREADLE_DISTRIBUTED_EXECUTOR_BACKEND=mp), read once in EngineConfig.from_options."""
@@ -283,13 +312,14 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
-    _SECTIONS = ("model", "cache", "scheduler", "parallel")
+    _SECTIONS = ("model", "cache", "scheduler", "parallel", "lora")
 
     @classmethod
     def section_types(cls) -> dict[str, type]:
         return {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                "parallel": ParallelConfig}
+                "parallel": ParallelConfig, "lora": LoRAConfig}
 
     @classmethod
     def from_options(cls, **options: Any) -> "EngineConfig":
@@ -364,6 +394,11 @@ class ServerConfig:
         "Largest accepted request body"))
     shutdown_timeout: float = field(default=30.0, metadata=_help(
         "Seconds in-flight requests may finish after SIGTERM before they are aborted"))
+    lora_modules: list[str] | None = field(default=None, metadata=_help(
+        "LoRA adapters to serve from the start, as name=path (or JSON {\"name\", \"path\"}); "
+        "a request selects one by its model field (needs --enable-lora)"))
+    enable_lora_runtime_updates: bool = field(default=False, metadata=_help(
+        "Allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter"))
 
     def __post_init__(self) -> None:
         for name in ("max_waiting_requests", "max_waiting_tokens",
@@ -386,8 +421,9 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, config_type: type,
         flag = "--" + f.name.replace("_", "-")
         help_text = f.metadata.get("help", "")
         annotation = str(f.type)
-        if "list" in annotation:
-            group.add_argument(flag, dest=f.name, action="append", default=None, help=help_text)
+        if "list" in annotation:  # repeatable, and several values after one flag
+            group.add_argument(flag, dest=f.name, action="extend", nargs="+", default=None,
+                               help=help_text)
         elif _flag_type(annotation) is None:
             group.add_argument(flag, dest=f.name, default=None,
                                action=argparse.BooleanOptionalAction, help=help_text)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import time
 
+from treadle.lora import LoRARequest
 from treadle.sampling_params import SamplingParams
 
 
@@ -64,7 +65,8 @@ class Request:
                  sampling_params: SamplingParams, eos_token_id: int | None = None,
                  arrival_time: float | None = None, priority: int = 0,
                  cache_salt: str | None = None, tenant: str | None = None,
-                 length_hint: int | None = None) -> None:
+                 length_hint: int | None = None,
+                 lora_request: LoRARequest | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -77,6 +79,8 @@ class Request:
         self.length_hint = length_hint
         """Expected number of output tokens, when known (the `srpt` policy uses it instead
         of max_tokens)."""
+        self.lora_request = lora_request
+        """The LoRA adapter it runs with; None: the base model."""
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
@@ -93,6 +97,11 @@ class Request:
         self.parent_id: str | None = None
         """The user request this one is a sample of (the n samples of an n > 1 request
         share it); None for a request made directly."""
+
+    @property
+    def lora_int_id(self) -> int | None:
+        """Its adapter's id, None for the base model."""
+        return None if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -5,8 +5,9 @@ as-is) and the chained prefix hashes of requests' full blocks. It never decides 
 request gets memory: the scheduler asks, this module answers yes or no.
 
 Prefix hash of full block i: BLAKE2b-128 over (hash of block i-1, the block's token ids
-as little-endian int64). The chain starts from a hash of the request's `cache_salt`, so
-requests with different salts (tenants) never share a block. No torch here.
+as little-endian int64). The chain starts from a hash of the request's `cache_salt` and its
+LoRA adapter's id, so requests with different salts (tenants) or different adapters (or
+one with an adapter and one without) never share a block. No torch here.
 """
 
 from __future__ import annotations
@@ -21,9 +22,13 @@ from treadle.request import Request
 _HASH_BYTES = 16
 
 
-def _root_hash(cache_salt: str | None) -> bytes:
+def _root_hash(cache_salt: str | None, lora_int_id: int | None = None) -> bytes:
     salt = b"" if cache_salt is None else cache_salt.encode("utf-8")
-    return hashlib.blake2b(b"treadle-prefix-v1\x00" + salt, digest_size=_HASH_BYTES).digest()
+    if lora_int_id is None:
+        head = b"treadle-prefix-v1\x00"
+    else:  # an id always means one adapter in an engine (treadle/lora.py)
+        head = b"treadle-prefix-lora-v1\x00" + lora_int_id.to_bytes(8, "little")
+    return hashlib.blake2b(head + salt, digest_size=_HASH_BYTES).digest()
 
 
 def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
@@ -96,7 +101,7 @@ class KVCacheManager:
         hashes = self._hashes.setdefault(request.request_id, [])
         tokens = request.all_token_ids
         size = self.block_size
-        parent = hashes[-1] if hashes else _root_hash(request.cache_salt)
+        parent = hashes[-1] if hashes else _root_hash(request.cache_salt, request.lora_int_id)
         for i in range(len(hashes), num_full_blocks):
             parent = hash_block(parent, tokens[i * size:(i + 1) * size])
             hashes.append(parent)

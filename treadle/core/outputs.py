@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from treadle.core.policy import PreemptionCosts
+from treadle.lora import LoRARequest
 from treadle.request import FinishReason
 from treadle.sampling_params import SamplingParams
 
@@ -48,6 +49,13 @@ class WorkerInfo:
     attention_backend: str
     kernels: str
     """One line: which kernels run (for the start-up log)."""
+    num_lora_slots: int = 0
+    """Adapters the worker holds resident at once (0: LoRA is off): the scheduler never
+    runs more distinct adapters in one step."""
+    lora_module_shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Module an adapter may target -> (in_features, out_features) of the whole model."""
+    num_layers: int = 0
+    """Decoder layers of the whole model."""
 
 
 @dataclass
@@ -56,6 +64,8 @@ class NewRequestData:
 
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    lora_request: LoRARequest | None = None
+    """The adapter it runs with (the worker loads it into a slot when needed)."""
 
 
 @dataclass

@@ -29,6 +29,12 @@ decoding): they are scheduled with its last token within the budget, and
 `update_from_output` keeps the accepted ones and rolls back the rest (their KV slots are
 freed; no rejected token reaches the prefix cache).
 
+With LoRA, the running requests never use more distinct adapters than the worker has
+slots (`max_loras`), so neither does any step: a waiting or swapped-out request whose
+adapter is not among the running ones' is admitted only while a slot is free; otherwise
+it does not fit, exactly like a request too large for free memory (smaller ones pass it
+at most `max_head_bypasses` times, then nothing behind it starts until its adapter fits).
+
 The scheduler owns request state transitions, the running/waiting/swapped sets, the
 clock it passes to the policy, and what the worker already holds of each request (so that
 each step message carries only what changed: core/outputs.py). The policy's answers come
@@ -104,8 +110,10 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_kv_blocks: int, max_model_len: int, num_swap_blocks: int = 0,
                  preemption_costs: policy.PreemptionCosts | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_loras: int = 0) -> None:
+        """`max_loras`: adapter slots of the worker (0: no request has an adapter)."""
         self.config = scheduler_config
+        self.max_loras = max_loras
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_kv_blocks, cache_config.block_size,
                                  cache_config.enable_prefix_caching, num_swap_blocks)
@@ -435,6 +443,8 @@ class Scheduler:
         """Admit a waiting or swapped-out request if it fits, preempting less urgent
         running requests for it when the policy allows and that makes it fit."""
         swapped = request.status == RequestStatus.SWAPPED
+        if not self._adapter_fits(request):
+            return Admission.NO_FIT  # preempting for it would not free a slot for sure
         computed_blocks, num_hit_tokens = [], 0
         if not swapped and not self.kv.holds(request.request_id):
             computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
@@ -460,6 +470,16 @@ class Scheduler:
         self._admitted.add(request.request_id)
         self._num_bypasses.pop(request.request_id, None)
         return Admission.ADMITTED
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """Whether the request's adapter (if any) is in use by a running request, or a
+        slot is free for it."""
+        lora_id = request.lora_int_id
+        if lora_id is None:
+            return True
+        in_use = {r.lora_int_id for r in self.running}
+        in_use.discard(None)
+        return lora_id in in_use or len(in_use) < self.max_loras
 
     def _may_chunk(self, request: Request) -> bool:
         """Whether this request's uncomputed tokens may be split across steps.
@@ -551,7 +571,8 @@ class Scheduler:
         new_request = None
         if view is None:
             view = self._worker_views[rid] = _WorkerView(num_tokens=request.num_prompt_tokens)
-            new_request = NewRequestData(request.prompt_token_ids, request.sampling_params)
+            new_request = NewRequestData(request.prompt_token_ids, request.sampling_params,
+                                         request.lora_request)
         new_token_ids = request.all_token_ids[view.num_tokens:]
         view.num_tokens = request.num_tokens
         block_ids = self.kv.block_ids(rid)
