@@ -41,6 +41,7 @@ from treadle.engine.core import EngineCore
 from treadle.engine.driver import EngineDriver
 from treadle.engine.llm import load_tokenizer
 from treadle.engine.output_processor import RequestOutput
+from treadle.lora import AdapterSpec, LoRARequest
 from treadle.metrics import EngineMetrics
 from treadle.sampling_params import SamplingParams
 
@@ -120,6 +121,26 @@ class AsyncEngine:
         """The fair policy's weight of a tenant (unlisted tenants weigh 1)."""
         self.core.scheduler.set_tenant_weight(tenant, weight)
 
+    # ----- adapters (the registry is thread-safe: called from any thread) -----------------
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.core.loras is not None
+
+    def add_lora(self, name: str, path: str) -> AdapterSpec:
+        """Register an adapter under a fresh id (LoRAError when it does not fit)."""
+        lora = LoRARequest(name, self.core.loras.new_id(), path, self.model_name)
+        return self.core.add_lora(lora)
+
+    def remove_lora(self, name: str) -> LoRARequest | None:
+        return self.core.remove_lora(name)
+
+    def get_lora(self, name: str) -> LoRARequest | None:
+        return None if self.core.loras is None else self.core.loras.get(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.core.list_loras()
+
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.error is None and not self._stop.is_set()
@@ -132,7 +153,9 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams, priority: int = 0,
-                       tenant: str | None = None) -> AsyncIterator[RequestOutput]:
+                       tenant: str | None = None,
+                       lora_request: LoRARequest | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Yield the request's up-to-date output after every step that changed it.
 
         Leaving the iteration early (the client went away) aborts the request: it is
@@ -144,7 +167,7 @@ class AsyncEngine:
         stream = _Stream(loop, asyncio.Queue(), time.monotonic(), len(prompt_token_ids))
         self._streams[request_id] = stream
         self._send(("add", request_id, prompt, prompt_token_ids, params, priority, tenant,
-                    stream.arrival))
+                    stream.arrival, lora_request))
         finished = False
         try:
             while True:
@@ -214,13 +237,14 @@ class AsyncEngine:
                     self._abort(request_id, error=command[1])
 
     def _add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-             params: SamplingParams, priority: int, tenant: str | None, arrival: float) -> None:
+             params: SamplingParams, priority: int, tenant: str | None, arrival: float,
+             lora_request: LoRARequest | None) -> None:
         stream = self._streams.get(request_id)
         if stream is None:  # aborted before it arrived
             return
         stream.priority, stream.tenant = priority, tenant
         rejected = self.driver.add(request_id, prompt, prompt_token_ids, params, arrival,
-                                   priority, tenant)
+                                   priority, tenant, lora_request=lora_request)
         if rejected is not None:
             self._deliver(request_id, rejected)
 

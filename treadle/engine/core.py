@@ -5,8 +5,11 @@ executor's workers load the model, own the KV tensors and kernels, and report wh
 core needs (WorkerInfo). The core sizes the KV cache from that report, and does the
 admission check of step 1 of DESIGN.md ("ingest"): a request that can never fit (empty,
 longer than the model's context, or larger than the whole KV cache) ends at once with an
-error and never reaches the scheduler. It works on token ids only: tokenization,
-detokenization and user-facing outputs belong to the layers above. No torch here.
+error and never reaches the scheduler. With LoRA it keeps the adapters it knows
+(engine/lora_registry.py): a request's adapter is checked against the model when it is
+first seen, and the scheduler gets the worker's slot count. It works on token ids only:
+tokenization, detokenization and user-facing outputs belong to the layers above. No torch
+here.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from pathlib import Path
 from treadle.config import EngineConfig
 from treadle.core.outputs import EngineCoreOutput, StepTimings, WorkerInfo
 from treadle.core.scheduler import Scheduler
+from treadle.engine.lora_registry import LoRARegistry
 from treadle.engine.trace import TraceRecorder
 from treadle.executor import make_executor
+from treadle.lora import AdapterSpec, LoRARequest
 from treadle.request import FinishReason, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -45,7 +50,11 @@ class EngineCore:
         self.vocab_size = info.vocab_size
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks,
                                    self.max_model_len, self.num_swap_blocks,
-                                   info.preemption_costs)
+                                   info.preemption_costs, max_loras=info.num_lora_slots)
+        self.loras = (LoRARegistry(info.lora_module_shapes, info.num_layers,
+                                   config.lora.max_lora_rank)
+                      if config.lora.enable_lora else None)
+        """The adapters this engine knows (None: LoRA is off)."""
         self.trace = (TraceRecorder(config.scheduler.trace, config.scheduler.scheduling_policy)
                       if config.scheduler.trace else None)
         """Per-step trace (treadle.engine.trace), when `scheduler.trace` names a file."""
@@ -90,6 +99,13 @@ class EngineCore:
         token_id_error = request.sampling_params.token_id_error(vocab)
         if token_id_error is not None:
             return token_id_error
+        if request.lora_request is not None:
+            if self.loras is None:
+                return (f"lora_request {request.lora_request.lora_name!r}: this engine "
+                        "serves no adapters (enable_lora is off)")
+            lora_error = self.loras.check(request.lora_request)
+            if lora_error is not None:
+                return lora_error
         max_tokens = request.sampling_params.max_tokens
         if num_prompt + max_tokens > self.max_model_len:
             return (f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = "
@@ -125,6 +141,20 @@ class EngineCore:
         if self.trace is not None:
             self.trace.record_arrival(request)
         return None
+
+    def add_lora(self, lora: LoRARequest) -> AdapterSpec:
+        """Register an adapter (checked against the model; LoRAError when it does not fit).
+        The worker loads its weights when a step first needs them."""
+        if self.loras is None:
+            raise ValueError("enable_lora is off: this engine serves no adapters")
+        return self.loras.add(lora)
+
+    def remove_lora(self, name: str) -> LoRARequest | None:
+        """Forget an adapter by name; requests running with it finish with it."""
+        return None if self.loras is None else self.loras.remove(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.loras is None else self.loras.list()
 
     def abort_request(self, request_id: str) -> EngineCoreOutput | None:
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from treadle.core.outputs import EngineCoreOutput
 from treadle.engine.core import EngineCore
 from treadle.engine.output_processor import OutputProcessor, RequestOutput
+from treadle.lora import LoRARequest
 from treadle.sampling_params import SamplingParams
 
 
@@ -27,12 +28,12 @@ class EngineDriver:
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
             params: SamplingParams, arrival_time: float, priority: int = 0,
-            tenant: str | None = None, length_hint: int | None = None
-            ) -> RequestOutput | None:
+            tenant: str | None = None, length_hint: int | None = None,
+            lora_request: LoRARequest | None = None) -> RequestOutput | None:
         """Add a user request; its final output at once when the core refuses it (the
         request can never run), else None."""
         self.processor.add_request(request_id, prompt, prompt_token_ids, params,
-                                   arrival_time, priority, tenant, length_hint)
+                                   arrival_time, priority, tenant, length_hint, lora_request)
         rejected = self._add_ready(request_id)
         if rejected:
             return self.abort(request_id, error=rejected[0].error)

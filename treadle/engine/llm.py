@@ -23,6 +23,7 @@ from treadle.engine.core import EngineCore
 from treadle.engine.driver import EngineDriver
 from treadle.engine.output_processor import (CompletionOutput, Logprob, RequestMetrics,
                                              RequestOutput)
+from treadle.lora import LoRARequest
 from treadle.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput",
@@ -90,14 +91,18 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: int | Sequence[int] = 0,
                  tenant: str | None | Sequence[str | None] = None,
-                 length_hint: int | None | Sequence[int | None] = None) -> list[RequestOutput]:
+                 length_hint: int | None | Sequence[int | None] = None,
+                 lora_request: LoRARequest | None | Sequence[LoRARequest | None] = None
+                 ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
-        `priority` (lower runs first), `tenant` (the `fair` policy's share) and
-        `length_hint` (expected output tokens, for `srpt`) are one value for every prompt
-        or one per prompt. A prompt that can never run (empty, too long for the context
-        or the KV cache) gets an output with finish_reason 'error' and the reason in
-        `error`; the other prompts complete normally.
+        `priority` (lower runs first), `tenant` (the `fair` policy's share),
+        `length_hint` (expected output tokens, for `srpt`) and `lora_request` (the
+        adapter to run with, None for the base model; needs `enable_lora=True`) are one
+        value for every prompt or one per prompt. A prompt that can never run (empty, too
+        long for the context or the KV cache, an adapter that does not fit the model)
+        gets an output with finish_reason 'error' and the reason in `error`; the other
+        prompts complete normally.
         """
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -113,17 +118,21 @@ class LLM:
         count = len(prompts)
         scheduling = list(zip(_per_prompt(priority, count, "priority"),
                               _per_prompt(tenant, count, "tenant"),
-                              _per_prompt(length_hint, count, "length_hint")))
+                              _per_prompt(length_hint, count, "length_hint"),
+                              _per_prompt(lora_request, count, "lora_request")))
+        for _, _, _, lora in scheduling:
+            if lora is not None and not isinstance(lora, LoRARequest):
+                raise ValueError(f"lora_request must be a LoRARequest or None, got {lora!r}")
         # Tokenize everything first: a bad prompt raises before any request is in the engine.
         tokenized = [self._prompt_token_ids(prompt) for prompt in prompts]
         results: dict[str, RequestOutput] = {}
         order = []
-        for (text, token_ids), params, (priority, tenant, hint) in zip(
+        for (text, token_ids), params, (priority, tenant, hint, lora) in zip(
                 tokenized, sampling_params, scheduling):
             request_id = str(next(self._request_counter))
             order.append(request_id)
             rejected = self.driver.add(request_id, text, token_ids, params, time.monotonic(),
-                                       priority, tenant, hint)
+                                       priority, tenant, hint, lora)
             if rejected is not None:
                 results[request_id] = rejected
 

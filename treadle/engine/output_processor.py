@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from treadle.core.outputs import EngineCoreOutput, PromptLogprobs, TokenLogprobs
 from treadle.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher, make_decode
+from treadle.lora import LoRARequest
 from treadle.request import FinishReason, Request
 from treadle.sampling_params import SamplingParams
 
@@ -173,7 +174,8 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float, priority: int = 0,
-                    tenant: str | None = None, length_hint: int | None = None) -> None:
+                    tenant: str | None = None, length_hint: int | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Track a user request and create its engine Requests (see engine_requests).
 
         `tenant` is also each engine request's prefix-cache salt: tenants never share KV."""
@@ -189,7 +191,8 @@ class OutputProcessor:
             sample_params = params if params.n == 1 else params.for_sample(i)
             request = Request(engine_request_id(request_id, i, params.n), prompt_token_ids,
                               sample_params, arrival_time=arrival_time, priority=priority,
-                              cache_salt=tenant, tenant=tenant, length_hint=length_hint)
+                              cache_salt=tenant, tenant=tenant, length_hint=length_hint,
+                              lora_request=lora_request)
             request.parent_id = request_id
             sample = _Sample(i, request, decode, prompt_token_ids)
             state.samples.append(sample)
