@@ -10,6 +10,7 @@ them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
@@ -51,6 +52,34 @@ class Linear(nn.Module):
         if self.kernel is not None:
             return self.kernel(x)
         return F.linear(x, self.weight, self.bias)
+
+
+@dataclass(frozen=True)
+class LoRAPart:
+    """One Hugging Face module inside a (possibly fused) linear layer of this rank: where its
+    output lies in the layer's output, and which slice of an adapter's tensors this rank
+    takes (column-parallel: rows of B, the module's output features; row-parallel: columns
+    of A, its input features; None: all)."""
+
+    module: str
+    """PEFT's name, e.g. 'k_proj'."""
+    columns: tuple[int, int]
+    """[first, last) output column of the layer's (rank-local) output."""
+    b_rows: tuple[int, int] | None = None
+    a_columns: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class LoRATarget:
+    """A linear layer an adapter may change: q/k/v stacked in the fused qkv_proj, gate/up in
+    gate_up_proj, o_proj and down_proj alone."""
+
+    layer: int
+    """Index of its decoder layer in the whole model."""
+    name: str
+    """The layer's parameter name, e.g. 'qkv_proj'."""
+    linear: "Linear"
+    parts: tuple[LoRAPart, ...]
 
 
 def attach_linear_kernels(model: nn.Module, factory: LinearKernelFactory | None) -> int:

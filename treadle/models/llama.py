@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treadle.models.linear import Linear, LinearKernelFactory, attach_linear_kernels
+from treadle.models.linear import (Linear, LinearKernelFactory, LoRAPart, LoRATarget,
+                                   attach_linear_kernels)
 from treadle.models.parallel_layers import RowParallelLinear, ShardGeometry, VocabParallelEmbedding
 from treadle.models.rope import RotaryEmbedding, RotaryInputs
 from treadle.models.weights import TensorSource, WeightSource
@@ -327,6 +328,44 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (DecoderLayer, MLP)):
                 module.ops = ops
         return count
+
+    # ----- adapters --------------------------------------------------------------------
+
+    def lora_module_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of every module an adapter may target, whole model."""
+        h, d = self.hidden_size, self.head_dim
+        q, kv = self.total_num_heads * d, self.total_num_kv_heads * d
+        inter = self.shard.intermediate_size * self.shard.tp_size
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+
+    def lora_targets(self) -> list[LoRATarget]:
+        """The linear layers of this rank an adapter may change, with where each module
+        lies in its fused layer and which slices of an adapter's tensors this rank takes
+        (split like the base weights: see `_plan`)."""
+        shard, d = self.shard, self.head_dim
+        q, kv, cols = shard.num_heads * d, shard.num_kv_heads * d, shard.intermediate_size
+        heads = [h * d for h in shard.q_heads()]
+        kv_rows = tuple(h * d for h in shard.kv_heads(self.total_num_kv_heads))
+        mlp_cols = shard.columns()
+        targets = []
+        for index, layer in self.model.layers.items():
+            i = int(index)
+            attn, mlp = layer.self_attn, layer.mlp
+            targets += [
+                LoRATarget(i, "qkv_proj", attn.qkv_proj, (
+                    LoRAPart("q_proj", (0, q), b_rows=tuple(heads)),
+                    LoRAPart("k_proj", (q, q + kv), b_rows=kv_rows),
+                    LoRAPart("v_proj", (q + kv, q + 2 * kv), b_rows=kv_rows))),
+                LoRATarget(i, "o_proj", attn.o_proj, (
+                    LoRAPart("o_proj", (0, self.hidden_size), a_columns=tuple(heads)),)),
+                LoRATarget(i, "gate_up_proj", mlp.gate_up_proj, (
+                    LoRAPart("gate_proj", (0, cols), b_rows=mlp_cols),
+                    LoRAPart("up_proj", (cols, 2 * cols), b_rows=mlp_cols))),
+                LoRATarget(i, "down_proj", mlp.down_proj, (
+                    LoRAPart("down_proj", (0, self.hidden_size), a_columns=mlp_cols),)),
+            ]
+        return targets
 
     # ----- loading ---------------------------------------------------------------------
 

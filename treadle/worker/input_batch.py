@@ -1,6 +1,7 @@
 """The worker's persistent batch: what it keeps of every live request across steps.
 
-Owns, per request, the data the step messages sent once (prompt, sampling parameters)
+Owns, per request, the data the step messages sent once (prompt, sampling parameters,
+LoRA adapter)
 and the deltas applied since (generated tokens, blocks), and a row of a block-table array
 for each request that holds KV, so that a step's block tables are one fancy-index of
 that array rather than a rebuild from lists. Rows are taken when a request is first
@@ -13,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from treadle.core.outputs import ScheduledRequest, SchedulerOutput
+from treadle.lora import LoRARequest
 from treadle.sampling_params import SamplingParams
 
 
@@ -20,11 +22,14 @@ class CachedRequestState:
     """One request as the worker knows it."""
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params",
-                 "row", "num_blocks")
+                 "row", "num_blocks", "lora_request")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
-                 sampling_params: SamplingParams) -> None:
+                 sampling_params: SamplingParams,
+                 lora_request: LoRARequest | None = None) -> None:
         self.request_id = request_id
+        self.lora_request = lora_request
+        """The adapter it runs with (None: the base model)."""
         self.prompt_token_ids = prompt_token_ids
         """Read-only: in-process it is the scheduler's own list."""
         self.output_token_ids: list[int] = []
@@ -78,7 +83,7 @@ class InputBatch:
                 raise RuntimeError(f"request {scheduled.request_id!r} was scheduled before "
                                    "its data reached the worker")
             state = CachedRequestState(scheduled.request_id, new.prompt_token_ids,
-                                       new.sampling_params)
+                                       new.sampling_params, new.lora_request)
             self.requests[scheduled.request_id] = state
         state.output_token_ids.extend(scheduled.new_token_ids)
         if state.row is None:

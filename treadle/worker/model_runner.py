@@ -5,7 +5,9 @@ Owns the step's rows: it applies the message to its persistent batch
 which the decode kernels read as one contiguous block; then multi-token rows: prompt
 chunks, recomputes, and tokens followed by proposed ones), and builds the flat batch with
 numpy (all scheduled tokens of all requests concatenated, no padding; Python loops run
-once per request, never once per token). The attention backend turns the step's
+once per request, never once per token). With LoRA, rows of one adapter are kept together
+within each of the two groups, and the step's adapter segments (token ranges) go to the
+LoRA manager (worker/lora/) before the forward pass. The attention backend turns the step's
 geometry into its metadata once per step, shared by every layer. Logits are computed only
 for the rows that sample: a request's last scheduled token, or with proposed tokens each
 of them and the token before (the proposals are verified against what the model samples
@@ -63,6 +65,28 @@ class PreparedInputs:
     """Flat-batch tokens whose logits are sampled, one per sampling position."""
     sample_rows: list[tuple[int, int]]
     """Per entry of logits_indices: (row, index among that row's sampling positions)."""
+    lora_segments: list = None
+    """(LoRARequest, first token, end token) per run of rows with one adapter."""
+
+
+def _lora_key(lora) -> int:
+    return 0 if lora is None else lora.lora_int_id
+
+
+def _lora_segments(rows: list[_Row]) -> list:
+    """(LoRARequest, first token, end token) per run of consecutive rows with one adapter."""
+    segments = []
+    for row in rows:
+        lora = row.state.lora_request
+        if lora is None:
+            continue
+        end = row.first_token + row.scheduled.num_scheduled_tokens
+        if segments and segments[-1][0].lora_int_id == lora.lora_int_id \
+                and segments[-1][2] == row.first_token:
+            segments[-1] = (segments[-1][0], segments[-1][1], end)
+        else:
+            segments.append((lora, row.first_token, end))
+    return segments
 
 
 class ModelRunner:
@@ -73,9 +97,11 @@ class ModelRunner:
                  max_model_len: int, sampler: Sampler, device: torch.device,
                  swap_caches: list[torch.Tensor] | None = None, block_dim: int = 2,
                  eos_token_id: int | None = None,
-                 parallel: ParallelContext | None = None) -> None:
-        """`swap_caches` hold swapped-out blocks (same layout as kv_caches)."""
+                 parallel: ParallelContext | None = None, lora=None) -> None:
+        """`swap_caches` hold swapped-out blocks (same layout as kv_caches); `lora`: the
+        worker's LoRAManager, None without LoRA."""
         self.model = model
+        self.lora = lora
         self.parallel = parallel or ParallelContext()
         self.kv_caches = kv_caches
         self.swap_caches = swap_caches
@@ -95,7 +121,11 @@ class ModelRunner:
         states = self.batch.update(scheduler_output)
         pairs = list(zip(scheduler_output.scheduled, states))
         # Single-token rows first: the decode kernels read them as one block of rows.
-        pairs.sort(key=lambda p: p[0].num_scheduled_tokens > 1)
+        if self.lora is None:
+            pairs.sort(key=lambda p: p[0].num_scheduled_tokens > 1)
+        else:  # and within each group, each adapter's rows together
+            pairs.sort(key=lambda p: (p[0].num_scheduled_tokens > 1,
+                                      _lora_key(p[1].lora_request)))
         num_rows = len(pairs)
         q_lens = np.fromiter((s.num_scheduled_tokens for s, _ in pairs), dtype=np.int64,
                              count=num_rows)
@@ -133,7 +163,8 @@ class ModelRunner:
                 sample_rows.append((i, j))
         to_device = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
         return PreparedInputs(to_device(input_ids), to_device(positions), meta, rows,
-                              np.asarray(logits_indices, dtype=np.int64), sample_rows)
+                              np.asarray(logits_indices, dtype=np.int64), sample_rows,
+                              _lora_segments(rows) if self.lora is not None else [])
 
     @staticmethod
     def _row_tokens(scheduled: ScheduledRequest, state: CachedRequestState) -> list[int]:
@@ -168,8 +199,14 @@ class ModelRunner:
         if not par.is_first_stage:
             received = par.recv_prev_stage((inputs.positions.shape[0], self.model.hidden_size),
                                            self.model.dtype)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                            inputs.attn_metadata, received)
+        if self.lora is not None:
+            self.lora.begin_step(inputs.lora_segments)
+        try:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                                inputs.attn_metadata, received)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         if not par.is_last_stage:
             par.send_next_stage(hidden)
             return None

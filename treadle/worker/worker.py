@@ -5,7 +5,8 @@ Owns everything the engine core must not know: the platform, its place among the
 (worker/parallel_state.py: joining the process group, the cores it is bound to), loading
 its shard of the model, the C kernels and which of them run (linear, elementwise,
 attention, sampling), the attention backend, the KV-cache and swap tensors, the
-start-up cost probes, and the model runner.
+start-up cost probes, the LoRA manager (worker/lora/) when adapters are served, and the
+model runner.
 Its life has three calls, made by an executor (treadle/executor): `load()` (model,
 kernels, probes -> a WorkerInfo), `initialize_cache(num_kv_blocks, num_swap_blocks)`
 (the core decides the block counts from what every worker reported), then
@@ -107,6 +108,7 @@ class Worker:
             logger.info("linear layers: %d kernels attached (oneDNN prepacked bf16%s)",
                         num_kernels, ", C kernels at <= %d rows" % self.layer_ops.max_rows
                         if self.layer_ops is not None else "")
+        self.lora = self._make_lora_manager(dtype)
         self.attention = make_attention_backend(
             config.model.attention_backend, self.platform, self.model.num_kv_heads,
             self.model.head_dim, dtype, kernels=self.native, layer_ops=self.layer_ops)
@@ -120,6 +122,8 @@ class Worker:
         kernels = (f"attention {self.attention.name}, sampling "
                    f"{'C' if self._sampler_kernels() is not None else 'torch'}, linear "
                    f"{'C + oneDNN' if self.layer_ops is not None else 'torch'}")
+        if self.lora is not None:
+            kernels += f", LoRA {self.lora.ops_name} ({self.lora.num_slots} slots)"
         return WorkerInfo(
             model_dir=str(self.model_dir), dtype=str(dtype).replace("torch.", ""),
             vocab_size=self.model.vocab_size, eos_token_id=self.eos_token_id,
@@ -128,7 +132,18 @@ class Worker:
             num_kv_blocks=self.kv_spec.num_blocks_for_memory(cache.kv_cache_memory,
                                                              cache.block_size),
             num_swap_blocks=num_swap_blocks, preemption_costs=self._preemption_costs(),
-            attention_backend=self.attention.name, kernels=kernels)
+            attention_backend=self.attention.name, kernels=kernels,
+            num_lora_slots=0 if self.lora is None else self.lora.num_slots,
+            lora_module_shapes=self.model.lora_module_shapes(),
+            num_layers=self.model.num_layers)
+
+    def _make_lora_manager(self, dtype: torch.dtype):
+        """The LoRA manager (it wraps the adapted layers' kernels), or None without LoRA."""
+        if not self.config.lora.enable_lora:
+            return None
+        from treadle.worker.lora import LoRAManager
+        return LoRAManager(self.model, self.config.lora, self.platform.device, dtype,
+                           pin_memory=self.platform.pin_swap_memory)
 
     def _whole_model_parameters(self) -> int:
         """Parameters of the whole model, not of this rank's shard (counted on a copy built
@@ -152,7 +167,7 @@ class Worker:
         self.runner = ModelRunner(self.model, kv_caches, self.attention, block_size,
                                   num_kv_blocks, self.max_model_len, sampler, device,
                                   swap_caches, self.kv_spec.block_dim, self.eos_token_id,
-                                  self.parallel)
+                                  self.parallel, lora=self.lora)
 
     def _load_native(self):
         """The compiled C kernels (worker.native.NativeKernels), or None when they cannot
@@ -216,8 +231,10 @@ class Worker:
         off, for side-by-side benchmarks and tests; the results agree up to rounding."""
         ops = self.layer_ops if enabled else None
         for module in self.model.modules():
-            if isinstance(getattr(module, "kernel", None), DenseLinearKernel):
-                module.kernel.native = ops
+            kernel = getattr(module, "kernel", None)
+            kernel = getattr(kernel, "base", kernel)  # under a LoRA layer's kernel
+            if isinstance(kernel, DenseLinearKernel):
+                kernel.native = ops
         if isinstance(self.model.lm_head_kernel, DenseLinearKernel):
             self.model.lm_head_kernel.native = ops
         self.model.ops = ops

@@ -1,0 +1,77 @@
+"""The LoRA term of a linear layer over a flat batch of several adapters' segments.
+
+`LoRALinearKernel` is the kernel object (models/linear.py) of a layer an adapter may
+change: it runs the layer's own kernel once over every row (one base matmul for the whole
+batch), then adds each adapter segment's low-rank term, y[rows] += (x[rows] @ A.T) @ B.T
+per module, in the spirit of Punica's SGMV: the runner orders its rows so that each
+adapter's rows are contiguous (worker/model_runner.py), and `LoRAStep` holds the step's
+segments, shared by every layer. Fused layers stay fused: q, k and v (or gate and up) share
+one shrink matmul over their stacked A, and each adds into its own columns of the fused
+output. Under tensor parallelism a row-parallel layer adds its partial term before the
+base layer's all-reduce (the sum of the partial terms is the whole term), so no
+collective is added. Which kernel computes a segment's term is `LoRAOps`' choice; this
+module decides nothing about which adapters are resident (manager.py).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from treadle.worker.lora.weights import AdapterWeights, TargetWeights
+
+
+class TorchLoRAOps:
+    """Segments' terms with torch: one shrink matmul and one addmm per module."""
+
+    name = "torch"
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor,
+              segments: list[tuple[TargetWeights, int, int]]) -> None:
+        for weights, start, end in segments:
+            t = F.linear(x[start:end], weights.a)
+            rows = y[start:end]
+            for part in weights.parts:
+                c0, c1 = part.columns
+                r0, r1 = part.ranks
+                rows[:, c0:c1].addmm_(t[:, r0:r1], part.b.t())
+
+
+class LoRAStep:
+    """The adapter segments of the current step: (weights, first token, end token) in the
+    flat batch, empty when no row has an adapter."""
+
+    def __init__(self, ops) -> None:
+        self.ops = ops
+        self.segments: list[tuple[AdapterWeights, int, int]] = []
+
+
+class LoRALinearKernel:
+    """A layer's base kernel plus the LoRA terms of the step's adapter segments."""
+
+    def __init__(self, base: Callable[[torch.Tensor], torch.Tensor], index: int,
+                 step: LoRAStep) -> None:
+        self.base = base
+        """The layer's own kernel (worker/linear_kernels.py, or F.linear)."""
+        self.index = index
+        """This layer's index among the model's LoRA targets (AdapterWeights.targets)."""
+        self.step = step
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if self.step.segments:
+            segments = []
+            for adapter, start, end in self.step.segments:
+                weights = adapter.targets.get(self.index)
+                if weights is not None:
+                    segments.append((weights, start, end))
+            if segments:
+                self.step.ops.apply(x, y, segments)
+        return y
+
+
+def plain_linear(weight: torch.Tensor, bias: torch.Tensor | None):
+    """F.linear as a kernel, for a layer that has none attached."""
+    return lambda x: F.linear(x, weight, bias)
