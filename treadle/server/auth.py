@@ -1,7 +1,9 @@
 """API keys and tenants: who is calling, decided from the key and never from the body.
 
 Owns loading keys (`--api-key`, repeatable, and `--api-keys-file`, a YAML/JSON list of
-{key, tenant, weight}) and the constant-time check of a Bearer token. A request's tenant
+{key, tenant, weight, models}) and the constant-time check of a Bearer token. `models`
+limits a key to those served model names (the base model's and adapters'); a key without
+it may use every model. A request's tenant
 feeds the `fair` scheduling policy and becomes its prefix-cache salt, so tenants never
 share KV blocks. With no keys configured the server is open and every request belongs
 to the tenant "default".
@@ -22,6 +24,11 @@ DEFAULT_TENANT = "default"
 class Tenant:
     name: str
     weight: float = 1.0
+    models: frozenset[str] | None = None
+    """The served model names this key may use and see; None: every one."""
+
+    def may_use(self, model: str) -> bool:
+        return self.models is None or model in self.models
 
 
 class AuthError(Exception):
@@ -53,7 +60,14 @@ class KeyRing:
                 weight = float(entry.get("weight", 1.0))
                 if weight <= 0:
                     raise ValueError(f"{keys_file}: entry {n} weight must be > 0, got {weight}")
-                keys[str(entry["key"])] = Tenant(str(entry["tenant"]), weight)
+                models = entry.get("models")
+                if models is not None and (not isinstance(models, list) or not all(
+                        isinstance(m, str) and m for m in models)):
+                    raise ValueError(f"{keys_file}: entry {n} models must be a list of "
+                                     f"model names, got {models!r}")
+                keys[str(entry["key"])] = Tenant(
+                    str(entry["tenant"]), weight,
+                    None if models is None else frozenset(models))
         return cls(keys)
 
     @property
