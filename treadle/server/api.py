@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP API (FastAPI): routes, errors, streaming, disconnects.
 
 Owns the translation between HTTP and the AsyncEngine: authentication (server/auth.py),
-validation (server/protocol.py), tokenization and chat templating in worker threads,
-overload control (server/admission.py), server-sent events, and aborting a request the
-moment its client goes away. Scheduling and generation stay in the engine.
+the model a request names (the base or a LoRA adapter: server/lora_routes.py, which also
+has the runtime adapter routes), validation (server/protocol.py), tokenization and chat
+templating in worker threads, overload control (server/admission.py), server-sent events,
+and aborting a request the moment its client goes away. Scheduling and generation stay in the engine.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from treadle.engine.async_engine import AsyncEngine, EngineDeadError
 from treadle.sampling_params import SamplingParams
 from treadle.server import protocol
 from treadle.server.admission import AdmissionControl, AdmissionLimits, Overloaded
-from treadle.server.auth import AuthError, KeyRing
+from treadle.server.auth import AuthError, KeyRing, Tenant
+from treadle.server.lora_routes import UnknownModel, lora_router, model_cards, resolve_model
 from treadle.server.responses import (chat_chunk, chat_response, completion_chunk,
                                       completion_response)
 
@@ -104,13 +106,17 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
         return error_response(400, f"{field or 'body'}: {first.get('msg', 'invalid request')}",
                               field)
 
-    def authenticate(request: Request) -> str:
+    def authorize(request: Request) -> Tenant:
         if app.state.shutting_down:
             raise APIError(503, "server is shutting down", kind="server_error")
         try:
-            return keyring.authenticate(request.headers.get("authorization")).name
+            request.state.tenant = keyring.authenticate(request.headers.get("authorization"))
         except AuthError as exc:
             raise APIError(401, str(exc), kind="authentication_error") from None
+        return request.state.tenant
+
+    def authenticate(request: Request) -> str:
+        return authorize(request).name
 
     @app.get("/health")
     async def health():
@@ -124,10 +130,8 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
 
     @app.get("/v1/models")
     async def models(request: Request):
-        authenticate(request)
-        return {"object": "list", "data": [{
-            "id": engine.model_name, "object": "model", "created": protocol.now(),
-            "owned_by": "treadle", "max_model_len": max_model_len}]}
+        return {"object": "list", "data": model_cards(engine, authorize(request),
+                                                      protocol.now(), max_model_len)}
 
     @app.post("/tokenize")
     async def tokenize(body: protocol.TokenizeRequest):
@@ -171,10 +175,12 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
                            "messages") from None
         return tok.encode(text, add_special_tokens=False)
 
-    def check_model(body: protocol.SamplingFields) -> None:
-        if body.model is not None and body.model != engine.model_name:
-            raise APIError(404, f"model {body.model!r} does not exist; this server serves "
-                           f"{engine.model_name!r}", "model", kind="model_not_found")
+    def check_model(body: protocol.SamplingFields, request: Request):
+        """The adapter the body's model names (None: the base model); 404 otherwise."""
+        try:
+            return resolve_model(engine, request.state.tenant, body.model)
+        except UnknownModel as exc:
+            raise APIError(404, str(exc), "model", kind="model_not_found") from None
 
     def sampling_params(body: protocol.SamplingFields, max_tokens: int,
                         logprobs: int | None) -> SamplingParams:
@@ -216,11 +222,11 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
                            headers={"Retry-After": str(exc.retry_after_s)}) from None
 
     async def run(request: Request, request_id: str, prompt: str | None, prompt_ids: list[int],
-                  params: SamplingParams, priority: int, tenant: str, ticket):
+                  params: SamplingParams, priority: int, tenant: str, ticket, lora=None):
         """The request's outputs; the ticket is released however it ends."""
         try:
             async for output in engine.generate(request_id, prompt, prompt_ids, params,
-                                                priority, tenant):
+                                                priority, tenant, lora):
                 admission.started(ticket)
                 yield output
         except EngineDeadError as exc:
@@ -267,7 +273,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
     @app.post("/v1/completions")
     async def completions(body: protocol.CompletionRequest, request: Request):
         tenant = authenticate(request)
-        check_model(body)
+        lora = check_model(body, request)
         if isinstance(body.prompt, str):
             prompt, prompt_ids = body.prompt, await run_in_threadpool(_encode, body.prompt)
         else:
@@ -276,12 +282,12 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
         max_tokens = check_lengths(prompt_ids, body.max_tokens, 16)
         params = sampling_params(body, max_tokens, body.logprobs)
         return await respond(request, body, tenant, "cmpl", prompt, prompt_ids, params,
-                             body.logprobs or 0, completion_chunk, completion_response)
+                             body.logprobs or 0, completion_chunk, completion_response, lora)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: protocol.ChatCompletionRequest, request: Request):
         tenant = authenticate(request)
-        check_model(body)
+        lora = check_model(body, request)
         prompt_ids = await run_in_threadpool(_chat_token_ids, body.messages,
                                              body.add_generation_prompt)
         max_tokens = check_lengths(prompt_ids, body.max_completion_tokens or body.max_tokens,
@@ -289,24 +295,24 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
         top = body.top_logprobs if body.top_logprobs is not None else 0
         params = sampling_params(body, max_tokens, top if body.logprobs else None)
         return await respond(request, body, tenant, "chatcmpl", None, prompt_ids, params, top,
-                             chat_chunk, chat_response)
+                             chat_chunk, chat_response, lora)
 
     async def respond(request: Request, body: protocol.SamplingFields, tenant: str,
                       id_prefix: str, prompt: str | None, prompt_ids: list[int],
-                      params: SamplingParams, top_n: int, chunks, whole):
+                      params: SamplingParams, top_n: int, chunks, whole, lora=None):
         """Admit, run, and answer: a stream of `chunks` events, or one `whole` body."""
         ticket = admit(tenant, prompt_ids, params)
         request_id = protocol.random_id(id_prefix)
         outputs = run(request, request_id, prompt, prompt_ids, params, body.priority, tenant,
-                      ticket)
+                      ticket, lora)
+        model_name = engine.model_name if lora is None else lora.lora_name
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return sse(chunks(request_id, engine.model_name, outputs, include_usage, tokenizer,
-                              top_n))
+            return sse(chunks(request_id, model_name, outputs, include_usage, tokenizer, top_n))
         final = await final_output(request, outputs)
         if final is None:  # the client went away; the request was aborted
             return Response(status_code=499)
-        return whole(request_id, engine.model_name, final, tokenizer, top_n)
+        return whole(request_id, model_name, final, tokenizer, top_n)
 
     def check_vocab(prompt_ids: list[int]) -> None:
         vocab = engine.limits.vocab_size
@@ -315,6 +321,8 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
             raise APIError(400, f"prompt: token id {bad} is outside the vocabulary [0, {vocab})",
                            "prompt")
 
+    if server_config.enable_lora_runtime_updates:
+        app.include_router(lora_router(engine, authorize))
     app.add_middleware(BodySizeLimit, max_bytes=server_config.max_request_body_bytes)
     return app
 

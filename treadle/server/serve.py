@@ -11,6 +11,7 @@ clients and health checks see why), then exits with status 1.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 
@@ -73,9 +74,44 @@ class _GracefulServer(uvicorn.Server):
         self.should_exit = True
 
 
+def parse_lora_modules(entries: list[str] | None) -> list[tuple[str, str]]:
+    """`--lora-modules` entries, `name=path` or JSON `{"name": ..., "path": ...}` (vLLM's
+    two forms), as (name, path) pairs."""
+    modules = []
+    for entry in entries or []:
+        if entry.lstrip().startswith("{"):
+            try:
+                item = json.loads(entry)
+                name, path = item["name"], item["path"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"lora_modules: {entry!r} is not JSON with 'name' and "
+                                 "'path'") from None
+        else:
+            name, sep, path = entry.partition("=")
+            if not sep:
+                raise ValueError(f"lora_modules: {entry!r} must look like name=path")
+        if not name or not path:
+            raise ValueError(f"lora_modules: {entry!r} needs a name and a path")
+        modules.append((str(name), str(path)))
+    return modules
+
+
 def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     keyring = KeyRing.from_options(server_config.api_key, server_config.api_keys_file)
+    lora_modules = parse_lora_modules(server_config.lora_modules)
+    if (lora_modules or server_config.enable_lora_runtime_updates) \
+            and not engine_config.lora.enable_lora:
+        raise ValueError("lora_modules and enable_lora_runtime_updates need enable_lora")
     engine = AsyncEngine(engine_config, server_config.served_model_name)
+    try:
+        for name, path in lora_modules:  # LoRAError (a ValueError) names what does not fit
+            if name == engine.model_name or engine.get_lora(name) is not None:
+                raise ValueError(f"lora_modules: the name {name!r} is taken")
+            engine.add_lora(name, path)
+            logger.info("serving LoRA adapter %r from %s", name, path)
+    except BaseException:
+        engine.shutdown()
+        raise
     for tenant, weight in keyring.tenants().items():  # the `fair` policy's shares
         engine.set_tenant_weight(tenant, weight)
     engine.start()
