@@ -85,6 +85,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     """Per prompt token (None for the first): its logprob and the top-N."""
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache (Request.num_cached_tokens of
+    sample 0; 0 until the scheduler admits it)."""
 
 
 def engine_request_id(request_id: str, index: int, n: int) -> str:
@@ -290,6 +293,16 @@ class OutputProcessor:
     def _update(self, state: _UserRequest, sample: _Sample, out: EngineCoreOutput) -> bool:
         """Apply one output to one sample; True when a stop string ended it."""
         params = sample.params
+        if params.max_tokens == 0:
+            # Scoring a prompt (prompt_logprobs): nothing is generated. The scheduler still
+            # samples one token before it finishes the request; it is not output.
+            if out.error is not None:
+                state.error = out.error
+            if out.finish_reason is not None:
+                sample.end_text()
+                sample.finish_reason = (out.finish_reason.value if out.finish_reason in (
+                    FinishReason.ABORT, FinishReason.ERROR) else FinishReason.LENGTH.value)
+            return False
         new_ids = out.new_token_ids
         sample.token_ids.extend(new_ids)
         if out.new_logprobs is not None and sample.logprobs is not None:
@@ -357,7 +370,9 @@ class OutputProcessor:
             [s.snapshot() for s in state.samples], finished=state.finished,
             error=state.error, metrics=state.metrics(),
             prompt_logprobs=(None if state.prompt_logprobs is None
-                             else list(state.prompt_logprobs)))
+                             else list(state.prompt_logprobs)),
+            num_cached_tokens=state.samples[0].request.num_cached_tokens if state.samples
+            else 0)
 
     def _finish(self, state: _UserRequest) -> RequestOutput:
         """The final output of a finished request; forget it."""
