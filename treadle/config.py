@@ -272,10 +272,13 @@ class ServerConfig:
         "llama3_json, mistral or qwen"))
     enable_auto_tool_choice: bool = field(default=False, metadata=_help(
         "Allow tool_choice 'auto' (the model decides; needs --tool-call-parser)"))
+    responses_store_size: int = field(default=1000, metadata=_help(
+        "Responses API: stored responses kept per tenant for previous_response_id (LRU)"))
 
     def __post_init__(self) -> None:
         for name in ("max_waiting_requests", "max_waiting_tokens",
-                     "tenant_max_concurrent_requests", "max_request_body_bytes"):
+                     "tenant_max_concurrent_requests", "max_request_body_bytes",
+                     "responses_store_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.tenant_tokens_per_minute < 0:

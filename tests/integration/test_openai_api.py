@@ -33,16 +33,22 @@ def tiny_demo(tmp_path_factory):
                                 config_overrides=TINY_DEMO))
 
 
+KEY = {"Authorization": "Bearer alpha-key"}  # tenant alpha; beta-key is tenant beta
+
+
 @pytest.fixture(scope="module")
-def server(tiny_demo):
+def server(tiny_demo, tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "keys.yaml"
+    keys.write_text("- {key: alpha-key, tenant: alpha}\n- {key: beta-key, tenant: beta}\n")
     with running_server(tiny_demo, "--num-kv-blocks", "512", "--enable-auto-tool-choice",
-                        "--tool-call-parser", "hermes") as (base, _):
+                        "--tool-call-parser", "hermes", "--api-keys-file", str(keys)) \
+            as (base, _):
         yield base
 
 
 @pytest.fixture
 def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=server + "/v1", api_key="alpha-key", max_retries=0)
 
 
 # ----- echo and prompt logprobs -----------------------------------------------------------
@@ -92,7 +98,7 @@ def test_echo_with_generation_streamed_and_not(client):
 
 
 def test_vllm_prompt_logprobs_field(server):
-    r = httpx.post(server + "/v1/completions", json={
+    r = httpx.post(server + "/v1/completions", headers=KEY, json={
         "model": "tiny", "prompt": "Hello there friend", "max_tokens": 2,
         "prompt_logprobs": 2, "temperature": 0})
     assert r.status_code == 200, r.text
@@ -101,8 +107,8 @@ def test_vllm_prompt_logprobs_field(server):
 
 
 def test_max_tokens_zero_without_echo_is_refused(server):
-    r = httpx.post(server + "/v1/completions", json={"model": "tiny", "prompt": "x",
-                                                     "max_tokens": 0})
+    r = httpx.post(server + "/v1/completions", headers=KEY,
+                   json={"model": "tiny", "prompt": "x", "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
@@ -174,18 +180,19 @@ def test_models_created_is_stable(client):
 def test_unsupported_fields_are_400_naming_them(server, path, extra, field):
     body = ({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path
             else {"prompt": "hi"})
-    r = httpx.post(server + path, json={"model": "tiny", "max_tokens": 2, **body, **extra})
+    r = httpx.post(server + path, headers=KEY,
+                   json={"model": "tiny", "max_tokens": 2, **body, **extra})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field and field in r.json()["error"]["message"]
 
 
 def test_accepted_ignored_fields(server):
-    r = httpx.post(server + "/v1/chat/completions", json={
+    r = httpx.post(server + "/v1/chat/completions", headers=KEY, json={
         "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
         "user": "u1", "metadata": {"k": "v"}, "service_tier": "auto", "store": False,
         "modalities": ["text"]})
     assert r.status_code == 200, r.text
-    r = httpx.post(server + "/v1/completions", json={
+    r = httpx.post(server + "/v1/completions", headers=KEY, json={
         "model": "tiny", "prompt": "hi", "max_tokens": 2, "best_of": 1, "suffix": ""})
     assert r.status_code == 200, r.text
 
@@ -193,7 +200,7 @@ def test_accepted_ignored_fields(server):
 # ----- structured outputs ------------------------------------------------------------------
 
 def test_schema_that_does_not_compile_is_400_naming_the_construct(server):
-    r = httpx.post(server + "/v1/chat/completions", json={
+    r = httpx.post(server + "/v1/chat/completions", headers=KEY, json={
         "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
         "response_format": {"type": "json_schema", "json_schema": {
             "name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}}}})
@@ -201,7 +208,7 @@ def test_schema_that_does_not_compile_is_400_naming_the_construct(server):
     error = r.json()["error"]
     assert error["param"] == "response_format.json_schema.schema"
     assert "look-around" in error["message"]
-    r = httpx.post(server + "/v1/completions", json={
+    r = httpx.post(server + "/v1/completions", headers=KEY, json={
         "model": "tiny", "prompt": "x", "max_tokens": 4,
         "structured_outputs": {"regex": "a(b"}})
     assert r.status_code == 400 and "unclosed group" in r.json()["error"]["message"]
@@ -309,9 +316,110 @@ def test_auto_tool_choice_runs_the_parser_and_history_with_tools_renders(client)
 
 def test_tool_choice_errors(server):
     base = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    r = httpx.post(server + "/v1/chat/completions", json={
+    r = httpx.post(server + "/v1/chat/completions", headers=KEY, json={
         **base, "tools": [WEATHER], "tool_choice": {"type": "function",
                                                     "function": {"name": "nope"}}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice.function.name"
-    r = httpx.post(server + "/v1/chat/completions", json={**base, "tool_choice": "required"})
+    r = httpx.post(server + "/v1/chat/completions", headers=KEY,
+                   json={**base, "tool_choice": "required"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+
+
+# ----- the Responses API -------------------------------------------------------------------
+
+def test_responses_text_and_usage(client):
+    out = client.responses.create(model="tiny", input="Tell me about the sea.",
+                                  instructions="Be brief.", max_output_tokens=8,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"
+    assert out.usage.output_tokens == 8 and out.usage.input_tokens > 0
+    assert out.usage.total_tokens == out.usage.input_tokens + 8
+    assert out.output[0].type == "message" and out.output_text == \
+        out.output[0].content[0].text
+
+
+def test_responses_stream_reassembles_into_the_whole_response(client):
+    kwargs = dict(model="tiny", input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "Say something."}]}], max_output_tokens=10,
+        temperature=0, extra_body={"ignore_eos": True})
+    whole = client.responses.create(**kwargs)
+    events = list(client.responses.create(stream=True, **kwargs))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.incomplete"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    for kind in ("response.output_item.added", "response.content_part.added",
+                 "response.output_text.done", "response.content_part.done",
+                 "response.output_item.done"):
+        assert kind in kinds
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text
+    final = events[-1].response
+    assert final.output_text == whole.output_text
+    assert final.usage.model_dump() == whole.usage.model_dump()
+    assert final.status == whole.status
+    item_id = next(e.item_id for e in events if e.type == "response.output_text.delta")
+    assert final.output[0].id == item_id
+
+
+def test_responses_store_previous_response_and_tenants(client, server):
+    first = client.responses.create(model="tiny", input="My name is Ann.",
+                                    max_output_tokens=4, temperature=0)
+    second = client.responses.create(model="tiny", input="What is my name?",
+                                     previous_response_id=first.id, max_output_tokens=4,
+                                     temperature=0)
+    alone = client.responses.create(model="tiny", input="What is my name?",
+                                    max_output_tokens=4, temperature=0)
+    assert second.usage.input_tokens > alone.usage.input_tokens  # the history was included
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    other = openai.OpenAI(base_url=server + "/v1", api_key="beta-key", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.create(model="tiny", input="hi", previous_response_id=first.id,
+                               max_output_tokens=2)
+    unstored = client.responses.create(model="tiny", input="x", store=False,
+                                       max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+
+
+def test_responses_function_items_and_tools(client):
+    tool = {"type": "function", "name": "get_weather",
+            "parameters": WEATHER["function"]["parameters"]}
+    out = client.responses.create(model="tiny", tools=[tool], max_output_tokens=6,
+                                  temperature=0, input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris", "unit": "celsius"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": '{"temp": 21}'}])
+    assert out.status in ("completed", "incomplete")  # a random model answers in text
+    assert all(item.type == "message" for item in out.output)
+
+
+@ENGINE_GRAMMAR
+def test_responses_named_function_call(client):
+    tool = {"type": "function", "name": "get_weather",
+            "parameters": WEATHER["function"]["parameters"]}
+    out = client.responses.create(model="tiny", input="Weather?", tools=[tool],
+                                  tool_choice={"type": "function", "name": "get_weather"},
+                                  max_output_tokens=60, temperature=1.0)
+    call = next(item for item in out.output if item.type == "function_call")
+    valid_weather_arguments(call.arguments)
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0]"),
+    ({"input": [{"type": "web_search_call"}]}, "input[0].type"),
+    ({"input": "hi", "background": True}, "background"),
+    ({"input": "hi", "previous_response_id": "resp_unknown"}, "previous_response_id"),
+])
+def test_responses_errors_name_the_field(server, body, field):
+    r = httpx.post(server + "/v1/responses", headers=KEY,
+                   json={"model": "tiny", "max_output_tokens": 2, **body})
+    assert r.status_code in (400, 404), r.text
+    assert r.json()["error"]["param"] == field

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from types import SimpleNamespace
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -26,6 +27,7 @@ from treadle.server import protocol
 from treadle.server.admission import AdmissionControl, AdmissionLimits, Overloaded
 from treadle.server.auth import AuthError, KeyRing
 from treadle.server.fields import check_fields, check_message_fields
+from treadle.server.responses_api import responses_router
 from treadle.server.responses import (Formatting, chat_chunk, chat_response, completion_chunk,
                                       completion_response)
 from treadle.server.streams import merge
@@ -440,6 +442,12 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
             raise APIError(400, f"prompt: token id {bad} is outside the vocabulary [0, {vocab})",
                            "prompt")
 
+    app.include_router(responses_router(SimpleNamespace(
+        engine=engine, server_config=server_config, APIError=APIError, Response=Response,
+        authenticate=authenticate, check_model=check_model, chat_token_ids=_chat_token_ids,
+        run_in_threadpool=run_in_threadpool, check_lengths=check_lengths,
+        structured_spec=structured_spec, sampling_params=sampling_params, admit=admit,
+        run=run, final_output=final_output)))
     app.add_middleware(BodySizeLimit, max_bytes=server_config.max_request_body_bytes)
     return app
 
