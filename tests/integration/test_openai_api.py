@@ -423,3 +423,38 @@ def test_responses_errors_name_the_field(server, body, field):
                    json={"model": "tiny", "max_output_tokens": 2, **body})
     assert r.status_code in (400, 404), r.text
     assert r.json()["error"]["param"] == field
+
+
+# ----- the README's own examples ------------------------------------------------------------
+
+def _readme_blocks(language: str) -> list[str]:
+    import pathlib
+    import re
+    text = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    return re.findall(rf"```{language}\n(.*?)```", text, re.S)
+
+
+def _as_served(code: str, server: str) -> str:
+    return (code.replace("http://127.0.0.1:8000", server).replace("demo-model-v1", "tiny")
+            .replace('api_key="unused"', 'api_key="alpha-key"'))
+
+
+def test_readme_python_client_example_runs(server, capsys):
+    block = next(b for b in _readme_blocks("python") if "from openai import OpenAI" in b)
+    exec(compile(_as_served(block, server), "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert printed.rstrip().endswith("tokens]")
+
+
+def test_readme_curl_examples_are_valid_requests(server):
+    import shlex
+    block = next(b for b in _readme_blocks("bash") if "curl" in b and "/v1/chat" in b)
+    commands = ["curl" + c for c in block.replace("\\\n", " ").split("curl")[1:]]
+    assert len(commands) == 2
+    for command in commands:
+        args = shlex.split(_as_served(command, server))
+        url, body = args[args.index("curl") + 1 + ("-N" in args)], json.loads(
+            args[args.index("-d") + 1])
+        assert "max_tokens" in body
+        r = httpx.post(url, headers=KEY, json=body, timeout=60)
+        assert r.status_code == 200, r.text
