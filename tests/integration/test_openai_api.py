@@ -176,6 +176,8 @@ def test_models_created_is_stable(client):
     ("/v1/completions", {"suffix": "the end"}, "suffix"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/completions", {"stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
 ])
 def test_unsupported_fields_are_400_naming_them(server, path, extra, field):
     body = ({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path
@@ -416,6 +418,8 @@ def test_responses_named_function_call(client):
      "input[0].content[0]"),
     ({"input": [{"type": "web_search_call"}]}, "input[0].type"),
     ({"input": "hi", "background": True}, "background"),
+    ({"input": "hi", "text": {"verbosity": "low"}}, "text.verbosity"),
+    ({"input": "hi", "text": {"format": "json"}}, "text.format"),
     ({"input": "hi", "previous_response_id": "resp_unknown"}, "previous_response_id"),
 ])
 def test_responses_errors_name_the_field(server, body, field):

@@ -61,7 +61,6 @@ UNSUPPORTED: dict[str, str] = {
     "include": "extra output items are not supported",
     "conversation": "conversations are not supported; use previous_response_id",
     "prompt": "prompt templates are not supported",
-    "text.verbosity": "not supported",
 }
 """Field -> why it is refused (a 400), when it is given a value that matters."""
 
@@ -78,8 +77,6 @@ def _harmless(name: str, value: Any, body: Any) -> bool:
         return value == ""
     if name == "include":
         return value == []
-    if name == "reasoning_effort":
-        return False
     return False
 
 
@@ -97,6 +94,9 @@ def check_fields(body: Any, endpoint: str) -> tuple[str, str] | None:
             return name, f"{name}: {UNSUPPORTED[name]}"
         return name, (f"{name}: unknown field for this endpoint (fields that are accepted "
                       f"and ignored: {', '.join(sorted(ignored))})")
+    options = getattr(body, "stream_options", None)
+    for name in (getattr(options, "model_extra", None) or {}):
+        return f"stream_options.{name}", f"stream_options.{name}: not supported"
     return None
 
 

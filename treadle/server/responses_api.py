@@ -231,7 +231,13 @@ def responses_router(ctx) -> APIRouter:
             messages = [protocol.ChatMessage(**m) for m in system + conversation]
         except ValueError as exc:
             raise APIError(400, f"input: {exc}", "input") from None
+        for key in (body.text or {}):
+            if key != "format":
+                raise APIError(400, f"text.{key}: not supported (only text.format)",
+                               f"text.{key}")
         text_format = (body.text or {}).get("format")
+        if text_format is not None and not isinstance(text_format, dict):
+            raise APIError(400, "text.format: must be an object with a 'type'", "text.format")
         if text_format is not None and text_format.get("type") == "json_schema":
             body.response_format = {"type": "json_schema", "json_schema": text_format}
         elif text_format is not None:
