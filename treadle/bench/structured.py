@@ -9,7 +9,7 @@ a forward pass: a stand-in forward (the LM-head matmul of SmolLM2-135M's shape,
 BitmaskFiller.submit running during it. Rows follow valid JSON documents of one schema,
 each at its own offset.
 
-    python -m treadle.bench.structured [--tokenizer DIR] [--steps 40]
+    python -m treadle.bench.structured [--tokenizer DIR] [--steps 40] [--threads 1]
 """
 
 from __future__ import annotations
@@ -102,7 +102,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--forward-repeats", type=int, default=4,
                         help="LM-head matmuls per stand-in forward pass")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (1 keeps a loaded machine from stalling "
+                             "OpenMP barriers)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     from treadle.models.demo import SPECIAL_TOKENS, build_demo_tokenizer
