@@ -31,7 +31,7 @@ from treadle.server.responses_api import responses_router
 from treadle.server.responses import (Formatting, chat_chunk, chat_response, completion_chunk,
                                       completion_response)
 from treadle.server.streams import merge
-from treadle.server.tool_calls import ToolRequestError, ToolSetup, setup_tools, template_message
+from treadle.server.tool_calls import ToolRequestError, setup_tools, template_message
 from treadle.structured import (StructuredOutputError, StructuredSpec, from_response_format,
                                 from_structured_outputs)
 
