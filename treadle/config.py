@@ -364,16 +364,30 @@ class ServerConfig:
         "Largest accepted request body"))
     shutdown_timeout: float = field(default=30.0, metadata=_help(
         "Seconds in-flight requests may finish after SIGTERM before they are aborted"))
+    tool_call_parser: str | None = field(default=None, metadata=_help(
+        "How tool calls are read out of generated text with tool_choice 'auto': hermes, "
+        "llama3_json, mistral or qwen"))
+    enable_auto_tool_choice: bool = field(default=False, metadata=_help(
+        "Allow tool_choice 'auto' (the model decides; needs --tool-call-parser)"))
+    responses_store_size: int = field(default=1000, metadata=_help(
+        "Responses API: stored responses kept per tenant for previous_response_id (LRU)"))
 
     def __post_init__(self) -> None:
         for name in ("max_waiting_requests", "max_waiting_tokens",
-                     "tenant_max_concurrent_requests", "max_request_body_bytes"):
+                     "tenant_max_concurrent_requests", "max_request_body_bytes",
+                     "responses_store_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.tenant_tokens_per_minute < 0:
             raise ValueError("tenant_tokens_per_minute must be >= 0")
         if self.shutdown_timeout < 0:
             raise ValueError("shutdown_timeout must be >= 0")
+        parsers = ("hermes", "llama3_json", "mistral", "qwen")  # server/tool_parsers
+        if self.tool_call_parser is not None and self.tool_call_parser not in parsers:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(parsers)}, "
+                             f"got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser")
 
 
 def add_dataclass_arguments(parser: argparse.ArgumentParser, config_type: type,

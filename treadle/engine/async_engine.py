@@ -39,7 +39,7 @@ from typing import AsyncIterator
 from treadle.config import EngineConfig
 from treadle.engine.core import EngineCore
 from treadle.engine.driver import EngineDriver
-from treadle.engine.llm import load_tokenizer
+from treadle.engine.llm import STRUCTURED_UNSUPPORTED, load_tokenizer
 from treadle.engine.output_processor import RequestOutput
 from treadle.metrics import EngineMetrics
 from treadle.sampling_params import SamplingParams
@@ -125,6 +125,11 @@ class AsyncEngine:
         return self._thread.is_alive() and self.error is None and not self._stop.is_set()
 
     @property
+    def supports_structured_outputs(self) -> bool:
+        """Whether the core applies grammar masks (treadle.structured) when sampling."""
+        return bool(getattr(self.core, "supports_structured_outputs", False))
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
@@ -140,6 +145,8 @@ class AsyncEngine:
         """
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
+        if params.structured_outputs is not None and not self.supports_structured_outputs:
+            raise ValueError(STRUCTURED_UNSUPPORTED)
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), time.monotonic(), len(prompt_token_ids))
         self._streams[request_id] = stream

@@ -59,6 +59,12 @@ alternating runs each: 302.0 / 297.5 at 1024, 293.8 / 288.9 at 512, 294.3 / 296.
 its LLM class, 2048 for its server)."""
 
 
+STRUCTURED_UNSUPPORTED = ("structured_outputs: this engine's sampler does not apply grammar "
+                          "masks yet, so the constraint cannot be enforced")
+"""Until EngineCore sets `supports_structured_outputs` (the sampler applies the masks of
+treadle.structured), a constrained request is refused rather than silently unconstrained."""
+
+
 class LLM:
     """An engine for offline batch generation."""
 
@@ -110,6 +116,9 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} "
                              "sampling_params: pass one, or one per prompt")
 
+        if (any(p.structured_outputs is not None for p in sampling_params)
+                and not getattr(self.engine, "supports_structured_outputs", False)):
+            raise ValueError(STRUCTURED_UNSUPPORTED)
         count = len(prompts)
         scheduling = list(zip(_per_prompt(priority, count, "priority"),
                               _per_prompt(tenant, count, "tenant"),
