@@ -134,8 +134,9 @@ class Request:
         """The finished status this request has reached after its last token, if any."""
         params = self.sampling_params
         last = self.output_token_ids[-1]
-        if not params.ignore_eos and last == self.eos_token_id:
-            return RequestStatus.FINISHED_STOPPED
+        if last == self.eos_token_id and (not params.ignore_eos
+                                          or params.structured_outputs is not None):
+            return RequestStatus.FINISHED_STOPPED  # a grammar's end is the request's end
         if last in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:

@@ -1,6 +1,7 @@
 """Offline prompt scoring: max_tokens=0 with prompt_logprobs generates nothing and returns
-the prompt's logprobs; a structured-output request is refused until the engine applies
-grammars (never run unconstrained)."""
+the prompt's logprobs; offline structured outputs: every sample matches its grammar
+(sampled at temperature 1, beside unconstrained requests in the same steps), and a model
+without a tokenizer refuses a grammar instead of running unconstrained."""
 
 from __future__ import annotations
 
@@ -44,8 +45,33 @@ def test_max_tokens_zero_needs_prompt_logprobs():
         SamplingParams(max_tokens=0)
 
 
-def test_structured_request_is_refused_until_the_engine_applies_grammars(llm):
+def test_structured_outputs_always_match_offline(llm):
+    import re
+
+    regex = from_structured_outputs({"regex": "[0-9]{2,4}-[a-c]{1,3}"})
+    choice = from_structured_outputs({"choice": ["alpha", "beta gamma"]})
+    params = ([SamplingParams(max_tokens=12, temperature=1.0, seed=i, structured_outputs=regex)
+               for i in range(6)]
+              + [SamplingParams(max_tokens=12, temperature=1.0, seed=i, structured_outputs=choice,
+                                logprobs=2) for i in range(4)]
+              + [SamplingParams(max_tokens=8, temperature=1.0, seed=i, ignore_eos=True)
+                 for i in range(4)])
+    outs = llm.generate(["Write:"] * len(params), params, use_tqdm=False)
+    for out in outs[:6]:
+        assert re.fullmatch("[0-9]{2,4}-[a-c]{1,3}", out.outputs[0].text), out.outputs[0].text
+        assert out.outputs[0].finish_reason == "stop"
+    for out in outs[6:10]:
+        assert out.outputs[0].text in ("alpha", "beta gamma")
+        assert all(lp for lp in out.outputs[0].logprobs)  # raw logprobs still reported
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs[10:])
+
+
+def test_structured_request_without_tokenizer_is_refused(tmp_path):
+    from conftest import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "m", "llama")  # weights only, no tokenizer
+    llm = LLM(model=path, dtype="float32", num_kv_blocks=16)
     params = SamplingParams(max_tokens=4,
                             structured_outputs=from_structured_outputs({"regex": "[0-9]+"}))
-    with pytest.raises(ValueError, match="structured_outputs"):
-        llm.generate(["x"], params, use_tqdm=False)
+    with pytest.raises(ValueError, match="structured_outputs.*tokenizer"):
+        llm.generate([[5, 6, 7]], params, use_tqdm=False)

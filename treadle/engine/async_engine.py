@@ -94,6 +94,7 @@ class AsyncEngine:
         self.tokenizer = load_tokenizer(self.core.model_dir)
         self.model_name = served_model_name or self.core.model_dir.name
         self.driver = EngineDriver(self.core, self.tokenizer)
+        self.eos_token_id = self.core.eos_token_id
         block_size = config.cache.block_size
         self.limits = EngineLimits(self.core.vocab_size, self.core.max_model_len,
                                    self.core.num_kv_blocks * block_size, block_size)
@@ -127,7 +128,7 @@ class AsyncEngine:
     @property
     def supports_structured_outputs(self) -> bool:
         """Whether the core applies grammar masks (treadle.structured) when sampling."""
-        return bool(getattr(self.core, "supports_structured_outputs", False))
+        return self.core.supports_structured_outputs
 
     @property
     def num_in_flight(self) -> int:

@@ -21,6 +21,7 @@ from treadle.core.outputs import EngineCoreOutput, StepTimings, WorkerInfo
 from treadle.core.scheduler import Scheduler
 from treadle.engine.trace import TraceRecorder
 from treadle.executor import make_executor
+from treadle.models.tokenizer import has_tokenizer
 from treadle.request import FinishReason, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,8 @@ class EngineCore:
         self.eos_token_id = info.eos_token_id
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
+        self.supports_structured_outputs = has_tokenizer(self.model_dir)
+        """Grammars need the model's tokenizer (the worker builds them from it)."""
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks,
                                    self.max_model_len, self.num_swap_blocks,
                                    info.preemption_costs)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from pathlib import Path
 from typing import Any, Sequence, Union
 
 from tqdm.auto import tqdm
@@ -21,6 +20,7 @@ from tqdm.auto import tqdm
 from treadle.config import EngineConfig
 from treadle.engine.core import EngineCore
 from treadle.engine.driver import EngineDriver
+from treadle.models.tokenizer import load_tokenizer
 from treadle.engine.output_processor import (CompletionOutput, Logprob, RequestMetrics,
                                              RequestOutput)
 from treadle.sampling_params import SamplingParams
@@ -33,22 +33,6 @@ logger = logging.getLogger(__name__)
 PromptType = Union[str, list[int], dict[str, Any]]
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
-def load_tokenizer(model_dir: Path):
-    """The checkpoint's tokenizer, or None when the folder has no tokenizer files.
-
-    Without one, the engine still runs on token ids (as vLLM's skip_tokenizer_init);
-    string prompts are then refused and output text is empty.
-    """
-    if not any((Path(model_dir) / name).exists() for name in _TOKENIZER_FILES):
-        logger.warning("no tokenizer files in %s: prompts must be token ids", model_dir)
-        return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(model_dir))
-
-
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 1024
 """The step budget of `LLM` when none is given; the server keeps SchedulerConfig's 512.
 Offline, only throughput counts, and a larger step spreads each step's fixed costs over
@@ -59,10 +43,10 @@ alternating runs each: 302.0 / 297.5 at 1024, 293.8 / 288.9 at 512, 294.3 / 296.
 its LLM class, 2048 for its server)."""
 
 
-STRUCTURED_UNSUPPORTED = ("structured_outputs: this engine's sampler does not apply grammar "
-                          "masks yet, so the constraint cannot be enforced")
-"""Until EngineCore sets `supports_structured_outputs` (the sampler applies the masks of
-treadle.structured), a constrained request is refused rather than silently unconstrained."""
+STRUCTURED_UNSUPPORTED = ("structured_outputs: this model has no tokenizer files, so no "
+                          "grammar can be built for it")
+"""Without a tokenizer (EngineCore.supports_structured_outputs false) a constrained request
+is refused rather than run unconstrained."""
 
 
 class LLM:
@@ -117,7 +101,7 @@ class LLM:
                              "sampling_params: pass one, or one per prompt")
 
         if (any(p.structured_outputs is not None for p in sampling_params)
-                and not getattr(self.engine, "supports_structured_outputs", False)):
+                and not self.engine.supports_structured_outputs):
             raise ValueError(STRUCTURED_UNSUPPORTED)
         count = len(prompts)
         scheduling = list(zip(_per_prompt(priority, count, "priority"),

@@ -77,10 +77,9 @@ class _LazyGrammarCompiler:
             async with self._lock:
                 if self._compiler is None:
                     from treadle.structured.compiler import GrammarCompiler
-                    core = self._engine.core
                     self._compiler = await asyncio.to_thread(
                         GrammarCompiler.from_hf_tokenizer, self._engine.tokenizer,
-                        core.model.vocab_size, core.eos_token_id)
+                        self._engine.limits.vocab_size, self._engine.eos_token_id)
         return self._compiler
 
 
@@ -344,8 +343,8 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
         except StructuredOutputError as exc:
             raise APIError(400, str(exc), exc.field) from None
         if not engine.supports_structured_outputs:
-            raise APIError(400, f"{spec.field}: this engine's sampler does not apply grammar "
-                           "masks yet, so the constraint cannot be enforced", spec.field)
+            raise APIError(400, f"{spec.field}: this model has no tokenizer files, so no "
+                           "grammar can be built for it", spec.field)
         return spec
 
     @app.post("/v1/completions")
