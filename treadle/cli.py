@@ -78,10 +78,12 @@ def _workload(args: argparse.Namespace):
 
 
 def _model_path(args: argparse.Namespace) -> str:
-    if args.model:
-        return args.model
-    from treadle.models.demo import demo_model_path
-    return str(demo_model_path())
+    """The checkpoint directory of a benchmark's --model: the demo model when not given
+    (benchmarks measure speed on the fixed demo checkpoint unless told otherwise)."""
+    from treadle.models.resolve import resolve_model
+    return str(resolve_model(args.model or "demo", getattr(args, "revision", None),
+                             getattr(args, "download_dir", None),
+                             getattr(args, "dtype", None) or "auto"))
 
 
 def _write_result(result: dict, path: str | None, default_name: str) -> Path:

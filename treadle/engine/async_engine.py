@@ -37,6 +37,7 @@ from treadle.engine.core import EngineCore
 from treadle.engine.llm import load_tokenizer
 from treadle.engine.output_processor import OutputProcessor, RequestOutput
 from treadle.metrics import EngineMetrics
+from treadle.models.resolve import served_model_name as resolved_name
 from treadle.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,8 @@ class AsyncEngine:
         if self._build_error is not None:
             raise self._build_error
         self.tokenizer = load_tokenizer(self.core.model_dir)
-        self.model_name = served_model_name or self.core.model_dir.name
+        self.model_name = served_model_name or resolved_name(config.model.model,
+                                                             self.core.model_dir)
         self.processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(self.model_name)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()

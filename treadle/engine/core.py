@@ -32,11 +32,10 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_model_dir(config: EngineConfig) -> Path:
-    """The checkpoint directory: the configured one, or the built-in demo model."""
-    if config.model.model is not None:
-        return Path(config.model.model)
-    from treadle.models.demo import demo_model_path
-    return demo_model_path()
+    """The checkpoint directory of the configured model (treadle/models/resolve.py)."""
+    from treadle.models.resolve import resolve_model
+    model = config.model
+    return resolve_model(model.model, model.revision, model.download_dir, model.dtype)
 
 
 def read_eos_token_id(model_dir: Path, hf_config: dict) -> int | None:
