@@ -26,8 +26,9 @@ DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "tr
 def windows(num_tokens: int, window: int, stride: int) -> list[tuple[int, int, int]]:
     """(start, end, score_from) per window: tokens [score_from, end) are scored with the
     context [start, position). Every token but the first is scored exactly once."""
-    if window < 2 or not 0 < stride <= window:
-        raise ValueError(f"need window >= 2 and 0 < stride <= window, got {window}, {stride}")
+    if window < 2 or not 0 < stride < window:  # stride < window: each window has context
+        raise ValueError(f"need window >= 2 and 0 < stride < window, got window={window}, "
+                         f"stride={stride}")
     spans, start, scored_to = [], 0, 1
     while scored_to < num_tokens:
         end = min(start + window, num_tokens)
