@@ -34,6 +34,27 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
+def llama_cpp_rope_freqs(base: float, dim: int, scaling: dict) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf's rope_freqs for llama3 rope scaling (its loop, kept)."""
+    import math
+
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
 def gguf_name(hf_name: str) -> str:
     stem, suffix = hf_name.rsplit(".", 1)
     if stem.startswith("model.layers."):
@@ -103,6 +124,10 @@ def write_tiny_gguf(checkpoint_dir: str | Path, out_path: str | Path, family: st
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(
+            rope.get("rope_theta") or config.get("rope_theta"), head_dim, rope))
     rng = np.random.default_rng(seed)
     for name, value in weights.items():
         value = value.astype(np.float32)

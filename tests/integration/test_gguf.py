@@ -20,11 +20,12 @@ PROMPT_LENGTHS = [1, 3, 9, 17, 40, 70]
 
 
 def tiny_hf(path, family: str, hidden: int = 64, inter: int = 128, head_dim=None,
-            vocab: int = 512, seed: int = 0) -> str:
+            vocab: int = 512, seed: int = 0, **extra) -> str:
     import transformers
 
     cls = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[family]
-    extra = {"head_dim": head_dim} if head_dim else {}
+    if head_dim:
+        extra["head_dim"] = head_dim
     config = getattr(transformers, cls)(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -119,6 +120,23 @@ def test_llama_permutation_is_undone_exactly(tmp_path, monkeypatch):
             continue
         assert torch.equal(ours[name], value), name
     batch = prompts()
+    assert treadle_greedy(str(path), batch, 16) == hf_greedy(original, batch, 16)
+
+
+def test_llama3_rope_scaling_is_recovered_from_rope_freqs(tmp_path, monkeypatch):
+    """Llama 3.x GGUFs carry llama3 rope scaling as a rope_freqs tensor of divisors."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("TREADLE_CACHE_DIR", str(tmp_path / "cache"))
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+               "rope_theta": 10000.0}
+    hf_dir = tiny_hf(tmp_path / "hf", "llama", hidden=256, inter=128, rope_scaling=scaling)
+    path = write_tiny_gguf(hf_dir, tmp_path / "l3.gguf", "llama")
+    config = json.loads((resolve_model(str(path), dtype="float32") / "config.json").read_text())
+    assert config["rope_scaling"] == {k: v for k, v in scaling.items() if k != "rope_theta"}
+    original = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    batch = prompts()  # up to 70 tokens: past original_max_position_embeddings
     assert treadle_greedy(str(path), batch, 16) == hf_greedy(original, batch, 16)
 
 

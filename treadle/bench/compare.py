@@ -204,8 +204,11 @@ def compare(config: dict) -> dict:
     """Run every system `repeats` times, alternating; keep every point of every run."""
     from treadle.models.resolve import resolve_model
 
-    # Every system loads the same checkpoint folder; the demo model unless one is named.
-    model = str(resolve_model(config.get("model") or "demo"))
+    # Every system loads the same checkpoint folder: a folder given is passed as is; demo
+    # (the default), a .gguf file or a Hub id become the folder treadle resolves them to.
+    model = config.get("model") or "demo"
+    if not Path(model).is_dir():
+        model = str(resolve_model(model))
     workload = make_workload(config["workload"])
     runs: dict[str, list[list[dict]]] = {s["name"]: [] for s in config["systems"]}
     for _ in range(int(config["repeats"])):

@@ -83,6 +83,9 @@ class GGUFArchitecture:
     """config.json values the file does not carry (the HF family's own conventions)."""
     rope_must_cover_head: bool = True
     """`<arch>.rope.dimension_count`, when present, must equal head_dim (no partial rotary)."""
+    config_tensors: tuple[str, ...] = ()
+    """Tensors that describe the config rather than weights (read by gguf_reader.hf_config,
+    not yielded as weights)."""
 
 
 ARCHITECTURES: dict[str, GGUFArchitecture] = {
@@ -91,7 +94,9 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
         # llama.cpp's convert script permutes Llama's q/k rows from HF's rotate-half layout
         # to its interleaved one; Qwen and Gemma keep HF's layout (llama.cpp's NEOX rope).
         transforms={"blk.{bid}.attn_q": PERMUTE_Q, "blk.{bid}.attn_k": PERMUTE_K},
-        config_defaults={"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}),
+        config_defaults={"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
+        # Llama 3.x: llama3 rope scaling stored as per-frequency divisors
+        config_tensors=("rope_freqs.weight",)),
     "qwen2": GGUFArchitecture(
         "qwen2", "Qwen2ForCausalLM", "qwen2", _COMMON_KEYS, _COMMON_TENSORS,
         config_defaults={"hidden_act": "silu", "use_sliding_window": False}),

@@ -123,6 +123,15 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
                                   "factor": float(gguf.arch_get("rope.scaling.factor"))}
     elif scaling not in (None, "none"):
         raise ValueError(f"unsupported GGUF rope scaling {scaling!r} in {gguf.path}")
+    rope_freqs = next((t for t in gguf.reader.tensors if t.name == "rope_freqs.weight"), None)
+    if rope_freqs is not None and "rope_freqs.weight" in arch.config_tensors:
+        divisors = dequantize_array(rope_freqs.data, rope_freqs.tensor_type.name)
+        llama3 = llama3_rope_scaling(divisors, float(config.get("rope_theta", 10000.0)),
+                                     config["head_dim"], gguf.path)
+        if llama3 is not None and "rope_scaling" in config:
+            raise ValueError(f"{gguf.path} has both rope.scaling.type and rope_freqs")
+        if llama3 is not None:
+            config["rope_scaling"] = llama3
 
     names = set(gguf.tensor_names)
     config["tie_word_embeddings"] = "output.weight" not in names
@@ -135,6 +144,49 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
         if value is not None:
             config[hf_key] = int(value)
     return config
+
+
+def llama3_rope_scaling(factors: np.ndarray, rope_theta: float, head_dim: int,
+                        source: Path) -> dict[str, Any] | None:
+    """The llama3 `rope_scaling` behind a `rope_freqs` tensor (None: all factors are 1).
+
+    llama.cpp's convert script stores Llama 3's scaling as per-frequency divisors: 1 for
+    short wavelengths, `factor` for long ones, 1 / ((1 - s) / factor + s) in between with
+    s linear in 1 / wavelength. Only two of the three remaining HF parameters are
+    identifiable, so low_freq_factor is set to 1 and the others fitted; the fit is checked
+    by recomputing every divisor."""
+    factors = np.asarray(factors, dtype=np.float64).reshape(-1)
+    inv_freq = rope_theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if factors.shape != inv_freq.shape:
+        raise ValueError(f"rope_freqs in {source} has {factors.size} values, expected "
+                         f"{inv_freq.size}")
+    factor = float(factors.max())
+    if np.allclose(factors, 1.0):
+        return None
+    wavelen = 2 * np.pi / inv_freq
+    middle = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
+    if middle.sum() >= 2:
+        smooth = (1 / factors[middle] - 1 / factor) / (1 - 1 / factor)
+        a, b = np.polyfit(1 / wavelen[middle], smooth, 1)
+        high = 1 - 1 / b
+        original = a * (high - 1)
+    else:  # no smooth band to fit: Meta's published values, checked below
+        high, original = 4.0, 8192.0
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+               "high_freq_factor": float(round(high, 4)),
+               "original_max_position_embeddings": int(round(original))}
+    if not np.allclose(_llama3_divisors(inv_freq, scaling), factors, rtol=1e-3):
+        raise ValueError(f"unsupported rope_freqs in {source}: not llama3 rope scaling")
+    return scaling
+
+
+def _llama3_divisors(inv_freq: np.ndarray, s: dict[str, Any]) -> np.ndarray:
+    """The divisors of each inverse frequency under llama3 scaling (HF's definition)."""
+    original, low, high = (s["original_max_position_embeddings"], s["low_freq_factor"],
+                           s["high_freq_factor"])
+    wavelen = 2 * np.pi / inv_freq
+    smooth = np.clip((original / wavelen - low) / (high - low), 0.0, 1.0)
+    return 1 / ((1 - smooth) / s["factor"] + smooth)
 
 
 def _hf_name(arch: GGUFArchitecture, gguf_name: str) -> tuple[str, str] | None:
@@ -153,10 +205,10 @@ def _hf_name(arch: GGUFArchitecture, gguf_name: str) -> tuple[str, str] | None:
 def check_supported(gguf: GGUFFile) -> None:
     """ValueError naming the first tensor whose name or type cannot be converted."""
     for tensor in gguf.reader.tensors:
+        if tensor.name in gguf.arch.config_tensors:
+            continue
         if _hf_name(gguf.arch, tensor.name) is None:
-            hint = (" (precomputed llama3 rope scaling factors)"
-                    if tensor.name.startswith("rope_freqs") else "")
-            raise ValueError(f"unsupported GGUF tensor {tensor.name}{hint} for architecture "
+            raise ValueError(f"unsupported GGUF tensor {tensor.name} for architecture "
                              f"{gguf.arch.gguf_name} in {gguf.path}")
         if tensor.tensor_type.name not in SUPPORTED_TYPES:
             raise ValueError(f"unsupported GGUF tensor type {tensor.tensor_type.name} "
@@ -184,6 +236,8 @@ def raw_tensors(gguf: GGUFFile, config: dict[str, Any] | None = None) -> Iterato
              gguf_arch.PERMUTE_K: config["num_key_value_heads"]}
     check_supported(gguf)
     for tensor in gguf.reader.tensors:
+        if tensor.name in gguf.arch.config_tensors:
+            continue
         hf_name, template = _hf_name(gguf.arch, tensor.name)
         transform = gguf.arch.transforms.get(template)
         data = tensor.data
@@ -194,14 +248,18 @@ def raw_tensors(gguf: GGUFFile, config: dict[str, Any] | None = None) -> Iterato
                         transform if transform in gguf_arch.VALUE_TRANSFORMS else None)
 
 
-def dequantize(raw: RawTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The tensor's values in `dtype`, decoded in float32 by the gguf package."""
+def dequantize_array(data: np.ndarray, tensor_type: str) -> np.ndarray:
+    """Raw GGUF data of a GGML type decoded to a fresh, writable float32 array."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 
-    values = gguf_dequantize(raw.data, GGMLQuantizationType[raw.tensor_type])
     # A copy: the reader's arrays are read-only views of the memory-mapped file.
-    tensor = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(raw.shape)
+    return np.array(gguf_dequantize(data, GGMLQuantizationType[tensor_type]), dtype=np.float32)
+
+
+def dequantize(raw: RawTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The tensor's values in `dtype`, decoded in float32 by the gguf package."""
+    tensor = torch.from_numpy(dequantize_array(raw.data, raw.tensor_type)).reshape(raw.shape)
     if raw.value_transform == gguf_arch.MINUS_ONE:
         tensor = tensor - 1.0
     return tensor.to(dtype)
