@@ -256,7 +256,8 @@ class ServerConfig:
     host: str = field(default="127.0.0.1", metadata=_help("Address to bind"))
     port: int = field(default=8000, metadata=_help("Port to bind"))
     served_model_name: str | None = field(default=None, metadata=_help(
-        "Model name in the API; the checkpoint folder's name when not given"))
+        "Model name in the API; the Hub id, or the checkpoint folder's name (a .gguf file's "
+        "stem), when not given"))
     api_key: list[str] | None = field(default=None, metadata=_help(
         "Accept this Bearer key on /v1/* (repeatable); no keys means an open server"))
     api_keys_file: str | None = field(default=None, metadata=_help(

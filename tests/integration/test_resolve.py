@@ -47,7 +47,7 @@ def test_directory_and_demo(tiny_dir, monkeypatch):
     sentinel = tiny_dir.parent / "demo-sentinel"
     monkeypatch.setattr("treadle.models.demo.demo_model_path", lambda: sentinel)
     assert resolve_model("demo") == sentinel
-    with pytest.raises(FileNotFoundError, match="neither a checkpoint directory"):
+    with pytest.raises(FileNotFoundError, match="not found: it is neither a folder with config.json"):
         resolve_model("no/such/place")
     empty = tiny_dir.parent / "empty"
     empty.mkdir(exist_ok=True)

