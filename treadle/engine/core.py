@@ -27,11 +27,26 @@ from treadle.request import FinishReason, Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 
+def resolve_model_once(config: EngineConfig) -> EngineConfig:
+    """The config with `model` resolved to a local checkpoint directory (the default model
+    fetched, a GGUF file converted, a Hub id downloaded: treadle/models/resolve.py), done
+    here, once, so that no worker rank fetches or converts anything."""
+    import dataclasses
+
+    from treadle.models.resolve import resolve_model  # imports torch: not at module level
+
+    m = config.model
+    path = resolve_model(m.model, m.revision, m.download_dir, m.dtype)
+    return dataclasses.replace(config, model=dataclasses.replace(m, model=str(path)))
+
+
 class EngineCore:
     """The engine without tokenizer: requests of token ids in, new token ids out."""
 
     def __init__(self, config: EngineConfig, executor=None) -> None:
         """`executor`: an Executor to use instead of the one the config names (tests)."""
+        if executor is None:
+            config = resolve_model_once(config)
         self.config = config
         self.executor = executor if executor is not None else make_executor(config)
         try:

@@ -43,11 +43,12 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_model_dir(config: EngineConfig) -> Path:
-    """The checkpoint directory: the configured one, or the built-in demo model."""
-    if config.model.model is not None:
-        return Path(config.model.model)
-    from treadle.models.demo import demo_model_path
-    return demo_model_path()
+    """The checkpoint directory (EngineCore resolved `model` already; a Worker made
+    directly, as benchmarks do, resolves it here: treadle/models/resolve.py)."""
+    from treadle.models.resolve import resolve_model
+
+    m = config.model
+    return resolve_model(m.model, m.revision, m.download_dir, m.dtype)
 
 
 def read_eos_token_id(model_dir: Path, hf_config: dict) -> int | None:
