@@ -34,6 +34,7 @@ from typing import AsyncIterator
 
 from treadle.config import EngineConfig
 from treadle.engine.core import EngineCore
+from treadle.engine.limits import EngineLimits
 from treadle.engine.llm import load_tokenizer
 from treadle.engine.output_processor import OutputProcessor, RequestOutput
 from treadle.metrics import EngineMetrics
@@ -44,6 +45,10 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can be served."""
+
+
+class EngineFailedError(EngineDeadError):
+    """The engine loop failed while the request was in flight (an internal error)."""
 
 
 @dataclass
@@ -75,6 +80,8 @@ class AsyncEngine:
         self._built.wait()
         if self._build_error is not None:
             raise self._build_error
+        self.limits = EngineLimits.from_core(self.core)
+        """What a request must fit (vocabulary, context, KV cache): read-only."""
         self.tokenizer = load_tokenizer(self.core.model_dir)
         self.model_name = served_model_name or self.core.model_dir.name
         self.processor = OutputProcessor(self.tokenizer)
@@ -161,6 +168,7 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._drain_commands()
                 if not self.core.has_unfinished_requests():
+                    self._record_idle_gauges()  # the last request may have been aborted
                     self._wake.wait(0.1)
                     self._wake.clear()
                     continue
@@ -170,7 +178,7 @@ class AsyncEngine:
             self.error = exc
             for stream in list(self._streams.values()):
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait,
-                                                 EngineDeadError(f"engine loop failed: {exc}"))
+                                                 EngineFailedError(f"engine loop failed: {exc}"))
             self._streams.clear()
 
     def _drain_commands(self) -> None:
@@ -240,6 +248,12 @@ class AsyncEngine:
             self.config.scheduler.max_num_seqs)
         for output in request_outputs:
             self._deliver(output.request_id, output)
+
+    def _record_idle_gauges(self) -> None:
+        """Gauges of an idle engine: no step runs to update them after aborts."""
+        sched = self.core.scheduler
+        self.metrics.record_gauges(sched.num_running, sched.num_waiting, sched.num_swapped,
+                                   sched.kv.usage)
 
     def _deliver(self, request_id: str, output: RequestOutput) -> None:
         stream = self._streams.get(request_id)
