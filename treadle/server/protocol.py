@@ -1,17 +1,22 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic), with their bounds.
 
 Owns the wire format: field names and types follow the OpenAI API plus vLLM's sampling
-extensions and `priority`. Every field is bounded here, so a violation is a 400 naming
-the field before anything reaches the engine. It does not tokenize or talk to the engine.
+extensions and `priority`. Every field is bounded here, in its type, so that the OpenAPI
+schema states exactly what the validators accept (bounds that depend on the model, such
+as the vocabulary and the context, are added to the schema by server/openapi.py). A
+violation is a 400 naming the field before anything reaches the engine. Types are strict
+(a number sent as a string is an error, as the schema says), and no text may hold a lone
+UTF-16 surrogate, which no tokenizer can encode. It does not tokenize or talk to the engine.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -21,15 +26,66 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_PROMPT_TOKENS_LIST = 1_000_000
 MAX_TOKEN_ID = 2**31 - 1
 MAX_MESSAGES = 1024
+MAX_LOGIT_BIAS_KEY_DIGITS = 9
+"""logit_bias keys are decimal token ids (no leading zeros) of at most this many digits."""
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+PromptText = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS_LIST)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+BiasKey = Annotated[str, Field(
+    pattern=rf"^(0|[1-9][0-9]{{0,{MAX_LOGIT_BIAS_KEY_DIGITS - 1}}})$")]
 
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def _is_lone_surrogate_free(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def surrogate_path(value: Any, path: tuple = ()) -> tuple | None:
+    """Where in a JSON value the first string (or key) holding a lone UTF-16 surrogate is
+    (JSON's "\\ud800" escapes decode to one); None if there is none."""
+    if isinstance(value, str):
+        return None if _is_lone_surrogate_free(value) else path
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str) and not _is_lone_surrogate_free(key):
+                return path
+            found = surrogate_path(item, path + (key,))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        if all(type(item) is int for item in value):  # token ids: nothing to look at
+            return None
+        for i, item in enumerate(value):
+            found = surrogate_path(item, path + (i,))
+            if found is not None:
+                return found
+    return None
+
+
 class OpenAIModel(BaseModel):
     # Unknown fields are ignored, as the OpenAI API does (clients send extras).
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data):
+        path = surrogate_path(data)
+        if path is not None:
+            field = ".".join(str(p) for p in path)
+            raise PydanticCustomError(
+                "lone_surrogate", "text holds a lone UTF-16 surrogate (not valid Unicode)",
+                {"field": field})
+        return data
 
 
 class StreamOptions(OpenAIModel):
@@ -50,52 +106,19 @@ class SamplingFields(OpenAIModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
     seed: Optional[int] = Field(default=None, ge=0, le=2**63 - 1)
     n: int = Field(default=1, ge=1, le=MAX_N)
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = Field(default=None, max_length=MAX_STOP_STRINGS)
+    stop: Optional[Union[StopString, Annotated[list[StopString],
+                                               Field(max_length=MAX_STOP_STRINGS)]]] = None
+    stop_token_ids: Optional[list[TokenId]] = Field(default=None, max_length=MAX_STOP_STRINGS)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, le=1_000_000)
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[dict[BiasKey, Bias]] = Field(default=None,
+                                                      max_length=MAX_LOGIT_BIAS_ENTRIES)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
     user: Optional[str] = Field(default=None, max_length=256)
-
-    @field_validator("stop")
-    @classmethod
-    def _bounded_stop(cls, value):
-        if value is None:
-            return value
-        stops = [value] if isinstance(value, str) else value
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
-        for s in stops:
-            if not s or len(s) > MAX_STOP_STRING_CHARS:
-                raise ValueError(f"each stop string must have 1 to {MAX_STOP_STRING_CHARS} "
-                                 f"characters, got {len(s)}")
-        return value
-
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _bounded_stop_ids(cls, value):
-        if value is not None and any(not 0 <= t <= MAX_TOKEN_ID for t in value):
-            raise ValueError("stop_token_ids must be non-negative token ids")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _bounded_logit_bias(cls, value):
-        if value is None:
-            return value
-        if len(value) > MAX_LOGIT_BIAS_ENTRIES:
-            raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(value)}")
-        for key, bias in value.items():
-            if not key.isdigit() or int(key) > MAX_TOKEN_ID:
-                raise ValueError(f"keys must be token ids, got {key!r}")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"biases must be in [-100, 100], got {bias}")
-        return value
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -104,41 +127,48 @@ class SamplingFields(OpenAIModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
+    prompt: Union[PromptText, TokenIds,
+                  Annotated[list[PromptText], Field(min_length=1, max_length=1)],
+                  Annotated[list[TokenIds], Field(min_length=1, max_length=1)]] = Field(
+        description="one prompt: text, token ids, or a list holding one of either "
+                    "(batches of several prompts are not supported)")
     echo: bool = False
     logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: Optional[str] = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _no_batches(cls, value):
+        if (isinstance(value, list) and len(value) > 1
+                and all(isinstance(p, (str, list)) for p in value)):
+            raise ValueError("batched prompts are not supported: send one prompt per request")
+        return value
 
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, value):
         if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-            if len(value) != 1:
-                raise ValueError("batched prompts are not supported: send one prompt per request")
             value = value[0]
-        if isinstance(value, list):
-            if len(value) > MAX_PROMPT_TOKENS_LIST:
-                raise ValueError(f"at most {MAX_PROMPT_TOKENS_LIST} prompt token ids")
-            if any(not 0 <= t <= MAX_TOKEN_ID for t in value):
-                raise ValueError("prompt token ids must be non-negative")
         return value
+
+
+class TextPart(OpenAIModel):
+    """A content part; only text parts are supported."""
+
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(OpenAIModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Union[str, list[dict[str, Any]], None] = None
+    content: Union[str, list[TextPart], None] = None
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
+        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -150,16 +180,26 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(OpenAIModel):
+    model_config = ConfigDict(json_schema_extra={
+        "anyOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
+
     model: Optional[str] = Field(default=None, max_length=512)
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1,
                                                   max_length=MAX_MESSAGES)
     add_special_tokens: bool = True
 
+    @model_validator(mode="after")
+    def _prompt_or_messages(self):
+        if self.prompt is None and self.messages is None:
+            raise PydanticCustomError("missing", "one of prompt or messages is required",
+                                      {"field": "prompt"})
+        return self
+
 
 class DetokenizeRequest(OpenAIModel):
     model: Optional[str] = Field(default=None, max_length=512)
-    tokens: list[int] = Field(max_length=MAX_PROMPT_TOKENS_LIST)
+    tokens: list[TokenId] = Field(max_length=MAX_PROMPT_TOKENS_LIST)
 
 
 class Usage(BaseModel):
