@@ -277,23 +277,6 @@ def test_overload_gets_429_quickly_and_accepted_finish(tiny_demo):
         assert httpx.get(base + "/health").status_code == 200
 
 
-def test_schemathesis_fuzz_finds_no_5xx(tiny_demo, tmp_path):
-    schemathesis = pytest.importorskip("schemathesis")
-    import subprocess
-    import sys
-    with running_server(tiny_demo, "--num-kv-blocks", "128", "--max-model-len", "256") \
-            as (base, _):
-        result = subprocess.run(
-            [sys.executable, "-m", "schemathesis.cli", "run", base + "/openapi.json",
-             "--checks", "not_a_server_error", "--max-examples", "25",
-             "--request-timeout", "60", "--phases", "examples,coverage,fuzzing",
-             "--suppress-health-check", "all"],
-            capture_output=True, text=True, timeout=600, cwd=tmp_path)
-        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-        assert httpx.get(base + "/health").status_code == 200
-        del schemathesis
-
-
 def test_sigterm_drains_then_aborts_and_exits_zero(tiny_demo):
     # The drain window (0.5 s) must outlive the late request's arrival (~0.1 s after the
     # signal) but not the long stream (~450 more tokens), so that something is aborted.

@@ -45,8 +45,11 @@ def test_types_are_strict_as_the_schema_says():
     for body in ({"prompt": "x", "max_tokens": "3"}, {"prompt": "x", "stream": "true"},
                  {"prompt": "x", "temperature": "0.5"}, {"prompt": [1, "2"]}):
         assert errors_of(protocol.CompletionRequest, body)
-    ok = protocol.CompletionRequest.model_validate({"prompt": "x", "temperature": 1})
+    ok = protocol.CompletionRequest.model_validate({"prompt": [5.0], "temperature": 1, "n": 2.0})
     assert ok.temperature == 1.0  # an integer is a JSON number
+    assert ok.n == 2 and ok.prompt == [5]  # and 2.0 is an integer (JSON Schema)
+    assert errors_of(protocol.CompletionRequest, {"prompt": "x", "n": 2.5})
+    assert errors_of(protocol.CompletionRequest, {"prompt": "x", "n": True})
 
 
 def test_bounds_live_in_the_types():
@@ -74,7 +77,7 @@ def test_content_parts_and_tokenize_needs_one_input():
     (error,) = errors_of(protocol.TokenizeRequest, {})
     assert error["ctx"]["field"] == "prompt"
     schema = protocol.TokenizeRequest.model_json_schema()
-    assert {"required": ["prompt"]} in schema["anyOf"]
+    assert [branch["required"] for branch in schema["anyOf"]] == [["prompt"], ["messages"]]
 
 
 @pytest.mark.parametrize("loc, field", [

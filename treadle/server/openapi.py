@@ -29,6 +29,11 @@ _ERROR_SCHEMA = {
                        "param": {"anyOf": [{"type": "string"}, {"type": "null"}]},
                        "code": {"type": "integer"}}}},
 }
+_SSE_EVENT = {  # OpenAPI 3.1: the schema of one event of the stream
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a JSON chunk (a completion "
+                            "delta, the usage, or an error body), then [DONE]"}},
+}
 _DESCRIPTIONS = {
     400: "Invalid request: the message names the field and the limit",
     401: "Missing or invalid API key",
@@ -136,9 +141,8 @@ def _document_responses(paths: dict, auth: bool) -> None:
             if path in _STREAMING:
                 ok["content"] = {
                     "application/json": {"schema": {"type": "object"}},
-                    "text/event-stream": {"schema": {"type": "string"},
-                                          "description": "with stream: true, data: lines of "
-                                                         "JSON chunks, then data: [DONE]"}}
+                    "text/event-stream": {"schema": _SSE_EVENT,
+                                          "description": "with stream: true"}}
             elif path == "/metrics":
                 ok["content"] = {"text/plain": {"schema": {"type": "string"}}}
 

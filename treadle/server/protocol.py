@@ -5,8 +5,8 @@ extensions and `priority`. Every field is bounded here, in its type, so that the
 schema states exactly what the validators accept (bounds that depend on the model, such
 as the vocabulary and the context, are added to the schema by server/openapi.py). A
 violation is a 400 naming the field before anything reaches the engine. Types are strict
-(a number sent as a string is an error, as the schema says), and no text may hold a lone
-UTF-16 surrogate, which no tokenizer can encode. It does not tokenize or talk to the engine.
+(a number sent as a string is an error, as the schema says; 2.0 is the integer 2, as in
+JSON Schema), and no text may hold a lone UTF-16 surrogate, which no tokenizer can encode. It does not tokenize or talk to the engine.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_PROMPT_TOKENS_LIST = 1_000_000
 MAX_TOKEN_ID = 2**31 - 1
 MAX_MESSAGES = 1024
+MAX_SEED = 2**53 - 1
+"""The largest integer every JSON reader holds exactly (float64 ones too, as JavaScript's and
+schema validators'); beyond it a seed would not round-trip."""
 MAX_LOGIT_BIAS_KEY_DIGITS = 9
 """logit_bias keys are decimal token ids (no leading zeros) of at most this many digits."""
 
@@ -72,6 +75,20 @@ def surrogate_path(value: Any, path: tuple = ()) -> tuple | None:
     return None
 
 
+def integral_floats_as_ints(value: Any) -> Any:
+    """2.0 -> 2 throughout a JSON value: JSON Schema counts a number with no fraction as an
+    integer, and the strict types would refuse it (a float field still takes an int)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: integral_floats_as_ints(v) for k, v in value.items()}
+    if isinstance(value, list):
+        if all(type(item) is int for item in value):
+            return value
+        return [integral_floats_as_ints(item) for item in value]
+    return value
+
+
 class OpenAIModel(BaseModel):
     # Unknown fields are ignored, as the OpenAI API does (clients send extras).
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -85,7 +102,7 @@ class OpenAIModel(BaseModel):
             raise PydanticCustomError(
                 "lone_surrogate", "text holds a lone UTF-16 surrogate (not valid Unicode)",
                 {"field": field})
-        return data
+        return integral_floats_as_ints(data)
 
 
 class StreamOptions(OpenAIModel):
@@ -104,7 +121,7 @@ class SamplingFields(OpenAIModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
-    seed: Optional[int] = Field(default=None, ge=0, le=2**63 - 1)
+    seed: Optional[int] = Field(default=None, ge=0, le=MAX_SEED)
     n: int = Field(default=1, ge=1, le=MAX_N)
     stop: Optional[Union[StopString, Annotated[list[StopString],
                                                Field(max_length=MAX_STOP_STRINGS)]]] = None
@@ -180,8 +197,9 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(OpenAIModel):
-    model_config = ConfigDict(json_schema_extra={
-        "anyOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
 
     model: Optional[str] = Field(default=None, max_length=512)
     prompt: Optional[str] = None
