@@ -80,6 +80,7 @@ def test_summary_goodput_and_per_priority():
     assert s["goodput"]["requests_per_s"] == pytest.approx(0.1)
     assert s["server"]["preemptions"] == 8 and s["server"]["requests_ended"] == 4
     assert s["server"]["preemptions_per_request"] == 2.0
+    assert s["server"]["num_started"] == 2 and s["server"]["preemptions_per_started_request"] == 4
     assert s["all"]["wait_s"]["median"] == pytest.approx(1.5)
     assert s["all"]["num_never_started"] == 1  # the timed-out one (the shed one never ran)
     assert s["timed_out"] == 1 and s["shed"] == 1 and s["error"] == 0

@@ -88,8 +88,9 @@ class Outcome:
     e2e: float | None = None
     output_tokens: int = 0
     error: str | None = None
-    slot_wait: float = 0.0
-    """Seconds it waited for a client slot (max_in_flight) before being sent."""
+    slot_wait: float | None = None
+    """Seconds it waited for a client slot (max_in_flight) before being sent; None while
+    it has not been sent."""
 
 
 def make_requests(config: SoakConfig, vocab_size: int, num_tenants: int,
@@ -249,14 +250,17 @@ async def _client(client, url: str, model: str, keys: list[str | None], outcome:
 
 
 def client_figures(outcomes: list[Outcome], elapsed: float) -> dict:
+    """Counts by status; of the open requests, those sent (holding one of max_in_flight
+    slots) and those still queued at the client for a slot."""
     counts = {s: 0 for s in ("pending", "finished", "disconnected", "timed_out", "shed",
                              "error")}
     for o in outcomes:
         counts[o.status] += 1
-    sent = sum(1 for o in outcomes if o.request.arrival <= elapsed)
-    return {"arrived": sent, **counts,
-            "open": sum(1 for o in outcomes if o.status == "pending"
-                        and o.request.arrival <= elapsed)}
+    arrived = [o for o in outcomes if o.request.arrival <= elapsed]
+    open_ = [o for o in arrived if o.status == "pending"]
+    in_flight = sum(1 for o in open_ if o.slot_wait is not None)
+    return {"arrived": len(arrived), **counts, "in_flight": in_flight,
+            "queued_at_client": len(open_) - in_flight}
 
 
 async def run_soak(url: str, model: str, keys: list[str | None], vocab_size: int,
@@ -308,7 +312,8 @@ def format_report(report: dict) -> str:
             f"{fmt(report['kv_usage'], '.0%')}, running {fmt(report['running'], '.0f')}, "
             f"waiting {fmt(report['waiting'], '.0f')}, swapped {fmt(report['swapped'], '.0f')}"
             f", preemptions {fmt(report['preemptions'], '.0f')} | clients: arrived "
-            f"{c['arrived']}, open {c['open']}, finished {c['finished']}, timed out "
+            f"{c['arrived']}, in flight {c['in_flight']}, queued {c['queued_at_client']}, "
+            f"finished {c['finished']}, timed out "
             f"{c['timed_out']}, disconnected {c['disconnected']}, shed {c['shed']}, "
             f"errors {c['error']}")
 
@@ -323,6 +328,8 @@ def record(o: Outcome) -> dict:
 
 
 def _latencies(outcomes: list[Outcome]) -> dict:
+    """E2E of finished requests; waits (arrival -> first token, all of it, in the client's
+    slot queue, and after being sent) of every request that got a token."""
     finished = [o for o in outcomes if o.status == "finished"]
     waited = [o.ttft for o in outcomes if o.ttft is not None]
     return {"num_requests": len(outcomes), "num_finished": len(finished),
@@ -330,6 +337,10 @@ def _latencies(outcomes: list[Outcome]) -> dict:
             "e2e_s": percentiles(o.e2e for o in finished),
             "wait_s": percentiles(waited),
             "wait_s_max": max(waited) if waited else math.nan,
+            "client_queue_s": percentiles(o.slot_wait for o in outcomes
+                                          if o.slot_wait is not None),
+            "server_wait_s": percentiles(o.ttft - o.slot_wait for o in outcomes
+                                         if o.ttft is not None and o.slot_wait is not None),
             "num_never_started": sum(o.ttft is None and o.status != "shed"
                                      for o in outcomes)}
 
@@ -350,6 +361,7 @@ def summarize(outcomes: list[Outcome], config: SoakConfig, duration: float,
     ended = delta("requests_ended")
     preemptions = delta("preemptions")
     counts = client_figures(outcomes, math.inf)
+    started = sum(o.ttft is not None for o in outcomes)
     return {
         "num_requests": len(outcomes), **{k: counts[k] for k in (
             "finished", "disconnected", "timed_out", "shed", "error")},
@@ -364,6 +376,9 @@ def summarize(outcomes: list[Outcome], config: SoakConfig, duration: float,
                    "preemptions_swap": delta("preemptions_swap"),
                    "preemptions_per_request": (preemptions / ended
                                                if preemptions is not None and ended else None),
+                   "num_started": started,  # requests that got a first token
+                   "preemptions_per_started_request": (
+                       preemptions / started if preemptions is not None and started else None),
                    "preemption_tax_s": delta("preemption_tax_s"),
                    "rss_mib_end": s1.get("rss_mib")},
         "errors": [o.error for o in outcomes if o.status == "error"][:5],
