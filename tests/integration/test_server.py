@@ -273,7 +273,10 @@ def test_overload_gets_429_quickly_and_accepted_finish(tiny_demo):
         assert codes.count(429) >= 40 and codes.count(200) >= 4
         refused = [(t, ra) for c, t, ra in results if c == 429]
         assert all(ra is not None and int(ra) >= 1 for _, ra in refused)
-        assert max(t for t, _ in refused) < 5.0  # refused at once, not after queueing
+        # Refused at once, not after queueing: every refusal came back before the first
+        # accepted request (200 tokens) finished; this holds on a loaded machine too.
+        accepted = [t for c, t, _ in results if c == 200]
+        assert max(t for t, _ in refused) < min(accepted)
         assert httpx.get(base + "/health").status_code == 200
 
 
