@@ -6,7 +6,8 @@ schema states exactly what the validators accept (bounds that depend on the mode
 as the vocabulary and the context, are added to the schema by server/openapi.py). A
 violation is a 400 naming the field before anything reaches the engine. Types are strict
 (a number sent as a string is an error, as the schema says; 2.0 is the integer 2, as in
-JSON Schema), and no text may hold a lone UTF-16 surrogate, which no tokenizer can encode. It does not tokenize or talk to the engine.
+JSON Schema), and no text may hold a lone UTF-16 surrogate, which no tokenizer can
+encode. It does not tokenize or talk to the engine.
 """
 
 from __future__ import annotations
