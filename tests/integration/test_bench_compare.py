@@ -118,6 +118,7 @@ def test_offline_runners_get_the_workload_file_and_report_its_figures(tmp_path):
 
 
 def test_a_failing_offline_runner_is_an_error_with_its_log(tmp_path):
+    (tmp_path / "config.json").write_text('{"vocab_size": 512}')  # the workload's ids
     config_path = tmp_path / "cmp.yaml"
     config_path.write_text(yaml.safe_dump({
         "model": str(tmp_path), "workload": {"name": "synthetic", "num_requests": 2, "num_long": 0},

@@ -67,8 +67,10 @@ def test_mismatched_params_list_is_an_error(llama_dir):
     llm = LLM(model=llama_dir, dtype="float32", num_kv_blocks=64)
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate([[5, 6], [7, 8]], [SamplingParams()] * 3, use_tqdm=False)
-    with pytest.raises(ValueError, match="no tokenizer"):
-        llm.generate("a string prompt", use_tqdm=False)
+    # A text prompt without a tokenizer fails that prompt alone (issue 24), not the call.
+    text, ids = llm.generate(["a string prompt", [5, 6]], use_tqdm=False)
+    assert text.outputs[0].finish_reason == "error" and "no tokenizer" in text.error
+    assert ids.error is None
 
 
 def test_string_prompts_and_text(tiny_demo):

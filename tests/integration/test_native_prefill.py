@@ -164,4 +164,7 @@ def test_prefill_benchmark_times_both_paths(kernels):
 
     row = bench_prefill(kernels, 16, 32, rounds=1)
     assert row["native_ms"] > 0 and row["sdpa_ms"] > 0
-    assert row["speedup"] == pytest.approx(row["sdpa_ms"] / row["native_ms"], rel=0.05)
+    # The reported speedup is the ratio of the two times, to its two decimals (a loaded
+    # machine can make either path slow, so the ratio itself is not asserted).
+    assert row["speedup"] == pytest.approx(row["sdpa_ms"] / row["native_ms"], rel=0.05,
+                                           abs=0.006)

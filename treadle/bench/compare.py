@@ -72,9 +72,13 @@ def load_config(path: str | Path) -> dict:
     return config
 
 
-def make_workload(spec: dict) -> workloads.Workload:
+def make_workload(spec: dict, model: str | None = None) -> workloads.Workload:
+    """The configured workload; its token ids below the model's vocabulary unless the
+    spec gives `vocab_size`."""
     spec = dict(spec)
     name = spec.pop("name", "synthetic")
+    if model is not None and "vocab_size" not in spec:
+        spec["vocab_size"] = workloads.model_vocab_size(model)
     builders = {"synthetic": workloads.synthetic, "azure-conv": workloads.azure_conv,
                 "shared-prefix": workloads.shared_prefix}
     if name not in builders:
@@ -157,7 +161,7 @@ def _online(base: str, workload, rates: list, load: dict) -> list[dict]:
     """One summary per rate, every request streamed over HTTP."""
     from treadle.bench.serve import served_model
 
-    model = served_model(base)
+    model = served_model(base)["id"]
     points = []
     for rate in rates:
         results, duration = asyncio.run(run_load(
@@ -209,7 +213,7 @@ def compare(config: dict) -> dict:
     model = config.get("model") or "demo"
     if not Path(model).is_dir():
         model = str(resolve_model(model))
-    workload = make_workload(config["workload"])
+    workload = make_workload(config["workload"], model)
     runs: dict[str, list[list[dict]]] = {s["name"]: [] for s in config["systems"]}
     for _ in range(int(config["repeats"])):
         for system in config["systems"]:

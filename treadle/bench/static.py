@@ -15,7 +15,7 @@ import time
 import torch
 
 from treadle.bench.peak import torch_dtype
-from treadle.bench.workloads import Workload, WorkloadRequest
+from treadle.bench.workloads import Workload, WorkloadRequest, check_token_ids
 
 
 def _dtype_kwarg() -> str:
@@ -88,7 +88,8 @@ def run_static(model_path: str, workload: Workload, batch_size: int = 16, dtype:
                num_threads: int | None = None, progress: bool = True, warmup: bool = True) -> dict:
     """Run `workload` through transformers `generate` in fixed, padded batches.
 
-    Arrival times are ignored (all requests are available at once: an offline run).
+    Arrival times are ignored (all requests are available at once: an offline run). A
+    token id outside the model's vocabulary is a ValueError before anything runs.
     Returns configuration, counts, wall time, throughputs (output tokens/s counts only the
     tokens requests asked for) and per-batch figures, including the gain continuous
     batching predicts for each batch (its longest output over its mean output).
@@ -104,6 +105,7 @@ def run_static(model_path: str, workload: Workload, batch_size: int = 16, dtype:
         start = time.perf_counter()
         model = load_model(model_path, dtype)
         load_s = time.perf_counter() - start
+        check_token_ids(workload, model.get_input_embeddings().num_embeddings)
         pad_id = pad_token_id(model)
         num_params = sum(p.numel() for p in model.parameters())
         if warmup:  # first-call overheads (allocator, kernels) are not part of the baseline

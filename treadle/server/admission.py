@@ -3,8 +3,9 @@
 Owns the counts of requests the server has accepted and not yet started (waiting
 requests and their prompt tokens), each tenant's in-flight requests, and each tenant's
 tokens in the last minute. A request beyond a bound is refused at once with the seconds
-after which a retry may pass (HTTP 429 with Retry-After). Pure bookkeeping: no engine,
-no I/O, time passed in.
+after which a retry may pass (HTTP 429 with Retry-After); one that no wait could ever
+admit (it costs more than a tenant's whole quota) is `NeverAdmissible` (HTTP 400), checked
+before anything is counted. Pure bookkeeping: no engine, no I/O, time passed in.
 """
 
 from __future__ import annotations
@@ -27,6 +28,14 @@ class Overloaded(Exception):
     def __init__(self, message: str, retry_after_s: float) -> None:
         super().__init__(message)
         self.retry_after_s = max(1, math.ceil(retry_after_s))
+
+
+class NeverAdmissible(ValueError):
+    """The request exceeds a bound on its own: retrying can never succeed."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -55,8 +64,24 @@ class AdmissionControl:
             window.popleft()
         return sum(n for _, n in window)
 
+    def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise NeverAdmissible if no wait could ever admit a request of this size."""
+        if num_prompt_tokens > self.limits.max_waiting_tokens:
+            raise NeverAdmissible(
+                f"prompt: {num_prompt_tokens} tokens, more than the whole waiting queue holds "
+                f"({self.limits.max_waiting_tokens} tokens, max_waiting_tokens)", "prompt")
+        cost = num_prompt_tokens + max_tokens
+        quota = self.limits.tenant_tokens_per_minute
+        if quota and cost > quota:
+            raise NeverAdmissible(
+                f"max_tokens: prompt ({num_prompt_tokens} tokens) + max_tokens x n "
+                f"({max_tokens}) = {cost} tokens, more than the tenant's whole quota of "
+                f"{quota} tokens per minute (tenant_tokens_per_minute)", "max_tokens")
+
     def admit(self, tenant: str, num_prompt_tokens: int, max_tokens: int, now: float) -> Ticket:
-        """Count the request in, or raise Overloaded naming the bound it hit."""
+        """Count the request in, or raise Overloaded naming the bound it hit
+        (NeverAdmissible first, if it can never pass)."""
+        self.check_admissible(num_prompt_tokens, max_tokens)
         lim = self.limits
         if self.num_waiting + 1 > lim.max_waiting_requests:
             raise Overloaded(f"server overloaded: {self.num_waiting} requests waiting "
@@ -70,9 +95,6 @@ class AdmissionControl:
                              f"{lim.tenant_max_concurrent_requests})", 1)
         cost = num_prompt_tokens + max_tokens
         if lim.tenant_tokens_per_minute:
-            if cost > lim.tenant_tokens_per_minute:
-                raise Overloaded(f"request needs {cost} tokens, more than tenant_tokens_per_minute"
-                                 f"={lim.tenant_tokens_per_minute}", self._WINDOW_S)
             used = self._tokens_last_minute(tenant, now)
             if used + cost > lim.tenant_tokens_per_minute:
                 window = self._recent_tokens[tenant]

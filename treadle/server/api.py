@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP API (FastAPI): routes, errors, streaming, disconnects.
 
-Owns the translation between HTTP and the AsyncEngine: authentication (server/auth.py),
-validation (server/protocol.py), tokenization and chat templating in worker threads,
+Owns the translation between HTTP and the AsyncEngine: authentication and body limits
+first (server/middleware.py), validation (server/protocol.py, then the engine's limits:
+vocabulary, context, KV cache), tokenization and chat templating in worker threads,
 overload control (server/admission.py), server-sent events, and aborting a request the
-moment its client goes away. Scheduling and generation stay in the engine.
+moment its client goes away. Error bodies: server/errors.py; the published schema:
+server/openapi.py. Scheduling and generation stay in the engine.
 """
 
 from __future__ import annotations
@@ -15,18 +17,21 @@ from types import SimpleNamespace
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
 from treadle.config import ServerConfig
-from treadle.engine.async_engine import AsyncEngine, EngineDeadError
+from treadle.engine.async_engine import AsyncEngine, EngineDeadError, EngineFailedError
 from treadle.sampling_params import SamplingParams
 from treadle.server import protocol
-from treadle.server.admission import AdmissionControl, AdmissionLimits, Overloaded
-from treadle.server.auth import AuthError, KeyRing
+from treadle.server.admission import (AdmissionControl, AdmissionLimits, NeverAdmissible,
+                                      Overloaded)
+from treadle.server.auth import KeyRing
+from treadle.server.errors import APIError, error_body, error_response, install_error_handlers
 from treadle.server.fields import check_fields, check_message_fields
+from treadle.server.middleware import AuthFirst, BodySizeLimit
+from treadle.server.openapi import install_openapi
 from treadle.server.responses_api import responses_router
 from treadle.server.responses import (Formatting, chat_chunk, chat_response, completion_chunk,
                                       completion_response)
@@ -35,21 +40,7 @@ from treadle.server.tool_calls import ToolRequestError, setup_tools, template_me
 from treadle.structured import (StructuredOutputError, StructuredSpec, from_response_format,
                                 from_structured_outputs)
 
-
-class APIError(Exception):
-    """An error answered with an OpenAI-style body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error", headers: dict | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-        self.headers = headers or {}
-
-
-def error_response(status: int, message: str, param: str | None = None,
-                   kind: str = "invalid_request_error", headers: dict | None = None):
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                   "code": status}}, status_code=status, headers=headers)
+__all__ = ["APIError", "build_app", "error_response"]
 
 
 async def _latest_per_source(merged):
@@ -83,43 +74,6 @@ class _LazyGrammarCompiler:
         return self._compiler
 
 
-class BodySizeLimit:
-    """ASGI middleware: refuse bodies over the limit with 413, before parsing them."""
-
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or {}).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._refuse(send)
-        seen = 0
-
-        async def limited_receive():
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise APIError(413, f"request body exceeds {self.max_bytes} bytes")
-            return message
-
-        try:
-            await self.app(scope, limited_receive, send)
-        except APIError:
-            await self._refuse(send)
-
-    async def _refuse(self, send):
-        body = json.dumps({"error": {"message": f"request body exceeds {self.max_bytes} bytes",
-                                     "type": "invalid_request_error", "param": None,
-                                     "code": 413}}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": body})
-
-
 def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing) -> FastAPI:
     app = FastAPI(title="treadle", version="0.1.0",
                   description="OpenAI-compatible LLM serving with continuous batching")
@@ -127,30 +81,19 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
         server_config.max_waiting_requests, server_config.max_waiting_tokens,
         server_config.tenant_max_concurrent_requests, server_config.tenant_tokens_per_minute))
     app.state.engine, app.state.admission, app.state.shutting_down = engine, admission, False
-    max_model_len = engine.limits.max_model_len
+    limits = engine.limits
+    max_model_len = limits.max_model_len
     tokenizer = engine.tokenizer
     created = protocol.now()  # /v1/models: when this server started serving the model
     grammars = _LazyGrammarCompiler(engine)
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.param, exc.kind, exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
-        field = ".".join(loc) or None
-        return error_response(400, f"{field or 'body'}: {first.get('msg', 'invalid request')}",
-                              field)
+    install_error_handlers(app)
+    install_openapi(app, limits, auth=keyring.enabled)
 
     def authenticate(request: Request) -> str:
+        """The caller's tenant (the key was checked by AuthFirst); 503 while shutting down."""
         if app.state.shutting_down:
             raise APIError(503, "server is shutting down", kind="server_error")
-        try:
-            return keyring.authenticate(request.headers.get("authorization")).name
-        except AuthError as exc:
-            raise APIError(401, str(exc), kind="authentication_error") from None
+        return request.state.tenant
 
     @app.get("/health")
     async def health():
@@ -167,7 +110,8 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
         authenticate(request)
         return {"object": "list", "data": [{
             "id": engine.model_name, "object": "model", "created": created,
-            "owned_by": "treadle", "max_model_len": max_model_len}]}
+            "owned_by": "treadle", "max_model_len": max_model_len,
+            "vocab_size": limits.vocab_size}]}
 
     @app.post("/tokenize")
     async def tokenize(body: protocol.TokenizeRequest):
@@ -181,7 +125,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
 
     @app.post("/detokenize")
     async def detokenize(body: protocol.DetokenizeRequest):
-        vocab = engine.limits.vocab_size
+        vocab = limits.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"tokens: {bad} is outside the vocabulary [0, {vocab})", "tokens")
@@ -222,7 +166,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
                         structured: StructuredSpec | None = None,
                         skip_special_tokens: bool | None = None) -> SamplingParams:
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                 top_k=body.top_k, min_p=body.min_p, presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty,
@@ -238,25 +182,46 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
         except ValueError as exc:
             message = str(exc)
             raise APIError(400, message, message.split(" ", 1)[0]) from None
+        check_token_ids(params)
+        return params
+
+    def check_token_ids(params: SamplingParams) -> None:
+        error = params.token_id_error(limits.vocab_size)
+        if error is not None:
+            raise APIError(400, error, error.split(" ", 1)[0])
 
     def check_lengths(prompt_ids: list[int], requested: int | None, default: int | None):
+        """max_tokens for this prompt: the requested or default count, within the context
+        and the whole KV cache (a 400 naming the field otherwise)."""
         if not prompt_ids:
             raise APIError(400, "prompt is empty: at least one token is needed", "prompt")
         room = max_model_len - len(prompt_ids)
         if room < (0 if requested == 0 else 1):
             raise APIError(400, f"prompt has {len(prompt_ids)} tokens, but the model's context "
                            f"length is {max_model_len} tokens", "prompt")
-        max_tokens = requested if requested is not None else min(default or room, room)
+        fits = max(1, limits.max_request_tokens - len(prompt_ids))  # context and KV cache
+        max_tokens = requested if requested is not None else min(default or fits, fits)
         if len(prompt_ids) + max_tokens > max_model_len:
             raise APIError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) "
                            f"= {len(prompt_ids) + max_tokens} exceeds the model's context "
                            f"length of {max_model_len} tokens", "max_tokens")
+        check_fits_kv(len(prompt_ids), max_tokens)
         return max_tokens
+
+    def check_fits_kv(num_prompt: int, max_tokens: int) -> None:
+        capacity = limits.num_kv_tokens
+        if num_prompt + max_tokens > capacity:
+            field = "prompt" if num_prompt >= capacity else "max_tokens"
+            raise APIError(400, f"{field}: prompt ({num_prompt} tokens) + max_tokens "
+                           f"({max_tokens}) = {num_prompt + max_tokens} tokens, more than the "
+                           f"whole KV cache holds ({capacity} tokens)", field)
 
     def admit(tenant: str, prompt_ids: list[int], params: SamplingParams):
         try:
             return admission.admit(tenant, len(prompt_ids), params.max_tokens * params.n,
                                    time.monotonic())
+        except NeverAdmissible as exc:
+            raise APIError(400, str(exc), exc.param) from None
         except Overloaded as exc:
             raise APIError(429, str(exc), kind="rate_limit_error",
                            headers={"Retry-After": str(exc.retry_after_s)}) from None
@@ -269,6 +234,8 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
                                                 priority, tenant):
                 admission.started(ticket)
                 yield output
+        except EngineFailedError as exc:
+            raise APIError(500, str(exc), kind="server_error") from None
         except EngineDeadError as exc:
             raise APIError(503, str(exc), kind="server_error") from None
         finally:
@@ -303,9 +270,13 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
         async def body():
             try:
                 async for event in events:
+                    if "error" in event:  # the engine ended the request: same body as whole
+                        exc = ended_by_engine(event["error"]["message"])
+                        event = error_body(exc.status, exc.message, exc.param, exc.kind)
                     yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
             except APIError as exc:
-                yield f"data: {json.dumps({'error': {'message': exc.message, 'type': exc.kind}})}\n\n"
+                event = error_body(exc.status, exc.message, exc.param, exc.kind)
+                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
             yield "data: [DONE]\n\n"
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
@@ -432,10 +403,20 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
         finals = await final_output(request, _latest_per_source(outputs))
         if finals is None:  # the client went away; the requests were aborted
             return Response(status_code=499)
+        for final in finals:
+            if final.error is not None:
+                raise ended_by_engine(final.error)
         return whole(request_id, engine.model_name, finals, fmt)
 
+    def ended_by_engine(reason: str) -> APIError:
+        """A request the engine ended with an error: the shutdown drain's abort (503), or
+        the engine refusing it at admission (400; the checks above make that rare)."""
+        if app.state.shutting_down or not engine.is_alive:
+            return APIError(503, reason, kind="server_error")
+        return APIError(400, reason, "prompt")
+
     def check_vocab(prompt_ids: list[int]) -> None:
-        vocab = engine.limits.vocab_size
+        vocab = limits.vocab_size
         bad = next((t for t in prompt_ids if t >= vocab), None)
         if bad is not None:
             raise APIError(400, f"prompt: token id {bad} is outside the vocabulary [0, {vocab})",
@@ -448,5 +429,6 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
         structured_spec=structured_spec, sampling_params=sampling_params, admit=admit,
         run=run, final_output=final_output)))
     app.add_middleware(BodySizeLimit, max_bytes=server_config.max_request_body_bytes)
+    app.add_middleware(AuthFirst, keyring=keyring)  # added last: runs first
     return app
 
