@@ -150,6 +150,10 @@ class SchedulerConfig:
         "Order of waiting requests: fcfs, priority, srpt or fair (docs/scheduling.md)"))
     priority_aging_rate: float = field(default=0.01, metadata=_help(
         "priority policy: priority levels a request gains per second in the engine (0: none)"))
+    priority_aging: float = field(default=4.0, metadata=_help(
+        "priority policy: the bound on waiting, as a multiple of the mean wait of recent "
+        "requests: a request that has waited that long outranks every priority class "
+        "(docs/scheduling.md; 0: off)"))
     srpt_aging_rate: float = field(default=10.0, metadata=_help(
         "srpt policy: tokens of remaining work a request sheds per second in the engine (0: none)"))
     tenant_weights: str = field(default="", metadata=_help(
@@ -166,6 +170,16 @@ class SchedulerConfig:
         "A step that finishes a prompt carries no partial chunk of another prompt (it "
         "would delay that first token; it starts next step with the budget first), and "
         "the last chunk of a prompt split across steps runs with decodes only"))
+    kv_watermark: float = field(default=0.01, metadata=_help(
+        "Fraction of the KV blocks an admission leaves free (with the expected growth of "
+        "the running requests: admission_lookahead_tokens)"))
+    admission_lookahead_tokens: int = field(default=256, metadata=_help(
+        "Tokens of growth (up to max_tokens) per running request, and the admitted one, "
+        "that an admission must leave room for, so that admitting rarely forces a "
+        "preemption (0: admit on free blocks alone)"))
+    tenant_kv_share: bool = field(default=False, metadata=_help(
+        "While tenants compete, each holds at most its weighted share of the KV cache "
+        "(unused share is lent), and memory victims come from tenants over their share"))
     max_head_bypasses: int = field(default=16, metadata=_help(
         "Times smaller requests may pass a waiting request that does not fit before it gets "
         "the next opening (0: strict order)"))
@@ -176,13 +190,18 @@ class SchedulerConfig:
         if self.scheduling_policy not in ("fcfs", "priority", "srpt", "fair"):
             raise ValueError("scheduling_policy must be one of fcfs, priority, srpt, fair, "
                              f"got {self.scheduling_policy!r}")
-        for name in ("priority_aging_rate", "srpt_aging_rate"):
+        for name in ("priority_aging_rate", "srpt_aging_rate", "priority_aging"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if (self.admission_preemption_threshold is not None
                 and not self.admission_preemption_threshold > 0):
             raise ValueError("admission_preemption_threshold must be > 0, "
                              f"got {self.admission_preemption_threshold}")
+        if not 0.0 <= self.kv_watermark < 1.0:
+            raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
+        if self.admission_lookahead_tokens < 0:
+            raise ValueError("admission_lookahead_tokens must be >= 0, "
+                             f"got {self.admission_lookahead_tokens}")
         if self.max_head_bypasses < 0:
             raise ValueError(f"max_head_bypasses must be >= 0, got {self.max_head_bypasses}")
         parse_tenant_weights(self.tenant_weights)
@@ -365,6 +384,10 @@ class ServerConfig:
         "Prompt tokens waiting beyond which new requests get 429"))
     tenant_max_concurrent_requests: int = field(default=256, metadata=_help(
         "Requests in flight per tenant beyond which new ones get 429"))
+    max_queue_delay: float = field(default=0.0, metadata=_help(
+        "Refuse (429, Retry-After from the measured drain rate) a request whose predicted "
+        "wait to start exceeds this many seconds; per priority under the priority policy "
+        "(0: no bound)"))
     tenant_tokens_per_minute: int = field(default=0, metadata=_help(
         "Prompt + max_tokens per tenant per minute (0: unlimited)"))
     max_request_body_bytes: int = field(default=8 * 1024**2, metadata=_help(
@@ -385,6 +408,8 @@ class ServerConfig:
                      "responses_store_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queue_delay < 0:
+            raise ValueError(f"max_queue_delay must be >= 0 seconds, got {self.max_queue_delay}")
         if self.tenant_tokens_per_minute < 0:
             raise ValueError("tenant_tokens_per_minute must be >= 0")
         if self.shutdown_timeout < 0:

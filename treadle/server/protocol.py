@@ -164,14 +164,6 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _no_batches(cls, value):
-        if (isinstance(value, list) and len(value) > 1
-                and all(isinstance(p, (str, list)) for p in value)):
-            raise ValueError("batched prompts are not supported: send one prompt per request")
-        return value
-
     @field_validator("prompt")
     @classmethod
     def _bounded_prompts(cls, value):
