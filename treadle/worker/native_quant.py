@@ -1,0 +1,146 @@
+"""Typed wrappers of the weight-only quantized kernels (kernels/quant_dequant.c,
+kernels/quant_gemv.c, kernels/quant_dot.c): the two decode-row GEMV paths, tile
+dequantization for the prefill path, and the activation quantizer (for tests).
+
+Owns the calling convention only: which path runs for which rows is decided by
+treadle/models/quant_weights.py, and the weight layouts (GGUF blocks, treadle's INT8) by
+treadle/models/quant_formats.py. `QuantKernels.load` takes the library that
+`treadle.worker.native.load_kernels` built (every kernels/*.c is linked into one shared
+object), or any shared object built from the quant_*.c files alone (the tests build one
+per ISA level). Every entry point runs on every x86 level (AVX-512, AVX2, plain C); `isa`
+says which one this library was compiled for.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+FORMAT_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "INT8": 4}
+"""Format name -> the kernels' format number (quant_simd.h)."""
+
+PATHS = ("dot", "deq", "deq_buffered", "amx")
+"""Kernel paths: int8 dot products on per-chunk quantized activations; dequantize in
+registers per tile; dequantize each block of weight rows once into a buffer and run
+dense tiles on it (vdpbf16ps / FMA), or AMX tiles (bf16 x only, where `has_amx`)."""
+
+_P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_ISA_BITS = {1: "avx512", 2: "avx2", 4: "bf16", 8: "vnni"}
+
+
+class QuantKernelError(ValueError):
+    """A kernel refused its arguments (format, K or row size)."""
+
+
+class QuantKernels:
+    """The quantized-weight kernels of one loaded library."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        gemv_args = [_I, _P, _I64, _P, _P, _I64, _I, _P, _P, _I64, _I, _I64, _I64, _I64]
+        self._deq = lib.quant_gemv_deq
+        self._deq.argtypes = gemv_args + [_I, _I]
+        self._deq.restype = _I
+        self._dot = lib.quant_gemv_dot
+        self._dot.argtypes = gemv_args + [_I]
+        self._dot.restype = _I
+        self._dequant = lib.quant_dequant
+        self._dequant.argtypes = [_I, _P, _I64, _P, _I64, _I64, _I64, _P, _I64, _I, _I]
+        self._dequant.restype = _I
+        self._quantize_x = lib.quant_quantize_x
+        self._quantize_x.argtypes = [_P, _I64, _I, _I64, _I64, _P, _P]
+        self._quantize_x.restype = _I64
+        self._amx = lib.quant_gemm_amx
+        self._amx.argtypes = [_I, _P, _I64, _P, _P, _I64, _P, _P, _I64, _I, _I64, _I64, _I64, _I]
+        self._amx.restype = _I
+        lib.quant_isa.restype = _I
+        lib.quant_amx_available.restype = _I
+        self.isa_flags = int(lib.quant_isa())
+        self.has_amx = bool(lib.quant_amx_available())
+        """Whether the AMX path runs here (compiled in, and Linux granted the tile state)."""
+
+    @classmethod
+    def load(cls, lib: ctypes.CDLL | None) -> QuantKernels | None:
+        """The kernels of `lib`, or None when there is no library or it lacks them."""
+        if lib is None or not hasattr(lib, "quant_isa"):
+            return None
+        return cls(lib)
+
+    @property
+    def isa(self) -> str:
+        """The level and extensions compiled in, e.g. 'avx512+bf16+vnni', 'avx2', 'scalar'."""
+        names = [name for bit, name in _ISA_BITS.items() if self.isa_flags & bit]
+        names += ["amx"] if self.has_amx else []
+        return "+".join(names) if names else "scalar"
+
+    @property
+    def has_bf16(self) -> bool:
+        """Whether bf16 activations take vdpbf16ps (else they are widened to fp32)."""
+        return bool(self.isa_flags & 4)
+
+    def gemv(self, fmt: str, blocks: torch.Tensor, scales: torch.Tensor | None, k: int,
+             x: torch.Tensor, bias: torch.Tensor | None, path: str = "deq",
+             threads: int = 0) -> torch.Tensor:
+        """x [M, k] (bf16 or fp32, unit stride along k) times the quantized weight
+        `blocks` [N, row_bytes] (uint8, contiguous; INT8: `scales` fp32 [N]) transposed,
+        plus bias (fp32 [N] or None): [M, N] in x's dtype. path: one of PATHS."""
+        m, n = x.shape[0], blocks.shape[0]
+        y = torch.empty(m, n, dtype=x.dtype)
+        args = (FORMAT_CODES[fmt], blocks.data_ptr(), blocks.stride(0),
+                None if scales is None else scales.data_ptr(), x.data_ptr(), x.stride(0),
+                int(x.dtype == torch.bfloat16), None if bias is None else bias.data_ptr(),
+                y.data_ptr(), n, int(y.dtype == torch.bfloat16), m, n, k)
+        if path == "dot":
+            status = self._dot(*args, threads)
+        elif path == "amx":
+            if not self.has_amx or x.dtype != torch.bfloat16:
+                raise ValueError("the amx path needs AMX (has_amx) and bfloat16 input")
+            status = self._amx(args[0], args[1], args[2], args[3], args[4], args[5], args[7],
+                               args[8], args[9], args[10], m, n, k, threads)
+        elif path in ("deq", "deq_buffered"):
+            status = self._deq(*args, int(path == "deq_buffered"), threads)
+        else:
+            raise ValueError(f"path must be one of {PATHS}, not {path!r}")
+        self._check(status, fmt, k, blocks)
+        return y
+
+    def dequantize(self, fmt: str, blocks: torch.Tensor, scales: torch.Tensor | None, k: int,
+                   rows: tuple[int, int] | None = None, dtype: torch.dtype = torch.float32,
+                   out: torch.Tensor | None = None, threads: int = 0) -> torch.Tensor:
+        """Rows [n0, n1) (default: all) of the weight as a dense [n1 - n0, k] tensor of
+        dtype (float32 or bfloat16), into `out` when given (contiguous rows, unit stride)."""
+        n0, n1 = rows if rows is not None else (0, blocks.shape[0])
+        if not 0 <= n0 <= n1 <= blocks.shape[0]:
+            raise ValueError(f"rows ({n0}, {n1}) outside the weight's {blocks.shape[0]} rows")
+        if out is None:
+            out = torch.empty(n1 - n0, k, dtype=dtype)
+        assert out.dtype in (torch.float32, torch.bfloat16) and out.stride(1) == 1
+        assert out.shape == (n1 - n0, k)
+        status = self._dequant(FORMAT_CODES[fmt], blocks.data_ptr(), blocks.stride(0),
+                               None if scales is None else scales.data_ptr(), n0, n1, k,
+                               out.data_ptr(), out.stride(0), int(out.dtype == torch.bfloat16),
+                               threads)
+        self._check(status, fmt, k, blocks)
+        return out
+
+    def quantize_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, K] as the dot path quantizes it: int8 [M, Kp] (Kp = K rounded up to 64,
+        zero past K) and the fp32 chunk scales [M, Kp / 32]."""
+        m, k = x.shape
+        kp = (k + 63) // 64 * 64
+        q = torch.empty(m, kp, dtype=torch.int8)
+        d = torch.empty(m, kp // 32, dtype=torch.float32)
+        status = self._quantize_x(x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16),
+                                  m, k, q.data_ptr(), d.data_ptr())
+        if status < 0:
+            raise MemoryError("quant_quantize_x: out of memory")
+        return q, d
+
+    @staticmethod
+    def _check(status: int, fmt: str, k: int, blocks: torch.Tensor) -> None:
+        if status == -3:
+            raise MemoryError("quantized kernel: could not allocate its scratch buffers")
+        if status != 0:
+            raise QuantKernelError(f"quantized kernel refused format {fmt} with K={k} and "
+                                   f"{blocks.stride(0)} bytes per row")
