@@ -14,8 +14,16 @@ says which one this library was compiled for.
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
 
 import torch
+
+from treadle.paths import cache_dir
 
 FORMAT_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "INT8": 4}
 """Format name -> the kernels' format number (quant_simd.h)."""
@@ -25,8 +33,65 @@ PATHS = ("dot", "deq", "deq_buffered", "amx")
 registers per tile; dequantize each block of weight rows once into a buffer and run
 dense tiles on it (vdpbf16ps / FMA), or AMX tiles (bf16 x only, where `has_amx`)."""
 
+ISA_VARIANTS = {
+    "avx512-bf16": (["-march=cooperlake"],
+                    ["avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"]),
+    "avx512-vnni": (["-march=cascadelake"],
+                    ["avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"]),
+    "avx512f": (["-march=skylake-avx512"], ["avx512f", "avx512bw", "avx512vl", "avx512dq"]),
+    "avx2-vnni": (["-march=x86-64-v3", "-mavxvnni"], ["avx2", "fma", "f16c", "avx_vnni"]),
+    "avx2": (["-march=x86-64-v3"], ["avx2", "fma", "f16c", "bmi2", "movbe"]),
+    "scalar": (["-march=x86-64"], []),
+}
+"""ISA level -> (compiler flags, /proc/cpuinfo flags a CPU needs to run it): the levels the
+quantized kernels have code for, to build and run them side by side on one machine
+(tests, benchmarks). The engine itself uses native.py's -march=native build."""
+
+
+def cpu_runs(variant: str) -> bool:
+    """Whether this CPU has what ISA_VARIANTS[variant] needs (x86 Linux only)."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f
+                          if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return all(flag in flags for flag in ISA_VARIANTS[variant][1])
+
+
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _ISA_BITS = {1: "avx512", 2: "avx2", 4: "bf16", 8: "vnni"}
+
+
+def build_variant(flags: list[str]) -> QuantKernels | None:
+    """The quant_*.c kernels alone, built with `flags` (e.g. ISA_VARIANTS["avx2"][0])
+    into a shared object of their own (cached like native.py's), or None without gcc."""
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        return None
+    kernel_dir = Path(__file__).with_name("kernels")
+    sources = sorted(kernel_dir.glob("quant_*.c"))
+    digest = hashlib.sha256(" ".join([compiler, *flags]).encode())
+    for path in sources + sorted(kernel_dir.glob("quant_*.h")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    target = cache_dir() / "kernels" / f"quant-{digest.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            objects = []
+            for source in sources:
+                objects.append(str(Path(tmp) / (source.stem + ".o")))
+                subprocess.run([compiler, "-O3", *flags, "-fopenmp", "-fPIC", "-c", str(source),
+                                "-o", objects[-1]], check=True, capture_output=True, timeout=300)
+            partial = Path(tmp) / target.name
+            subprocess.run([compiler, "-shared", "-fopenmp", *objects, "-o", str(partial), "-lm"],
+                           check=True, capture_output=True, timeout=300)
+            os.replace(partial, target)
+    return QuantKernels(ctypes.CDLL(str(target)))
 
 
 class QuantKernelError(ValueError):

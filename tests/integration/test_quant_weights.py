@@ -1,0 +1,151 @@
+"""`QuantizedLinear` (models/quant_weights.py) and the format table (models/quant_formats.py):
+the path rule per row count, apply() against the dequantized weight on every path and
+without the C kernels, the torch dequantizer against gguf, the int8 quantizer, and the
+clear errors for what a format cannot hold."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from quant_data import make_weight
+
+from treadle.models.quant_formats import FORMATS, dequantize_torch, format_of, quantize_int8
+from treadle.models.quant_weights import QuantizedLinear
+from treadle.worker.native import load_kernels
+from treadle.worker.native_quant import QuantKernels
+
+ROWS = (1, 3, 16, 17, 64, 200)
+
+
+@pytest.fixture(scope="module")
+def kernels() -> QuantKernels:
+    built = load_kernels()
+    assert built is not None, "the C kernels must build on the test machine (gcc)"
+    return QuantKernels.load(built.lib)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_torch_dequantizer_matches_gguf(fmt):
+    for i, (n, k) in enumerate([(3, 256), (8, 512)]):
+        weight, ref = make_weight(fmt, n, k, seed=20 + i)
+        got = dequantize_torch(weight.format, weight.blocks, k, weight.scales)
+        torch.testing.assert_close(got, torch.from_numpy(ref), rtol=3e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_apply_matches_dequantized_weight_on_every_path(kernels, fmt):
+    k = 512
+    weight, ref = make_weight(fmt, 37, k, seed=1, kernels=kernels)
+    weight.bias = torch.randn(37)
+    w = torch.from_numpy(ref)
+    seen = set()
+    for m in ROWS:
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(m, k).to(dtype)
+            path = weight.path(m)
+            seen.add(path)
+            y = weight.apply(x)
+            assert y.dtype == dtype and y.shape == (m, 37)
+            want = F.linear(x.double(), w.double(), weight.bias.double())
+            scale = x.double().abs() @ w.double().abs().T
+            # dot: activations quantized per chunk (<= amax / 254 each); bf16: weights
+            # and output rounded; fp32 elsewhere.
+            rel = 1 / 100 if path == "dot" else (2 ** -7 if dtype == torch.bfloat16 else 1e-5)
+            assert ((y.double() - want).abs() <= rel * scale + 2 ** -8 * want.abs()).all(), (m, path)
+    assert seen == {"dot", "deq", "deq_buffered", "prefill"}
+
+
+def test_path_rule(kernels):
+    weight, _ = make_weight("Q8_0", 4, 64, seed=0, kernels=kernels)
+    assert [weight.path(m) for m in (1, 2, 4, 5, 16, 17, 512)] == [
+        "dot", "deq", "deq", "deq_buffered", "deq_buffered", "prefill", "prefill"]
+    weight.kernels = None
+    assert weight.path(1) == "torch"
+
+
+def test_prefill_tiles_cover_every_row(kernels):
+    weight, ref = make_weight("Q4_0", 1000, 256, seed=3, kernels=kernels)
+    x = torch.randn(40, 256)
+    want = x @ torch.from_numpy(ref).T
+    for tile_rows in (1, 7, 256, 4096):
+        weight.tile_rows = tile_rows
+        torch.testing.assert_close(weight._prefill(x), want, rtol=1e-5, atol=1e-4)
+
+
+def test_leading_dimensions_and_strided_input(kernels):
+    weight, ref = make_weight("Q4_K", 20, 256, seed=4, kernels=kernels)
+    x = torch.randn(2, 3, 512)[..., ::2]  # stride 2 along the features
+    y = weight.apply(x)
+    assert y.shape == (2, 3, 20)
+    torch.testing.assert_close(y, weight.apply(x.contiguous()))
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_without_kernels_torch_runs_the_same_weight(kernels, fmt):
+    native, ref = make_weight(fmt, 24, 256, seed=5, kernels=kernels)
+    plain = QuantizedLinear(native.format, native.blocks, 256, scales=native.scales)
+    assert plain.path(1) == "torch"
+    torch.testing.assert_close(plain.dequantize(), torch.from_numpy(ref), rtol=3e-7, atol=1e-9)
+    x = torch.randn(5, 256)
+    torch.testing.assert_close(plain.apply(x), native.apply(x), rtol=1e-4, atol=1e-4)
+
+
+def test_int8_quantizer_error_and_padding():
+    w = torch.randn(6, 33) * torch.arange(1, 7)[:, None]
+    w[2] = 0.0
+    blocks, scales = quantize_int8(w.to(torch.bfloat16))
+    assert blocks.shape == (6, 64) and scales.shape == (6,)
+    q = blocks.view(torch.int8)
+    assert (q[:, 33:] == 0).all() and (q[2] == 0).all() and scales[2] == 0
+    assert q.abs().max() == 127
+    deq = q[:, :33].float() * scales[:, None]
+    # round to nearest: within half a step (plus the fp32 roundings of w * 127 / amax)
+    assert ((deq - w.to(torch.bfloat16).float()).abs() <= scales[:, None] * 0.5001 + 1e-7).all()
+
+
+def test_formats_refuse_what_they_cannot_hold():
+    with pytest.raises(ValueError, match="block of 32"):
+        FORMATS["Q8_0"].check_k(48)
+    with pytest.raises(ValueError, match="block of 256"):
+        FORMATS["Q4_K"].row_bytes(576)  # SmolLM2's hidden size: not a Q4_K row
+    FORMATS["INT8"].check_k(577)  # INT8 takes any K
+    with pytest.raises(ValueError, match="supported are"):
+        format_of("Q5_K")
+    with pytest.raises(ValueError, match="supported are"):
+        format_of(13)
+    assert format_of(8).name == "Q8_0" and format_of("q4_k").name == "Q4_K"
+
+
+def test_weight_object_refuses_bad_input(kernels):
+    with pytest.raises(ValueError, match="block of 256"):
+        QuantizedLinear.from_gguf("Q4_K", bytes(144 * 9), (4, 576))
+    with pytest.raises(ValueError, match="needs 136 bytes"):
+        QuantizedLinear.from_gguf("Q8_0", np.zeros(100, np.uint8), (2, 64))
+    with pytest.raises(ValueError, match="not a GGUF type"):
+        QuantizedLinear.from_gguf("INT8", bytes(64), (1, 64))
+    with pytest.raises(ValueError, match="uint8 blocks"):
+        QuantizedLinear("Q8_0", torch.zeros(2, 35, dtype=torch.uint8), 64)
+    with pytest.raises(ValueError, match="scales"):
+        QuantizedLinear("INT8", torch.zeros(2, 64, dtype=torch.uint8), 64)
+    weight, _ = make_weight("Q8_0", 4, 64, seed=0, kernels=kernels)
+    with pytest.raises(ValueError, match="65 features"):
+        weight.apply(torch.randn(1, 65))
+    with pytest.raises(ValueError, match="float16"):
+        weight.apply(torch.randn(1, 64).half())
+    with pytest.raises(ValueError, match="bias"):
+        QuantizedLinear(weight.format, weight.blocks, 64, bias=torch.zeros(3))
+
+
+def test_from_gguf_views_and_sizes(kernels):
+    weight, ref = make_weight("Q4_0", 8, 64, seed=6)
+    raw = weight.blocks.numpy()
+    for data in (raw, raw.reshape(-1), raw.tobytes(), torch.from_numpy(raw)):
+        again = QuantizedLinear.from_gguf(2, data, (8, 64), kernels=kernels)
+        assert torch.equal(again.dequantize(), torch.from_numpy(ref))
+    shared = QuantizedLinear.from_gguf(2, raw, (8, 64), copy=False)
+    assert shared.blocks.data_ptr() == torch.from_numpy(raw).data_ptr()
+    assert weight.nbytes == 8 * 2 * 18
+    int8 = QuantizedLinear.quantize_int8(torch.randn(3, 100))
+    assert int8.nbytes == 3 * 128 + 3 * 4
