@@ -79,7 +79,7 @@ def _reference(kernels, path, weight, w_ref, x, bias):
     (not INT8's: its integers are exact in bf16, the row scale comes after the sum)."""
     w = torch.from_numpy(w_ref).double()
     k = w.shape[1]
-    if path == "dot":
+    if path in ("dot", "amx_dot"):
         q, d = kernels.quantize_activations(x)
         xs = (q[:, :k].double() * d.double().repeat_interleave(32, dim=1)[:, :k])
     else:
@@ -112,8 +112,8 @@ def test_gemv_paths_match_reference(kernels, fmt):
             for dtype in (torch.bfloat16, torch.float32):
                 x = torch.randn(m, k, generator=gen).to(dtype)
                 paths = ["dot", "deq", "deq_buffered"]
-                if kernels.has_amx and dtype == torch.bfloat16:
-                    paths.append("amx")
+                if kernels.has_amx:
+                    paths += ["amx_dot"] + (["amx"] if dtype == torch.bfloat16 else [])
                 for path in paths:
                     y = kernels.gemv(fmt, weight.blocks, weight.scales, k, x, bias, path)
                     assert y.dtype == dtype and y.shape == (m, n)
@@ -124,7 +124,7 @@ def test_strided_input_rows(kernels):
     weight, w_ref = make_weight("Q8_0", 40, 256, seed=3, kernels=kernels)
     wide = torch.randn(5, 300).to(torch.bfloat16)
     x = wide[:, 20:276]  # rows 300 apart
-    paths = ["dot", "deq", "deq_buffered"] + (["amx"] if kernels.has_amx else [])
+    paths = ["dot", "deq", "deq_buffered"] + (["amx", "amx_dot"] if kernels.has_amx else [])
     for path in paths:
         y = kernels.gemv("Q8_0", weight.blocks, None, 256, x, None, path)
         assert torch.equal(y, kernels.gemv("Q8_0", weight.blocks, None, 256, x.contiguous(),
@@ -153,7 +153,7 @@ def test_activation_quantizer(kernels):
 def test_threads_do_not_change_results(kernels):
     weight, _ = make_weight("Q4_1", 333, 512, seed=4, kernels=kernels)
     x = torch.randn(9, 512).to(torch.bfloat16)
-    paths = ["dot", "deq", "deq_buffered"] + (["amx"] if kernels.has_amx else [])
+    paths = ["dot", "deq", "deq_buffered"] + (["amx", "amx_dot"] if kernels.has_amx else [])
     for path in paths:
         one = kernels.gemv("Q4_1", weight.blocks, None, 512, x, None, path, threads=1)
         assert torch.equal(kernels.gemv("Q4_1", weight.blocks, None, 512, x, None, path,
@@ -181,9 +181,10 @@ def test_amx_path_only_where_available(kernels):
             kernels.gemv("Q8_0", weight.blocks, None, 64, torch.randn(1, 64), None, "amx")
     else:
         assert "amx" not in kernels.isa
-        with pytest.raises(ValueError, match="AMX"):
-            kernels.gemv("Q8_0", weight.blocks, None, 64, torch.randn(1, 64).bfloat16(),
-                         None, "amx")
+        for path in ("amx", "amx_dot"):
+            with pytest.raises(ValueError, match="AMX"):
+                kernels.gemv("Q8_0", weight.blocks, None, 64, torch.randn(1, 64).bfloat16(),
+                             None, path)
 
 
 def test_gguf_type_numbers_match_the_gguf_package():

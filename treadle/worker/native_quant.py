@@ -28,10 +28,12 @@ from treadle.paths import cache_dir
 FORMAT_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "INT8": 4}
 """Format name -> the kernels' format number (quant_simd.h)."""
 
-PATHS = ("dot", "deq", "deq_buffered", "amx")
-"""Kernel paths: int8 dot products on per-chunk quantized activations; dequantize in
-registers per tile; dequantize each block of weight rows once into a buffer and run
-dense tiles on it (vdpbf16ps / FMA), or AMX tiles (bf16 x only, where `has_amx`)."""
+PATHS = ("dot", "deq", "deq_buffered", "amx", "amx_dot")
+"""Kernel paths: int8 dot products on per-chunk quantized activations (vpdpbusd /
+pmaddubsw); dequantize in registers per tile; dequantize each block of weight rows once
+into a buffer and run dense tiles on it (vdpbf16ps / FMA); AMX-BF16 tiles on the
+dequantized rows (bf16 x only); AMX-INT8 tiles on per-chunk quantized activations. The
+AMX paths run where `has_amx`."""
 
 ISA_VARIANTS = {
     "avx512-bf16": (["-march=cooperlake"],
@@ -65,6 +67,7 @@ def cpu_runs(variant: str) -> bool:
 
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _ISA_BITS = {1: "avx512", 2: "avx2", 4: "bf16", 8: "vnni"}
+_AMX_BITS = 16 | 32
 
 
 def build_variant(flags: list[str]) -> QuantKernels | None:
@@ -119,11 +122,15 @@ class QuantKernels:
         self._amx = lib.quant_gemm_amx
         self._amx.argtypes = [_I, _P, _I64, _P, _P, _I64, _P, _P, _I64, _I, _I64, _I64, _I64, _I]
         self._amx.restype = _I
+        self._amx_dot = lib.quant_gemm_amx_dot
+        self._amx_dot.argtypes = gemv_args + [_I]
+        self._amx_dot.restype = _I
         lib.quant_isa.restype = _I
         lib.quant_amx_available.restype = _I
         self.isa_flags = int(lib.quant_isa())
-        self.has_amx = bool(lib.quant_amx_available())
-        """Whether the AMX path runs here (compiled in, and Linux granted the tile state)."""
+        self.has_amx = (self.isa_flags & _AMX_BITS == _AMX_BITS
+                        and bool(lib.quant_amx_available()))
+        """Whether the AMX paths run here (compiled in, and Linux granted the tile state)."""
 
     @classmethod
     def load(cls, lib: ctypes.CDLL | None) -> QuantKernels | None:
@@ -158,6 +165,10 @@ class QuantKernels:
                 y.data_ptr(), n, int(y.dtype == torch.bfloat16), m, n, k)
         if path == "dot":
             status = self._dot(*args, threads)
+        elif path == "amx_dot":
+            if not self.has_amx:
+                raise ValueError("the amx_dot path needs AMX (has_amx)")
+            status = self._amx_dot(*args, threads)
         elif path == "amx":
             if not self.has_amx or x.dtype != torch.bfloat16:
                 raise ValueError("the amx path needs AMX (has_amx) and bfloat16 input")

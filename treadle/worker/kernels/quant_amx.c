@@ -19,14 +19,13 @@
 
 #include "quant_simd.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && QK_BF16 && defined(__linux__)
-#define QK_AMX 1
+#if QK_AMX || QK_AMX_INT8
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
 
 int quant_amx_available(void) {
-#if QK_AMX
+#if QK_AMX || QK_AMX_INT8
     /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: process-wide, idempotent. */
     return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
 #else

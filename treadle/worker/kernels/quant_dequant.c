@@ -3,7 +3,8 @@
  * bf16 buffer and hands them to oneDNN) and `QuantizedLinear.dequantize()`.
  *
  * Also the build's identity: quant_isa() says which ISA level and extensions the
- * quantized kernels were compiled with.
+ * quantized kernels were compiled with (AMX: compiled in; quant_amx_available() says
+ * whether the OS lets it run).
  */
 
 #include "quant_simd.h"
@@ -21,6 +22,12 @@ int quant_isa(void) {
 #endif
 #if QK_VNNI
     flags |= QK_ISA_VNNI;
+#endif
+#if QK_AMX
+    flags |= QK_ISA_AMX_BF16;
+#endif
+#if QK_AMX_INT8
+    flags |= QK_ISA_AMX_INT8;
 #endif
     return flags;
 }

@@ -55,12 +55,22 @@ enum { QF_Q8_0 = 0, QF_Q4_0 = 1, QF_Q4_1 = 2, QF_Q4_K = 3, QF_INT8 = 4, QF_COUNT
 #else
 #define QK_SCALAR 1
 #endif
+/* AMX (quant_amx.c: bf16 tiles; quant_amx_dot.c: int8 tiles), Linux only (the tile state
+ * must be requested from the kernel). */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && QK_BF16 && defined(__linux__)
+#define QK_AMX 1
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && QK_AVX512 && defined(__linux__)
+#define QK_AMX_INT8 1
+#endif
 
 /* Bit flags of what this build runs (quant_isa()). */
 #define QK_ISA_AVX512 1
 #define QK_ISA_AVX2 2
 #define QK_ISA_BF16 4
 #define QK_ISA_VNNI 8
+#define QK_ISA_AMX_BF16 16
+#define QK_ISA_AMX_INT8 32
 
 /* Elements per block and bytes per block (INT8: per 64-element step of a padded row). */
 static const int qk_block_elems[QF_COUNT] = {32, 32, 32, 256, 64};
