@@ -2,16 +2,29 @@
 Q4_1, Q4_K blocks, or INT8 made at load), with `apply(x) -> x @ W.T + b` and
 `dequantize()`.
 
-Owns which kernel path runs for how many rows (the figures behind the rule are in
-`python -m treadle.bench.quant_kernel`):
-- up to `dot_max_rows` rows: `dot`, int8 dot products on activations quantized per
-  32-element chunk (kernels/quant_dot.c);
-- up to `gemv_max_rows`: `deq` / `deq_buffered`, the weight dequantized in registers
-  (kernels/quant_gemv.c): dequantized rows are reused across all the x rows of a tile,
-  while the dot path pays its per-chunk scale and int->float work for every row;
-- above: `prefill`, tiles of `tile_rows` weight rows dequantized into a bf16 (fp32 for
-  fp32 activations) buffer and multiplied by oneDNN (`F.linear`), so the dense copy is
-  never larger than one tile.
+Owns which kernel path runs for how many rows, per what the CPU has (`choose_path`; the
+figures behind it: `python -m treadle.bench.quant_kernel`, summarized in the report of
+the commit that set them). Measured on one core of a Xeon with AVX-512 BF16, VNNI and
+AMX, each ISA level's build run there:
+- AMX: `dot` (int8 dot products, kernels/quant_dot.c) below 4 rows (8 for the 4-bit
+  formats, whose unpacking costs the AMX path more), then `amx_dot` (AMX-INT8 tiles on
+  per-chunk int8 activations) to 32 rows, `amx` (dequantized bf16 tiles, AMX-BF16) to
+  128: from 16 rows these are 2-3x faster than `dot`, whose per-chunk scaling is paid
+  per row, while AMX pays it per 16 rows.
+- AVX-512 or AVX2 with VNNI: `dot` up to 16 rows; it beat the dequantize-in-register
+  paths (`deq`, `deq_buffered`) by 1.5-2x at every row count there: vpdpbusd does 4
+  products per lane, the bf16 / fp32 paths 2 / 1 after paying the widening.
+- no VNNI (pmaddubsw): `dot` up to 2 rows (2x faster than `deq` at 1 row, even at 4),
+  then `deq_buffered` (each block of 16 weight rows dequantized once into an L1 buffer,
+  then FMA tiles) to 16 rows, 15-25% faster than `dot` at 16.
+- above those: `prefill`, tiles of `tile_rows` weight rows dequantized into a bf16
+  (fp32 for fp32 activations) buffer and multiplied by oneDNN (`F.linear`), so the
+  dense copy is never larger than one tile; 1024-row tiles cost about what dequantizing
+  the whole weight per call costs (smaller tiles pay oneDNN's per-call overhead).
+The in-register `deq` path is never chosen (it lost or tied everywhere measured); it
+stays callable for measurements. Paths round differently (int8 activations on the dot
+paths, bf16 weights on the bf16 ones), so a row's output depends slightly on how many
+rows share the call, as the bf16 kernels' already does.
 Without the C kernels (`kernels=None`) a dense copy in the activations' dtype is made on
 first use and `F.linear` runs on it: slower to load and larger, same results to rounding.
 
@@ -28,12 +41,42 @@ import torch.nn.functional as F
 
 from treadle.models.quant_formats import QuantFormat, dequantize_torch, format_of, quantize_int8
 
-DOT_MAX_ROWS = 1
-"""Rows up to which the int8 dot-product path runs (see the module docstring)."""
+AMX_DOT_MIN_ROWS = {"Q8_0": 4, "INT8": 4, "Q4_0": 8, "Q4_1": 8, "Q4_K": 8}
+"""With AMX: rows from which `amx_dot` replaces `dot`."""
+AMX_DOT_MAX_ROWS = 32
+"""With AMX: rows up to which `amx_dot` runs, then `amx`."""
+AMX_MAX_ROWS = 128
+"""With AMX: rows up to which an AMX path runs, then `prefill`."""
+VNNI_DOT_MAX_ROWS = 16
+"""With VNNI, no AMX: rows up to which `dot` runs, then `prefill`."""
+PLAIN_DOT_MAX_ROWS = 2
+"""Without VNNI: rows up to which `dot` runs, then `deq_buffered`."""
 GEMV_MAX_ROWS = 16
-"""Rows up to which a GEMV path runs; above, the prefill path."""
-TILE_ROWS = 256
+"""Without AMX: rows up to which a GEMV path runs, then `prefill`."""
+TILE_ROWS = 1024
 """Weight rows per dequantized tile of the prefill path."""
+
+
+def choose_path(kernels, fmt: str, rows: int, dtype: torch.dtype = torch.bfloat16) -> str:
+    """The kernel path for `rows` rows of `dtype` activations and a `fmt` weight on
+    `kernels` (see the module docstring): dot, deq_buffered, amx_dot, amx, prefill, or
+    torch (no kernels). The bf16 AMX tiles take bf16 activations only: fp32 ones stay on
+    amx_dot there."""
+    if kernels is None:
+        return "torch"
+    if kernels.has_amx:
+        if rows < AMX_DOT_MIN_ROWS[fmt]:
+            return "dot"
+        if rows <= AMX_DOT_MAX_ROWS:
+            return "amx_dot"
+        if rows > AMX_MAX_ROWS:
+            return "prefill"
+        return "amx" if dtype == torch.bfloat16 else "amx_dot"
+    if rows > GEMV_MAX_ROWS:
+        return "prefill"
+    if kernels.has_vnni:
+        return "dot" if rows <= VNNI_DOT_MAX_ROWS else "prefill"
+    return "dot" if rows <= PLAIN_DOT_MAX_ROWS else "deq_buffered"
 
 
 class QuantizedLinear:
@@ -44,8 +87,7 @@ class QuantizedLinear:
 
     def __init__(self, fmt: QuantFormat | str, blocks: torch.Tensor, in_features: int,
                  scales: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                 kernels=None, dot_max_rows: int = DOT_MAX_ROWS,
-                 gemv_max_rows: int = GEMV_MAX_ROWS, tile_rows: int = TILE_ROWS) -> None:
+                 kernels=None, tile_rows: int = TILE_ROWS) -> None:
         self.format = fmt if isinstance(fmt, QuantFormat) else format_of(fmt)
         row_bytes = self.format.row_bytes(in_features)
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes:
@@ -63,8 +105,6 @@ class QuantizedLinear:
                              f"{tuple(bias.shape)}")
         self.bias = None if bias is None else bias.float().contiguous()
         self.kernels = kernels
-        self.dot_max_rows = dot_max_rows
-        self.gemv_max_rows = gemv_max_rows
         self.tile_rows = max(1, tile_rows)
         self._dense: torch.Tensor | None = None  # the fallback's copy
         self._bias_as: dict[torch.dtype, torch.Tensor] = {}
@@ -72,7 +112,7 @@ class QuantizedLinear:
     @classmethod
     def from_gguf(cls, ggml_type: int | str, data, shape: tuple[int, int],
                   bias: torch.Tensor | None = None, kernels=None, copy: bool = True,
-                  **rules) -> QuantizedLinear:
+                  tile_rows: int = TILE_ROWS) -> QuantizedLinear:
         """A weight from a GGUF tensor's raw blocks: `ggml_type` its GGMLQuantizationType
         (or name), `data` its bytes (numpy array, torch uint8 tensor or bytes; any shape
         of N * row_bytes bytes), `shape` (out_features, in_features) in torch order (GGUF
@@ -96,16 +136,17 @@ class QuantizedLinear:
         if blocks.numel() != n * row_bytes:
             raise ValueError(f"{fmt.name} tensor of shape {shape} needs {n * row_bytes} bytes, "
                              f"got {blocks.numel()}")
-        return cls(fmt, blocks.reshape(n, row_bytes), k, bias=bias, kernels=kernels, **rules)
+        return cls(fmt, blocks.reshape(n, row_bytes), k, bias=bias, kernels=kernels,
+                   tile_rows=tile_rows)
 
     @classmethod
     def quantize_int8(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                      kernels=None, **rules) -> QuantizedLinear:
+                      kernels=None, tile_rows: int = TILE_ROWS) -> QuantizedLinear:
         """INT8 weight-only quantization of a float [out, in] weight (per output row
         symmetric scale, made here)."""
         blocks, scales = quantize_int8(weight)
         return cls("INT8", blocks, weight.shape[1], scales=scales, bias=bias, kernels=kernels,
-                   **rules)
+                   tile_rows=tile_rows)
 
     @property
     def nbytes(self) -> int:
@@ -113,16 +154,9 @@ class QuantizedLinear:
         extra = 0 if self.scales is None else self.scales.numel() * 4
         return self.blocks.numel() + extra
 
-    def path(self, rows: int) -> str:
-        """The path `apply` takes for this many rows: dot, deq, deq_buffered, prefill
-        or torch (no C kernels)."""
-        if self.kernels is None:
-            return "torch"
-        if rows <= self.dot_max_rows:
-            return "dot"
-        if rows <= self.gemv_max_rows:
-            return "deq" if rows <= 4 else "deq_buffered"
-        return "prefill"
+    def path(self, rows: int, dtype: torch.dtype = torch.bfloat16) -> str:
+        """The path `apply` takes for this many rows of `dtype` (`choose_path`)."""
+        return choose_path(self.kernels, self.format.name, rows, dtype)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] (bfloat16 or float32) @ W.T + bias, in x's dtype."""
@@ -135,7 +169,7 @@ class QuantizedLinear:
         x2 = x.reshape(-1, self.in_features)
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
-        path = self.path(x2.shape[0])
+        path = self.path(x2.shape[0], x2.dtype)
         if path == "torch":
             y = F.linear(x2, self._dense_copy(x.dtype), self._bias_in(x.dtype))
         elif path == "prefill":

@@ -147,6 +147,11 @@ class QuantKernels:
         return "+".join(names) if names else "scalar"
 
     @property
+    def has_vnni(self) -> bool:
+        """Whether the dot path has vpdpbusd (else pmaddubsw + pmaddwd)."""
+        return bool(self.isa_flags & 8)
+
+    @property
     def has_bf16(self) -> bool:
         """Whether bf16 activations take vdpbf16ps (else they are widened to fp32)."""
         return bool(self.isa_flags & 4)
