@@ -172,6 +172,14 @@ def test_kernels_refuse_inconsistent_shapes(kernels):
         kernels.dequantize("Q8_0", weight.blocks, None, 64, rows=(2, 9))
     with pytest.raises(ValueError, match="path"):
         kernels.gemv("Q8_0", weight.blocks, None, 64, torch.randn(1, 64), None, "fast")
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        kernels.gemv("Q8_0", weight.blocks, None, 64, torch.randn(1, 64).half(), None, "dot")
+    with pytest.raises(ValueError, match="unit stride"):
+        kernels.gemv("Q8_0", weight.blocks, None, 64, torch.randn(64, 2).t(), None, "dot")
+    with pytest.raises(ValueError, match="bias"):
+        kernels.gemv("Q8_0", weight.blocks, None, 64, torch.randn(1, 64), torch.zeros(8).half())
+    with pytest.raises(ValueError, match="contiguous uint8"):
+        kernels.gemv("Q8_0", weight.blocks.t(), None, 64, torch.randn(1, 64), None)
 
 
 def test_amx_path_only_where_available(kernels):

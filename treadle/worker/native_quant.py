@@ -162,12 +162,21 @@ class QuantKernels:
         """x [M, k] (bf16 or fp32, unit stride along k) times the quantized weight
         `blocks` [N, row_bytes] (uint8, contiguous; INT8: `scales` fp32 [N]) transposed,
         plus bias (fp32 [N] or None): [M, N] in x's dtype. path: one of PATHS."""
-        m, n = x.shape[0], blocks.shape[0]
+        self._check_weight(blocks, scales)
+        if (x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1
+                or x.dtype not in (torch.bfloat16, torch.float32)):
+            raise ValueError(f"x must be [M, {k}] bfloat16 or float32 with unit stride along "
+                             f"K, got {tuple(x.shape)} {x.dtype} strides {x.stride()}")
+        n = blocks.shape[0]
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)
+                                 or not bias.is_contiguous()):
+            raise ValueError(f"bias must be contiguous float32 [{n}]")
+        m, x_bf16 = x.shape[0], int(x.dtype == torch.bfloat16)
         y = torch.empty(m, n, dtype=x.dtype)
-        args = (FORMAT_CODES[fmt], blocks.data_ptr(), blocks.stride(0),
-                None if scales is None else scales.data_ptr(), x.data_ptr(), x.stride(0),
-                int(x.dtype == torch.bfloat16), None if bias is None else bias.data_ptr(),
-                y.data_ptr(), n, int(y.dtype == torch.bfloat16), m, n, k)
+        scales_p = None if scales is None else scales.data_ptr()
+        bias_p = None if bias is None else bias.data_ptr()
+        args = (FORMAT_CODES[fmt], blocks.data_ptr(), blocks.stride(0), scales_p,
+                x.data_ptr(), x.stride(0), x_bf16, bias_p, y.data_ptr(), n, x_bf16, m, n, k)
         if path == "dot":
             status = self._dot(*args, threads)
         elif path == "amx_dot":
@@ -177,8 +186,9 @@ class QuantKernels:
         elif path == "amx":
             if not self.has_amx or x.dtype != torch.bfloat16:
                 raise ValueError("the amx path needs AMX (has_amx) and bfloat16 input")
-            status = self._amx(args[0], args[1], args[2], args[3], args[4], args[5], args[7],
-                               args[8], args[9], args[10], m, n, k, threads)
+            status = self._amx(FORMAT_CODES[fmt], blocks.data_ptr(), blocks.stride(0), scales_p,
+                               x.data_ptr(), x.stride(0), bias_p, y.data_ptr(), n, x_bf16,
+                               m, n, k, threads)
         elif path in ("deq", "deq_buffered"):
             status = self._deq(*args, int(path == "deq_buffered"), threads)
         else:
@@ -191,13 +201,16 @@ class QuantKernels:
                    out: torch.Tensor | None = None, threads: int = 0) -> torch.Tensor:
         """Rows [n0, n1) (default: all) of the weight as a dense [n1 - n0, k] tensor of
         dtype (float32 or bfloat16), into `out` when given (contiguous rows, unit stride)."""
+        self._check_weight(blocks, scales)
         n0, n1 = rows if rows is not None else (0, blocks.shape[0])
         if not 0 <= n0 <= n1 <= blocks.shape[0]:
             raise ValueError(f"rows ({n0}, {n1}) outside the weight's {blocks.shape[0]} rows")
         if out is None:
             out = torch.empty(n1 - n0, k, dtype=dtype)
-        assert out.dtype in (torch.float32, torch.bfloat16) and out.stride(1) == 1
-        assert out.shape == (n1 - n0, k)
+        if (out.dtype not in (torch.float32, torch.bfloat16) or out.stride(1) != 1
+                or out.shape != (n1 - n0, k)):
+            raise ValueError(f"out must be [{n1 - n0}, {k}] float32 or bfloat16 with unit "
+                             f"stride along K, got {tuple(out.shape)} {out.dtype}")
         status = self._dequant(FORMAT_CODES[fmt], blocks.data_ptr(), blocks.stride(0),
                                None if scales is None else scales.data_ptr(), n0, n1, k,
                                out.data_ptr(), out.stride(0), int(out.dtype == torch.bfloat16),
@@ -217,6 +230,15 @@ class QuantKernels:
         if status < 0:
             raise MemoryError("quant_quantize_x: out of memory")
         return q, d
+
+    @staticmethod
+    def _check_weight(blocks: torch.Tensor, scales: torch.Tensor | None) -> None:
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous():
+            raise ValueError(f"blocks must be contiguous uint8 [N, row_bytes], got "
+                             f"{blocks.dtype} {tuple(blocks.shape)}")
+        if scales is not None and (scales.dtype != torch.float32 or not scales.is_contiguous()
+                                   or scales.shape != blocks.shape[:1]):
+            raise ValueError(f"scales must be contiguous float32 [{blocks.shape[0]}]")
 
     @staticmethod
     def _check(status: int, fmt: str, k: int, blocks: torch.Tensor) -> None:
