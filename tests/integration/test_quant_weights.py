@@ -185,3 +185,24 @@ def test_from_gguf_views_and_sizes(kernels):
     assert weight.nbytes == 8 * 2 * 18
     int8 = QuantizedLinear.quantize_int8(torch.randn(3, 100))
     assert int8.nbytes == 3 * 128 + 3 * 4
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "INT8"])
+def test_concat_rows_and_embedding(kernels, fmt):
+    parts = [make_weight(fmt, n, 64, seed=30 + n, kernels=kernels) for n in (5, 3, 8)]
+    for (w, _), b in zip(parts, (1.0, 2.0, 3.0)):
+        w.bias = torch.full((w.out_features,), b)
+    fused = QuantizedLinear.concat_rows([w for w, _ in parts])
+    ref = torch.from_numpy(np.concatenate([r for _, r in parts]))
+    assert fused.out_features == 16 and torch.equal(fused.dequantize(), ref)
+    x = torch.randn(2, 64)
+    y = fused.apply(x)
+    for (w, _), (a, b) in zip(parts, ((0, 5), (5, 8), (8, 16))):
+        torch.testing.assert_close(y[:, a:b], w.apply(x))
+    ids = torch.tensor([[3, 0], [15, 3]])
+    assert torch.equal(fused.embedding(ids), ref[ids])
+    fused.kernels = None
+    assert torch.equal(fused.embedding(ids), ref[ids])
+    other, _ = make_weight("Q4_0", 4, 64, seed=1)
+    with pytest.raises(ValueError, match="cannot fuse"):
+        QuantizedLinear.concat_rows([parts[0][0], other])

@@ -148,6 +148,38 @@ class QuantizedLinear:
         return cls("INT8", blocks, weight.shape[1], scales=scales, bias=bias, kernels=kernels,
                    tile_rows=tile_rows)
 
+    @classmethod
+    def concat_rows(cls, weights: list[QuantizedLinear]) -> QuantizedLinear:
+        """One weight whose output rows are those of `weights` in order (fused QKV or
+        gate/up projections); they must share format and in_features."""
+        first = weights[0]
+        for w in weights[1:]:
+            if w.format != first.format or w.in_features != first.in_features:
+                raise ValueError(f"cannot fuse a {w.format.name} [{w.out_features}, "
+                                 f"{w.in_features}] weight with a {first.format.name} [..., "
+                                 f"{first.in_features}] one: dequantize or keep them apart")
+        biased = [w.bias is not None for w in weights]
+        if any(biased) and not all(biased):
+            raise ValueError("cannot fuse weights where only some have a bias")
+        scales = None if first.scales is None else torch.cat([w.scales for w in weights])
+        bias = torch.cat([w.bias for w in weights]) if all(biased) else None
+        return cls(first.format, torch.cat([w.blocks for w in weights]), first.in_features,
+                   scales=scales, bias=bias, kernels=first.kernels, tile_rows=first.tile_rows)
+
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `ids` (int64, any shape) dequantized: [*ids.shape, in_features] of dtype,
+        for a quantized token-embedding table (GGUF's token_embd, tied to the LM head)."""
+        flat = ids.reshape(-1)
+        blocks = self.blocks[flat]
+        scales = None if self.scales is None else self.scales[flat]
+        if self.kernels is None:
+            rows = dequantize_torch(self.format, blocks, self.in_features, scales).to(dtype)
+        else:
+            out_dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+            rows = self.kernels.dequantize(self.format.name, blocks, scales, self.in_features,
+                                           dtype=out_dtype).to(dtype)
+        return rows.reshape(*ids.shape, self.in_features)
+
     @property
     def nbytes(self) -> int:
         """Bytes the weight holds in memory (blocks and scales; not the bias)."""
