@@ -1,7 +1,9 @@
 """The small-batch bf16 C kernels (worker/native_linear.py) against torch: the linear layer
 against F.linear in float32 rounded to bf16, the fused residual-add + RMSNorm and
 silu * mul against the model's torch code, the fallbacks, and an engine whose bf16 model
-runs them against the same engine on torch alone."""
+runs them against the same engine on torch alone. Every test runs once per kernel ISA level
+this CPU executes (avx512bf16, avx512, avx2: worker/cpu_isa.py), so the widening kernels of
+CPUs without AVX-512 BF16 are tested on a machine that has it."""
 
 from __future__ import annotations
 
@@ -11,17 +13,25 @@ import torch.nn.functional as F
 
 from treadle.models.llama import rms_norm
 from treadle.models.packed_linear import apply_linear, pack_weight
+from treadle.worker.cpu_isa import executable_levels
 from treadle.worker.native import load_kernels
 from treadle.worker.native_linear import NativeLayerOps
 
+LEVELS = executable_levels() or ["native"]
+
+
+@pytest.fixture(scope="module", params=LEVELS)
+def level(request) -> str:
+    return request.param
+
 
 @pytest.fixture(scope="module")
-def ops():
-    kernels = load_kernels()
+def ops(level):
+    kernels = load_kernels(level)
     assert kernels is not None, "the C kernels must build on the test machine (gcc is required)"
     layer_ops = NativeLayerOps.load(kernels.lib)
     if layer_ops is None:
-        pytest.skip("the build machine has no AVX512-BF16")
+        pytest.skip(f"the {level} build has no vector unit (neither AVX-512 nor AVX2)")
     return layer_ops
 
 
@@ -140,17 +150,21 @@ def test_rope_kv_matches_torch_bit_for_bit(ops, m, heads, kv_heads, head_dim):
     assert ops.rope_kv(qk.float(), value.float(), cos.float(), sin.float(), cache, slots) is None
 
 
-def test_engine_bf16_decode_matches_torch_path(ops, tmp_path_factory):
+def test_engine_bf16_decode_matches_torch_path(ops, level, tmp_path_factory, monkeypatch):
     """A bf16 engine runs the kernels in every layer and decodes as with torch alone: the
     same greedy tokens and log-probabilities, up to bf16 rounding. (The tiny model's bf16
     logits tie often; a near-tie may flip, after which the continuations differ.)"""
     from conftest import make_tiny_checkpoint
 
+    import treadle.worker.native as native_module
     from treadle.config import EngineConfig
     from treadle.engine.core import EngineCore
     from treadle.request import Request
     from treadle.sampling_params import SamplingParams
 
+    # The engine loads this level's kernels (until EngineCore passes kernel_isa itself).
+    monkeypatch.setattr(native_module, "load_kernels",
+                        lambda isa="auto", _load=native_module.load_kernels: _load(level))
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("native-linear"), "qwen2")
     core = EngineCore(EngineConfig.from_options(model=path, dtype="bfloat16",
                                                 kv_cache_memory="64MiB"))

@@ -1,6 +1,6 @@
 """The C prefill-attention kernel (worker/kernels/paged_prefill.c) against a plain causal
 softmax(QK^T)V over each span's blocks, and the engine's prefill logprobs with it against
-the torch attention path."""
+the torch attention path; once per kernel ISA level this CPU executes (worker/cpu_isa.py)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,19 @@ import math
 import pytest
 import torch
 
+from treadle.worker.cpu_isa import executable_levels
 from treadle.worker.native import load_kernels
 
+LEVELS = executable_levels() or ["native"]
 
-@pytest.fixture(scope="module")
-def kernels():
-    k = load_kernels()
+
+@pytest.fixture(scope="module", params=LEVELS)
+def kernels(request):
+    k = load_kernels(request.param)
     assert k is not None, "the C kernels must build on the test machine (gcc is required)"
     if not k.supports_prefill(torch.bfloat16, 64):
-        pytest.skip("this CPU has no AVX-512 BF16: prefills use torch's attention")
+        pytest.skip(f"the {request.param} build has no vector unit: prefills use torch's "
+                    "attention")
     return k
 
 
@@ -130,12 +134,17 @@ def test_unsupported_head_dim_is_reported(kernels):
                               kernels.prefill_workspace(spans, 1, 80), 0.1)
 
 
-def test_engine_prefill_logprobs_native_vs_torch(kernels, tmp_path):
+def test_engine_prefill_logprobs_native_vs_torch(kernels, tmp_path, monkeypatch):
     """A bf16 model with head_dim 64, prompts chunked over steps: the C prefill path gives
     the same prompt logprobs as torch's attention, to bf16 accuracy."""
     import transformers
 
+    import treadle.worker.native as native_module
     from treadle import LLM, SamplingParams
+
+    # The engine loads this level's kernels (until EngineCore passes kernel_isa itself).
+    monkeypatch.setattr(native_module, "load_kernels",
+                        lambda isa="auto", _load=native_module.load_kernels: _load(kernels.isa))
 
     config = transformers.LlamaConfig(
         vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,

@@ -145,7 +145,7 @@ def bench_prefill(kernels, start: int, new: int, *, num_heads: int = 9, num_kv_h
     return {"positions_before": start, "new_tokens": new,
             "native_ms": round(times["native"] * 1e3, 3),
             "sdpa_ms": round(times["sdpa"] * 1e3, 3),
-            "speedup": round(times["sdpa"] / times["native"], 2),
+            "speedup": float(f"{times['sdpa'] / times['native']:.3g}"),
             "native_useful_gflop_s": round(useful_flops / times["native"] / 1e9, 1)}
 
 
