@@ -15,7 +15,7 @@ from treadle.models.llama import rms_norm
 from treadle.models.packed_linear import apply_linear, pack_weight
 from treadle.worker.cpu_isa import executable_levels
 from treadle.worker.native import load_kernels
-from treadle.worker.native_linear import NativeLayerOps
+from treadle.worker.native_linear import MAX_ROWS, WIDENING_MAX_ROWS, NativeLayerOps
 
 LEVELS = executable_levels() or ["native"]
 
@@ -29,7 +29,9 @@ def level(request) -> str:
 def ops(level):
     kernels = load_kernels(level)
     assert kernels is not None, "the C kernels must build on the test machine (gcc is required)"
-    layer_ops = NativeLayerOps.load(kernels.lib)
+    # The tests below sweep every row count up to max_rows: the first 16 at every level
+    # (test_linear_any_row_count covers the widening levels' larger default).
+    layer_ops = NativeLayerOps.load(kernels.lib, max_rows=MAX_ROWS)
     if layer_ops is None:
         pytest.skip(f"the {level} build has no vector unit (neither AVX-512 nor AVX2)")
     return layer_ops
@@ -59,6 +61,25 @@ def test_linear_matches_float32_reference(ops, n, k, bias):
         assert_bf16_close(got, ref)
         # fp32 accumulation and round-to-nearest-even: almost every output is the
         # correctly rounded float32 result.
+        assert (got != ref.to(torch.bfloat16)).float().mean() < 0.01
+
+
+def test_linear_any_row_count(level):
+    """Without vdpbf16ps the kernel takes every row count by default (torch's bf16 linear
+    is the slow path there), with the same accuracy at prefill-sized batches."""
+    kernels = load_kernels(level)
+    ops = NativeLayerOps.load(kernels.lib)
+    if ops is None:
+        pytest.skip(f"the {level} build has no vector unit (neither AVX-512 nor AVX2)")
+    assert ops.max_rows == (MAX_ROWS if kernels.has_dpbf16 else WIDENING_MAX_ROWS)
+    ops = NativeLayerOps.load(kernels.lib, max_rows=WIDENING_MAX_ROWS)
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(203, 577, generator=gen).to(torch.bfloat16)
+    b = torch.randn(203, generator=gen).to(torch.bfloat16)
+    for m in (17, 64, 333, 1030):
+        x = torch.randn(m, 577, generator=gen).to(torch.bfloat16)
+        got, ref = ops.linear(x, w, b), reference(x, w, b)
+        assert_bf16_close(got, ref)
         assert (got != ref.to(torch.bfloat16)).float().mean() < 0.01
 
 

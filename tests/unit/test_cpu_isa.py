@@ -108,7 +108,7 @@ def test_describe_kernels_names_the_dtype_level_and_active_kernels(level):
     if kernels.simd_width:
         assert ("vdpbf16ps" in line) is kernels.has_dpbf16
         assert (f"widened to fp32 in {kernels.simd_width}-lane" in line) is not kernels.has_dpbf16
-        assert "linear (<= 16 rows)" in line and "rope+kv write" in line
+        assert f"linear (<= {ops.max_rows} rows)" in line and "rope+kv write" in line
         assert "decode attention, prefill attention, sampling" in line and "torch:" not in line
     line = describe_kernels(kernels, torch.float32, head_dim=80)
     assert line.startswith("dtype float32;")
