@@ -24,8 +24,11 @@ Owns two measurements, reported as they come (nothing here is a target):
   attention of the first level) and, with --fp32, a float32 engine on the first level's
   attention; the median step ms of each.
 
-Run: `python -m treadle.bench.linear_kernel [--repeats N] [--steps N] [--requests 4,16]
-[--isa auto|all|LEVEL,...] [--fp32] [--num-threads N]` (prints JSON). To see what torch
+Every time is also given as process CPU time (`*_cpu_ms`: all threads' CPU seconds): on a
+loaded machine with --num-threads 1 it leaves out the time spent descheduled.
+
+Run: `python -m treadle.bench.linear_kernel [--repeats N] [--rows 1,4,8,16] [--steps N]
+[--requests 4,16] [--isa auto|all|LEVEL,...] [--fp32] [--num-threads N]` (prints JSON). To see what torch
 would do on a CPU without AVX-512 BF16, restrict it in the environment, e.g.
 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 (the C
 kernels' level is --isa's).
@@ -124,22 +127,27 @@ def kernels(repeats: int = 15, rows: tuple[int, ...] = (1, 4, 8, 16), isa: str =
             if fp32:
                 runs["torch_f32"] = (lambda i: F.linear(x32, weights32[i]), 4)
             best = dict.fromkeys(runs, float("inf"))
+            best_cpu = dict.fromkeys(runs, float("inf"))
             for _ in range(repeats):
                 for label, (fn, _) in runs.items():
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     for i in range(copies):
                         fn(i)
                     best[label] = min(best[label], (time.perf_counter() - t0) / copies)
+                    best_cpu[label] = min(best_cpu[label], (time.process_time() - c0) / copies)
             row = {"shape": name, "n": n, "k": k, "m": m}
             for label, seconds in best.items():
                 gb_s = n * k * runs[label][1] / seconds / 1e9
                 row[f"{label}_ms"] = round(seconds * 1e3, 4)
+                row[f"{label}_cpu_ms"] = round(best_cpu[label] * 1e3, 4)
                 row[f"{label}_gb_s"] = round(gb_s, 1)
                 if label.startswith("native_"):
                     row[f"{label}_read_fraction"] = round(gb_s / reference_gb_s, 2)
                 per_step = LAYERS if name != "lm_head" else 1
                 key = f"{label}_m{m}"
                 model_ms[key] = round(model_ms.get(key, 0.0) + seconds * 1e3 * per_step, 3)
+                model_ms[f"{key}_cpu"] = round(model_ms.get(f"{key}_cpu", 0.0)
+                                               + best_cpu[label] * 1e3 * per_step, 3)
             results.append(row)
     return {"torch_threads": torch.get_num_threads(), "repeats": repeats,
             "levels": {level: k.march for level, (k, _) in levels.items()},
@@ -194,14 +202,16 @@ def steps(num_requests: int, num_steps: int, prompt_len: int = 600, block: int =
         cores["fp32"] = _engine("float32", num_requests, prompt_len, max_tokens)
         variants["fp32"] = (None, first)
     times: dict[str, list[float]] = {name: [] for name in variants}
+    cpu_times: dict[str, list[float]] = {name: [] for name in variants}
     while min(len(t) for t in times.values()) < num_steps:
         for name, (ops, k) in variants.items():
             core = cores["fp32" if name == "fp32" else "bf16"]
             _use(core, ops, k)
             for _ in range(block):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 out = core.step()
                 times[name].append(time.perf_counter() - t0)
+                cpu_times[name].append(time.process_time() - c0)
                 assert len(out) == num_requests, "every request should decode in every step"
     medians = {name: statistics.median(t[:num_steps]) for name, t in times.items()}
     result = {"num_requests": num_requests, "prompt_len": prompt_len, "steps": num_steps,
@@ -209,6 +219,8 @@ def steps(num_requests: int, num_steps: int, prompt_len: int = 600, block: int =
               "attention_of_torch_layers_and_fp32": first.isa}
     for name, seconds in medians.items():
         result[f"median_step_ms_{name}"] = round(seconds * 1e3, 2)
+        result[f"median_step_cpu_ms_{name}"] = round(
+            statistics.median(cpu_times[name][:num_steps]) * 1e3, 2)
     return result
 
 
@@ -226,13 +238,15 @@ def main() -> None:
     parser.add_argument("--fp32", action="store_true",
                         help="also float32 (F.linear on fp32 weights; a float32 engine)")
     parser.add_argument("--prompt-len", type=int, default=600)
+    parser.add_argument("--rows", default="1,4,8,16", help="kernels: row counts M")
     args = parser.parse_args()
     if args.num_threads:
         import torch
         torch.set_num_threads(args.num_threads)
     report = {}
     if not args.skip_kernels:
-        report["kernels"] = kernels(args.repeats, isa=args.isa, fp32=args.fp32)
+        report["kernels"] = kernels(args.repeats, tuple(int(m) for m in args.rows.split(",")),
+                                    isa=args.isa, fp32=args.fp32)
     if args.steps:
         report["steps"] = [steps(int(r), args.steps, args.prompt_len, isa=args.isa,
                                  fp32=args.fp32) for r in args.requests.split(",")]
