@@ -7,7 +7,7 @@ Owns two measurements, reported as they come (nothing here is a target):
   o 576x576, gate_up 3072x576, down 576x1536, LM head 49152x576) and M in {1, 4, 8, 16}
   rows, the best-of-`repeats` ms per call and the weight bytes read per second, of
   oneDNN's packed kernel (`torch.ops.mkldnn._linear_pointwise`, what the engine used
-  before), of `NativeLayerOps.linear` of each ISA level in --isa, and with --fp32 of
+  before; where it does not exist, as without AVX-512, bf16 F.linear: `torch_bf16`), of `NativeLayerOps.linear` of each ISA level in --isa, and with --fp32 of
   F.linear on float32 copies of the weights (what a CPU on the float32 fallback of
   dtype=auto ran). Each call reads another of `copies` copies of the weight (30 per layer
   shape, as the model's 30 layers; 3 of the LM head), so the weights come from memory, or
@@ -102,9 +102,10 @@ def kernels(repeats: int = 15, rows: tuple[int, ...] = (1, 4, 8, 16), isa: str =
     import torch
     import torch.nn.functional as F
 
-    from treadle.models.packed_linear import _pack, _packed_linear
+    from treadle.models.packed_linear import _pack, _packed_linear, packed_kernel_works
 
     levels = load_levels(isa)
+    onednn = packed_kernel_works(torch.bfloat16)  # no: what the engine runs is F.linear
     layer_bytes = sum(n * k * 2 * (1 if name == "lm_head" else LAYERS)
                       for name, (n, k) in SHAPES.items())
     probe = next(iter(levels.values()))[0]
@@ -116,12 +117,13 @@ def kernels(repeats: int = 15, rows: tuple[int, ...] = (1, 4, 8, 16), isa: str =
     for name, (n, k) in SHAPES.items():
         copies = 3 if name == "lm_head" else LAYERS
         weights = [torch.randn(n, k, generator=gen).to(torch.bfloat16) for _ in range(copies)]
-        packed = [_pack(w) for w in weights]
+        packed = [_pack(w) for w in weights] if onednn else []
         weights32 = [w.float() for w in weights] if fp32 else []
         for m in rows:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
             x32 = x.float()
-            runs = {"onednn": (lambda i: _packed_linear(x, packed[i], None), 2)}
+            runs = ({"onednn": (lambda i: _packed_linear(x, packed[i], None), 2)} if onednn
+                    else {"torch_bf16": (lambda i: F.linear(x, weights[i]), 2)})
             for level, (_, ops) in levels.items():
                 runs[f"native_{level}"] = (lambda i, ops=ops: ops.linear(x, weights[i], None), 2)
             if fp32:
@@ -154,8 +156,9 @@ def kernels(repeats: int = 15, rows: tuple[int, ...] = (1, 4, 8, 16), isa: str =
             "read_bandwidth": bandwidth, "shapes": results, "model_ms": model_ms}
 
 
-def _engine(dtype: str, num_requests: int, prompt_len: int, max_tokens: int):
-    """An EngineCore on the demo model whose requests have all finished their prompts."""
+def _engine(dtype: str, num_requests: int, prompt_len: int, max_tokens: int, kernels, ops):
+    """An EngineCore on the demo model whose requests have all finished their prompts,
+    prefilled on `kernels` and `ops` (see `_use`)."""
     from treadle.config import EngineConfig
     from treadle.engine.core import EngineCore
     from treadle.request import Request
@@ -166,6 +169,7 @@ def _engine(dtype: str, num_requests: int, prompt_len: int, max_tokens: int):
                                        max_num_batched_tokens=2048,
                                        kv_cache_memory=max(kv_bytes, 256 << 20))
     core = EngineCore(config)
+    _use(core, ops if dtype == "bfloat16" else None, kernels)
     vocab = core.model.vocab_size
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
     for i in range(num_requests):
@@ -197,9 +201,10 @@ def steps(num_requests: int, num_steps: int, prompt_len: int = 600, block: int =
     variants = {level: (ops, k) for level, (k, ops) in levels.items()}
     variants["torch_layers"] = (None, first)
     max_tokens = (len(variants) + 1) * (num_steps + block) + 8
-    cores = {"bf16": _engine("bfloat16", num_requests, prompt_len, max_tokens)}
+    first_ops = next(iter(levels.values()))[1]
+    cores = {"bf16": _engine("bfloat16", num_requests, prompt_len, max_tokens, first, first_ops)}
     if fp32:
-        cores["fp32"] = _engine("float32", num_requests, prompt_len, max_tokens)
+        cores["fp32"] = _engine("float32", num_requests, prompt_len, max_tokens, first, None)
         variants["fp32"] = (None, first)
     times: dict[str, list[float]] = {name: [] for name in variants}
     cpu_times: dict[str, list[float]] = {name: [] for name in variants}

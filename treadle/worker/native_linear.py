@@ -24,9 +24,10 @@ treadle.bench.linear_kernel); above, compute dominates and oneDNN's register blo
 AMX) wins."""
 WIDENING_MAX_ROWS = 65536
 """Rows up to which the widening kernel (AVX-512F or AVX2, no bf16 instructions) is used:
-every step's rows in practice. Without bf16 instructions torch's bf16 linear converts as it
-goes and was 4-7x slower than fp32 and than this kernel at 16-512 rows (docs/benchmarks.md,
-"Every CPU"), so the torch path would be the slow one at any row count."""
+every step's rows in practice. Without bf16 instructions torch's bf16 linear was 2-6x slower
+than fp32 at 16-512 rows and 1.5-4.7x slower than this kernel at every row count
+(docs/benchmarks.md, "Every CPU"), so the torch path would be the slow one at any row
+count."""
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
