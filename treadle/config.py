@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from treadle.worker.cpu_isa import KERNEL_ISA_CHOICES
+
 _SIZE_UNITS = {
     "": 1, "b": 1,
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -74,7 +76,8 @@ class ModelConfig:
         "Hugging Face ids: cache folder to download into and read from (huggingface_hub's "
         "default cache when not given)"))
     dtype: str = field(default="auto", metadata=_help(
-        "float32, bfloat16 or auto (bfloat16 where the CPU supports it, else float32)"))
+        "float32, bfloat16 or auto (bfloat16 where the CPU has bf16 math or the C kernels "
+        "build for AVX-512 or AVX2, else float32)"))
     max_model_len: int | None = field(default=None, metadata=_help(
         "Longest prompt + output in tokens; the checkpoint's max_position_embeddings when not given"))
     seed: int = field(default=0, metadata=_help(
@@ -87,6 +90,9 @@ class ModelConfig:
     attention_backend: str = field(default="auto", metadata=_help(
         "cpu-native (C kernels built on first use; 'native' is the same), torch, "
         "reference (the slow oracle), or auto (the device's best that builds)"))
+    kernel_isa: str = field(default="auto", metadata=_help(
+        "Instruction set of the C kernels: auto (the best this CPU runs), avx512bf16, "
+        "avx512, avx2, or native (gcc -march=native)"))
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -97,6 +103,9 @@ class ModelConfig:
                              f"got {self.attention_backend!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be one of auto, cpu, cuda, got {self.device!r}")
+        if self.kernel_isa not in KERNEL_ISA_CHOICES:
+            raise ValueError(f"kernel_isa must be one of {', '.join(KERNEL_ISA_CHOICES)}, "
+                             f"got {self.kernel_isa!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:

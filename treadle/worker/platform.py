@@ -38,11 +38,12 @@ class Platform:
     pin_swap_memory: bool
     """Swap space in pinned host memory, for asynchronous device <-> host copies."""
 
-    def resolve_dtype(self, name: str) -> torch.dtype:
-        """The model dtype for `--dtype` (`auto` is the platform's choice)."""
+    def resolve_dtype(self, name: str, kernel_isa: str = "auto") -> torch.dtype:
+        """The model dtype for `--dtype` (`auto` is the platform's choice: on the CPU, by
+        what the C kernels of `kernel_isa` run fast)."""
         if name == "auto" and self.name == "cuda":
             return torch.bfloat16
-        return resolve_dtype(name)
+        return resolve_dtype(name, kernel_isa)
 
     def generator(self, seed: int) -> torch.Generator:
         """A random generator on the device (samplers draw there, without a host sync)."""
