@@ -202,17 +202,20 @@ def test_bad_inputs_name_the_argument():
         paged_attention(q, kc, vc[:, :8], bt, qsl, sl, 1.0, num_decodes=1)
 
 
-# Real shapes on a GPU: (num_heads, num_kv_heads, head_dim) of Llama-3.2-1B, Llama-3-8B,
-# Gemma-3-style head_dim 256; 64 decodes over long contexts plus two long prefill chunks
-# with cached prefixes; bf16 and fp16.
-REAL = [(32, 8, 64), (32, 8, 128), (8, 4, 256)]
+# Real shapes on a GPU: (num_heads, num_kv_heads, head_dim, dtype, block_size) of
+# Llama-3.2-1B, Llama-3-8B and a Gemma-3-style head_dim 256; 64 decodes over long
+# contexts plus two long prefill chunks with cached prefixes. Each head_dim in bf16 at
+# block 16, and fp16 / block 32 once each (every case compiles its own kernels: the
+# device check's time is bounded).
+REAL = [(32, 8, 64, torch.bfloat16, 16), (32, 8, 128, torch.bfloat16, 16),
+        (8, 4, 256, torch.bfloat16, 16), (32, 8, 128, torch.float16, 32),
+        (8, 4, 256, torch.bfloat16, 32)]
 
 
 @cuda_only
 @pytest.mark.cuda
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", REAL)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, dtype, block_size", REAL,
+                         ids=lambda v: str(v).replace("torch.", ""))
 def test_real_shapes_on_gpu(num_heads, num_kv_heads, head_dim, dtype, block_size):
     gen = torch.Generator().manual_seed(head_dim)
     decode_lens = torch.randint(1, 4096, (64,), generator=gen).tolist()

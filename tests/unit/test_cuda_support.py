@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from treadle.worker.cuda_graphs import CudaGraphRunner, StaticInput
+from treadle.worker.cuda_graphs import CudaGraphRunner, ReplayByCall, StaticInput
 from treadle.worker.cuda_support import (GIB, MemorySnapshot, bytes_per_block,
                                          check_cuda_graph_sizes, check_free_at_start,
                                          default_cuda_graph_sizes, kv_cache_bytes,
@@ -71,22 +71,6 @@ def test_swap_space_bounds(caplog):
         swap_space_blocks(50 * GIB, GIB, 64 * GIB)
 
 
-class FakeCapture:
-    """A stand-in for a CUDA graph: replay re-runs fn over the very tensors it captured,
-    writing into the output captured first (a graph replays fixed addresses)."""
-
-    def __init__(self):
-        self.order: list[int] = []
-
-    def __call__(self, fn):
-        output = fn()
-        self.order.append(output.shape[0])
-
-        def replay():
-            output.copy_(fn())
-        return replay, output
-
-
 def make_runner(sizes=(1, 2, 4, 8)):
     calls = []
 
@@ -97,7 +81,7 @@ def make_runner(sizes=(1, 2, 4, 8)):
 
     specs = [StaticInput("tokens", (), torch.int64, 0),
              StaticInput("seq_lens", (), torch.int32, 0)]
-    capture = FakeCapture()
+    capture = ReplayByCall()
     runner = CudaGraphRunner(step, specs, list(sizes), "cpu", capture=capture)
     return runner, capture, calls
 
@@ -107,7 +91,7 @@ def test_graph_runner_captures_largest_first_and_pads():
     with pytest.raises(RuntimeError, match="capture_all"):
         runner.run({"tokens": torch.tensor([1]), "seq_lens": torch.tensor([1], dtype=torch.int32)})
     runner.capture_all()
-    assert capture.order == [8, 4, 2, 1] and runner.captured_sizes == [1, 2, 4, 8]
+    assert capture.captured_rows == [8, 4, 2, 1] and runner.captured_sizes == [1, 2, 4, 8]
     out = runner.run({"tokens": torch.tensor([5, 6, 7]),
                       "seq_lens": torch.tensor([3, 4, 9], dtype=torch.int32)})
     assert out.tolist() == [53, 64, 79]

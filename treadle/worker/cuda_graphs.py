@@ -7,9 +7,9 @@ copy the batch's inputs into the buffers, fill the padding rows up to the captur
 with each input's pad value, replay, return the output's real rows. A batch above the
 largest size is not run (run() returns None: the caller runs it eagerly).
 
-The capture itself is a parameter: `TorchGraphCapture` on a GPU; tests give a fake one that
-replays by calling the function again over the same static buffers, which checks every
-part of the buffer logic without a GPU. It does not choose which steps may use a graph
+The capture itself is a parameter: `TorchGraphCapture` on a GPU; `ReplayByCall` replays by
+calling the function again over the same static buffers, which checks every part of the
+buffer logic without a GPU (tests, CPU smoke runs of benchmarks/gpu/). It does not choose which steps may use a graph
 (decode-only steps; the runner decides) and it never changes a buffer's storage after
 capture: a graph reads fixed addresses.
 """
@@ -70,6 +70,24 @@ class TorchGraphCapture:
             output = fn()
         self.graphs.append(graph)
         return graph.replay, output
+
+
+class ReplayByCall:
+    """A stand-in for graph capture where there is no GPU (tests, CPU smoke runs): replay
+    calls the function again over the very buffers it was captured with and writes the
+    result into the output of the first call, as a graph writes fixed addresses."""
+
+    def __init__(self) -> None:
+        self.captured_rows: list[int] = []
+
+    def __call__(self, fn: Callable[[], torch.Tensor]
+                 ) -> tuple[Callable[[], None], torch.Tensor]:
+        output = fn()
+        self.captured_rows.append(output.shape[0])
+
+        def replay() -> None:
+            output.copy_(fn())
+        return replay, output
 
 
 class CudaGraphRunner:
