@@ -30,7 +30,10 @@ def _write_kv_kernel(
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     heads = tl.arange(0, HEADS_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
-    mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < HEAD_DIM) & (slot >= 0)
+    # the slot test as a block, not a scalar: triton 3.9's interpreter rejects the mask a
+    # scalar bool broadcasts into
+    slot_ok = (heads[:, None] * 0 + dims[None, :] * 0 + slot) >= 0
+    mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < HEAD_DIM) & slot_ok
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
     k = tl.load(key_ptr + tok * stride_kt + heads[:, None] * stride_kh + dims[None, :],
