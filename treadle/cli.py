@@ -1,4 +1,4 @@
-"""The `treadle` command line: serve, generate, demo-model, bench.
+"""The `treadle` command line: serve, generate, worker, demo-model, trace, bench.
 
 Engine flags are generated from the config dataclasses (treadle/config.py), so every
 knob has exactly one name and one help text. This module only parses arguments and calls
@@ -37,10 +37,22 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from treadle.config import EngineConfig, ServerConfig, dataclass_from_args
+    from treadle.executor.torchrun import launcher_rank
     from treadle.server.serve import serve
 
-    return serve(EngineConfig.from_options(**options_from_args(args)),
-                 dataclass_from_args(ServerConfig, args))
+    config = EngineConfig.from_options(**options_from_args(args))
+    if config.parallel.executor == "torchrun" and launcher_rank() != 0:
+        return _cmd_worker(args)  # one command for every rank: only rank 0 serves
+    return serve(config, dataclass_from_args(ServerConfig, args))
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from treadle.config import EngineConfig
+    from treadle.executor.torchrun import run_worker
+
+    options = options_from_args(args)
+    options.setdefault("distributed_executor_backend", "torchrun")
+    return run_worker(EngineConfig.from_options(**options))
 
 
 def _cmd_trace_plot(args: argparse.Namespace) -> int:
@@ -285,6 +297,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(srv)
     add_dataclass_arguments(srv, ServerConfig, "server options")
     srv.set_defaults(func=_cmd_serve)
+
+    wrk = sub.add_parser("worker", help="a rank other than 0 under torchrun (RANK, "
+                         "WORLD_SIZE, MASTER_ADDR, MASTER_PORT): serve rank 0's calls")
+    add_config_arguments(wrk)
+    wrk.set_defaults(func=_cmd_worker)
 
     trace = sub.add_parser("trace", help="per-step traces (written with --trace FILE)")
     trace_sub = trace.add_subparsers(dest="trace_command", required=True)

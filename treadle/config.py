@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,16 +74,23 @@ class ModelConfig:
     seed: int = field(default=0, metadata=_help(
         "Seed of the engine's random generator for requests without their own seed"))
     num_threads: int | None = field(default=None, metadata=_help(
-        "CPU threads for the model's math; torch's default when not given"))
+        "CPU threads for the model's math, per worker; torch's default with one worker, "
+        "the cores divided among the workers with several (each bound to its own cores)"))
+    device: str = field(default="auto", metadata=_help(
+        "cpu, cuda, or auto (cuda when torch sees a GPU, else cpu)"))
     attention_backend: str = field(default="auto", metadata=_help(
-        "native (C kernel built on first use), torch, or auto (native when it builds)"))
+        "cpu-native (C kernels built on first use; 'native' is the same), torch, "
+        "reference (the slow oracle), or auto (the device's best that builds)"))
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, got {self.dtype!r}")
-        if self.attention_backend not in ("auto", "native", "torch"):
-            raise ValueError("attention_backend must be one of auto, native, torch, "
+        backends = ("auto", "cpu-native", "native", "torch", "reference")
+        if self.attention_backend not in backends:
+            raise ValueError(f"attention_backend must be one of {', '.join(backends)}, "
                              f"got {self.attention_backend!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be one of auto, cpu, cuda, got {self.device!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
@@ -185,6 +193,88 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
 
+def parse_layer_partition(text: str | None) -> list[int] | None:
+    """'8,8,7,7' -> [8, 8, 7, 7]; None or '' -> None (an even split)."""
+    if not text:
+        return None
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"pp_layer_partition must look like '8,8,7,7' (layers per stage, "
+                         f"each >= 1), got {text!r}")
+    return sizes
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Where the model runs: the executor, its workers, and how the model is split."""
+
+    distributed_executor_backend: str = field(default="auto", metadata=_help(
+        "uni (one worker in the engine's own process), mp (workers in child processes, "
+        "one node), torchrun (ranks started by torchrun: RANK, WORLD_SIZE, MASTER_ADDR), or "
+        "auto (uni for one worker, mp for several)"))
+    tensor_parallel_size: int = field(default=1, metadata=_help(
+        "Ranks each layer is split over (heads, MLP columns, vocabulary)"))
+    pipeline_parallel_size: int = field(default=1, metadata=_help(
+        "Stages the layers are split into; up to this many step batches are in flight"))
+    pp_layer_partition: str | None = field(default=None, metadata=_help(
+        "Layers per pipeline stage, e.g. '8,8,7,7' (an even split when not given)"))
+    worker_timeout: float = field(default=300.0, metadata=_help(
+        "Seconds a step may take before the workers are declared hung and stopped"))
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor(self) -> str:
+        """The executor `auto` resolves to."""
+        if self.distributed_executor_backend != "auto":
+            return self.distributed_executor_backend
+        return "uni" if self.world_size == 1 else "mp"
+
+    def __post_init__(self) -> None:
+        backends = ("auto", "uni", "mp", "torchrun")
+        if self.distributed_executor_backend not in backends:
+            raise ValueError(f"distributed_executor_backend must be one of "
+                             f"{', '.join(backends)}, got {self.distributed_executor_backend!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ValueError("distributed_executor_backend=uni runs one worker; "
+                             f"tensor_parallel_size x pipeline_parallel_size = {self.world_size}"
+                             " needs mp or torchrun")
+        partition = parse_layer_partition(self.pp_layer_partition)
+        if partition is not None and len(partition) != self.pipeline_parallel_size:
+            raise ValueError(f"pp_layer_partition gives {len(partition)} stages, "
+                             f"pipeline_parallel_size is {self.pipeline_parallel_size}")
+        if not self.worker_timeout > 0:
+            raise ValueError(f"worker_timeout must be > 0 seconds, got {self.worker_timeout}")
+
+
+ENV_PREFIX = "TREADLE_"
+"""An engine option not given explicitly takes its value from TREADLE_<NAME> when set
+(e.g. TREADLE_DISTRIBUTED_EXECUTOR_BACKEND=mp), read once in EngineConfig.from_options."""
+
+
+def _from_env(f: dataclasses.Field, text: str) -> Any:
+    kind = _flag_type(str(f.type))
+    if kind is None:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{ENV_PREFIX}{f.name.upper()} must be true or false, got {text!r}")
+    try:
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"{ENV_PREFIX}{f.name.upper()} must be a {kind.__name__}, "
+                         f"got {text!r}") from None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, one section per area."""
@@ -192,26 +282,33 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
-    _SECTIONS = ("model", "cache", "scheduler")
+    _SECTIONS = ("model", "cache", "scheduler", "parallel")
 
     @classmethod
     def section_types(cls) -> dict[str, type]:
-        return {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+        return {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                "parallel": ParallelConfig}
 
     @classmethod
     def from_options(cls, **options: Any) -> "EngineConfig":
-        """Build from flat keyword options (`model=..., block_size=16, ...`).
+        """Build from flat keyword options (`model=..., block_size=16, ...`); options not
+        given come from TREADLE_<NAME> environment variables when set (ENV_PREFIX).
 
         An unknown option is a TypeError naming it, as a wrong keyword argument would be.
         """
         per_section: dict[str, dict[str, Any]] = {name: {} for name in cls._SECTIONS}
-        owners = {f.name: section for section, section_type in cls.section_types().items()
+        fields = {f.name: (section, f) for section, section_type in cls.section_types().items()
                   for f in dataclasses.fields(section_type)}
         for key, value in options.items():
-            if key not in owners:
-                raise TypeError(f"unknown engine option {key!r}; known: {sorted(owners)}")
-            per_section[owners[key]][key] = value
+            if key not in fields:
+                raise TypeError(f"unknown engine option {key!r}; known: {sorted(fields)}")
+            per_section[fields[key][0]][key] = value
+        for name, (section, f) in fields.items():
+            text = os.environ.get(ENV_PREFIX + name.upper())
+            if name not in options and text is not None:
+                per_section[section][name] = _from_env(f, text)
         return cls(**{name: cls.section_types()[name](**kwargs)
                       for name, kwargs in per_section.items()})
 

@@ -54,7 +54,10 @@ class Request:
     `num_computed_tokens` counts the tokens whose KV is in the cache; the request wants to
     catch up to `num_tokens` (prompt plus generated). There are no prefill and decode
     phases: a request with many uncomputed tokens is "prefilling", one with a single
-    uncomputed token is "decoding".
+    uncomputed token is "decoding" (`is_decoding`, the one definition the scheduler, the
+    worker and the trace use). A decoding request may carry `spec_token_ids`: tokens
+    proposed to follow its last one, computed with it in one step and kept only as far
+    as the model agrees with them.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
@@ -83,6 +86,10 @@ class Request:
         self.resumed_step: int | None = None
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        self.spec_token_ids: list[int] = []
+        """Proposed next tokens (speculative decoding), scored in the request's next step."""
+        self.num_cached_tokens = 0
+        """Prompt tokens the prefix cache supplied when the request was first admitted."""
         self.parent_id: str | None = None
         """The user request this one is a sample of (the n samples of an n > 1 request
         share it); None for a request made directly."""
@@ -102,6 +109,13 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.all_token_ids) - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """Every token but the last is in the KV cache: the next step computes that one
+        token (and any proposed tokens after it) and samples what follows. Usually the
+        last generated token; also the last token of a prompt whose chunks left one."""
+        return self.num_computed_tokens == len(self.all_token_ids) - 1
 
     @property
     def is_finished(self) -> bool:

@@ -17,15 +17,17 @@ FAMILIES = {
 }
 
 
-def make_tiny_checkpoint(path, family: str, vocab_size: int = 512, seed: int = 0) -> str:
+def make_tiny_checkpoint(path, family: str, vocab_size: int = 512, seed: int = 0,
+                         **overrides) -> str:
     import transformers
 
     spec = FAMILIES[family]
-    config = getattr(transformers, spec["cls"])(
+    settings = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         initializer_range=0.2, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
         **spec["extra"])
+    config = getattr(transformers, spec["cls"])(**{**settings, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
     model.save_pretrained(path)
@@ -37,3 +39,37 @@ def tiny_checkpoint(request, tmp_path_factory):
     """(family, checkpoint dir) for each supported family."""
     path = tmp_path_factory.mktemp(f"tiny-{request.param}")
     return request.param, make_tiny_checkpoint(path, request.param)
+
+
+# ----- every engine test runs on each executor ------------------------------------------
+
+EXECUTORS = ("uni", "mp")
+ENGINE_TEST_MODULES = {"test_engine_vs_transformers", "test_llm_api", "test_policies_outputs",
+                       "test_sampling", "test_server", "test_native_prefill"}
+"""Modules whose engines (LLM, `treadle serve`) run once per executor: the outputs must be
+identical whichever process the worker lives in."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def executor_backend(request):
+    """The executor every engine of the test gets, through the environment variable that
+    sets the option's default (config.ENV_PREFIX): LLM(...) and `treadle serve` alike."""
+    import os
+
+    name = getattr(request, "param", None)
+    key = "TREADLE_DISTRIBUTED_EXECUTOR_BACKEND"
+    previous = os.environ.get(key)
+    if name is None:  # not an engine module: the option keeps its default
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = name
+    yield name
+    if previous is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = previous
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.module.__name__.rpartition(".")[2] in ENGINE_TEST_MODULES:
+        metafunc.parametrize("executor_backend", EXECUTORS, indirect=True, scope="session")

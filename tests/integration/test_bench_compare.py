@@ -45,7 +45,7 @@ STUB = textwrap.dedent('''
 
 
 def test_table_ratios_against_first_system():
-    point = lambda tps, p99: {"output_tokens_per_s": tps, "total_tokens_per_s": 2 * tps,
+    point = lambda tps, p99: {"output_tokens_per_s": tps, "total_tokens_per_s": 2 * tps,  # noqa: E731
                               "num_failed": 0, "ttft_ms": {"median": p99 / 2, "p99": p99},
                               "tpot_ms": {"median": 1.0}}
     rows = table({"a": [[point(100, 50)], [point(120, 70)]], "b": [[point(300, 20)]]})

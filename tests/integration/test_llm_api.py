@@ -193,7 +193,7 @@ def test_priority_and_tenant_reach_the_engine(llama_dir):
                         priority=[3, 0], tenant=["a", "b"], length_hint=7, use_tqdm=False)
     assert all(len(o.outputs) == 2 for o in outs)
     assert sorted(seen.values()) == [(0, "b", 7), (0, "b", 7), (3, "a", 7), (3, "a", 7)]
-    assert not llm._scheduling
+    assert llm.driver.processor.num_requests == 0
     with pytest.raises(ValueError, match="priority"):
         llm.generate([[5], [6]], priority=[1, 2, 3], use_tqdm=False)
 

@@ -1,8 +1,9 @@
 """The Llama-family model and loader against transformers, on tiny random checkpoints (CPU).
 
 Each checkpoint is made by transformers itself (save_pretrained); treadle loads it, runs a
-prefill and greedy decode steps through the paged attention with hand-built metadata, and
-its logits must match transformers' eager forward on the same tokens.
+prefill and greedy decode steps through the paged attention (the torch backend, with a
+hand-built step geometry), and its logits must match transformers' eager forward on the
+same tokens.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -20,7 +22,8 @@ from treadle.models.llama import LlamaForCausalLM
 from treadle.models.loader import iterate_weights, load_model, resolve_dtype, safetensors_files
 from treadle.models.registry import SUPPORTED_ARCHITECTURES, resolve_model_class
 from treadle.models.rope import RotaryEmbedding
-from treadle.worker.attention import AttentionMetadata, DecodeGroup, PrefillSpan, gather_rows
+from treadle.worker.attention import AttentionStep
+from treadle.worker.attention.torch_backend import TorchBackend
 
 ATOL = 1e-4
 NUM_BLOCKS = 24
@@ -79,68 +82,50 @@ def new_kv_caches(model: LlamaForCausalLM, block_size: int) -> list[torch.Tensor
     return [torch.zeros(shape, dtype=model.dtype) for _ in range(model.num_layers)]
 
 
-def causal_bias(query_pos: torch.Tensor, num_slots: int) -> torch.Tensor:
-    """[n, num_slots]: 0 where key position <= query position, -inf elsewhere."""
-    keys = torch.arange(num_slots)
-    return torch.where(keys[None, :] <= query_pos[:, None], 0.0, float("-inf"))
-
-
 class Sequence:
     """One request's tokens and its blocks; blocks are contiguous from `first_block`."""
 
-    def __init__(self, token_ids: list[int], block_size: int, first_block: int = 0,
-                 num_kv_heads: int = 2):
-        self.num_kv_heads = num_kv_heads
+    def __init__(self, token_ids: list[int], block_size: int, first_block: int = 0):
         self.token_ids = list(token_ids)
         self.block_size = block_size
         self.first_block = first_block
 
-    def blocks(self, num_tokens: int) -> torch.Tensor:
-        return torch.arange(math.ceil(num_tokens / self.block_size)) + self.first_block
+    def blocks(self, num_tokens: int) -> np.ndarray:
+        return np.arange(math.ceil(num_tokens / self.block_size)) + self.first_block
 
-    def slots(self, positions: torch.Tensor) -> torch.Tensor:
+    def slots(self, positions: np.ndarray) -> np.ndarray:
         return positions + self.first_block * self.block_size
 
 
-def head_rows(seq: "Sequence", blocks: torch.Tensor) -> torch.Tensor:
-    """The attention gather indices of these blocks for the model under test."""
-    return torch.from_numpy(gather_rows(blocks.numpy(), seq.num_kv_heads, NUM_BLOCKS))
-
-
-def prefill_meta(seq: Sequence, start: int, end: int, row: int = 0):
-    """Positions, slots and the PrefillSpan of tokens [start, end) of seq at batch row `row`."""
-    positions = torch.arange(start, end)
-    blocks = seq.blocks(end)
-    bias = causal_bias(positions, blocks.numel() * seq.block_size)
-    span = PrefillSpan(row, row + end - start, head_rows(seq, blocks), bias, bias == 0)
-    return positions, seq.slots(positions), span
-
-
-def decode_meta(seq: Sequence, row: int = 0, pad_blocks: int = 1):
-    """Position, slot and DecodeGroup of seq's last token, with padded (masked) blocks."""
-    pos = len(seq.token_ids) - 1
-    blocks = seq.blocks(pos + 1)
-    padded = torch.cat((blocks, torch.full((pad_blocks,), NUM_BLOCKS - 1)))
-    bias = causal_bias(torch.tensor([pos]), padded.numel() * seq.block_size).view(1, 1, 1, -1)
-    group = DecodeGroup(torch.tensor([row]), head_rows(seq, padded), padded.numel(), bias)
-    positions = torch.tensor([pos])
-    return positions, seq.slots(positions), group
-
-
-def run_prefill(model, kv_caches, seq: Sequence) -> torch.Tensor:
-    positions, slots, span = prefill_meta(seq, 0, len(seq.token_ids))
-    meta = AttentionMetadata(len(seq.token_ids), slots, prefill_spans=[span])
+def run_rows(model, kv_caches, rows: list[tuple[Sequence, int, int]]) -> torch.Tensor:
+    """One step over tokens [start, end) of each (seq, start, end), rows in batch order
+    (single-token rows first): the logits of every token."""
+    block_size = rows[0][0].block_size
+    q_lens = np.array([end - start for _, start, end in rows], dtype=np.int64)
+    starts = np.array([start for _, start, _ in rows], dtype=np.int64)
+    table = np.zeros((len(rows), max(math.ceil(end / block_size) for _, _, end in rows)),
+                     dtype=np.int64)
+    for i, (seq, _, end) in enumerate(rows):
+        blocks = seq.blocks(end)
+        table[i, :len(blocks)] = blocks
+    positions = np.concatenate([np.arange(start, end) for _, start, end in rows])
+    slots = np.concatenate([seq.slots(np.arange(start, end)) for seq, start, end in rows])
+    step = AttentionStep(q_lens, np.cumsum(q_lens) - q_lens, starts, table, slots,
+                         int(np.count_nonzero(q_lens == 1)), block_size, NUM_BLOCKS)
+    meta = TorchBackend(model.num_kv_heads).build_metadata(step, torch.device("cpu"))
+    input_ids = [t for seq, start, end in rows for t in seq.token_ids[start:end]]
     with torch.no_grad():
-        hidden = model(torch.tensor(seq.token_ids), positions, kv_caches, meta)
+        hidden = model(torch.tensor(input_ids), torch.from_numpy(positions), kv_caches, meta)
         return model.compute_logits(hidden)
 
 
+def run_prefill(model, kv_caches, seq: Sequence) -> torch.Tensor:
+    return run_rows(model, kv_caches, [(seq, 0, len(seq.token_ids))])
+
+
 def run_decode(model, kv_caches, seq: Sequence) -> torch.Tensor:
-    positions, slots, group = decode_meta(seq)
-    meta = AttentionMetadata(1, slots, decode_groups=[group])
-    with torch.no_grad():
-        hidden = model(torch.tensor(seq.token_ids[-1:]), positions, kv_caches, meta)
-        return model.compute_logits(hidden)[0]
+    n = len(seq.token_ids)
+    return run_rows(model, kv_caches, [(seq, n - 1, n)])[0]
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -193,22 +178,10 @@ def test_mixed_batch_of_prefill_chunks_and_decodes(checkpoints):
     a = Sequence(prompt(18, seed=1), block_size, first_block=0)
     b = Sequence(prompt(23, seed=2), block_size, first_block=8)
     # Step 1: all of a's prompt, then the first 10 tokens of b's.
-    pos_a, slots_a, span_a = prefill_meta(a, 0, 18, row=0)
-    pos_b, slots_b, span_b = prefill_meta(b, 0, 10, row=18)
-    meta = AttentionMetadata(28, torch.cat((slots_a, slots_b)), prefill_spans=[span_a, span_b])
-    with torch.no_grad():
-        hidden = model(torch.tensor(a.token_ids + b.token_ids[:10]),
-                       torch.cat((pos_a, pos_b)), kv_caches, meta)
-    a.token_ids.append(int(model.compute_logits(hidden[17:18]).argmax()))
-    # Step 2: the rest of b's prompt, with a's decode in the middle of the batch.
-    pos_b, slots_b, span_b = prefill_meta(b, 10, 23, row=1)
-    pos_a, slots_a, group_a = decode_meta(a, row=0)
-    meta = AttentionMetadata(14, torch.cat((slots_a, slots_b)),
-                             decode_groups=[group_a], prefill_spans=[span_b])
-    with torch.no_grad():
-        hidden = model(torch.tensor(a.token_ids[-1:] + b.token_ids[10:]),
-                       torch.cat((pos_a, pos_b)), kv_caches, meta)
-        logits = model.compute_logits(hidden)
+    logits = run_rows(model, kv_caches, [(a, 0, 18), (b, 0, 10)])
+    a.token_ids.append(int(logits[17].argmax()))
+    # Step 2: a's decode, then the rest of b's prompt.
+    logits = run_rows(model, kv_caches, [(a, 18, 19), (b, 10, 23)])
     torch.testing.assert_close(logits[0], hf_logits(checkpoints["llama_bias"], a.token_ids)[-1],
                                atol=ATOL, rtol=0)
     torch.testing.assert_close(logits[1:], hf_logits(checkpoints["llama_bias"], b.token_ids)[10:],

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from treadle.models.llama import rms_norm
-from treadle.models.packed_linear import apply_linear, pack_weight
+from treadle.worker.linear_kernels import DenseLinearKernel, dense_kernel_factory
 from treadle.worker.native import load_kernels
 from treadle.worker.native_linear import NativeLayerOps
 
@@ -71,12 +71,12 @@ def test_linear_falls_back_where_not_covered(ops):
     assert ops.linear(too_many[:4].float(), w.float(), None) is None
     assert ops.linear(too_many[:4].t().contiguous().t(), w, None) is None  # column-major x
     assert ops.linear(too_many[:4], w.t().contiguous().t(), None) is None  # strided weight
-    # apply_linear takes the packed / F.linear path then, with the same results.
-    packed = pack_weight(w)
+    # The layer's kernel takes the packed / F.linear path then, with the same results.
+    kernel = dense_kernel_factory(torch.bfloat16, ops)(w, None)
     for x in (too_many, too_many[:3]):
-        got = apply_linear(x, w, None, packed, ops)
+        got = kernel(x)
         assert_bf16_close(got, reference(x, w, None))
-    got = apply_linear(too_many.float(), w.float(), None, None, ops)
+    got = DenseLinearKernel(w.float(), None, None, ops)(too_many.float())
     torch.testing.assert_close(got, reference(too_many, w, None))
 
 
@@ -117,7 +117,7 @@ def test_rope_kv_matches_torch_bit_for_bit(ops, m, heads, kv_heads, head_dim):
     """Rotated queries, and keys and values at their slots, exactly as apply_rotary then
     write_kv (the same bf16 roundings); other cache slots untouched."""
     from treadle.models.rope import apply_rotary
-    from treadle.worker.attention import write_kv
+    from treadle.worker.attention.torch_backend import write_kv
 
     gen = torch.Generator().manual_seed(m * heads + head_dim)
     # qk and value as the model makes them: views into one fused qkv row.
@@ -154,12 +154,12 @@ def test_engine_bf16_decode_matches_torch_path(ops, tmp_path_factory):
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("native-linear"), "qwen2")
     core = EngineCore(EngineConfig.from_options(model=path, dtype="bfloat16",
                                                 kv_cache_memory="64MiB"))
-    layer_ops = core.model._native_ops
-    assert layer_ops is not None
+    worker = core.executor.worker
+    assert worker.layer_ops is not None
     prompts = [[5 + 7 * i + j for j in range(9 + 4 * i)] for i in range(5)]
 
     def generate(native: bool) -> list[list[tuple[int, dict[int, float]]]]:
-        core.model.use_native_ops(layer_ops if native else None)
+        worker.set_layer_kernels(native)
         for i, prompt in enumerate(prompts):
             core.add_request(Request(f"{native}-{i}", prompt,
                                      SamplingParams(max_tokens=12, temperature=0.0,
@@ -167,7 +167,7 @@ def test_engine_bf16_decode_matches_torch_path(ops, tmp_path_factory):
         steps: dict[str, list] = {}
         while core.has_unfinished_requests():
             for out in core.step():
-                lp = out.new_logprobs
+                (lp,) = out.new_logprobs
                 steps.setdefault(out.request_id, []).append(
                     (out.new_token_ids[0], dict(zip(lp.token_ids[1:], lp.logprobs[1:]))))
         return [steps[f"{native}-{i}"] for i in range(len(prompts))]

@@ -175,7 +175,7 @@ def test_processor_logprobs_and_prompt_logprobs(demo_tok):
                              TokenLogprobs([42, 42], [-0.1, -0.1], [1, 1])])
     assert proc.process([_out("r", [], new_prompt_logprobs=plp)]) == ([], [])
     entry = TokenLogprobs([50, 50, 51], [-0.2, -0.2, -2.0], [1, 1, 2])
-    (o,), _ = proc.process([_out("r", [50], new_logprobs=entry)])
+    (o,), _ = proc.process([_out("r", [50], new_logprobs=[entry])])
     (lp,) = o.outputs[0].logprobs
     assert list(lp) == [50, 51] and lp[50].logprob == -0.2 and lp[51].rank == 2
     assert lp[50].decoded_token == demo_tok.decode([50])

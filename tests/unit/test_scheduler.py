@@ -37,7 +37,7 @@ def fake_runner(output):
     """Samples a token that depends only on the sampled position (like a real model would
     depend only on the sequence), for every request that reaches its last token."""
     return ModelRunnerOutput(sampled_token_ids={
-        s.request_id: 7 + (s.num_computed_tokens + len(s.token_ids)) % 11
+        s.request_id: [7 + (s.num_computed_tokens + s.num_scheduled_tokens) % 11]
         for s in output.scheduled if s.sample})
 
 
@@ -64,7 +64,7 @@ def test_budgets_never_exceeded_and_all_blocks_freed():
         assert len(out.scheduled) <= 3
         assert len(s.running) <= 3
         # decodes come before prefill chunks in the flat batch
-        kinds = [len(x.token_ids) > 1 for x in out.scheduled]
+        kinds = [x.num_scheduled_tokens > 1 for x in out.scheduled]
         assert kinds == sorted(kinds)
 
     run_to_completion(sched, requests, on_step=check)
@@ -88,15 +88,15 @@ def test_long_prompt_is_chunked_and_mixed_with_decodes():
     while long.num_output_tokens == 0:
         out = sched.schedule()
         by_id = {s.request_id: s for s in out.scheduled}
-        assert "short" in by_id and len(by_id["short"].token_ids) == 1  # decode keeps running
-        chunks.append(len(by_id["long"].token_ids))
+        assert "short" in by_id and by_id["short"].num_scheduled_tokens == 1  # decode keeps running
+        chunks.append(by_id["long"].num_scheduled_tokens)
         assert by_id["long"].sample == (sum(chunks) == 50)
         sched.update_from_output(out, fake_runner(out))
     assert chunks == [15, 15, 15, 5]
 
 
 def _tokens(out):
-    return {s.request_id: len(s.token_ids) for s in out.scheduled}
+    return {s.request_id: s.num_scheduled_tokens for s in out.scheduled}
 
 
 @pytest.mark.parametrize("finish_first", [True, False])
@@ -242,7 +242,8 @@ def test_prefix_cache_hit_skips_cached_blocks():
     sched.add_request(second)
     out = sched.schedule()
     (s,) = out.scheduled
-    assert s.num_computed_tokens == 16 and s.token_ids == [999, 998]
+    assert s.num_computed_tokens == 16 and s.num_scheduled_tokens == 2
+    assert s.new_request.prompt_token_ids[16:] == [999, 998]
     assert sched.kv.prefix_stats.num_hit_tokens == 16
 
 

@@ -54,7 +54,7 @@ def fake_runner(output):
     """The sampled token depends only on its position, as a real model's would depend
     only on the sequence: any schedule must give the same tokens."""
     return ModelRunnerOutput(sampled_token_ids={
-        s.request_id: 7 + (s.num_computed_tokens + len(s.token_ids)) % 11
+        s.request_id: [7 + (s.num_computed_tokens + s.num_scheduled_tokens) % 11]
         for s in output.scheduled if s.sample})
 
 
@@ -309,7 +309,7 @@ def test_two_tenants_at_10_to_1_load_get_their_weighted_shares(weights, share_b)
         out = step(sched, clock)
         if waiting_tenants >= {"a", "b"}:  # both backlogged
             for s in out.scheduled:
-                served[by_id[s.request_id].tenant] += len(s.token_ids)
+                served[by_id[s.request_id].tenant] += s.num_scheduled_tokens
         elif not any(r.tenant == "b" for r in pending):
             break  # b will not be backlogged again
     total = served["a"] + served["b"]
@@ -409,7 +409,7 @@ def test_abort_anywhere_under_every_policy(policy):
         sched.finish_request(r.request_id, RequestStatus.FINISHED_ABORTED)
     assert not sched.has_unfinished_requests()
     assert sched.kv.pool.num_free_blocks == 8 and sched.kv.swap_pool.num_free_blocks == 16
-    assert not sched._num_queued
+    assert not sched.fair_share.num_queued
 
 
 # ----- the replay driver of the measurements --------------------------------------------------
@@ -479,14 +479,14 @@ def test_urgent_prefill_step_defers_background_chunks(isolate):
     high = make_request("high", 20, 4, priority=0, arrival=clock.t)
     sched.add_request(high)
     out = step(sched, clock)
-    tokens = {s.request_id: len(s.token_ids) for s in out.scheduled}
+    tokens = {s.request_id: s.num_scheduled_tokens for s in out.scheduled}
     assert tokens["high"] == 20
     if isolate:
         # The urgent step is the urgent prompt alone...
         assert tokens == {"high": 20}
         out = step(sched, clock)
         # ...and the background decodes and chunk run in the next one, with its decode.
-        tokens = {s.request_id: len(s.token_ids) for s in out.scheduled}
+        tokens = {s.request_id: s.num_scheduled_tokens for s in out.scheduled}
         assert tokens == {"high": 1, "low0": 1, "low1": 1, "long": 64 - 3}
     else:
         assert tokens == {"high": 20, "low0": 1, "low1": 1, "long": 64 - 22}

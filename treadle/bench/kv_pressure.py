@@ -38,7 +38,7 @@ def fragmentation(workload: Workload, block_size: int = 16, num_kv_blocks: int =
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
         scheduler.update_from_output(out, ModelRunnerOutput(
-            {s.request_id: 3 for s in out.scheduled if s.sample}))
+            {s.request_id: [3] for s in out.scheduled if s.sample}))
     s = scheduler.stats
     return {"block_size": block_size, "num_requests": len(workload.requests),
             "num_steps": s.num_steps, "allocated_slot_steps": s.allocated_slots,

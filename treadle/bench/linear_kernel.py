@@ -15,7 +15,7 @@ Owns two measurements, reported as they come (nothing here is a target):
 - steps (`--steps N`): an EngineCore on the demo model in bf16 with R requests of
   600-token prompts decoding together (R in --requests, default 4 and 16); after prefill,
   N decode steps with the C layer kernels and N without (torch/oneDNN: the model's
-  `use_native_ops(None)`), alternating in blocks, and the median step ms of each.
+  `Worker.set_layer_kernels(False)`), alternating in blocks, and the median step ms of each.
 
 Run: `python -m treadle.bench.linear_kernel [--repeats N] [--steps N] [--requests 4,16]
 [--num-threads N]` (prints JSON).
@@ -49,7 +49,7 @@ def _ops():
 def kernels(repeats: int = 15, rows: tuple[int, ...] = (1, 4, 8, 16)) -> dict:
     import torch
 
-    from treadle.models.packed_linear import _pack, _packed_linear
+    from treadle.worker.linear_kernels import _pack, _packed_linear
 
     ops = _ops()
     gen = torch.Generator().manual_seed(0)
@@ -93,10 +93,10 @@ def steps(num_requests: int, num_steps: int, prompt_len: int = 600, block: int =
     config = EngineConfig.from_options(dtype="bfloat16", max_num_seqs=num_requests,
                                        max_num_batched_tokens=2048, kv_cache_memory="1GiB")
     core = EngineCore(config)
-    ops = core.model._native_ops
-    if ops is None:
+    worker = core.executor.worker
+    if worker.layer_ops is None:
         raise SystemExit("the engine did not attach the C layer kernels")
-    vocab = core.model.vocab_size
+    vocab = core.vocab_size
     params = SamplingParams(max_tokens=2 * num_steps + 4 * block + 8, ignore_eos=True,
                             temperature=0.0)
     for i in range(num_requests):
@@ -108,13 +108,13 @@ def steps(num_requests: int, num_steps: int, prompt_len: int = 600, block: int =
     times: dict[str, list[float]] = {"native": [], "torch": []}
     while min(len(t) for t in times.values()) < num_steps:
         for label in times:
-            core.model.use_native_ops(ops if label == "native" else None)
+            worker.set_layer_kernels(label == "native")
             for _ in range(block):
                 t0 = time.perf_counter()
                 out = core.step()
                 times[label].append(time.perf_counter() - t0)
                 assert len(out) == num_requests, "every request should decode in every step"
-    core.model.use_native_ops(ops)
+    worker.set_layer_kernels(True)
     native, plain = (statistics.median(times[k][:num_steps]) for k in ("native", "torch"))
     return {"num_requests": num_requests, "prompt_len": prompt_len, "steps": num_steps,
             "torch_threads": torch.get_num_threads(),

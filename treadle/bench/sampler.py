@@ -84,7 +84,7 @@ def sampler_in_step(num_requests: int = 256, prompt_len: int = 8, steps: int = 5
                                        max_num_batched_tokens=max(2048, num_requests),
                                        kv_cache_memory="2GiB", num_threads=num_threads)
     core = EngineCore(config)
-    vocab = core.model.vocab_size
+    vocab = core.vocab_size
     for i, params in enumerate(mixed_params(num_requests, max_tokens=steps + 8)):
         prompt = [3 + (7919 * (i * prompt_len + j)) % (vocab - 3) for j in range(prompt_len)]
         core.add_request(Request(str(i), prompt, params))
@@ -93,16 +93,15 @@ def sampler_in_step(num_requests: int = 256, prompt_len: int = 8, steps: int = 5
         core.step()  # prefill, until every request decodes
     step_s, sample_s, forward_s = [], [], []
     for _ in range(steps):
-        before = core.runner.timings
-        sample0, forward0 = before.sample, before.forward
+        sample0, forward0 = core.timings.sample_s, core.timings.forward_s
         t0 = time.perf_counter()
         out = core.step()
         step_s.append(time.perf_counter() - t0)
-        sample_s.append(core.runner.timings.sample - sample0)
-        forward_s.append(core.runner.timings.forward - forward0)
+        sample_s.append(core.timings.sample_s - sample0)
+        forward_s.append(core.timings.forward_s - forward0)
         assert len(out) == num_requests, "every request should decode in every timed step"
     step, sample = statistics.median(step_s), statistics.median(sample_s)
-    return {"num_requests": num_requests, "vocab_size": vocab, "dtype": str(core.dtype),
+    return {"num_requests": num_requests, "vocab_size": vocab, "dtype": core.info.dtype,
             "steps": steps, "median_step_s": step, "median_sampler_s": sample,
             "median_forward_s": statistics.median(forward_s),
             "sampler_share_of_step": sample / step}

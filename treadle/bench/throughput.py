@@ -43,8 +43,8 @@ def run_throughput(workload: Workload, progress: bool = True, warmup: bool = Tru
     return {
         "system": "treadle",
         "engine_options": {k: str(v) for k, v in engine_options.items()},
-        "dtype": str(llm.engine.dtype).replace("torch.", ""),
-        "num_params": llm.engine.model.num_parameters,
+        "dtype": llm.engine.info.dtype,
+        "num_params": llm.engine.info.num_parameters,
         "num_requests": len(outputs),
         "num_errors": len(errors),
         "errors": errors[:5],

@@ -76,8 +76,20 @@ class KVCacheManager:
         """The request's block table (the live list: it grows as blocks are allocated)."""
         return self._block_ids[request_id]
 
+    def num_held_blocks(self, request_id: str) -> int:
+        return len(self._blocks.get(request_id, ()))
+
     def num_allocated_slots(self, request_id: str) -> int:
-        return len(self._blocks.get(request_id, ())) * self.block_size
+        return self.num_held_blocks(request_id) * self.block_size
+
+    def num_new_blocks_needed(self, request: Request, num_hit_tokens: int,
+                              num_new_tokens: int) -> int:
+        """Blocks beyond those of its computed and prefix-hit tokens that the request
+        needs for `num_new_tokens` more: an estimate for planning, which counts prefix
+        hits as already held (a cached-free hit also leaves the free queue when taken;
+        `can_allocate` is exact)."""
+        base = request.num_computed_tokens + num_hit_tokens
+        return self.num_blocks_for(base + num_new_tokens) - base // self.block_size
 
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
         """Prefix hashes of the request's first `num_full_blocks` blocks (memoised)."""
@@ -166,6 +178,22 @@ class KVCacheManager:
             self.pool.cache(blocks[i], hashes[i])
         self._num_cached_blocks[rid] = num_full
 
+    def trim(self, request: Request) -> list[int]:
+        """Roll back: free the blocks past the request's computed tokens (those held only
+        for tokens that were scheduled and then rejected, such as refused speculative
+        tokens). Returns the freed block ids. Their contents were never registered in
+        the prefix cache: only blocks full of computed tokens are (cache_full_blocks)."""
+        rid = request.request_id
+        blocks = self._blocks.get(rid)
+        keep = self.num_blocks_for(request.num_computed_tokens)
+        if not blocks or len(blocks) <= keep:
+            return []
+        dropped = blocks[keep:]
+        del blocks[keep:]
+        del self._block_ids[rid][keep:]
+        self.pool.free(reversed(dropped))
+        return [b.block_id for b in dropped]
+
     def free(self, request: Request) -> None:
         """Release every block the request holds, tail first (evicted before the head)."""
         rid = request.request_id
@@ -212,8 +240,11 @@ class KVCacheManager:
         self.swap_pool.free(swap_blocks)
         return plan
 
+    def num_swapped_blocks(self, request_id: str) -> int:
+        return len(self._swapped.get(request_id, ()))
+
     def num_swapped_slots(self, request_id: str) -> int:
-        return len(self._swapped.get(request_id, ())) * self.block_size
+        return self.num_swapped_blocks(request_id) * self.block_size
 
     def free_swapped(self, request: Request) -> None:
         """Release the swap blocks of a request that ends while swapped out."""

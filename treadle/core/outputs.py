@@ -1,43 +1,89 @@
 """The messages of one engine step: scheduler -> worker -> scheduler -> output processor.
 
-Plain data, no behaviour and no torch: the scheduler fills a SchedulerOutput, the model
-runner answers with a ModelRunnerOutput, and the scheduler turns that into one
-EngineCoreOutput per request that produced something.
+Plain dataclasses of ints, lists, strings and SamplingParams, no behaviour and no torch,
+so that they cross a process boundary as they are (pickle; see treadle/bench/messages.py
+for what that costs). The scheduler fills a SchedulerOutput, the worker answers with a
+ModelRunnerOutput, and the scheduler turns that into one EngineCoreOutput per request
+that produced something.
+
+`WorkerInfo` is the one message of start-up: what the worker found out about the model and
+the device. The step message is incremental (docs/step_messages.md has the design): a request's
+prompt, sampling parameters and block table travel once, in `NewRequestData`, the first
+time the request is scheduled; after that, each step carries only what changed since the
+worker last saw it (`ScheduledRequest`: tokens appended, blocks appended, tokens to
+compute). The worker keeps the rest in its persistent batch. The scheduler is the one
+source of truth for a request's tokens: the worker learns of its own sampled tokens
+only when the scheduler has accepted them, so a rejected speculative token never enters
+the worker's state.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
+from treadle.core.policy import PreemptionCosts
 from treadle.request import FinishReason
 from treadle.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker reports once its model is loaded, before the KV cache is allocated:
+    the facts the engine core needs and cannot know without the device."""
+
+    model_dir: str
+    dtype: str
+    """The model's dtype, e.g. 'bfloat16'."""
+    vocab_size: int
+    eos_token_id: int | None
+    max_model_len: int
+    num_parameters: int
+    kv_bytes_per_token: int
+    """KV-cache bytes one token holds across all layers (this worker's share)."""
+    num_kv_blocks: int
+    """Blocks that fit in the KV memory the worker was given."""
+    num_swap_blocks: int
+    """Blocks that fit in the swap space (0 when preemption never swaps)."""
+    preemption_costs: PreemptionCosts | None
+    """Measured recompute and swap rates (preemption_mode=auto), else None."""
+    attention_backend: str
+    kernels: str
+    """One line: which kernels run (for the start-up log)."""
+
+
+@dataclass
+class NewRequestData:
+    """What the worker keeps of a request for as long as it lives (sent once)."""
+
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
 @dataclass
 class ScheduledRequest:
-    """One request's share of a step."""
+    """One request's share of a step: what the worker does not know yet, and what to run."""
 
     request_id: str
-    token_ids: list[int]
-    """The tokens computed this step (a prompt chunk, a recompute, or one decode token)."""
     num_computed_tokens: int
-    """Position of the first of them (tokens already in the KV cache)."""
-    block_ids: list[int]
-    """The request's block table; it covers every token computed this step."""
-    sample: bool
-    """True when this step reaches the request's last known token: sample the next one."""
-    sampling_params: SamplingParams
-    num_output_tokens: int
-    """Tokens the request has generated so far (the sampler's penalties and seeds use it)."""
-    prompt_token_ids: list[int] = field(default_factory=list)
-    """The request's prompt (a reference, not a copy: read-only for the worker)."""
-    output_token_ids: list[int] = field(default_factory=list)
-    """The request's generated tokens so far (a reference, not a copy: read-only)."""
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return len(self.token_ids)
+    """Position of the first token computed this step (tokens already in the KV cache)."""
+    num_scheduled_tokens: int
+    """Tokens computed this step: a prompt chunk, a recompute, or the last sampled token
+    plus `spec_token_ids`."""
+    new_token_ids: list[int] = field(default_factory=list)
+    """Tokens appended to the request (generated ones) since the worker last saw it."""
+    new_block_ids: list[int] = field(default_factory=list)
+    """Blocks appended to the request's block table since the worker last saw it."""
+    replaces_block_table: bool = False
+    """`new_block_ids` is the whole table (after a preemption or a rollback)."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Proposed tokens computed after the request's last token this step (speculation):
+    the worker scores them and returns the accepted ones plus one of its own."""
+    sample: bool = False
+    """True when this step reaches the request's last known token: sample what follows."""
+    is_decoding: bool = False
+    """The request's prompt is computed: this step computes its last generated token
+    (Request.is_decoding when it was scheduled)."""
+    new_request: NewRequestData | None = None
+    """Set the first time the worker sees the request."""
 
 
 @dataclass
@@ -45,10 +91,12 @@ class SchedulerOutput:
     """Everything the worker needs to run one step."""
 
     scheduled: list[ScheduledRequest]
-    """Decodes first, then prefill chunks, as the scheduler chose them."""
-    finished_request_ids: set[str] = field(default_factory=set)
+    """Decodes first, then prefill chunks, as the scheduler chose them (the worker orders
+    its rows itself; this order is for people reading a trace)."""
+    finished_request_ids: list[str] = field(default_factory=list)
     """Requests that ended since the last step: the worker drops their state."""
     preempted_request_ids: list[str] = field(default_factory=list)
+    """Requests that lost their KV this step (the worker keeps their state)."""
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     """(device block, swap block) copies to make before the forward pass."""
     swap_in: list[tuple[int, int]] = field(default_factory=list)
@@ -56,7 +104,7 @@ class SchedulerOutput:
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
+        return sum(s.num_scheduled_tokens for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -88,17 +136,32 @@ class PromptLogprobs:
 
 
 @dataclass
+class StepTimings:
+    """What one step cost the worker (seconds and bytes), for the engine's statistics."""
+
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    comm_s: float = 0.0
+    """In collectives: all-reduces, logit gathers, activations between stages."""
+    swap_bytes_out: int = 0
+    swap_bytes_in: int = 0
+
+
+@dataclass
 class ModelRunnerOutput:
     """What one forward pass produced."""
 
-    sampled_token_ids: dict[str, int]
-    """Next token of each request scheduled with sample=True."""
-    logprobs: dict[str, Any] = field(default_factory=dict)
-    """Per request that sampled and asked for logprobs: a TokenLogprobs of the sampled
-    token and the top-N."""
-    prompt_logprobs: dict[str, Any] = field(default_factory=dict)
-    """Per request with a prompt chunk this step that asked for prompt logprobs: a
-    PromptLogprobs."""
+    sampled_token_ids: dict[str, list[int]]
+    """New tokens of each request scheduled with sample=True: one, or with speculation
+    the accepted proposed tokens followed by one the worker sampled."""
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    """Per request that sampled and asked for logprobs: one TokenLogprobs per new token."""
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    """Per request with a prompt chunk this step that asked for prompt logprobs."""
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Tokens proposed for each request's next step (a speculative proposer's output)."""
+    timings: StepTimings = field(default_factory=StepTimings)
 
 
 @dataclass
@@ -109,11 +172,15 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
     error: str | None = None
-    new_logprobs: Any = None
-    """The runner's TokenLogprobs for the new token, when asked for."""
-    new_prompt_logprobs: Any = None
+    new_logprobs: list[TokenLogprobs] | None = None
+    """The runner's TokenLogprobs for each new token, when asked for."""
+    new_prompt_logprobs: PromptLogprobs | None = None
     """The runner's PromptLogprobs for this step's prompt chunk, when asked for."""
+    num_cached_tokens: int = 0
+    """Prompt tokens the prefix cache supplied when the request was admitted (reported
+    with its first output)."""
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+

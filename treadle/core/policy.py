@@ -105,14 +105,15 @@ def running_order(running: Sequence[Request],
                   key: Callable[[Request], Any] | None = None) -> list[Request]:
     """Order in which running requests take the step's token budget: decodes first.
 
-    A request with one uncomputed token is decoding; one with more is mid-prefill (or
-    recomputing). Decodes are cheap and latency-sensitive, so they never wait behind a
-    prefill chunk. Within each group the order is kept (admission order), or follows
-    `key` (the scheduling policy's order, most urgent first) when one is given.
+    A request with one uncomputed token is decoding (`Request.is_decoding`); one with
+    more is mid-prefill (or recomputing). Decodes are cheap and latency-sensitive, so
+    they never wait behind a prefill chunk. Within each group the order is kept
+    (admission order), or follows `key` (the scheduling policy's order, most urgent
+    first) when one is given.
     """
     if key is None:
-        return sorted(running, key=lambda r: r.num_uncomputed_tokens > 1)
-    return sorted(running, key=lambda r: (r.num_uncomputed_tokens > 1, key(r)))
+        return sorted(running, key=lambda r: not r.is_decoding)
+    return sorted(running, key=lambda r: (not r.is_decoding, key(r)))
 
 
 # ----- out-of-order scheduling: the order of requests and preemption at admission -------

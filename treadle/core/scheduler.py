@@ -24,26 +24,36 @@ or by swap (blocks copied to the swap pool), whichever `policy.choose_preemption
 picks. After the step, `update_from_output` appends sampled tokens, finishes requests and
 frees their blocks, so waiting requests join the very next step.
 
+A decoding request may carry proposed tokens (`Request.spec_token_ids`, speculative
+decoding): they are scheduled with its last token within the budget, and
+`update_from_output` keeps the accepted ones and rolls back the rest (their KV slots are
+freed; no rejected token reaches the prefix cache).
+
 The scheduler owns request state transitions, the running/waiting/swapped sets, the
-clock it passes to the policy functions and the fair policy's per-tenant counters. It
-never touches tensors or the model (no torch import).
+clock it passes to the policy, and what the worker already holds of each request (so that
+each step message carries only what changed: core/outputs.py). The policy's answers come
+from `core.scheduling_policy`, the fair policy's counters from `core.fair_share`,
+admission planning from `core.admission` and the choice of victim and preemption mode
+from `core.preemption`. It never touches tensors or the model (no torch import).
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 from treadle.config import CacheConfig, SchedulerConfig, parse_tenant_weights
 from treadle.core import policy
+from treadle.core.admission import Admission, StepRoom, fit, plan_admission_victims
+from treadle.core.fair_share import FairShareLedger
 from treadle.core.kv_cache_manager import KVCacheManager
-from treadle.core.outputs import (EngineCoreOutput, ModelRunnerOutput, ScheduledRequest,
-                                  SchedulerOutput)
-from treadle.core.request_queue import make_queue
+from treadle.core.outputs import (EngineCoreOutput, ModelRunnerOutput, NewRequestData,
+                                  ScheduledRequest, SchedulerOutput)
+from treadle.core.preemption import Preemptor
+from treadle.core.scheduling_policy import make_policy
 from treadle.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -75,20 +85,17 @@ class SchedulerStats:
     """Sum over steps of those slots holding a token (computed or scheduled)."""
 
 
-def _is_decode(request: Request) -> bool:
-    """One token to compute, after at least one generated: a decode, not a prompt's end."""
-    return request.num_uncomputed_tokens == 1 and request.num_output_tokens > 0
+@dataclass
+class _WorkerView:
+    """What the worker holds of one request (what earlier step messages told it)."""
 
-
-class _Admission(enum.Enum):
-    ADMITTED = "admitted"
-    FULL = "full"
-    """No request slot or no token left in this step: nothing behind can be admitted."""
-    NO_FIT = "no_fit"
-    """Too large for the free KV memory (or the budget, unchunked): smaller ones may fit."""
-    DEFERRED = "deferred"
-    """Held back by `finish_prompts_first` (see `Scheduler._holds_back`): it starts next
-    step, and nothing behind it starts now."""
+    num_tokens: int = 0
+    """Tokens of the request the worker knows (prompt + generated)."""
+    num_blocks: int = 0
+    """Entries of the block table the worker knows."""
+    table_stale: bool = False
+    """The request's table changed other than by appending (preemption, rollback): the
+    next message sends it whole."""
 
 
 class Scheduler:
@@ -103,33 +110,38 @@ class Scheduler:
         self.kv = KVCacheManager(num_kv_blocks, cache_config.block_size,
                                  cache_config.enable_prefix_caching, num_swap_blocks)
         self.preemption_costs = preemption_costs
-        self.victim_weights = policy.VictimWeights(scheduler_config.victim_priority_weight,
-                                                   scheduler_config.victim_wait_weight)
-        name = scheduler_config.scheduling_policy
-        self.order_params = policy.OrderParams(name, scheduler_config.priority_aging_rate,
-                                               scheduler_config.srpt_aging_rate)
-        self.admission_threshold = (scheduler_config.admission_preemption_threshold
-                                    or policy.default_admission_threshold(name))
-        self.preempt_at_admission = (scheduler_config.admission_preemption
-                                     and policy.preempts_at_admission(name))
-        self.tenant_weights = parse_tenant_weights(scheduler_config.tenant_weights)
-        self.tenant_counters: dict[str, float] = {}
-        """fair policy: virtual tokens served per tenant (tokens / weight)."""
-        self._num_queued: Counter[str] = Counter()
-        """Per tenant, its requests waiting or swapped out (the fair policy's queue)."""
-        self._last_left_tenant: str | None = None
+        self.preemptor = Preemptor(self.kv, scheduler_config, preemption_costs)
+        self.fair_share = FairShareLedger(parse_tenant_weights(scheduler_config.tenant_weights))
+        self.policy = make_policy(scheduler_config, self.fair_share)
         self._clock = clock
-        self.waiting = make_queue(name)
+        self.waiting = self.policy.make_queue()
         self.swapped: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self._finished_since_last_step: set[str] = set()
+        self._finished_since_last_step: list[str] = []
         self._num_bypasses: dict[str, int] = {}
         self._protected_until: dict[str, int] = {}
         """Anti-thrash: step until which a request is not preempted for an admission."""
         self._chunked_prompts: set[str] = set()
         """Requests whose prompt has been split across steps and is not finished yet."""
+        self._worker_views: dict[str, _WorkerView] = {}
+        self._in_flight: set[str] = set()
+        """Requests in a step submitted to the workers and not yet answered (pipeline
+        parallelism keeps several steps in flight): not scheduled, preempted or freed
+        until it returns."""
+        self._free_after_step: dict[str, Request] = {}
+        """Requests that ended while in flight: their blocks are freed when the step
+        returns (the workers may still be writing them)."""
         self.stats = SchedulerStats()
+
+    @property
+    def tenant_weights(self) -> dict[str, float]:
+        return self.fair_share.weights
+
+    @property
+    def tenant_counters(self) -> dict[str, float]:
+        """fair policy: virtual tokens served per tenant (tokens / weight)."""
+        return self.fair_share.counters
 
     # ----- requests in and out -------------------------------------------------------
 
@@ -142,9 +154,7 @@ class Scheduler:
 
     def set_tenant_weight(self, tenant: str, weight: float) -> None:
         """Weight of a tenant's share under the fair policy (unlisted tenants weigh 1)."""
-        if not weight > 0 or weight == float("inf"):
-            raise ValueError(f"tenant weight must be a positive number, got {weight!r}")
-        self.tenant_weights[tenant] = float(weight)
+        self.fair_share.set_weight(tenant, weight)
 
     def finish_request(self, request_id: str, status: RequestStatus,
                        error: str | None = None) -> Request | None:
@@ -156,52 +166,36 @@ class Scheduler:
             self.running.remove(request)
         elif request.status == RequestStatus.SWAPPED:
             self.swapped.remove(request)
-            self._queued_out(request)
+            self.fair_share.queued_out(request)
             self.kv.free_swapped(request)
         else:
             self.waiting.remove(request)
-            self._queued_out(request)
+            self.fair_share.queued_out(request)
         request.error = error
         self._end(request, status)
         return request
 
     def _end(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        self.kv.free(request)
-        self.kv.forget(request)
+        if request.request_id in self._in_flight:
+            self._free_after_step[request.request_id] = request
+        else:
+            self.kv.free(request)
+            self.kv.forget(request)
         del self.requests[request.request_id]
         self._num_bypasses.pop(request.request_id, None)
         self._protected_until.pop(request.request_id, None)
         self._chunked_prompts.discard(request.request_id)
-        self._finished_since_last_step.add(request.request_id)
+        self._worker_views.pop(request.request_id, None)
+        self._finished_since_last_step.append(request.request_id)
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
         """Put a request in the waiting queue (new, or preempted by recompute)."""
-        self._queued_in(request)
+        self.fair_share.queued_in(request)
         if front:
             self.waiting.push_front(request)
         else:
             self.waiting.push_back(request)
-
-    def _queued_in(self, request: Request) -> None:
-        """Account a request entering the waiting or swapped set; a tenant that starts
-        waiting again has its fair counter lifted (policy.vtc_lift)."""
-        tenant = policy.tenant_of(request)
-        if self._num_queued[tenant] == 0:
-            waiting = [self.tenant_counters.get(t, 0.0)
-                       for t, n in self._num_queued.items() if n > 0]
-            last = (self.tenant_counters.get(self._last_left_tenant, 0.0)
-                    if self._last_left_tenant is not None else None)
-            self.tenant_counters[tenant] = policy.vtc_lift(
-                self.tenant_counters.get(tenant, 0.0), waiting, last)
-        self._num_queued[tenant] += 1
-
-    def _queued_out(self, request: Request) -> None:
-        tenant = policy.tenant_of(request)
-        self._num_queued[tenant] -= 1
-        if self._num_queued[tenant] == 0:
-            del self._num_queued[tenant]
-            self._last_left_tenant = tenant
 
     @property
     def num_waiting(self) -> int:
@@ -218,10 +212,20 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def num_in_flight(self) -> int:
+        """Requests in submitted steps not answered yet."""
+        return len(self._in_flight)
+
+    def _idle_running(self) -> list[Request]:
+        """Running requests not in a step in flight: the ones this step may touch."""
+        if not self._in_flight:
+            return self.running
+        return [r for r in self.running if r.request_id not in self._in_flight]
+
     def urgency(self, request: Request, now: float | None = None) -> float:
         """The request's urgency under the configured policy (lower is more urgent)."""
-        return policy.urgency(request, self._clock() if now is None else now,
-                              self.order_params, self.tenant_counters)
+        return self.policy.urgency(request, self._clock() if now is None else now)
 
     # ----- one step ---------------------------------------------------------------------
 
@@ -230,6 +234,8 @@ class Scheduler:
         self._step = self.stats.num_steps
         self._budget = self.config.max_num_batched_tokens
         self._num_new: dict[str, int] = {}
+        self._spec: dict[str, list[int]] = {}
+        """Proposed tokens scheduled per request (counted in _num_new)."""
         self._preempted: list[Request] = []
         self._memory_victims: list[Request] = []
         self._admitted: set[str] = set()
@@ -237,59 +243,41 @@ class Scheduler:
         self._swap_in: list[tuple[int, int]] = []
         self._finishes_prompt = False
         self._finishes_chunked_prompt = False
-        if self.order_params.policy == "fcfs":
-            self._schedule_fcfs()
-        else:
+        if self.policy.orders_by_urgency:
             self._schedule_by_urgency()
+        else:
+            self._schedule_fcfs()
         return self._build_output(self._num_new, self._preempted)
 
     def _schedule_fcfs(self) -> None:
         # 1. Running requests, decodes first. Each may preempt others to get a block.
-        for request in policy.running_order(self.running):
+        for request in policy.running_order(self._idle_running()):
             self._schedule_running(request)
         # 2. Swapped-out requests come back in, oldest first, before anything new.
         if self._preempted:
             return  # a step that had to preempt admits nothing
         while self.swapped:
-            if self._try_admit(self.swapped[0]) is not _Admission.ADMITTED:
+            if self._try_admit(self.swapped[0]) is not Admission.ADMITTED:
                 return
         # 3. Waiting requests in queue order.
         self._admit_in_order(self.waiting.in_order())
 
     def _schedule_by_urgency(self) -> None:
         key = self._order_key
-        # 1. Decodes: one token each, most urgent first.
-        for request in policy.running_order(self.running, key):
-            if request.num_uncomputed_tokens <= 1:
+        # 1. Decodes: one token each (plus any proposed tokens), most urgent first.
+        for request in policy.running_order(self._idle_running(), key):
+            if request.is_decoding:
                 self._schedule_running(request)
         # 2. Everything else that wants tokens, in one order: running prefill chunks,
         #    swapped-out and waiting requests, most urgent first.
         preempted = {r.request_id for r in self._preempted}
-        items = [r for r in self.running if r.request_id not in self._num_new]
+        items = [r for r in self._idle_running() if r.request_id not in self._num_new]
         items += [r for r in self.swapped if r.request_id not in preempted]
         items += [r for r in self.waiting if r.request_id not in preempted]
-        if self.order_params.policy == "fair":
-            self._admit_in_order(self._fair_order(items))
-        else:
-            self._admit_in_order(sorted(items, key=key))
+        self._admit_in_order(self.policy.order(items, self._now))
 
     def _order_key(self, request: Request) -> tuple:
-        return policy.order_key(request, self._now, self.order_params, self.tenant_counters)
-
-    def _fair_order(self, items: list[Request]) -> Iterator[Request]:
-        """Each tenant's requests oldest first; the next one from the tenant with the least
-        service so far, picked again after every admission (which charges the tenant)."""
-        by_tenant: dict[str, deque[Request]] = {}
-        for request in sorted(items, key=lambda r: (r.arrival_time, r.request_id)):
-            by_tenant.setdefault(policy.tenant_of(request), deque()).append(request)
-        while by_tenant:
-            request = policy.next_fair((q[0] for q in by_tenant.values()),
-                                       self.tenant_counters)
-            tenant = policy.tenant_of(request)
-            by_tenant[tenant].popleft()
-            if not by_tenant[tenant]:
-                del by_tenant[tenant]
-            yield request
+        return self.policy.order_key(request, self._now)
 
     def _admit_in_order(self, items: Iterable[Request]) -> None:
         """Admit waiting and swapped requests in the given order (running ones in it get
@@ -315,7 +303,7 @@ class Scheduler:
             if self._memory_victims and not self._outranks_memory_victims(request):
                 continue
             outcome = self._try_admit(request)
-            if outcome is _Admission.ADMITTED:
+            if outcome is Admission.ADMITTED:
                 urgent = urgent or self._isolate(request)
                 if head is not None:
                     num_bypasses = self._num_bypasses.get(head.request_id, 0) + 1
@@ -323,11 +311,11 @@ class Scheduler:
                     self.stats.num_head_bypasses += 1
                     admitting = policy.may_bypass(num_bypasses, self.config.max_head_bypasses)
                 continue
-            if outcome is _Admission.DEFERRED:
+            if outcome is Admission.DEFERRED:
                 admitting = False
                 continue
             num_no_fit += 1
-            if outcome is _Admission.FULL or num_no_fit >= MAX_NO_FIT_PER_STEP:
+            if outcome is Admission.FULL or num_no_fit >= MAX_NO_FIT_PER_STEP:
                 admitting = False
             elif head is None:
                 head = request
@@ -338,8 +326,8 @@ class Scheduler:
         """`urgent` is the first request given prefill tokens in this step (in urgency
         order): the decodes already scheduled that defer to it wait for the next step."""
         for request in self.running:
-            if (request is not urgent and self._num_new.get(request.request_id) == 1
-                    and request.num_uncomputed_tokens <= 1 and self._defers_to(request, urgent)):
+            if (request is not urgent and request.request_id in self._num_new
+                    and request.is_decoding and self._defers_to(request, urgent)):
                 self._unschedule(request)
         return urgent
 
@@ -349,47 +337,51 @@ class Scheduler:
         priority class and less urgent by the admission threshold. The urgent request's
         first token then waits for its own chunk only, not for the background's decodes
         and chunks as well; they run in the next step (its blocks stay allocated)."""
-        if not self.config.isolate_urgent_prefill or self.order_params.policy != "priority":
+        if not self.policy.isolates_urgent_prefill:
             return False
         return (request.priority > urgent.priority
-                and self._urgency(request) - self._urgency(urgent) >= self.admission_threshold)
+                and self._urgency(request) - self._urgency(urgent)
+                >= self.policy.admission_threshold)
 
     def _outranks_memory_victims(self, request: Request) -> bool:
         """In a step that had to preempt for memory, only a request more urgent than every
         victim by the threshold is admitted (never the victims themselves)."""
-        if self.order_params.policy == "fcfs":
+        if not self.policy.orders_by_urgency:
             return False
         u = self._urgency(request)
-        return all(self._urgency(v) - u >= self.admission_threshold
+        return all(self._urgency(v) - u >= self.policy.admission_threshold
                    for v in self._memory_victims)
 
     def _urgency(self, request: Request) -> float:
-        return policy.urgency(request, self._now, self.order_params, self.tenant_counters)
+        return self.policy.urgency(request, self._now)
 
     def _schedule_running(self, request: Request) -> None:
         """Give a running request its tokens, preempting others if its blocks run short."""
         if request.status != RequestStatus.RUNNING or self._budget == 0:
             return
         num_tokens = min(request.num_uncomputed_tokens, self._budget)
+        spec = self._spec_tokens(request)
+        num_tokens += len(spec)
         if self._holds_back(request, num_tokens < request.num_uncomputed_tokens):
             return
         while not self.kv.allocate_slots(request, num_tokens):
-            # Any other running request can be the victim, even one already scheduled
-            # in this step (its tokens go back to the budget): otherwise the request
-            # that happens to come last would always preempt itself. Not one admitted in
-            # this step, though: it came first in the policy's order.
-            candidates = [r for r in self.running
-                          if r is not request and r.request_id not in self._admitted]
-            victim = request
-            if candidates:
-                victim = policy.choose_victim(
-                    candidates, self._now, self._step, self.victim_weights,
-                    self.config.preemption_cooldown_steps)
+            victim = self.preemptor.choose_memory_victim(request, self._idle_running(),
+                                                         self._admitted, self._now, self._step)
             self._preempt_now(victim)
             self._memory_victims.append(victim)
             if victim is request:
                 return
-        self._schedule_tokens(request, num_tokens)
+        self._schedule_tokens(request, num_tokens, spec)
+
+    def _spec_tokens(self, request: Request) -> list[int]:
+        """The proposed tokens a decoding request runs this step: as many as the budget
+        leaves beside its own token, that stay inside the context, and that could still
+        become output (at most max_tokens - 1 more: one token is always the model's)."""
+        if not request.spec_token_ids or not request.is_decoding:
+            return []
+        room = min(self._budget - 1, self.max_model_len - request.num_tokens,
+                   request.sampling_params.max_tokens - request.num_output_tokens - 1)
+        return request.spec_token_ids[:max(room, 0)]
 
     def _holds_back(self, request: Request, partial: bool) -> bool:
         """`finish_prompts_first`: whether prefill tokens of `request` (`partial`: not
@@ -405,34 +397,32 @@ class Scheduler:
           TTFT), and its last chunk is often a small remainder that another prompt
           would outweigh. The other prompt loses one step's fixed cost.
         Decodes are never held back."""
-        if not self.config.finish_prompts_first or _is_decode(request):
+        if not self.config.finish_prompts_first or request.is_decoding:
             return False
         return self._finishes_chunked_prompt or (self._finishes_prompt and partial)
 
-    def _schedule_tokens(self, request: Request, num_tokens: int) -> None:
+    def _schedule_tokens(self, request: Request, num_tokens: int,
+                         spec: list[int] | None = None) -> None:
         rid = request.request_id
         if num_tokens < request.num_uncomputed_tokens:
             self._chunked_prompts.add(rid)
-        elif not _is_decode(request):
+        elif not request.is_decoding:
             self._finishes_prompt = True  # its first (or first resumed) token comes out
             if rid in self._chunked_prompts:
                 self._finishes_chunked_prompt = True
                 self._chunked_prompts.discard(rid)
         self._num_new[rid] = num_tokens
+        if spec:
+            self._spec[rid] = spec
         self._budget -= num_tokens
-        tenant = policy.tenant_of(request)
-        self.tenant_counters[tenant] = policy.vtc_charge(
-            self.tenant_counters.get(tenant, 0.0), num_tokens,
-            self.tenant_weights.get(tenant, 1.0))
+        self.fair_share.charge(request, num_tokens)
 
     def _unschedule(self, request: Request) -> None:
         num_tokens = self._num_new.pop(request.request_id, 0)
+        self._spec.pop(request.request_id, None)
         if num_tokens:
             self._budget += num_tokens
-            tenant = policy.tenant_of(request)
-            self.tenant_counters[tenant] = policy.vtc_charge(
-                self.tenant_counters.get(tenant, 0.0), -num_tokens,
-                self.tenant_weights.get(tenant, 1.0))
+            self.fair_share.charge(request, -num_tokens)
 
     def _preempt_now(self, victim: Request, reason: str = "for KV memory") -> None:
         self._unschedule(victim)
@@ -441,7 +431,7 @@ class Scheduler:
 
     # ----- admission ----------------------------------------------------------------------
 
-    def _try_admit(self, request: Request) -> _Admission:
+    def _try_admit(self, request: Request) -> Admission:
         """Admit a waiting or swapped-out request if it fits, preempting less urgent
         running requests for it when the policy allows and that makes it fit."""
         swapped = request.status == RequestStatus.SWAPPED
@@ -449,8 +439,8 @@ class Scheduler:
         if not swapped and not self.kv.holds(request.request_id):
             computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
         outcome, num_tokens = self._fit(request, swapped, num_hit_tokens, computed_blocks)
-        if (outcome not in (_Admission.ADMITTED, _Admission.DEFERRED)
-                and self.preempt_at_admission):
+        if (outcome not in (Admission.ADMITTED, Admission.DEFERRED)
+                and self.policy.preempts_at_admission):
             victims = self._plan_admission_victims(request, swapped, num_hit_tokens)
             if victims:
                 for victim in victims:
@@ -458,10 +448,10 @@ class Scheduler:
                     self.stats.num_admission_preemptions += 1
                 outcome, num_tokens = self._fit(request, swapped, num_hit_tokens,
                                                 computed_blocks)
-                if outcome is _Admission.ADMITTED:
+                if outcome is Admission.ADMITTED:
                     self._protected_until[request.request_id] = (
                         self._step + self.config.preemption_cooldown_steps)
-        if outcome is not _Admission.ADMITTED:
+        if outcome is not Admission.ADMITTED:
             return outcome
         if swapped:
             self._admit_swapped(request)
@@ -469,7 +459,7 @@ class Scheduler:
             self._admit_waiting(request, num_tokens, num_hit_tokens, computed_blocks)
         self._admitted.add(request.request_id)
         self._num_bypasses.pop(request.request_id, None)
-        return _Admission.ADMITTED
+        return Admission.ADMITTED
 
     def _may_chunk(self, request: Request) -> bool:
         """Whether this request's uncomputed tokens may be split across steps.
@@ -480,81 +470,37 @@ class Scheduler:
         """
         return self.config.enable_chunked_prefill or request.num_output_tokens > 0
 
+    def _room(self) -> StepRoom:
+        return StepRoom(self._budget, len(self.running), self.config.max_num_seqs)
+
     def _fit(self, request: Request, swapped: bool, num_hit_tokens: int,
-             computed_blocks: list) -> tuple[_Admission, int]:
+             computed_blocks: list) -> tuple[Admission, int]:
         """Whether the request fits in this step now, and with how many tokens."""
-        if len(self.running) >= self.config.max_num_seqs or self._budget == 0:
-            return _Admission.FULL, 0
-        if swapped:
-            num_blocks = self.kv.num_swapped_slots(request.request_id) // self.kv.block_size
-            if num_blocks > self.kv.pool.num_free_blocks:
-                return _Admission.NO_FIT, 0
-            return _Admission.ADMITTED, 0
-        num_tokens = request.num_uncomputed_tokens - num_hit_tokens
-        if num_tokens > self._budget and not self._may_chunk(request):
-            return _Admission.NO_FIT, 0
-        if self._holds_back(request, partial=num_tokens > self._budget):
-            return _Admission.DEFERRED, 0
-        num_tokens = min(num_tokens, self._budget)
-        if not self.kv.can_allocate(request, num_tokens, computed_blocks):
-            return _Admission.NO_FIT, 0
-        return _Admission.ADMITTED, num_tokens
+        return fit(self.kv, request, swapped, num_hit_tokens, computed_blocks, self._room(),
+                   self._may_chunk(request), lambda partial: self._holds_back(request, partial))
 
     def _plan_admission_victims(self, request: Request, swapped: bool,
                                 num_hit_tokens: int) -> list[Request]:
-        """Running requests to preempt so that `request` fits, least urgent first; empty
-        when the eligible ones (policy.choose_admission_victim) would not make room."""
-        u = self._urgency(request)
+        """Running requests to preempt so that `request` fits (core.admission)."""
         protected = {rid for rid, until in self._protected_until.items() if until > self._step}
         protected |= self._admitted
-        running = [(r, self._urgency(r)) for r in self.running]
-        block_size = self.kv.block_size
-        num_seqs = len(self.running)
-        budget = self._budget
-        free_blocks = self.kv.pool.num_free_blocks
-        if swapped:
-            need_tokens = 0
-            base_blocks = self.kv.num_swapped_slots(request.request_id) // block_size
-        else:
-            need_tokens = request.num_uncomputed_tokens - num_hit_tokens
-            base_blocks = (request.num_computed_tokens + num_hit_tokens) // block_size
-        victims: list[Request] = []
-        while True:
-            victim = policy.choose_admission_victim(u, running, self.admission_threshold,
-                                                    protected)
-            if victim is None:
-                return []
-            running = [(r, ur) for r, ur in running if r is not victim]
-            victims.append(victim)
-            num_seqs -= 1
-            budget += self._num_new.get(victim.request_id, 0)
-            free_blocks += self.kv.num_allocated_slots(victim.request_id) // block_size
-            if num_seqs >= self.config.max_num_seqs or budget == 0:
-                continue
-            if swapped:
-                if base_blocks <= free_blocks:
-                    return victims
-                continue
-            tokens = need_tokens
-            if tokens > budget:
-                if not self._may_chunk(request):
-                    continue
-                tokens = budget
-            needed = (self.kv.num_blocks_for(request.num_computed_tokens + num_hit_tokens
-                                             + tokens) - base_blocks)
-            if needed <= free_blocks:
-                return victims
+        return plan_admission_victims(
+            self.kv, request, swapped, num_hit_tokens, self._urgency(request),
+            [(r, self._urgency(r)) for r in self._idle_running()],
+            self.policy.admission_threshold,
+            protected, self._room(), self._num_new, self._may_chunk(request))
 
     def _admit_waiting(self, request: Request, num_tokens: int, num_hit_tokens: int,
                        computed_blocks: list) -> None:
         allocated = self.kv.allocate_slots(request, num_tokens, computed_blocks)
         assert allocated, "_fit checked that the blocks are there"
         self.waiting.remove(request)
-        self._queued_out(request)
+        self.fair_share.queued_out(request)
         request.num_computed_tokens += num_hit_tokens
         if request.status == RequestStatus.PREEMPTED:
             self._resume(request)
         else:
+            request.num_cached_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             request.first_scheduled_time = self._now
             self.running.append(request)
@@ -564,7 +510,7 @@ class Scheduler:
         plan = self.kv.swap_in(request)
         assert plan is not None, "_fit checked that the blocks are there"
         self.swapped.remove(request)
-        self._queued_out(request)
+        self.fair_share.queued_out(request)
         self._swap_in.extend(plan)
         self.stats.num_swap_in += 1
         self._resume(request)
@@ -578,22 +524,11 @@ class Scheduler:
         scheduled = []
         for request in self.running:
             n = num_new_tokens.get(request.request_id)
-            if n is None:
-                continue
-            start = request.num_computed_tokens
-            scheduled.append(ScheduledRequest(
-                request_id=request.request_id,
-                token_ids=request.all_token_ids[start:start + n],
-                num_computed_tokens=start,
-                block_ids=self.kv.block_ids(request.request_id),
-                sample=start + n == request.num_tokens,
-                sampling_params=request.sampling_params,
-                num_output_tokens=request.num_output_tokens,
-                prompt_token_ids=request.prompt_token_ids,
-                output_token_ids=request.output_token_ids,
-            ))
-        scheduled.sort(key=lambda s: len(s.token_ids) > 1)  # decodes first
-        finished, self._finished_since_last_step = self._finished_since_last_step, set()
+            if n is not None:
+                scheduled.append(self._scheduled_request(request, n))
+        scheduled.sort(key=lambda s: not s.is_decoding)  # decodes first
+        self._in_flight.update(s.request_id for s in scheduled)
+        finished, self._finished_since_last_step = self._finished_since_last_step, []
         stats = self.stats
         if scheduled:
             stats.num_steps += 1
@@ -607,6 +542,36 @@ class Scheduler:
                                preempted_request_ids=[r.request_id for r in preempted],
                                swap_out=self._swap_out, swap_in=self._swap_in)
 
+    def _scheduled_request(self, request: Request, num_tokens: int) -> ScheduledRequest:
+        """The request's entry of the step message: what the worker does not know yet
+        (its data the first time, then the tokens and blocks added since), and what to
+        compute. Every list is a new one: in-process, the worker keeps what it gets."""
+        rid = request.request_id
+        view = self._worker_views.get(rid)
+        new_request = None
+        if view is None:
+            view = self._worker_views[rid] = _WorkerView(num_tokens=request.num_prompt_tokens)
+            new_request = NewRequestData(request.prompt_token_ids, request.sampling_params)
+        new_token_ids = request.all_token_ids[view.num_tokens:]
+        view.num_tokens = request.num_tokens
+        block_ids = self.kv.block_ids(rid)
+        replaces = view.table_stale
+        new_block_ids = block_ids[0 if replaces else view.num_blocks:]
+        view.num_blocks, view.table_stale = len(block_ids), False
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=rid, num_computed_tokens=start, num_scheduled_tokens=num_tokens,
+            new_token_ids=new_token_ids, new_block_ids=new_block_ids,
+            replaces_block_table=replaces, spec_token_ids=self._spec.get(rid, []),
+            sample=start + num_tokens >= request.num_tokens,
+            is_decoding=request.is_decoding, new_request=new_request)
+
+    def _table_changed(self, request: Request) -> None:
+        """The request's block table changed other than by appending."""
+        view = self._worker_views.get(request.request_id)
+        if view is not None:
+            view.table_stale = True
+
     def _resume(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
         request.resumed_step = self.stats.num_steps
@@ -617,58 +582,79 @@ class Scheduler:
     def _preempt(self, request: Request, reason: str = "for KV memory") -> None:
         """Take the request's KV away, by swap or recompute, and park the request."""
         self.running.remove(request)
-        held_slots = self.kv.num_allocated_slots(request.request_id)
-        mode = policy.choose_preemption_mode(
-            self.config.preemption_mode, request.num_computed_tokens, held_slots,
-            self.kv.can_swap_out(request), self.preemption_costs)
+        taken = self.preemptor.take_kv(request)
+        self._table_changed(request)
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
-        if mode == policy.PreemptionMode.SWAP:
-            self._swap_out.extend(self.kv.swap_out(request))
+        if taken.mode == policy.PreemptionMode.SWAP:
+            self._swap_out.extend(taken.swap_plan)
             request.status = RequestStatus.SWAPPED
             self.swapped.append(request)
-            self._queued_in(request)
+            self.fair_share.queued_in(request)
             self.stats.num_preemptions_swap += 1
             logger.info("preempted request %s %s (mode=swap, %d tokens of KV swapped out)",
-                        request.request_id, reason, request.num_computed_tokens)
+                        request.request_id, reason, taken.num_computed_tokens)
         else:
-            num_lost = request.num_computed_tokens
-            self.kv.free(request)
             request.status = RequestStatus.PREEMPTED
             request.num_computed_tokens = 0
             self._enqueue(request, front=True)
             self.stats.num_preemptions_recompute += 1
             logger.info("preempted request %s %s (mode=recompute, %d computed tokens to "
-                        "recompute)", request.request_id, reason, num_lost)
+                        "recompute)", request.request_id, reason, taken.num_computed_tokens)
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Advance every scheduled request; return one output per request with news."""
+        """Advance every scheduled request; return one output per request with news.
+
+        A request that ran proposed tokens keeps those the runner accepted (it returns
+        them followed by one token of its own); the slots of the rest are rolled back."""
         outputs = []
         sampled = runner_output.sampled_token_ids
         for sched in scheduler_output.scheduled:
+            self._in_flight.discard(sched.request_id)
+            ended = self._free_after_step.pop(sched.request_id, None)
+            if ended is not None:  # it ended while the step ran: its blocks are free now
+                self.kv.free(ended)
+                self.kv.forget(ended)
+                continue
             request = self.requests.get(sched.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += len(sched.token_ids)
-            self.kv.cache_full_blocks(request)
+            tokens = sampled[sched.request_id] if sched.sample else []
+            num_rejected = len(sched.spec_token_ids) - max(len(tokens) - 1, 0)
+            request.num_computed_tokens += sched.num_scheduled_tokens - num_rejected
+            status = None
+            num_kept = 0
+            for token_id in tokens:  # accepted proposals, then the model's own token
+                request.append_output_token(token_id)
+                num_kept += 1
+                status = request.check_stop(self.max_model_len)
+                if status is not None:
+                    break
+            # Stopped early: proposals after the stop were computed but are not its tokens.
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+            if num_rejected and self.kv.trim(request):
+                self._table_changed(request)
+            self.kv.cache_full_blocks(request)  # only blocks full of its own tokens
             prompt_logprobs = runner_output.prompt_logprobs.get(sched.request_id)
             if not sched.sample:
                 if prompt_logprobs is not None:
                     outputs.append(EngineCoreOutput(request.request_id, [],
                                                     new_prompt_logprobs=prompt_logprobs))
                 continue
-            token_id = sampled[sched.request_id]
-            request.append_output_token(token_id)
             if request.first_token_time is None:
                 request.first_token_time = self._clock()
-            status = request.check_stop(self.max_model_len)
             if status is not None:
                 self.running.remove(request)
                 self._end(request, status)
+            else:
+                request.spec_token_ids = runner_output.spec_token_ids.get(sched.request_id, [])
+            logprobs = runner_output.logprobs.get(sched.request_id)
             outputs.append(EngineCoreOutput(
-                request_id=request.request_id, new_token_ids=[token_id],
+                request_id=request.request_id, new_token_ids=tokens[:num_kept],
                 finish_reason=request.finish_reason,
-                new_logprobs=runner_output.logprobs.get(sched.request_id),
-                new_prompt_logprobs=prompt_logprobs))
+                new_logprobs=None if logprobs is None else logprobs[:num_kept],
+                new_prompt_logprobs=prompt_logprobs,
+                num_cached_tokens=request.num_cached_tokens))
         return outputs

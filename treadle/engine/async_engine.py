@@ -1,9 +1,13 @@
 """The engine loop in a background thread, with one asyncio stream of outputs per request.
 
-Owns the thread that steps EngineCore, the command queue into it (add, abort), the
-delivery of each request's outputs to the event loop of its caller, and the per-request
-timings behind the latency metrics. Tokenization happens in the caller's worker threads
-(see server/api.py), never on the engine thread or the event loop.
+Owns the thread that steps the engine (EngineCore through the EngineDriver that the
+offline LLM uses too), the command queue into it (add, abort), the delivery of each
+request's outputs to the event loop of its caller, the per-request timings behind the
+latency metrics, and the engine's limits and controls the server may read or set
+(`limits`, `set_tenant_weight`). Tokenization happens in the caller's worker threads
+(see server/api.py), never on the engine thread or the event loop. While idle the loop
+still checks, every 0.1 s, that the workers are alive: a dead worker fails every stream
+and turns `is_alive` (and so /health) false.
 
 Why a thread and not a process: torch releases the GIL inside its kernels, which is
 where a step spends its time, so the event loop stays responsive, and a thread avoids
@@ -34,8 +38,9 @@ from typing import AsyncIterator
 
 from treadle.config import EngineConfig
 from treadle.engine.core import EngineCore
+from treadle.engine.driver import EngineDriver
 from treadle.engine.llm import load_tokenizer
-from treadle.engine.output_processor import OutputProcessor, RequestOutput
+from treadle.engine.output_processor import RequestOutput
 from treadle.metrics import EngineMetrics
 from treadle.sampling_params import SamplingParams
 
@@ -44,6 +49,17 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can be served."""
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What the server checks requests against before it accepts them."""
+
+    vocab_size: int
+    max_model_len: int
+    num_kv_tokens: int
+    """Token slots of the whole KV cache."""
+    block_size: int
 
 
 @dataclass
@@ -77,7 +93,10 @@ class AsyncEngine:
             raise self._build_error
         self.tokenizer = load_tokenizer(self.core.model_dir)
         self.model_name = served_model_name or self.core.model_dir.name
-        self.processor = OutputProcessor(self.tokenizer)
+        self.driver = EngineDriver(self.core, self.tokenizer)
+        block_size = config.cache.block_size
+        self.limits = EngineLimits(self.core.vocab_size, self.core.max_model_len,
+                                   self.core.num_kv_blocks * block_size, block_size)
         self.metrics = EngineMetrics(self.model_name)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -95,6 +114,11 @@ class AsyncEngine:
         self._go.set()
         self._wake.set()
         self._thread.join(timeout)
+        self.core.shutdown()
+
+    def set_tenant_weight(self, tenant: str, weight: float) -> None:
+        """The fair policy's weight of a tenant (unlisted tenants weigh 1)."""
+        self.core.scheduler.set_tenant_weight(tenant, weight)
 
     @property
     def is_alive(self) -> bool:
@@ -161,6 +185,7 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._drain_commands()
                 if not self.core.has_unfinished_requests():
+                    self.core.check_health()
                     self._wake.wait(0.1)
                     self._wake.clear()
                     continue
@@ -194,34 +219,16 @@ class AsyncEngine:
         if stream is None:  # aborted before it arrived
             return
         stream.priority, stream.tenant = priority, tenant
-        self.processor.add_request(request_id, prompt, prompt_token_ids, params, arrival)
-        rejected = self._add_engine_requests(request_id)
-        if rejected:
-            self._abort(request_id, error=rejected[0].error)
-
-    def _add_engine_requests(self, request_id: str) -> list:
-        """Hand the request's ready samples to the core; the rejections, if any."""
-        stream = self._streams[request_id]
-        rejected = []
-        for engine_request in self.processor.engine_requests(request_id):
-            engine_request.priority = stream.priority
-            engine_request.cache_salt = stream.tenant
-            engine_request.tenant = stream.tenant
-            error = self.core.add_request(engine_request)
-            if error is not None:
-                rejected.append(error)
-        return rejected
+        rejected = self.driver.add(request_id, prompt, prompt_token_ids, params, arrival,
+                                   priority, tenant)
+        if rejected is not None:
+            self._deliver(request_id, rejected)
 
     def _abort(self, request_id: str, error: str | None = None) -> None:
         stream = self._streams.get(request_id)
         if stream is None:
             return
-        for engine_id in self.processor.engine_request_ids(request_id):
-            self.core.abort_request(engine_id)
-        if error is not None:
-            output = self.processor.reject(request_id, error)
-        else:
-            output = self.processor.abort(request_id)
+        output = self.driver.abort(request_id, error)
         if output is not None:
             self._deliver(request_id, output)
         else:
@@ -229,10 +236,7 @@ class AsyncEngine:
 
     def _step(self) -> None:
         num_scheduled_before = self.core.scheduler.stats.num_scheduled_requests
-        core_outputs = self.core.step()
-        request_outputs = self.processor.after_step(
-            self.core, core_outputs,
-            lambda rid: self._add_engine_requests(rid) if rid in self._streams else [])
+        request_outputs = self.driver.step()
         sched = self.core.scheduler
         self.metrics.record_step(
             self.core.stats(), sched.num_running, sched.num_waiting, sched.num_swapped,

@@ -1,9 +1,11 @@
 """The offline API, shaped like vLLM's: `LLM(model=...).generate(prompts, params)`.
 
 Owns tokenization of string prompts and the loop that steps the engine until every
-request of a `generate` call has ended, with its progress bar. Detokenization, stop
-strings, logprobs and n > 1 grouping are the OutputProcessor's; scheduling and model
-execution stay in EngineCore. RequestOutput and CompletionOutput are re-exported here.
+request of a `generate` call has ended, with its progress bar. Adding requests and
+processing a step's outputs go through EngineDriver (the same path as the server's);
+detokenization, stop strings, logprobs and n > 1 grouping are the OutputProcessor's;
+scheduling stays in EngineCore, model execution in its workers. RequestOutput and
+CompletionOutput are re-exported here.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from tqdm.auto import tqdm
 
 from treadle.config import EngineConfig
 from treadle.engine.core import EngineCore
-from treadle.engine.output_processor import (CompletionOutput, Logprob, OutputProcessor,
-                                             RequestMetrics, RequestOutput)
+from treadle.engine.driver import EngineDriver
+from treadle.engine.output_processor import (CompletionOutput, Logprob, RequestMetrics,
+                                             RequestOutput)
 from treadle.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput",
@@ -64,10 +67,8 @@ class LLM:
         self.config = EngineConfig.from_options(model=model, **engine_options)
         self.engine = EngineCore(self.config)
         self.tokenizer = load_tokenizer(self.engine.model_dir)
-        self.processor = OutputProcessor(self.tokenizer)
+        self.driver = EngineDriver(self.engine, self.tokenizer)
         self._request_counter = itertools.count()
-        self._scheduling: dict[str, tuple] = {}
-        """request id -> (priority, tenant, length_hint), for samples added later."""
 
     def _prompt_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -117,29 +118,17 @@ class LLM:
         tokenized = [self._prompt_token_ids(prompt) for prompt in prompts]
         results: dict[str, RequestOutput] = {}
         order = []
-        for (text, token_ids), params, attrs in zip(tokenized, sampling_params, scheduling):
+        for (text, token_ids), params, (priority, tenant, hint) in zip(
+                tokenized, sampling_params, scheduling):
             request_id = str(next(self._request_counter))
             order.append(request_id)
-            self._scheduling[request_id] = attrs
-            self.processor.add_request(request_id, text, token_ids, params, time.monotonic())
-            rejected = self._add_ready_samples(request_id)
-            if rejected:
-                results[request_id] = self.processor.reject(request_id, rejected[0].error)
-                self._scheduling.pop(request_id, None)
+            rejected = self.driver.add(request_id, text, token_ids, params, time.monotonic(),
+                                       priority, tenant, hint)
+            if rejected is not None:
+                results[request_id] = rejected
 
         self._run([rid for rid in order if rid not in results], results, use_tqdm)
         return [results[rid] for rid in order]
-
-    def _add_ready_samples(self, request_id: str) -> list:
-        """Hand the request's ready samples to the engine; the rejections, if any."""
-        priority, tenant, length_hint = self._scheduling[request_id]
-        rejected = []
-        for request in self.processor.engine_requests(request_id):
-            request.priority, request.tenant, request.length_hint = priority, tenant, length_hint
-            error = self.engine.add_request(request)
-            if error is not None:
-                rejected.append(error)
-        return rejected
 
     def _run(self, request_ids: list[str], results: dict[str, RequestOutput],
              use_tqdm: bool) -> None:
@@ -147,30 +136,22 @@ class LLM:
         progress = tqdm(total=len(pending), desc="Generating", unit="req",
                         disable=not use_tqdm, dynamic_ncols=True)
         start = time.perf_counter()
-        num_output_tokens = 0
+        tokens_before = self.driver.num_generated_tokens
         try:
             while pending:
-                if not self.engine.has_unfinished_requests():
+                if not self.driver.has_unfinished_requests():
                     raise RuntimeError(f"{len(pending)} requests neither run nor finished")
-                core_outputs = self.engine.step()
-                num_output_tokens += sum(len(o.new_token_ids) for o in core_outputs)
-                outputs = self.processor.after_step(self.engine, core_outputs,
-                                                    self._add_ready_samples)
-                for output in outputs:
+                for output in self.driver.step():
                     if output.finished and output.request_id in pending:
                         pending.discard(output.request_id)
-                        self._scheduling.pop(output.request_id, None)
                         results[output.request_id] = output
                         progress.update(1)
-                elapsed = time.perf_counter() - start
-                progress.set_postfix_str(f"{num_output_tokens / max(elapsed, 1e-9):.1f} out tok/s",
-                                         refresh=False)
+                rate = ((self.driver.num_generated_tokens - tokens_before)
+                        / max(time.perf_counter() - start, 1e-9))
+                progress.set_postfix_str(f"{rate:.1f} out tok/s", refresh=False)
         except BaseException:
             for request_id in pending:  # leave the engine clean for the next call
-                self._scheduling.pop(request_id, None)
-                for engine_id in self.processor.engine_request_ids(request_id):
-                    self.engine.abort_request(engine_id)
-                self.processor.abort(request_id)
+                self.driver.abort(request_id)
             raise
         finally:
             progress.close()

@@ -3,13 +3,17 @@
 Owns, per user request: incremental detokenization, stop strings (a match ends the
 request; `process` returns the engine ids to stop), logprobs dictionaries, prompt
 logprobs, finish and stop reasons, timings, and the grouping of the n samples of an
-n > 1 request. It creates the engine Requests (`engine_requests`) so that the n samples
-share the prompt's KV blocks: sample 0 goes first; samples 1..n-1 become ready once
-sample 0 has computed its prompt (`requests_to_add`), when the prefix cache gives them
-every full prompt block. Engine ids: the request id for n = 1, f"{id}#{i}" for n > 1.
+n > 1 request. It creates the engine Requests (`engine_requests`), with the request's
+scheduling attributes (priority, tenant, which is also the prefix-cache salt, length
+hint), so that the n samples share the prompt's KV blocks: sample 0 goes first; samples
+1..n-1 become ready once sample 0 has computed its prompt (`requests_to_add`), when the
+prefix cache gives them every full prompt block. Engine ids: the request id for n = 1,
+f"{id}#{i}" for n > 1.
 
-It never schedules, never touches tensors, and never raises on a bad request once added:
-errors arrive as outputs (`reject`).
+It never calls into the engine: `process` returns what to stop, `requests_to_add` what
+to add, and the caller (engine/driver.py) does both. It never schedules, never touches
+tensors, and never raises on a bad request once added: errors arrive as outputs
+(`reject`).
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 from treadle.core.outputs import EngineCoreOutput, PromptLogprobs, TokenLogprobs
 from treadle.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher, make_decode
@@ -85,6 +88,8 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     """Per prompt token (None for the first): its logprob and the top-N."""
+    num_cached_tokens: int = 0
+    """Prompt tokens the prefix cache supplied (OpenAI's usage.prompt_tokens_details)."""
 
 
 def engine_request_id(request_id: str, index: int, n: int) -> str:
@@ -138,6 +143,7 @@ class _UserRequest:
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
             None if params.prompt_logprobs is None else [None] * len(prompt_token_ids))
         self.finished_time: float | None = None
+        self.num_cached_tokens = 0
 
     @property
     def finished(self) -> bool:
@@ -166,8 +172,11 @@ class OutputProcessor:
     # ----- requests in ----------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float) -> None:
-        """Track a user request and create its engine Requests (see engine_requests)."""
+                    params: SamplingParams, arrival_time: float, priority: int = 0,
+                    tenant: str | None = None, length_hint: int | None = None) -> None:
+        """Track a user request and create its engine Requests (see engine_requests).
+
+        `tenant` is also each engine request's prefix-cache salt: tenants never share KV."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         if params.stop and self.tokenizer is None:
@@ -179,7 +188,8 @@ class OutputProcessor:
         for i in range(params.n):
             sample_params = params if params.n == 1 else params.for_sample(i)
             request = Request(engine_request_id(request_id, i, params.n), prompt_token_ids,
-                              sample_params, arrival_time=arrival_time)
+                              sample_params, arrival_time=arrival_time, priority=priority,
+                              cache_salt=tenant, tenant=tenant, length_hint=length_hint)
             request.parent_id = request_id
             sample = _Sample(i, request, decode, prompt_token_ids)
             state.samples.append(sample)
@@ -259,6 +269,8 @@ class OutputProcessor:
                 continue  # e.g. stopped by a stop string while the next step was running
             if out.new_prompt_logprobs is not None and sample.index == 0:
                 self._add_prompt_logprobs(state, out.new_prompt_logprobs)
+            if sample.index == 0:
+                state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             if not out.new_token_ids and not out.finished:
                 continue
             changed[state.request_id] = state
@@ -271,31 +283,13 @@ class OutputProcessor:
             results.append(self._finish(state) if state.finished else self._snapshot(state))
         return results, to_stop
 
-    def after_step(self, core, core_outputs: list[EngineCoreOutput],
-                   add_ready: Callable[[str], list[EngineCoreOutput]]) -> list[RequestOutput]:
-        """Everything a driver does with one step's outputs, in order: process them, stop
-        in `core` the requests whose stop string matched, hand the samples that became
-        ready (n > 1) to the core through `add_ready(request_id)` (which returns the core's
-        rejections), and return the user-facing outputs, rejections included."""
-        outputs, to_stop = self.process(core_outputs)
-        for engine_id in to_stop:
-            core.stop_request(engine_id)
-        rejected: list[EngineCoreOutput] = []
-        for request_id in self.requests_to_add():
-            rejected += add_ready(request_id)
-        if rejected:
-            outputs += self.process(rejected)[0]
-        return outputs
-
     def _update(self, state: _UserRequest, sample: _Sample, out: EngineCoreOutput) -> bool:
         """Apply one output to one sample; True when a stop string ended it."""
         params = sample.params
         new_ids = out.new_token_ids
         sample.token_ids.extend(new_ids)
         if out.new_logprobs is not None and sample.logprobs is not None:
-            entries = out.new_logprobs if isinstance(out.new_logprobs, list) else [
-                out.new_logprobs]
-            for entry in entries:
+            for entry in out.new_logprobs:
                 sample.logprobs.append(self._logprob_dict(entry))
                 sample.cumulative_logprob += entry.logprobs[0]
         if out.error is not None:
@@ -357,7 +351,8 @@ class OutputProcessor:
             [s.snapshot() for s in state.samples], finished=state.finished,
             error=state.error, metrics=state.metrics(),
             prompt_logprobs=(None if state.prompt_logprobs is None
-                             else list(state.prompt_logprobs)))
+                             else list(state.prompt_logprobs)),
+            num_cached_tokens=state.num_cached_tokens)
 
     def _finish(self, state: _UserRequest) -> RequestOutput:
         """The final output of a finished request; forget it."""

@@ -12,7 +12,8 @@ Owns the trace file format, JSON lines, one object per line:
 
 Times are seconds since the recorder started (time.monotonic). A scheduled entry is
 `[request_id, num_tokens, kind]`: kind "prefill" covers prompt chunks and the recompute
-of a preempted request, "decode" one generated token. "preempted" lists the requests that
+of a preempted request, "decode" a request's one uncomputed token (with any proposed
+tokens after it: `Request.is_decoding`). "preempted" lists the requests that
 lost their KV (swap or recompute) when the step was scheduled.
 
 `TraceRecorder` writes it (EngineCore calls it, when `scheduler.trace` is set);
@@ -35,11 +36,9 @@ TRACE_VERSION = 1
 
 
 def step_kind(scheduled: ScheduledRequest) -> str:
-    """'decode' for one generated token past the prompt, 'prefill' for anything else."""
-    if len(scheduled.token_ids) == 1 and scheduled.num_computed_tokens >= len(
-            scheduled.prompt_token_ids):
-        return "decode"
-    return "prefill"
+    """'decode' for a decoding request (Request.is_decoding: its last token, with any
+    proposed tokens after it), 'prefill' for anything else."""
+    return "decode" if scheduled.is_decoding else "prefill"
 
 
 class TraceRecorder:
@@ -77,7 +76,7 @@ class TraceRecorder:
         self._write({
             "type": "step", "step": step,
             "t_start": round(t_start - self._t0, 6), "t_end": round(t_end - self._t0, 6),
-            "scheduled": [[s.request_id, len(s.token_ids), step_kind(s)]
+            "scheduled": [[s.request_id, s.num_scheduled_tokens, step_kind(s)]
                           for s in scheduler_output.scheduled],
             "preempted": list(scheduler_output.preempted_request_ids),
             "finished": [[o.request_id, o.finish_reason.value]

@@ -1,8 +1,9 @@
 """Loading a Hugging Face checkpoint directory into a treadle model.
 
 Owns reading config.json, choosing the dtype (`resolve_dtype`), finding the safetensors
-files (single file or sharded index) and streaming their tensors, cast to the dtype as
-they are read, into the model's `load_weights`. It never downloads anything, never
+files (single file or sharded index) and handing them to the model's `load_weights` as a
+WeightSource (models/weights.py: tensors read whole or by slices, cast to the dtype as
+they are read). It never downloads anything, never
 touches the tokenizer and never allocates the KV cache.
 """
 
@@ -17,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from treadle.models.registry import resolve_model_class
+from treadle.models.weights import SafetensorsSource
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 flags in /proc/cpuinfo
@@ -91,20 +93,34 @@ def iterate_weights(files: list[Path], dtype: torch.dtype) -> Iterator[tuple[str
                 yield name, tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
-def load_model(model_dir: str | Path, dtype: str) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """Build the checkpoint's model with its weights, in eval mode and without gradients.
+def load_model(model_dir: str | Path, dtype: str | torch.dtype,
+               device: torch.device | str = "cpu", parallel=None
+               ) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Build the checkpoint's model with its weights on `device`, in eval mode and without
+    gradients. `dtype` is a torch dtype or a name for `resolve_dtype`; `parallel` (a
+    worker.parallel_state.ParallelContext) makes it this rank's shard, reading only its
+    slices of the files. Returns (model, config dict)."""
+    model, config, _ = build_model(model_dir, dtype, device, parallel)
+    return model, config
 
-    Returns (model, config dict). Parameters are allocated uninitialized (built on the
-    meta device, then materialized empty) since every one of them is overwritten.
-    """
+
+def build_model(model_dir: str | Path, dtype: str | torch.dtype,
+                device: torch.device | str = "cpu", parallel=None
+                ) -> tuple[torch.nn.Module, dict[str, Any], int]:
+    """`load_model`, also returning the bytes read from the checkpoint files.
+
+    Parameters are allocated uninitialized (built on the meta device, then materialized
+    empty) since every one of them is overwritten."""
     config = read_config(model_dir)
     model_class = resolve_model_class(config.get("architectures"))
-    torch_dtype = resolve_dtype(dtype)
+    torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype)
     files = safetensors_files(model_dir)
     with torch.device("meta"):
-        model = model_class(config, torch_dtype)
-    model.to_empty(device="cpu")
-    model.load_weights(iterate_weights(files, torch_dtype))
+        model = (model_class(config, torch_dtype) if parallel is None
+                 else model_class(config, torch_dtype, parallel))
+    model.to_empty(device=device)
+    source = SafetensorsSource(files, torch_dtype)
+    model.load_weights(source)
     model.eval()
     model.requires_grad_(False)
-    return model, config
+    return model, config, source.num_bytes_read

@@ -12,6 +12,7 @@ never decides positions: those come from the model runner.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -128,3 +129,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     torch.mul(x2, cos, out=o2)
     o2.add_(x1 * sin)
     return out
+
+
+@dataclass(frozen=True)
+class RotaryInputs:
+    """One step's rotary angles, handed with un-rotated queries and keys to the attention
+    layer: the backend rotates them (`apply`) or fuses the rotation with its K/V write."""
+
+    cos: torch.Tensor
+    """[num_tokens, 1, head_dim // 2]"""
+    sin: torch.Tensor
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return apply_rotary(x, self.cos, self.sin)

@@ -89,7 +89,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
         server_config.max_waiting_requests, server_config.max_waiting_tokens,
         server_config.tenant_max_concurrent_requests, server_config.tenant_tokens_per_minute))
     app.state.engine, app.state.admission, app.state.shutting_down = engine, admission, False
-    max_model_len = engine.core.max_model_len
+    max_model_len = engine.limits.max_model_len
     tokenizer = engine.tokenizer
 
     @app.exception_handler(APIError)
@@ -141,7 +141,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
 
     @app.post("/detokenize")
     async def detokenize(body: protocol.DetokenizeRequest):
-        vocab = engine.core.model.vocab_size
+        vocab = engine.limits.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"tokens: {bad} is outside the vocabulary [0, {vocab})", "tokens")
@@ -309,7 +309,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
         return whole(request_id, engine.model_name, final, tokenizer, top_n)
 
     def check_vocab(prompt_ids: list[int]) -> None:
-        vocab = engine.core.model.vocab_size
+        vocab = engine.limits.vocab_size
         bad = next((t for t in prompt_ids if t >= vocab), None)
         if bad is not None:
             raise APIError(400, f"prompt: token id {bad} is outside the vocabulary [0, {vocab})",

@@ -1,8 +1,14 @@
-"""The KV-cache tensors: how many blocks fit in the memory given, and the per-layer tensors.
+"""The KV-cache tensors: their layout and dtype, how many blocks fit in the memory given,
+the per-layer tensors, the swap space, and block copies between them.
 
-Owns the physical storage only; which request uses which block is decided in core/.
-Layout per layer: [2 (K, V), num_kv_heads, num_blocks, block_size, head_dim] (see
-worker/attention.py for why the head dimension is outermost).
+Owns the physical storage only; which request uses which block is decided in core/, and
+how attention reads a layout is its backend's business (worker/attention). A layout is
+named by the backend that uses it:
+
+- `heads_first`: per layer [2 (K, V), num_kv_heads, num_blocks, block_size, head_dim].
+  The head dimension outermost makes a gather of a request's blocks yield [kv_heads,
+  tokens, head_dim] directly, the operand layout of a batched matmul (worker/attention/
+  torch_backend.py), and is what the C kernels read.
 """
 
 from __future__ import annotations
@@ -11,15 +17,27 @@ from dataclasses import dataclass
 
 import torch
 
+KV_LAYOUTS = {"heads_first": 2}
+"""Layout name -> the dimension that indexes blocks."""
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """The shape of one token's KV across all layers."""
+    """One layer's KV layout and dtype, and the model's number of layers."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    layout: str = "heads_first"
+
+    def __post_init__(self) -> None:
+        if self.layout not in KV_LAYOUTS:
+            raise ValueError(f"unknown KV layout {self.layout!r}; known: {sorted(KV_LAYOUTS)}")
+
+    @property
+    def block_dim(self) -> int:
+        return KV_LAYOUTS[self.layout]
 
     @property
     def bytes_per_token(self) -> int:
@@ -30,6 +48,10 @@ class KVCacheSpec:
     def num_blocks_for_memory(self, num_bytes: int, block_size: int) -> int:
         return num_bytes // (self.bytes_per_token * block_size)
 
+    def shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """One layer's tensor shape."""
+        return (2, self.num_kv_heads, num_blocks, block_size, self.head_dim)
+
 
 def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, block_size: int,
                        device: torch.device | str = "cpu") -> list[torch.Tensor]:
@@ -38,20 +60,20 @@ def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, block_size: int,
     Zeroed, not empty: padded attention positions are masked to probability 0, and
     0 x NaN from uninitialised memory would still poison the output.
     """
-    shape = (2, spec.num_kv_heads, num_blocks, block_size, spec.head_dim)
+    shape = spec.shape(num_blocks, block_size)
     return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
 
 
 def allocate_swap_space(spec: KVCacheSpec, num_blocks: int, block_size: int,
                         pin_memory: bool = False) -> list[torch.Tensor]:
-    """Host-memory blocks for swapped-out KV, laid out like the cache (pinned for CUDA)."""
-    shape = (2, spec.num_kv_heads, num_blocks, block_size, spec.head_dim)
+    """Host-memory blocks for swapped-out KV, laid out like the cache (pinned for a GPU)."""
+    shape = spec.shape(num_blocks, block_size)
     return [torch.zeros(shape, dtype=spec.dtype, pin_memory=pin_memory)
             for _ in range(spec.num_layers)]
 
 
 def copy_blocks(src: list[torch.Tensor], dst: list[torch.Tensor],
-                pairs: list[tuple[int, int]]) -> int:
+                pairs: list[tuple[int, int]], block_dim: int = 2) -> int:
     """Copy block pairs[i][0] of every layer of `src` to block pairs[i][1] of `dst`.
 
     Returns the bytes copied.
@@ -62,7 +84,7 @@ def copy_blocks(src: list[torch.Tensor], dst: list[torch.Tensor],
     dst_ids = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst[0].device)
     num_bytes = 0
     for s, d in zip(src, dst):
-        blocks = s.index_select(2, src_ids.to(s.device))
-        d.index_copy_(2, dst_ids, blocks.to(d.device, non_blocking=True))
+        blocks = s.index_select(block_dim, src_ids.to(s.device))
+        d.index_copy_(block_dim, dst_ids, blocks.to(d.device, non_blocking=True))
         num_bytes += blocks.numel() * blocks.element_size()
     return num_bytes

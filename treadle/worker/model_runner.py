@@ -1,11 +1,24 @@
-"""Turns a SchedulerOutput into tensors, runs the model once, and samples.
+"""Turns a step message into tensors, runs the model once, and samples.
 
-Input preparation is vectorized with numpy over the flat batch (all scheduled tokens of
-all requests concatenated, no padding): the only Python loops run once per request,
-never once per token. Attention metadata is built here once per step and shared by every
-layer. Logits are computed only for the last scheduled token of requests that sample,
-plus, for requests that ask for prompt logprobs, every position of their prompt chunk
-(in slices, so a long chunk never holds [chunk, vocab] logits at once).
+Owns the step's rows: it applies the message to its persistent batch
+(worker/input_batch.py), orders the scheduled requests itself (single-token rows first,
+which the decode kernels read as one contiguous block; then multi-token rows: prompt
+chunks, recomputes, and tokens followed by proposed ones), and builds the flat batch with
+numpy (all scheduled tokens of all requests concatenated, no padding; Python loops run
+once per request, never once per token). The attention backend turns the step's
+geometry into its metadata once per step, shared by every layer. Logits are computed only
+for the rows that sample: a request's last scheduled token, or with proposed tokens each
+of them and the token before (the proposals are verified against what the model samples
+there: the longest agreeing prefix is kept, then one token of the model's own), plus,
+for requests that ask for prompt logprobs, every position of their prompt chunk (in
+slices, so a long chunk never holds [chunk, vocab] logits at once).
+
+With pipeline parallelism every stage applies every message (its layers need the same
+metadata); the first stage embeds and sends its activations to the next, a later stage
+receives them first, and only the last computes logits. With tensor parallelism the
+logits are gathered to the stage's first rank, the output rank, which alone samples and
+answers (worker/parallel_state.py); the other ranks return None.
+
 The runner never decides policy: it computes exactly what it is given.
 """
 
@@ -19,209 +32,216 @@ import numpy as np
 import torch
 
 from treadle.core.outputs import (ModelRunnerOutput, PromptLogprobs, ScheduledRequest,
-                                  SchedulerOutput)
-from treadle.worker.attention import (AttentionMetadata, DecodeGroup, NativeDecode,
-                                     NativePrefill, PrefillSpan, gather_rows)
+                                  SchedulerOutput, StepTimings, TokenLogprobs)
+from treadle.worker.attention import AttentionBackend, AttentionStep
+from treadle.worker.input_batch import CachedRequestState, InputBatch
 from treadle.worker.kv_cache import copy_blocks
+from treadle.worker.parallel_state import ParallelContext
 from treadle.worker.sampler import Sampler, group_order, prompt_logprobs
 
-# Decodes are padded to the longest context of their group. A group holds contexts
-# within this factor of its shortest one, which bounds padding waste while keeping the
-# number of groups (each a few kernel launches per layer) to about log2(longest/shortest).
-_DECODE_GROUP_SPREAD = 2.0
 _PROMPT_LOGPROBS_ROWS = 256
 """Prompt positions whose logits are computed at once ([rows, vocab] float32)."""
+
+
+@dataclass
+class _Row:
+    """One scheduled request in the runner's order."""
+
+    scheduled: ScheduledRequest
+    state: CachedRequestState
+    first_token: int
+    """Its first token in the flat batch."""
 
 
 @dataclass
 class PreparedInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    attn_metadata: AttentionMetadata
-    logits_indices: torch.Tensor
-    sample_rows: list[int]
-    """Indices into SchedulerOutput.scheduled of the requests that sample, logits order."""
-
-
-@dataclass
-class RunnerTimings:
-    """Seconds spent per phase, summed over steps (benchmarks report them)."""
-
-    prepare: float = 0.0
-    forward: float = 0.0
-    sample: float = 0.0
+    attn_metadata: object
+    rows: list[_Row]
+    logits_indices: np.ndarray
+    """Flat-batch tokens whose logits are sampled, one per sampling position."""
+    sample_rows: list[tuple[int, int]]
+    """Per entry of logits_indices: (row, index among that row's sampling positions)."""
 
 
 class ModelRunner:
     """Executes one step of the model over the paged KV cache."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor],
-                 block_size: int, seed: int, kernels=None,
-                 swap_caches: list[torch.Tensor] | None = None) -> None:
-        """`kernels` (worker.native.NativeKernels) runs decode attention and sampling when given;
-        `swap_caches` hold swapped-out blocks (same layout as kv_caches)."""
+                 attention: AttentionBackend, block_size: int, num_cache_blocks: int,
+                 max_model_len: int, sampler: Sampler, device: torch.device,
+                 swap_caches: list[torch.Tensor] | None = None, block_dim: int = 2,
+                 eos_token_id: int | None = None,
+                 parallel: ParallelContext | None = None) -> None:
+        """`swap_caches` hold swapped-out blocks (same layout as kv_caches)."""
         self.model = model
-        self.kernels = kernels
-        self.swap_caches = swap_caches
-        self.num_swap_bytes_out = 0
-        self.num_swap_bytes_in = 0
+        self.parallel = parallel or ParallelContext()
         self.kv_caches = kv_caches
+        self.swap_caches = swap_caches
+        self.attention = attention
         self.block_size = block_size
-        _, self.num_kv_heads, self.num_cache_blocks = kv_caches[0].shape[:3]
-        self.head_dim = kv_caches[0].shape[-1]
-        self.native_prefill = (kernels is not None
-                               and kernels.supports_prefill(kv_caches[0].dtype, self.head_dim))
-        self.sampler = Sampler(seed, kernels)
-        self.eos_token_id: int | None = None
+        self.num_cache_blocks = num_cache_blocks
+        self.block_dim = block_dim
+        self.device = device
+        self.sampler = sampler
+        self.eos_token_id = eos_token_id
         """The model's end-of-sequence id, masked until a request's min_tokens."""
-        self.timings = RunnerTimings()
+        self.batch = InputBatch(-(-max_model_len // block_size))
+
+    # ----- preparing the inputs ------------------------------------------------------------
 
     def prepare(self, scheduler_output: SchedulerOutput) -> PreparedInputs:
-        scheduled = scheduler_output.scheduled
-        bs = self.block_size
-        q_lens = np.fromiter((len(s.token_ids) for s in scheduled), dtype=np.int64,
-                             count=len(scheduled))
-        starts = np.fromiter((s.num_computed_tokens for s in scheduled), dtype=np.int64,
-                             count=len(scheduled))
+        states = self.batch.update(scheduler_output)
+        pairs = list(zip(scheduler_output.scheduled, states))
+        # Single-token rows first: the decode kernels read them as one block of rows.
+        pairs.sort(key=lambda p: p[0].num_scheduled_tokens > 1)
+        num_rows = len(pairs)
+        q_lens = np.fromiter((s.num_scheduled_tokens for s, _ in pairs), dtype=np.int64,
+                             count=num_rows)
+        starts = np.fromiter((s.num_computed_tokens for s, _ in pairs), dtype=np.int64,
+                             count=num_rows)
         num_tokens = int(q_lens.sum())
-        ctx_lens = starts + q_lens
         cu_q = np.cumsum(q_lens)
         row_offsets = cu_q - q_lens
-
-        input_ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in scheduled),
-                                dtype=np.int64, count=num_tokens)
+        input_ids = np.fromiter(
+            itertools.chain.from_iterable(self._row_tokens(s, st) for s, st in pairs),
+            dtype=np.int64, count=num_tokens)
         positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(row_offsets - starts,
                                                                         q_lens)
-        blocks_needed = (ctx_lens + bs - 1) // bs
-        block_table = np.zeros((len(scheduled), int(blocks_needed.max())), dtype=np.int64)
-        for i, s in enumerate(scheduled):
-            block_table[i, :blocks_needed[i]] = s.block_ids[:blocks_needed[i]]
-        token_req = np.repeat(np.arange(len(scheduled)), q_lens)
-        slot_mapping = block_table[token_req, positions // bs] * bs + positions % bs
-
-        meta = AttentionMetadata(num_tokens=num_tokens,
-                                 slot_mapping=torch.from_numpy(slot_mapping))
-        decode_rows = np.flatnonzero(q_lens == 1)
-        num_decodes = decode_rows.size
-        if num_decodes and self.kernels is not None and decode_rows[-1] == num_decodes - 1:
-            # The scheduler puts single-token rows first: the kernel reads them in place.
-            meta.native_decode = NativeDecode(
-                self.kernels, num_decodes,
-                torch.from_numpy(np.ascontiguousarray(block_table[:num_decodes])),
-                torch.from_numpy(ctx_lens[:num_decodes].copy()))
-        elif num_decodes:
-            meta.decode_groups = self._decode_groups(decode_rows, row_offsets, ctx_lens,
-                                                     block_table)
-        prefills = np.flatnonzero(q_lens > 1)
-        if prefills.size and self.native_prefill:
-            spans = torch.from_numpy(np.stack(
-                [row_offsets[prefills], q_lens[prefills], starts[prefills]], axis=1))
-            meta.native_prefill = NativePrefill(
-                self.kernels, spans, torch.from_numpy(np.ascontiguousarray(block_table[prefills])),
-                self.kernels.prefill_workspace(spans, self.num_kv_heads, self.head_dim))
-        else:
-            for i in prefills:
-                meta.prefill_spans.append(self._prefill_span(
-                    int(row_offsets[i]), int(starts[i]), int(q_lens[i]), block_table[i]))
-
-        sample_rows = [i for i, s in enumerate(scheduled) if s.sample]
-        logits_indices = torch.from_numpy(cu_q[sample_rows] - 1)
-        return PreparedInputs(torch.from_numpy(input_ids), torch.from_numpy(positions), meta,
-                              logits_indices, sample_rows)
-
-    def _decode_groups(self, rows: np.ndarray, row_offsets: np.ndarray, ctx_lens: np.ndarray,
-                       block_table: np.ndarray) -> list[DecodeGroup]:
         bs = self.block_size
-        rows = rows[np.argsort(ctx_lens[rows], kind="stable")]
-        groups, first = [], 0
-        for j in range(1, len(rows) + 1):
-            if j == len(rows) or ctx_lens[rows[j]] > _DECODE_GROUP_SPREAD * ctx_lens[rows[first]]:
-                groups.append(rows[first:j])
-                first = j
-        result = []
-        for group in groups:
-            ctx = ctx_lens[group]
-            num_blocks = int((ctx.max() + bs - 1) // bs)
-            span = np.arange(num_blocks * bs)
-            bias = np.where(span[None, :] < ctx[:, None], 0.0, -np.inf).astype(np.float32)
-            result.append(DecodeGroup(
-                token_indices=torch.from_numpy(row_offsets[group]),
-                gather_ids=torch.from_numpy(self._gather_rows(block_table[group, :num_blocks])),
-                num_blocks=num_blocks,
-                mask_bias=torch.from_numpy(bias).view(1, len(group), 1, -1)))
-        return result
+        blocks_needed = (starts + q_lens + bs - 1) // bs
+        table_rows = np.fromiter((st.row for _, st in pairs), dtype=np.int64, count=num_rows)
+        block_table = self.batch.block_table[table_rows, :int(blocks_needed.max())]
+        token_rows = np.repeat(np.arange(num_rows), q_lens)
+        slot_mapping = block_table[token_rows, positions // bs] * bs + positions % bs
 
-    def _prefill_span(self, row: int, start: int, num_new: int,
-                      block_row: np.ndarray) -> PrefillSpan:
-        bs = self.block_size
-        num_blocks = (start + num_new + bs - 1) // bs
-        query_pos = np.arange(start, start + num_new)
-        key_pos = np.arange(num_blocks * bs)
-        allowed = key_pos[None, :] <= query_pos[:, None]
-        bias = np.where(allowed, 0.0, -np.inf).astype(np.float32)
-        return PrefillSpan(start=row, end=row + num_new,
-                           gather_ids=torch.from_numpy(self._gather_rows(block_row[:num_blocks])),
-                           mask_bias=torch.from_numpy(bias), allowed=torch.from_numpy(allowed))
+        step = AttentionStep(q_lens, row_offsets, starts, block_table, slot_mapping,
+                             int(np.count_nonzero(q_lens == 1)), bs, self.num_cache_blocks)
+        meta = self.attention.build_metadata(step, self.device)
 
-    def _gather_rows(self, block_table: np.ndarray) -> np.ndarray:
-        return gather_rows(block_table, self.num_kv_heads, self.num_cache_blocks)
+        rows = [_Row(s, st, int(off)) for (s, st), off in zip(pairs, row_offsets)]
+        logits_indices, sample_rows = [], []
+        for i, row in enumerate(rows):
+            s = row.scheduled
+            if not s.sample:
+                continue
+            num_positions = len(s.spec_token_ids) + 1
+            last = row.first_token + s.num_scheduled_tokens - 1
+            for j in range(num_positions):
+                logits_indices.append(last - num_positions + 1 + j)
+                sample_rows.append((i, j))
+        to_device = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
+        return PreparedInputs(to_device(input_ids), to_device(positions), meta, rows,
+                              np.asarray(logits_indices, dtype=np.int64), sample_rows)
+
+    @staticmethod
+    def _row_tokens(scheduled: ScheduledRequest, state: CachedRequestState) -> list[int]:
+        """The tokens a row computes: known tokens from its position, then any proposed."""
+        start = scheduled.num_computed_tokens
+        num_known = scheduled.num_scheduled_tokens - len(scheduled.spec_token_ids)
+        tokens = state.token_ids(start, start + num_known)
+        return tokens + scheduled.spec_token_ids if scheduled.spec_token_ids else tokens
+
+    # ----- one step ------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         self.sampler.drop(scheduler_output.finished_request_ids)
+        timings = StepTimings()
         # Swap-outs first: a block freed by a swap-out may be the target of a swap-in.
         if scheduler_output.swap_out:
-            self.num_swap_bytes_out += copy_blocks(self.kv_caches, self.swap_caches,
-                                                   scheduler_output.swap_out)
+            timings.swap_bytes_out = copy_blocks(self.kv_caches, self.swap_caches,
+                                                 scheduler_output.swap_out, self.block_dim)
         if scheduler_output.swap_in:
-            self.num_swap_bytes_in += copy_blocks(self.swap_caches, self.kv_caches,
-                                                  scheduler_output.swap_in)
+            timings.swap_bytes_in = copy_blocks(self.swap_caches, self.kv_caches,
+                                                scheduler_output.swap_in, self.block_dim)
+        par = self.parallel
         if not scheduler_output.scheduled:
-            return ModelRunnerOutput(sampled_token_ids={})
+            self.batch.update(scheduler_output)
+            return (ModelRunnerOutput(sampled_token_ids={}, timings=timings)
+                    if par.is_output_rank else None)
         t0 = time.perf_counter()
         inputs = self.prepare(scheduler_output)
         t1 = time.perf_counter()
+        received = None
+        if not par.is_first_stage:
+            received = par.recv_prev_stage((inputs.positions.shape[0], self.model.hidden_size),
+                                           self.model.dtype)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                            inputs.attn_metadata)
-        scheduled = scheduler_output.scheduled
-        sampling = [scheduled[i] for i in inputs.sample_rows]
+                            inputs.attn_metadata, received)
+        if not par.is_last_stage:
+            par.send_next_stage(hidden)
+            return None
+        rows, sample_rows = inputs.rows, inputs.sample_rows
         # Logits rows in the sampler's group order: it then works in place, copying none.
-        order = group_order([s.sampling_params for s in sampling])
-        sampling = [sampling[i] for i in order]
-        logits = self.model.compute_logits(
-            hidden.index_select(0, inputs.logits_indices[order]))
+        order = group_order([rows[i].state.sampling_params for i, _ in sample_rows])
+        sample_rows = [sample_rows[k] for k in order]
+        indices = torch.from_numpy(inputs.logits_indices[order]).to(hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, indices))
         t2 = time.perf_counter()
-        sampled = self.sampler.sample(
-            logits, [s.request_id for s in sampling], [s.sampling_params for s in sampling],
-            [s.prompt_token_ids for s in sampling], [s.output_token_ids for s in sampling],
-            self.eos_token_id)
-        prompt_lps = self._prompt_logprobs(scheduled, hidden)
+        prompt_lps = self._prompt_logprobs(rows, hidden)
+        if not par.is_output_rank:
+            return None
+        output = self._sample(logits, rows, sample_rows)
+        output.prompt_logprobs = prompt_lps
         t3 = time.perf_counter()
-        self.timings.prepare += t1 - t0
-        self.timings.forward += t2 - t1
-        self.timings.sample += t3 - t2
-        return ModelRunnerOutput(
-            sampled_token_ids={s.request_id: t for s, t in zip(sampling, sampled.token_ids)},
-            logprobs={s.request_id: e for s, e in zip(sampling, sampled.logprobs)
-                      if e is not None},
-            prompt_logprobs=prompt_lps)
+        timings.prepare_s, timings.forward_s, timings.sample_s = t1 - t0, t2 - t1, t3 - t2
+        timings.comm_s = par.take_comm_seconds()
+        output.timings = timings
+        return output
 
-    def _prompt_logprobs(self, scheduled: list[ScheduledRequest], hidden: torch.Tensor
+    def _sample(self, logits: torch.Tensor, rows: list[_Row],
+                sample_rows: list[tuple[int, int]]) -> ModelRunnerOutput:
+        """Sample every sampling position, then per request keep its proposed tokens up to
+        the first one the model disagrees with, and the model's token after them."""
+        states = [rows[i].state for i, _ in sample_rows]
+        spec = [rows[i].scheduled.spec_token_ids for i, _ in sample_rows]
+        # Position j of a request with proposals sees them up to j as generated tokens.
+        outputs = [st.output_token_ids + sp[:j] if j else st.output_token_ids
+                   for st, sp, (_, j) in zip(states, spec, sample_rows)]
+        sampled = self.sampler.sample(
+            logits, [st.request_id for st in states], [st.sampling_params for st in states],
+            [st.prompt_token_ids for st in states], outputs, self.eos_token_id)
+        drawn: dict[int, dict[int, tuple[int, TokenLogprobs | None]]] = {}
+        for (i, j), token, entry in zip(sample_rows, sampled.token_ids, sampled.logprobs):
+            drawn.setdefault(i, {})[j] = (token, entry)
+        tokens: dict[str, list[int]] = {}
+        logprobs: dict[str, list[TokenLogprobs]] = {}
+        for i, by_position in drawn.items():
+            row = rows[i]
+            proposals = row.scheduled.spec_token_ids
+            kept = []
+            for j in range(len(proposals) + 1):
+                token, entry = by_position[j]
+                kept.append((token, entry))
+                if j == len(proposals) or token != proposals[j]:
+                    break
+            rid = row.state.request_id
+            tokens[rid] = [t for t, _ in kept]
+            if kept[0][1] is not None:
+                logprobs[rid] = [e for _, e in kept]
+        return ModelRunnerOutput(sampled_token_ids=tokens, logprobs=logprobs)
+
+    def _prompt_logprobs(self, rows: list[_Row], hidden: torch.Tensor
                          ) -> dict[str, PromptLogprobs]:
         """Prompt logprobs of the prompt positions computed this step, for the requests
         that ask: position j's logits score prompt token j + 1."""
         result = {}
-        row = 0
-        for s in scheduled:
-            num_top = s.sampling_params.prompt_logprobs
+        for row in rows:
+            state, s = row.state, row.scheduled
+            num_top = state.sampling_params.prompt_logprobs
             start = s.num_computed_tokens
-            end = min(start + len(s.token_ids), len(s.prompt_token_ids) - 1)
-            if num_top is not None and end > start:
-                entries = []
-                for a in range(start, end, _PROMPT_LOGPROBS_ROWS):
-                    b = min(end, a + _PROMPT_LOGPROBS_ROWS)
-                    logits = self.model.compute_logits(hidden[row + a - start:row + b - start])
-                    entries += prompt_logprobs(logits, s.prompt_token_ids[a + 1:b + 1], num_top)
-                result[s.request_id] = PromptLogprobs(start + 1, entries)
-            row += len(s.token_ids)
+            prompt = state.prompt_token_ids
+            end = min(start + s.num_scheduled_tokens, len(prompt) - 1)
+            if num_top is None or end <= start:
+                continue
+            entries = []
+            first = row.first_token
+            for a in range(start, end, _PROMPT_LOGPROBS_ROWS):
+                b = min(end, a + _PROMPT_LOGPROBS_ROWS)
+                logits = self.model.compute_logits(hidden[first + a - start:first + b - start])
+                if logits is not None:  # None on a rank that only lent its vocabulary shard
+                    entries += prompt_logprobs(logits, prompt[a + 1:b + 1], num_top)
+            result[state.request_id] = PromptLogprobs(start + 1, entries)
         return result

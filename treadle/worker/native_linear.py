@@ -5,8 +5,9 @@ rotary embedding fused with the K/V cache write.
 A decode step runs every layer on a few rows (one per request), where a linear layer is
 bound by reading its weight and the elementwise steps by per-op dispatch. `NativeLayerOps`
 takes the library that `treadle.worker.native.load_kernels` built (all kernels live in one
-shared object) and is handed to the model by the engine (`LlamaForCausalLM.
-use_native_ops`); each method returns None where it does not apply (dtype, rows, layout)
+shared object) and is handed by the worker to the model's layers (`LlamaForCausalLM.
+set_kernels`, worker/linear_kernels.py) and to the cpu-native attention backend
+(`rope_kv`); each method returns None where it does not apply (dtype, rows, layout)
 so that the caller runs its torch path instead.
 """
 

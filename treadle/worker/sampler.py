@@ -84,13 +84,15 @@ class SamplerOutput:
 class Sampler:
     """Chooses one token per row of logits."""
 
-    def __init__(self, seed: int, kernels=None) -> None:
-        """`kernels` (worker.native.NativeKernels): sample with the C kernel when given."""
-        self._generator = torch.Generator().manual_seed(seed)
+    def __init__(self, seed: int, kernels=None, device: torch.device | str = "cpu") -> None:
+        """`kernels` (worker.native.NativeKernels): sample with the C kernel when given.
+        Random numbers are drawn on `device` (the logits' device)."""
+        self.device = torch.device(device)
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
         self.kernels = kernels
 
-    def drop(self, request_ids: set[str]) -> None:
+    def drop(self, request_ids) -> None:
         """Forget the generators of requests that have ended."""
         for request_id in request_ids:
             self._request_generators.pop(request_id, None)
@@ -98,14 +100,16 @@ class Sampler:
     def _draw(self, request_ids: Sequence[str], params: Sequence[SamplingParams]
               ) -> torch.Tensor:
         """One U[0, 1) number per row: seeded rows from their own generator."""
-        u = torch.rand(len(params), generator=self._generator, dtype=torch.float64)
+        u = torch.rand(len(params), generator=self._generator, dtype=torch.float64,
+                       device=self.device)
         for i, p in enumerate(params):
             if p.seed is not None:
                 generator = self._request_generators.get(request_ids[i])
                 if generator is None:
-                    generator = torch.Generator().manual_seed(p.seed)
+                    generator = torch.Generator(device=self.device).manual_seed(p.seed)
                     self._request_generators[request_ids[i]] = generator
-                u[i] = torch.rand(1, generator=generator, dtype=torch.float64)[0]
+                u[i] = torch.rand(1, generator=generator, dtype=torch.float64,
+                                  device=self.device)[0]
         return u
 
     @torch.inference_mode()

@@ -1,0 +1,113 @@
+"""Admission planning: whether a waiting or swapped-out request fits the step now, and which
+running requests to preempt so that a more urgent one does.
+
+Owns the two questions the scheduler asks before it admits a request: `fit` (is there a
+request slot, budget and KV memory for it in this step, and with how many tokens) and
+`plan_admission_victims` (the least urgent running requests whose memory and budget
+would make it fit, under `policy.choose_admission_victim`). Block arithmetic is the KV
+manager's (`KVCacheManager.num_new_blocks_needed`, `num_held_blocks`,
+`num_swapped_blocks`); this module only adds up what it answers. It changes no state:
+the scheduler carries out the plan.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Callable, Container, Mapping, Sequence
+
+from treadle.core import policy
+from treadle.core.block_pool import KVBlock
+from treadle.core.kv_cache_manager import KVCacheManager
+from treadle.request import Request
+
+
+class Admission(enum.Enum):
+    ADMITTED = "admitted"
+    FULL = "full"
+    """No request slot or no token left in this step: nothing behind can be admitted."""
+    NO_FIT = "no_fit"
+    """Too large for the free KV memory (or the budget, unchunked): smaller ones may fit."""
+    DEFERRED = "deferred"
+    """Held back by `finish_prompts_first` (see `Scheduler._holds_back`): it starts next
+    step, and nothing behind it starts now."""
+
+
+@dataclass
+class StepRoom:
+    """What is left of the step for admissions."""
+
+    budget: int
+    """Tokens left in the step's budget."""
+    num_running: int
+    max_num_seqs: int
+
+    @property
+    def full(self) -> bool:
+        return self.num_running >= self.max_num_seqs or self.budget == 0
+
+
+def fit(kv: KVCacheManager, request: Request, swapped: bool, num_hit_tokens: int,
+        computed_blocks: list[KVBlock], room: StepRoom, may_chunk: bool,
+        holds_back: Callable[[bool], bool]) -> tuple[Admission, int]:
+    """Whether the request fits in this step now, and with how many tokens.
+
+    `holds_back(partial)` is the scheduler's finish_prompts_first rule for this request
+    (`partial`: its tokens would not all fit the budget)."""
+    if room.full:
+        return Admission.FULL, 0
+    if swapped:
+        if kv.num_swapped_blocks(request.request_id) > kv.pool.num_free_blocks:
+            return Admission.NO_FIT, 0
+        return Admission.ADMITTED, 0
+    num_tokens = request.num_uncomputed_tokens - num_hit_tokens
+    if num_tokens > room.budget and not may_chunk:
+        return Admission.NO_FIT, 0
+    if holds_back(num_tokens > room.budget):
+        return Admission.DEFERRED, 0
+    num_tokens = min(num_tokens, room.budget)
+    if not kv.can_allocate(request, num_tokens, computed_blocks):
+        return Admission.NO_FIT, 0
+    return Admission.ADMITTED, num_tokens
+
+
+def plan_admission_victims(kv: KVCacheManager, request: Request, swapped: bool,
+                           num_hit_tokens: int, candidate_urgency: float,
+                           running: Sequence[tuple[Request, float]], threshold: float,
+                           protected: Container[str], room: StepRoom,
+                           scheduled_tokens: Mapping[str, int],
+                           may_chunk: bool) -> list[Request]:
+    """Running requests to preempt so that `request` fits, least urgent first; empty when
+    the eligible ones (policy.choose_admission_victim) would not make room.
+
+    `running` pairs each running request with its urgency; `scheduled_tokens` holds the
+    tokens already scheduled for them this step (a victim gives them back)."""
+    running = list(running)
+    num_seqs = room.num_running
+    budget = room.budget
+    free_blocks = kv.pool.num_free_blocks
+    need_tokens = 0 if swapped else request.num_uncomputed_tokens - num_hit_tokens
+    victims: list[Request] = []
+    while True:
+        victim = policy.choose_admission_victim(candidate_urgency, running, threshold,
+                                                protected)
+        if victim is None:
+            return []
+        running = [(r, u) for r, u in running if r is not victim]
+        victims.append(victim)
+        num_seqs -= 1
+        budget += scheduled_tokens.get(victim.request_id, 0)
+        free_blocks += kv.num_held_blocks(victim.request_id)
+        if num_seqs >= room.max_num_seqs or budget == 0:
+            continue
+        if swapped:
+            if kv.num_swapped_blocks(request.request_id) <= free_blocks:
+                return victims
+            continue
+        tokens = need_tokens
+        if tokens > budget:
+            if not may_chunk:
+                continue
+            tokens = budget
+        if kv.num_new_blocks_needed(request, num_hit_tokens, tokens) <= free_blocks:
+            return victims

@@ -1,0 +1,63 @@
+"""The fair policy's ledger: virtual token counters per tenant (VTC, Sheng et al. 2024).
+
+Owns each tenant's counter (tokens served over its weight), the tenants' weights, and
+which tenants have requests queued (waiting or swapped out), which the counter lift
+needs. The scheduler charges it for every token it schedules and tells it when a request
+enters or leaves the queues; the formulas are the pure functions of `treadle.core.policy`
+(`vtc_charge`, `vtc_lift`). Nothing here decides which request runs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from treadle.core import policy
+from treadle.request import Request
+
+
+class FairShareLedger:
+    """Virtual token counters of the tenants, with the counter lift on re-arrival."""
+
+    def __init__(self, weights: dict[str, float] | None = None) -> None:
+        self.weights: dict[str, float] = dict(weights or {})
+        self.counters: dict[str, float] = {}
+        """Virtual tokens served per tenant (tokens / weight)."""
+        self.num_queued: Counter[str] = Counter()
+        """Requests waiting or swapped out, per tenant with any."""
+        self._last_left: str | None = None
+
+    def weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, 1.0)
+
+    def set_weight(self, tenant: str, weight: float) -> None:
+        """Weight of a tenant's share (unlisted tenants weigh 1)."""
+        if not weight > 0 or weight == float("inf"):
+            raise ValueError(f"tenant weight must be a positive number, got {weight!r}")
+        self.weights[tenant] = float(weight)
+
+    def counter(self, tenant: str) -> float:
+        return self.counters.get(tenant, 0.0)
+
+    def charge(self, request: Request, num_tokens: int) -> None:
+        """Account tokens scheduled for the request (negative: tokens given back)."""
+        tenant = policy.tenant_of(request)
+        self.counters[tenant] = policy.vtc_charge(self.counter(tenant), num_tokens,
+                                                  self.weight(tenant))
+
+    def queued_in(self, request: Request) -> None:
+        """A request enters the waiting or swapped set; a tenant that starts waiting again
+        has its counter lifted (policy.vtc_lift)."""
+        tenant = policy.tenant_of(request)
+        if self.num_queued[tenant] == 0:
+            waiting = [self.counter(t) for t, n in self.num_queued.items() if n > 0]
+            last = self.counter(self._last_left) if self._last_left is not None else None
+            self.counters[tenant] = policy.vtc_lift(self.counter(tenant), waiting, last)
+        self.num_queued[tenant] += 1
+
+    def queued_out(self, request: Request) -> None:
+        """A request leaves the waiting or swapped set (admitted, or ended)."""
+        tenant = policy.tenant_of(request)
+        self.num_queued[tenant] -= 1
+        if self.num_queued[tenant] == 0:
+            del self.num_queued[tenant]
+            self._last_left = tenant

@@ -1,0 +1,125 @@
+"""The scheduling policies as objects: what the scheduler asks a policy, and each answer.
+
+Owns the `SchedulingPolicy` protocol and its four implementations (fcfs, priority, srpt,
+fair), so that the scheduler asks a policy instead of comparing policy names: how
+requests are ordered, whether running requests share one order with waiting ones,
+whether a waiting request may preempt at admission, and whether an urgent prefill runs
+alone. The numbers behind each answer are the pure functions of `treadle.core.policy`
+(written out in docs/scheduling.md); the fair policy's counters live in
+`treadle.core.fair_share`. A policy holds no request state.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterable, Iterator, Protocol
+
+from treadle.core import policy
+from treadle.core.fair_share import FairShareLedger
+from treadle.core.request_queue import FCFSQueue, PolicyQueue
+from treadle.request import Request
+
+
+class SchedulingPolicy(Protocol):
+    """What the scheduler needs from an ordering policy."""
+
+    name: str
+    orders_by_urgency: bool
+    """True: running prefill chunks, swapped-out and waiting requests share one order,
+    most urgent first. False (fcfs): running, then swapped (oldest first), then waiting
+    in queue order."""
+    preempts_at_admission: bool
+    """A waiting request more urgent by the threshold may preempt a running one."""
+    admission_threshold: float
+    """Urgency gap needed to preempt at admission, in the policy's unit."""
+    isolates_urgent_prefill: bool
+    """A step that prefills a request of a more urgent class carries nothing of the less
+    urgent classes (`Scheduler._defers_to`)."""
+
+    def make_queue(self) -> FCFSQueue | PolicyQueue: ...
+
+    def urgency(self, request: Request, now: float) -> float: ...
+
+    def order_key(self, request: Request, now: float) -> tuple: ...
+
+    def order(self, requests: Iterable[Request], now: float) -> Iterator[Request]: ...
+
+
+class _UrgencyPolicy:
+    """Shared by the four: urgency from `policy.urgency`, order by `policy.order_key`."""
+
+    name = "fcfs"
+    orders_by_urgency = True
+    isolates_urgent_prefill = False
+
+    def __init__(self, params: policy.OrderParams, ledger: FairShareLedger,
+                 admission_preemption: bool, threshold: float | None) -> None:
+        self.params = params
+        self.ledger = ledger
+        self.preempts_at_admission = admission_preemption and policy.preempts_at_admission(
+            self.name)
+        self.admission_threshold = threshold or policy.default_admission_threshold(self.name)
+
+    def make_queue(self) -> FCFSQueue | PolicyQueue:
+        return PolicyQueue()
+
+    def urgency(self, request: Request, now: float) -> float:
+        return policy.urgency(request, now, self.params, self.ledger.counters)
+
+    def order_key(self, request: Request, now: float) -> tuple:
+        return policy.order_key(request, now, self.params, self.ledger.counters)
+
+    def order(self, requests: Iterable[Request], now: float) -> Iterator[Request]:
+        return iter(sorted(requests, key=lambda r: self.order_key(r, now)))
+
+
+class FCFSPolicy(_UrgencyPolicy):
+    name = "fcfs"
+    orders_by_urgency = False
+
+    def make_queue(self) -> FCFSQueue | PolicyQueue:
+        return FCFSQueue()
+
+
+class PriorityPolicy(_UrgencyPolicy):
+    name = "priority"
+
+    def __init__(self, params: policy.OrderParams, ledger: FairShareLedger,
+                 admission_preemption: bool, threshold: float | None,
+                 isolate_urgent_prefill: bool) -> None:
+        super().__init__(params, ledger, admission_preemption, threshold)
+        self.isolates_urgent_prefill = isolate_urgent_prefill
+
+
+class SRPTPolicy(_UrgencyPolicy):
+    name = "srpt"
+
+
+class FairPolicy(_UrgencyPolicy):
+    name = "fair"
+
+    def order(self, requests: Iterable[Request], now: float) -> Iterator[Request]:
+        """Each tenant's requests oldest first; the next one from the tenant with the least
+        service so far, picked again after every admission (which charges the tenant)."""
+        by_tenant: dict[str, deque[Request]] = {}
+        for request in sorted(requests, key=lambda r: (r.arrival_time, r.request_id)):
+            by_tenant.setdefault(policy.tenant_of(request), deque()).append(request)
+        while by_tenant:
+            request = policy.next_fair((q[0] for q in by_tenant.values()),
+                                       self.ledger.counters)
+            tenant = policy.tenant_of(request)
+            by_tenant[tenant].popleft()
+            if not by_tenant[tenant]:
+                del by_tenant[tenant]
+            yield request
+
+
+def make_policy(config, ledger: FairShareLedger) -> SchedulingPolicy:
+    """The policy a SchedulerConfig names, sharing the scheduler's fair-share ledger."""
+    name = config.scheduling_policy
+    params = policy.OrderParams(name, config.priority_aging_rate, config.srpt_aging_rate)
+    args = (params, ledger, config.admission_preemption, config.admission_preemption_threshold)
+    if name == "priority":
+        return PriorityPolicy(*args, config.isolate_urgent_prefill)
+    classes = {"fcfs": FCFSPolicy, "srpt": SRPTPolicy, "fair": FairPolicy}
+    return classes[name](*args)

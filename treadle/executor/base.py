@@ -1,0 +1,67 @@
+"""The executor interface: how the engine core reaches its workers.
+
+An executor owns the workers' lifetimes and carries the three calls of a worker's life
+(treadle/worker/worker.py) across whatever boundary separates them from the core: none
+(`uni`), a process (`mp`), later a cluster (`ray`) or several ranks. What crosses is
+plain data: the EngineConfig, WorkerInfo, block counts, SchedulerOutput and
+ModelRunnerOutput (treadle/core/outputs.py). The core sees no device, tensor or model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections import deque
+
+from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput, WorkerInfo
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process ended or stopped answering: the engine cannot go on."""
+
+
+def merge_worker_infos(infos: list[WorkerInfo]) -> WorkerInfo:
+    """What several ranks report, as one: rank 0's facts, the smallest block counts (every
+    rank must hold every block)."""
+    return dataclasses.replace(infos[0], num_kv_blocks=min(i.num_kv_blocks for i in infos),
+                               num_swap_blocks=min(i.num_swap_blocks for i in infos))
+
+
+class Executor(ABC):
+    """Runs the workers of one engine.
+
+    `max_in_flight` steps may be submitted before the first answer is received (pipeline
+    parallelism keeps one per stage busy); `execute_model` is submit + receive."""
+
+    max_in_flight: int = 1
+
+    def __init__(self) -> None:
+        self._done: deque[ModelRunnerOutput] = deque()
+
+    @abstractmethod
+    def load(self) -> WorkerInfo:
+        """Load the model on every worker; what they report (with several workers, the
+        smallest KV capacity)."""
+
+    @abstractmethod
+    def initialize_cache(self, num_kv_blocks: int, num_swap_blocks: int) -> None:
+        """Allocate the KV cache and swap space on every worker."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; raises WorkerDiedError when a worker is gone."""
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Start a step without waiting for it (`receive` answers in submission order).
+        Executors that run steps one at a time run it here."""
+        self._done.append(self.execute_model(scheduler_output))
+
+    def receive(self) -> ModelRunnerOutput:
+        """The answer of the oldest submitted step."""
+        return self._done.popleft()
+
+    def check_health(self) -> None:
+        """Raise WorkerDiedError when a worker is gone (cheap: called while idle)."""
+
+    def shutdown(self) -> None:
+        """Stop the workers (idempotent)."""

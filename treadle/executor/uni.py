@@ -1,0 +1,28 @@
+"""The `uni` executor: one worker in the engine's own process and thread (the default).
+
+Calls go straight to the Worker; messages are passed by reference, never copied, which
+is why the scheduler hands the worker only lists it will not change afterwards.
+"""
+
+from __future__ import annotations
+
+from treadle.config import EngineConfig
+from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput, WorkerInfo
+from treadle.executor.base import Executor
+
+
+class UniExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        from treadle.worker.worker import Worker  # torch is imported with the worker
+
+        super().__init__()
+        self.worker = Worker(config)
+
+    def load(self) -> WorkerInfo:
+        return self.worker.load()
+
+    def initialize_cache(self, num_kv_blocks: int, num_swap_blocks: int) -> None:
+        self.worker.initialize_cache(num_kv_blocks, num_swap_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)

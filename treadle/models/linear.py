@@ -1,0 +1,65 @@
+"""The model's linear layer, and the seam where kernels plug into it.
+
+`Linear` holds its weight and bias as parameters (Hugging Face names, `.weight` and
+`.bias`) and computes y = x @ weight.T + bias with the `LinearKernel` the worker attached
+to it (plain `F.linear` until then). A kernel is an explicit per-layer object (a packed
+copy of the weight, small-batch C kernels, later quantized weights or LoRA terms), never
+state hidden on the module. This module knows no kernel: worker/linear_kernels.py makes
+them.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LinearKernel(Protocol):
+    """Computes one layer's x @ weight.T + bias."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+LinearKernelFactory = Callable[[torch.Tensor, "torch.Tensor | None"], LinearKernel]
+"""(weight, bias) -> the kernel of a layer; called after the weights are loaded."""
+
+
+class Linear(nn.Module):
+    """A linear layer whose matmul is done by the kernel attached to it."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+        self.kernel: LinearKernel | None = None
+        """Set by `attach_linear_kernels`; None computes with F.linear."""
+
+    @property
+    def kernel_bias(self) -> torch.Tensor | None:
+        """The bias the kernel adds (a row-parallel layer adds its own after the sum)."""
+        return self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x)
+        return F.linear(x, self.weight, self.bias)
+
+
+def attach_linear_kernels(model: nn.Module, factory: LinearKernelFactory | None) -> int:
+    """Give every Linear of `model` its kernel from `factory` (None: plain F.linear).
+    Returns how many layers got one."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.kernel = (None if factory is None
+                             else factory(module.weight, module.kernel_bias))
+            count += module.kernel is not None
+    return count

@@ -1,0 +1,66 @@
+"""Attention backends behind one interface (base.py), and the choice among them.
+
+Backends: `cpu-native` (the C kernels, CPU), `torch` (plain torch ops, any device) and
+`reference` (the oracle, any device). `make_attention_backend` picks the one
+`--attention-backend` names, or for `auto` the platform's first that can be built here.
+Models import `AttentionLayer` from here and nothing else of this package.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from treadle.worker.attention.base import (AttentionBackend, AttentionLayer, AttentionStep,
+                                           Rotary)
+
+__all__ = ["AttentionBackend", "AttentionLayer", "AttentionStep", "Rotary",
+           "BACKEND_NAMES", "make_attention_backend"]
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAMES = ("auto", "cpu-native", "torch", "reference")
+ALIASES = {"native": "cpu-native"}
+"""Earlier names still accepted."""
+
+
+def make_attention_backend(name: str, platform: Any, num_kv_heads: int, head_dim: int,
+                           dtype: torch.dtype, kernels: Any = None,
+                           layer_ops: Any = None) -> AttentionBackend:
+    """The backend `name` names (`auto`: the platform's first that builds).
+
+    `kernels` (worker.native.NativeKernels) and `layer_ops` (NativeLayerOps) are what the
+    C kernels need; without them `cpu-native` cannot be built. Raises ValueError naming
+    the backend when one asked for by name cannot run here."""
+    name = ALIASES.get(name, name)
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, "
+                         f"got {name!r}")
+    wanted = platform.attention_backends if name == "auto" else (name,)
+    for candidate in wanted:
+        if candidate not in platform.attention_backends:
+            raise ValueError(f"attention backend {candidate!r} does not run on "
+                             f"{platform.name}; it has {', '.join(platform.attention_backends)}")
+        backend = _build(candidate, num_kv_heads, head_dim, dtype, kernels, layer_ops)
+        if backend is not None:
+            return backend
+        if name != "auto":
+            raise ValueError(f"attention backend {candidate!r} cannot run here: the C kernels "
+                             f"could not be built or do not support {dtype}")
+    raise ValueError(f"no attention backend of {platform.name} runs here")
+
+
+def _build(name: str, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kernels: Any,
+           layer_ops: Any) -> AttentionBackend | None:
+    if name == "cpu-native":
+        if kernels is None or not kernels.supports(dtype):
+            return None
+        from treadle.worker.attention.cpu_native import CpuNativeBackend
+        return CpuNativeBackend(kernels, layer_ops, num_kv_heads, head_dim, dtype)
+    if name == "torch":
+        from treadle.worker.attention.torch_backend import TorchBackend
+        return TorchBackend(num_kv_heads)
+    from treadle.worker.attention.reference import ReferenceBackend
+    return ReferenceBackend()

@@ -1,0 +1,115 @@
+"""The attention-backend interface: KV layout, per-step metadata, the K/V write, attention.
+
+A model calls one `AttentionLayer` per decoder layer with un-rotated queries and keys,
+the values, its layer's KV-cache tensor and the step's metadata, and gets the attention
+output back. Which code runs is the backend's business: the runner builds the metadata
+once per step with `AttentionBackend.build_metadata` from an `AttentionStep` (the step's
+per-row lengths and block tables, in the runner's row order), and the metadata carries
+its backend, which rotates queries and keys (or fuses that with its write), stores the
+new keys and values at their slots, and attends every token to its context.
+
+A backend owns its cache layout (`kv_layout`, one of `kv_cache.KV_LAYOUTS`), so a model
+never indexes a cache tensor. `reference` (pure torch, one request at a time) is the
+oracle every other backend is tested against.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+
+class Rotary(Protocol):
+    """The step's rotary angles (models.rope.RotaryInputs)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass
+class AttentionStep:
+    """One step's attention geometry on the host, one row per scheduled request.
+
+    Rows are in the runner's order: every row with a single query token first
+    (`num_single_token_rows` of them), then the rest; tokens of a row are contiguous in
+    the flat batch, rows one after another.
+    """
+
+    query_lens: np.ndarray
+    """[rows] int64: tokens computed this step per row."""
+    query_starts: np.ndarray
+    """[rows] int64: first token of each row in the flat batch."""
+    num_computed: np.ndarray
+    """[rows] int64: tokens in the cache before this step (the position of the row's
+    first token)."""
+    block_table: np.ndarray
+    """[rows, max_blocks] int64: each row's blocks (entries past its context unread)."""
+    slot_mapping: np.ndarray
+    """[tokens] int64: cache slot (block * block_size + offset) of each new token."""
+    num_single_token_rows: int
+    block_size: int
+    num_cache_blocks: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+    @property
+    def context_lens(self) -> np.ndarray:
+        return self.num_computed + self.query_lens
+
+
+class AttentionLayer:
+    """The attention of one model layer: its head geometry, and the call into the backend.
+
+    Not a torch module: it has no parameters, and its backend comes with each step's
+    metadata."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 layer_index: int = 0) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
+                             f"({num_kv_heads})")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.layer_index = layer_index
+
+    def __call__(self, qk: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 meta: Any, rotary: Rotary | None = None) -> torch.Tensor:
+        """qk: [tokens, num_heads + num_kv_heads, head_dim] (queries, then keys) before
+        rotation; value: [tokens, num_kv_heads, head_dim]. Returns [tokens, num_heads *
+        head_dim]."""
+        return meta.backend.forward(self, qk, value, kv_cache, meta, rotary)
+
+
+class AttentionBackend(ABC):
+    """One way of computing paged attention."""
+
+    name: str
+    kv_layout: str
+    """The cache layout it reads and writes (worker.kv_cache.KV_LAYOUTS)."""
+
+    @abstractmethod
+    def build_metadata(self, step: AttentionStep, device: torch.device) -> Any:
+        """Everything every layer needs for this step (made once, shared by all layers);
+        it has a `backend` attribute pointing back here."""
+
+    @abstractmethod
+    def forward(self, layer: AttentionLayer, qk: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, meta: Any, rotary: Rotary | None) -> torch.Tensor:
+        """Rotate, store the new K/V at their slots, attend; see AttentionLayer.__call__."""
+
+
+def split_rotated(layer: AttentionLayer, qk: torch.Tensor, rotary: Rotary | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries [tokens, heads, dim] and keys [tokens, kv_heads, dim], rotated together (one
+    set of kernels for both)."""
+    if rotary is not None:
+        qk = rotary.apply(qk)
+    return qk[:, :layer.num_heads], qk[:, layer.num_heads:]

@@ -1,0 +1,123 @@
+"""The `cpu-native` attention backend: the C kernels of worker/kernels on the CPU.
+
+Owns the step metadata for the kernels and the order of the calls: rotary embedding
+fused with the K/V write (`rope_kv`, bf16), decode attention over every single-token row
+in one call (`paged_decode.c`: no grouping, no padding), and causal prefill attention over
+every multi-token row in one call (`paged_prefill.c`, bf16 with AVX-512 BF16 and head_dim
+64/128). Where the prefill kernel or rope_kv does not apply (another dtype or head size),
+that part runs the `torch` backend's code, with the same results up to rounding; the
+decode kernel covers float32 and bf16 (the backend is not offered otherwise).
+Layout `heads_first`, the one the kernels read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from treadle.worker.attention.base import (AttentionBackend, AttentionLayer, AttentionStep,
+                                           Rotary, split_rotated)
+from treadle.worker.attention.torch_backend import (PrefillSpan, attend_prefill_spans,
+                                                    prefill_span, write_kv)
+
+
+@dataclass
+class NativeDecode:
+    """All single-token rows of a step for the C kernel: rows [0, num_rows) of the batch."""
+
+    num_rows: int
+    block_table: torch.Tensor
+    """[num_rows, max_blocks] int64 block tables (padding past each context is not read)."""
+    ctx_lens: torch.Tensor
+    """[num_rows] int64 context length of each request, its new token included."""
+
+
+@dataclass
+class NativePrefill:
+    """All multi-token rows of a step for the C kernel (worker/kernels/paged_prefill.c)."""
+
+    spans: torch.Tensor
+    """[num_spans, 3] int64: first row in the flat batch, new tokens, positions before."""
+    block_tables: torch.Tensor
+    """[num_spans, max_blocks] int64."""
+    workspace: torch.Tensor
+    """Packed K/V buffer, made once per step and reused by every layer."""
+
+
+@dataclass
+class CpuNativeMetadata:
+    backend: "CpuNativeBackend"
+    slot_mapping: torch.Tensor
+    native_decode: NativeDecode | None = None
+    native_prefill: NativePrefill | None = None
+    prefill_spans: list[PrefillSpan] = field(default_factory=list)
+    """Multi-token rows for the torch path, when the prefill kernel does not apply."""
+
+
+class CpuNativeBackend(AttentionBackend):
+    """The C decode and prefill kernels, with the torch path for what they do not cover."""
+
+    name = "cpu-native"
+    kv_layout = "heads_first"
+
+    def __init__(self, kernels: Any, layer_ops: Any, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype) -> None:
+        """`kernels`: worker.native.NativeKernels (decode, prefill); `layer_ops`:
+        worker.native_linear.NativeLayerOps or None (rope_kv, bf16 only)."""
+        if not kernels.supports(dtype):
+            raise ValueError(f"the C attention kernels do not support {dtype}")
+        self.kernels = kernels
+        self.layer_ops = layer_ops
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.native_prefill = kernels.supports_prefill(dtype, head_dim)
+
+    def build_metadata(self, step: AttentionStep, device: torch.device) -> CpuNativeMetadata:
+        meta = CpuNativeMetadata(self, torch.from_numpy(step.slot_mapping))
+        num_decodes = step.num_single_token_rows
+        if num_decodes:
+            meta.native_decode = NativeDecode(
+                num_decodes,
+                torch.from_numpy(np.ascontiguousarray(step.block_table[:num_decodes])),
+                torch.from_numpy(np.ascontiguousarray(step.context_lens[:num_decodes])))
+        multi = np.arange(num_decodes, len(step.query_lens))
+        if multi.size and self.native_prefill:
+            spans = torch.from_numpy(np.ascontiguousarray(np.stack(
+                [step.query_starts[multi], step.query_lens[multi], step.num_computed[multi]],
+                axis=1)))
+            meta.native_prefill = NativePrefill(
+                spans, torch.from_numpy(np.ascontiguousarray(step.block_table[multi])),
+                self.kernels.prefill_workspace(spans, self.num_kv_heads, self.head_dim))
+        else:
+            meta.prefill_spans = [prefill_span(step, int(i), self.num_kv_heads, device)
+                                  for i in multi]
+        return meta
+
+    def forward(self, layer: AttentionLayer, qk: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, meta: CpuNativeMetadata,
+                rotary: Rotary | None) -> torch.Tensor:
+        query = None
+        if rotary is not None and self.layer_ops is not None:
+            # Rotated queries back, keys rotated and stored with the values; or None.
+            query = self.layer_ops.rope_kv(qk, value, rotary.cos, rotary.sin, kv_cache,
+                                           meta.slot_mapping)
+        if query is None:
+            query, key = split_rotated(layer, qk, rotary)
+            write_kv(kv_cache, key, value, meta.slot_mapping)
+        num_heads, head_dim = layer.num_heads, layer.head_dim
+        out = query.new_empty(query.shape[0], num_heads * head_dim)
+        nd = meta.native_decode
+        if nd is not None:
+            rows = nd.num_rows
+            self.kernels.paged_decode(query[:rows].contiguous(), kv_cache[0], kv_cache[1],
+                                      nd.block_table, nd.ctx_lens,
+                                      out[:rows].view(rows, num_heads, head_dim), layer.scale)
+        npf = meta.native_prefill
+        if npf is not None:
+            self.kernels.paged_prefill(query, kv_cache[0], kv_cache[1], npf.spans,
+                                       npf.block_tables, out, npf.workspace, layer.scale)
+        attend_prefill_spans(query, kv_cache, meta.prefill_spans, out, layer.scale)
+        return out
+
