@@ -2,9 +2,9 @@
 # The GPU check in one go, on one H200, in under 8 minutes (docs/gpu.md):
 #   environment -> Triton kernel tests (compiled, every test of the file, real shapes
 #   included) -> kernel timings -> decode/prefill steps of a 1B layer stack with CUDA
-#   graphs -> engine-level checks (skipped, saying why, until treadle's CUDA platform
-#   lands: token equality with transformers, engine-core workload vs static batching,
-#   decode step vs HBM floor at batch 1/64/256, prefill MFU).
+#   graphs -> engine-level checks on treadle's CUDA platform with the triton backend
+#   (token equality with transformers, engine-core workload vs static batching, decode
+#   step vs HBM floor at batch 1/64/256, prefill MFU).
 # Runs with the machine's python3 and its packages; treadle comes from this source tree
 # (PYTHONPATH), nothing is installed and no wheels are needed. Each step has its own
 # time limit; the log and the JSON results go to $OUT (the device tool's folder) or a
@@ -41,7 +41,8 @@ python3 -c "import xdist" 2>/dev/null && parallel=(-n 8)  # compiles in parallel
 
 run_step environment 30 python3 benchmarks/gpu/environment.py
 run_step tests 120 python3 -m pytest -q -p no:cacheprovider "${parallel[@]}" \
-  tests/integration/test_triton_kernels.py tests/unit/test_cuda_support.py
+  tests/integration/test_triton_kernels.py tests/integration/test_triton_backend.py \
+  tests/unit/test_cuda_support.py
 run_step bench 80 python3 benchmarks/gpu/kernel_bench.py --json "$out/kernels.json"
 run_step stack 60 python3 benchmarks/gpu/decode_step.py --json "$out/decode_step.json"
 run_step engine 190 python3 benchmarks/gpu/engine_check.py --work-dir "$work" \

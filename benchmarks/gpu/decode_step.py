@@ -183,6 +183,16 @@ if SMOKE:
                 prefill=[(2, 24), (1, 50)], copy_bytes=1 << 20, matmul=128)
 
 
+def measure_rates() -> tuple[float, float]:
+    """Device-copy bytes/s (read + write) and bf16 matmul FLOP/s, measured now."""
+    src = torch.empty(PLAN["copy_bytes"], dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    copy_rate = 2 * src.numel() / bench(lambda: dst.copy_(src))
+    m = PLAN["matmul"]
+    a = torch.randn(m, m, device=DEVICE, dtype=torch.bfloat16)
+    return copy_rate, 2 * m**3 / bench(lambda: a @ a)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write the result here")
@@ -198,13 +208,7 @@ def main() -> int:
         name, num_sms = props.name, props.multi_processor_count
     else:
         name, num_sms = "cpu (smoke run: timings mean nothing)", 132
-    src = torch.empty(PLAN["copy_bytes"], dtype=torch.uint8, device=DEVICE)
-    dst = torch.empty_like(src)
-    copy_rate = 2 * src.numel() / bench(lambda: dst.copy_(src))
-    m = PLAN["matmul"]
-    a = torch.randn(m, m, device=DEVICE, dtype=torch.bfloat16)
-    matmul_rate = 2 * m**3 / bench(lambda: a @ a)
-    del src, dst, a
+    copy_rate, matmul_rate = measure_rates()
 
     bs, sizes = args.block_size, PLAN["sizes"]
     max_len = max(n for _, n in PLAN["decode"])

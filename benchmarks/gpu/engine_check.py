@@ -12,8 +12,9 @@ Steps, each printing what it measured (and all of it as JSON with --json):
  4. prefill MFU: 2 x parameters x prompt tokens of prefill-only steps over their time,
     against the bf16 matmul rate measured in this run and against 790 TFLOP/s.
 
-They need treadle's CUDA platform (the `device` engine option). Until it exists this
-prints why every step is skipped and exits 0: nothing here fakes a figure. --smoke runs
+They need treadle's CUDA platform (the `device` engine option, worker/platform.py); the
+attention backend is the platform's first (`triton`). Where the option or a GPU is
+missing this prints why every step is skipped and exits 0: nothing here fakes a figure. --smoke runs
 all four steps on CPU (no device option, tiny models and workloads) to check the script.
 
     python benchmarks/gpu/engine_check.py --work-dir /tmp/treadle-gpu --json engine.json
@@ -68,8 +69,7 @@ def platform_options(smoke: bool) -> tuple[dict, str | None]:
     if smoke:
         return {}, None
     if "device" not in config_fields():
-        return {}, ("treadle has no `device` engine option yet: the CUDA platform (issue 15, "
-                    "on the Platform seam of issue 12) has not landed")
+        return {}, "treadle has no `device` engine option (worker/platform.py)"
     try:
         EngineConfig.from_options(device="cuda")
     except (TypeError, ValueError) as exc:
@@ -77,8 +77,12 @@ def platform_options(smoke: bool) -> tuple[dict, str | None]:
     if not torch.cuda.is_available():
         return {}, "no CUDA GPU"
     options = {"device": "cuda"}
+    # the static baseline runs after the engine is deleted; 24 GiB of KV hold every step
+    # here (256 requests x 544 tokens x 32 KiB is 4.3 GiB) with room to spare
     if "gpu_memory_utilization" in config_fields():
-        options["gpu_memory_utilization"] = 0.5  # the static baseline shares the card
+        options["gpu_memory_utilization"] = 0.5
+    elif "kv_cache_memory" in config_fields():
+        options["kv_cache_memory"] = "24GiB"
     return options, None
 
 

@@ -114,7 +114,6 @@ def bench_decode(limits: dict, dtype: torch.dtype, block_size: int, sms: int) ->
                              "gb_per_s": num_bytes / t / 1e9,
                              "of_copy": num_bytes / t / limits["copy_bytes_per_s"],
                              "of_hbm": num_bytes / t / HBM_BYTES_PER_S})
-            del k, v
     return rows
 
 
@@ -156,7 +155,6 @@ def bench_prefill(limits: dict, dtype: torch.dtype, block_size: int) -> list[dic
                 row["sdpa_us"] = t_sdpa * 1e6
                 row["sdpa_tflops"] = flops / t_sdpa / 1e12
             rows.append(row)
-            del k, v
     return rows
 
 

@@ -9,9 +9,9 @@ largest size is not run (run() returns None: the caller runs it eagerly).
 
 The capture itself is a parameter: `TorchGraphCapture` on a GPU; `ReplayByCall` replays by
 calling the function again over the same static buffers, which checks every part of the
-buffer logic without a GPU (tests, CPU smoke runs of benchmarks/gpu/). It does not choose which steps may use a graph
-(decode-only steps; the runner decides) and it never changes a buffer's storage after
-capture: a graph reads fixed addresses.
+buffer logic without a GPU (tests, CPU smoke runs of benchmarks/gpu/). It does not choose
+which steps may use a graph (decode-only steps; the runner decides) and it never changes a
+buffer's storage after capture: a graph reads fixed addresses.
 """
 
 from __future__ import annotations

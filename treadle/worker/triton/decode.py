@@ -145,11 +145,11 @@ def _merge_splits_kernel(
     dims = tl.arange(0, HEAD_DIM_PAD)
     part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + splits
     m = tl.load(part_ml_ptr + part)
-    l = tl.load(part_ml_ptr + num_seqs * num_heads * NUM_SPLITS + part)
+    denom = tl.load(part_ml_ptr + num_seqs * num_heads * NUM_SPLITS + part)
     m_all = tl.max(m, 0)
-    # splits that saw no token keep m = -1e30 and l = 0: their weight is exp2(-huge) = 0
+    # splits that saw no token keep m = -1e30 and denom = 0: their weight is exp2(-huge) = 0
     w = tl.exp2(m - m_all)
-    total = tl.sum(w * l, 0)
+    total = tl.sum(w * denom, 0)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :])
     out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + dims,
