@@ -20,6 +20,7 @@ from test_attention_backends import (BLOCK_SIZE, NUM_BLOCKS, STEPS, make_step,  
                                      rotary_for)
 
 from treadle import LLM, SamplingParams  # noqa: E402
+from treadle.models.rope import RotaryInputs  # noqa: E402
 from treadle.worker.attention import AttentionLayer, make_attention_backend  # noqa: E402
 from treadle.worker.kv_cache import KVCacheSpec  # noqa: E402
 from treadle.worker.platform import CPU, get_platform  # noqa: E402
@@ -53,8 +54,9 @@ def test_triton_backend_matches_reference(dtype, heads, kv_heads, head_dim, case
     cache = heads_first.permute(0, 2, 3, 1, 4).contiguous().to(device)
     assert cache.shape == KVCacheSpec(1, kv_heads, head_dim, dtype,
                                       "blocks_first").shape(NUM_BLOCKS, BLOCK_SIZE)
-    out = layer(qk.to(device), value.to(device), cache,
-                triton.build_metadata(step, device), rotary_for(positions, head_dim, dtype))
+    rotary = RotaryInputs(rotary.cos.to(device), rotary.sin.to(device))
+    out = layer(qk.to(device), value.to(device), cache, triton.build_metadata(step, device),
+                rotary)
     tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(cache.cpu().permute(0, 3, 1, 2, 4), ref_cache, atol=0, rtol=0)
     torch.testing.assert_close(out.float().cpu(), ref_out.float(), **tol)
