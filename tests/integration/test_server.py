@@ -281,7 +281,7 @@ def test_schemathesis_fuzz_finds_no_5xx(tiny_demo, tmp_path):
     schemathesis = pytest.importorskip("schemathesis")
     import subprocess
     import sys
-    with running_server(tiny_demo, "--num-kv-blocks", "128", "--max-model-len", "256") \
+    with running_server(tiny_demo, "--num-kv-blocks", "128", "--max-model-len", "64") \
             as (base, _):
         result = subprocess.run(
             [sys.executable, "-m", "schemathesis.cli", "run", base + "/openapi.json",

@@ -17,7 +17,7 @@ table of figures with ratios against the first entry, and the plots. A system is
 
 Example (benchmarks/compare_cpu.yaml):
 
-    model: null                 # a checkpoint folder; null = the demo model
+    model: demo                 # demo (random weights), a checkpoint folder, .gguf or HF id
     workload: {name: synthetic, num_requests: 64, seed: 0}
     load: {rates: [null]}       # requests/s per point; null = all at once;
                                 # "trace" = the workload's own arrival times
@@ -202,10 +202,13 @@ def run_system(system: dict, model: str, workload, load: dict) -> list[dict]:
 
 def compare(config: dict) -> dict:
     """Run every system `repeats` times, alternating; keep every point of every run."""
-    model = config.get("model")
-    if model is None:
-        from treadle.models.demo import demo_model_path
-        model = str(demo_model_path())
+    from treadle.models.resolve import resolve_model
+
+    # Every system loads the same checkpoint folder: a folder given is passed as is; demo
+    # (the default), a .gguf file or a Hub id become the folder treadle resolves them to.
+    model = config.get("model") or "demo"
+    if not Path(model).is_dir():
+        model = str(resolve_model(model))
     workload = make_workload(config["workload"])
     runs: dict[str, list[list[dict]]] = {s["name"]: [] for s in config["systems"]}
     for _ in range(int(config["repeats"])):

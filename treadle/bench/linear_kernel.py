@@ -90,7 +90,7 @@ def steps(num_requests: int, num_steps: int, prompt_len: int = 600, block: int =
     from treadle.request import Request
     from treadle.sampling_params import SamplingParams
 
-    config = EngineConfig.from_options(dtype="bfloat16", max_num_seqs=num_requests,
+    config = EngineConfig.from_options(model="demo", dtype="bfloat16", max_num_seqs=num_requests,
                                        max_num_batched_tokens=2048, kv_cache_memory="1GiB")
     core = EngineCore(config)
     worker = core.executor.worker

@@ -563,7 +563,8 @@ class Scheduler:
             request_id=rid, num_computed_tokens=start, num_scheduled_tokens=num_tokens,
             new_token_ids=new_token_ids, new_block_ids=new_block_ids,
             replaces_block_table=replaces, spec_token_ids=self._spec.get(rid, []),
-            sample=start + num_tokens >= request.num_tokens,
+            sample=(start + num_tokens >= request.num_tokens
+                    and request.sampling_params.max_tokens > 0),
             is_decoding=request.is_decoding, new_request=new_request)
 
     def _table_changed(self, request: Request) -> None:
@@ -639,9 +640,16 @@ class Scheduler:
             self.kv.cache_full_blocks(request)  # only blocks full of its own tokens
             prompt_logprobs = runner_output.prompt_logprobs.get(sched.request_id)
             if not sched.sample:
-                if prompt_logprobs is not None:
-                    outputs.append(EngineCoreOutput(request.request_id, [],
-                                                    new_prompt_logprobs=prompt_logprobs))
+                scored = (request.sampling_params.max_tokens == 0
+                          and request.num_computed_tokens >= request.num_tokens)
+                if scored:  # max_tokens 0: its prompt scored, nothing to generate
+                    self.running.remove(request)
+                    self._end(request, RequestStatus.FINISHED_LENGTH)
+                if prompt_logprobs is not None or scored:
+                    outputs.append(EngineCoreOutput(
+                        request.request_id, [], finish_reason=request.finish_reason,
+                        new_prompt_logprobs=prompt_logprobs,
+                        num_cached_tokens=request.num_cached_tokens))
                 continue
             if request.first_token_time is None:
                 request.first_token_time = self._clock()

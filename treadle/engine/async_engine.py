@@ -39,9 +39,10 @@ from typing import AsyncIterator
 from treadle.config import EngineConfig
 from treadle.engine.core import EngineCore
 from treadle.engine.driver import EngineDriver
-from treadle.engine.llm import load_tokenizer
+from treadle.engine.llm import STRUCTURED_UNSUPPORTED, load_tokenizer
 from treadle.engine.output_processor import RequestOutput
 from treadle.metrics import EngineMetrics
+from treadle.models.resolve import served_model_name as resolved_name
 from treadle.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -92,8 +93,10 @@ class AsyncEngine:
         if self._build_error is not None:
             raise self._build_error
         self.tokenizer = load_tokenizer(self.core.model_dir)
-        self.model_name = served_model_name or self.core.model_dir.name
+        self.model_name = served_model_name or resolved_name(config.model.model,
+                                                             self.core.model_dir)
         self.driver = EngineDriver(self.core, self.tokenizer)
+        self.eos_token_id = self.core.eos_token_id
         block_size = config.cache.block_size
         self.limits = EngineLimits(self.core.vocab_size, self.core.max_model_len,
                                    self.core.num_kv_blocks * block_size, block_size)
@@ -125,6 +128,11 @@ class AsyncEngine:
         return self._thread.is_alive() and self.error is None and not self._stop.is_set()
 
     @property
+    def supports_structured_outputs(self) -> bool:
+        """Whether the core applies grammar masks (treadle.structured) when sampling."""
+        return self.core.supports_structured_outputs
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
@@ -140,6 +148,8 @@ class AsyncEngine:
         """
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
+        if params.structured_outputs is not None and not self.supports_structured_outputs:
+            raise ValueError(STRUCTURED_UNSUPPORTED)
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), time.monotonic(), len(prompt_token_ids))
         self._streams[request_id] = stream

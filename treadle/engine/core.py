@@ -21,9 +21,23 @@ from treadle.core.outputs import EngineCoreOutput, StepTimings, WorkerInfo
 from treadle.core.scheduler import Scheduler
 from treadle.engine.trace import TraceRecorder
 from treadle.executor import make_executor
+from treadle.models.tokenizer import has_tokenizer
 from treadle.request import FinishReason, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
+
+
+def resolve_model_once(config: EngineConfig) -> EngineConfig:
+    """The config with `model` resolved to a local checkpoint directory (the default model
+    fetched, a GGUF file converted, a Hub id downloaded: treadle/models/resolve.py), done
+    here, once, so that no worker rank fetches or converts anything."""
+    import dataclasses
+
+    from treadle.models.resolve import resolve_model  # imports torch: not at module level
+
+    m = config.model
+    path = resolve_model(m.model, m.revision, m.download_dir, m.dtype)
+    return dataclasses.replace(config, model=dataclasses.replace(m, model=str(path)))
 
 
 class EngineCore:
@@ -31,6 +45,8 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, executor=None) -> None:
         """`executor`: an Executor to use instead of the one the config names (tests)."""
+        if executor is None:
+            config = resolve_model_once(config)
         self.config = config
         self.executor = executor if executor is not None else make_executor(config)
         try:
@@ -43,6 +59,8 @@ class EngineCore:
         self.eos_token_id = info.eos_token_id
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
+        self.supports_structured_outputs = has_tokenizer(self.model_dir)
+        """Grammars need the model's tokenizer (the worker builds them from it)."""
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks,
                                    self.max_model_len, self.num_swap_blocks,
                                    info.preemption_costs)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from pathlib import Path
 from typing import Any, Sequence, Union
 
 from tqdm.auto import tqdm
@@ -21,6 +20,7 @@ from tqdm.auto import tqdm
 from treadle.config import EngineConfig
 from treadle.engine.core import EngineCore
 from treadle.engine.driver import EngineDriver
+from treadle.models.tokenizer import load_tokenizer
 from treadle.engine.output_processor import (CompletionOutput, Logprob, RequestMetrics,
                                              RequestOutput)
 from treadle.sampling_params import SamplingParams
@@ -33,22 +33,6 @@ logger = logging.getLogger(__name__)
 PromptType = Union[str, list[int], dict[str, Any]]
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
-def load_tokenizer(model_dir: Path):
-    """The checkpoint's tokenizer, or None when the folder has no tokenizer files.
-
-    Without one, the engine still runs on token ids (as vLLM's skip_tokenizer_init);
-    string prompts are then refused and output text is empty.
-    """
-    if not any((Path(model_dir) / name).exists() for name in _TOKENIZER_FILES):
-        logger.warning("no tokenizer files in %s: prompts must be token ids", model_dir)
-        return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(model_dir))
-
-
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 1024
 """The step budget of `LLM` when none is given; the server keeps SchedulerConfig's 512.
 Offline, only throughput counts, and a larger step spreads each step's fixed costs over
@@ -57,6 +41,12 @@ alternating runs each: 302.0 / 297.5 at 1024, 293.8 / 288.9 at 512, 294.3 / 296.
 2048). Online, steps twice as long delay first tokens (azure replay p99 TTFT 1.26 s at
 1024 against 0.92 s at 512, one run each). vLLM makes the same split on CPU (4096 for
 its LLM class, 2048 for its server)."""
+
+
+STRUCTURED_UNSUPPORTED = ("structured_outputs: this model has no tokenizer files, so no "
+                          "grammar can be built for it")
+"""Without a tokenizer (EngineCore.supports_structured_outputs false) a constrained request
+is refused rather than run unconstrained."""
 
 
 class LLM:
@@ -110,6 +100,9 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} "
                              "sampling_params: pass one, or one per prompt")
 
+        if (any(p.structured_outputs is not None for p in sampling_params)
+                and not self.engine.supports_structured_outputs):
+            raise ValueError(STRUCTURED_UNSUPPORTED)
         count = len(prompts)
         scheduling = list(zip(_per_prompt(priority, count, "priority"),
                               _per_prompt(tenant, count, "tenant"),

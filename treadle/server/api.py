@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from types import SimpleNamespace
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -25,8 +26,14 @@ from treadle.sampling_params import SamplingParams
 from treadle.server import protocol
 from treadle.server.admission import AdmissionControl, AdmissionLimits, Overloaded
 from treadle.server.auth import AuthError, KeyRing
-from treadle.server.responses import (chat_chunk, chat_response, completion_chunk,
+from treadle.server.fields import check_fields, check_message_fields
+from treadle.server.responses_api import responses_router
+from treadle.server.responses import (Formatting, chat_chunk, chat_response, completion_chunk,
                                       completion_response)
+from treadle.server.streams import merge
+from treadle.server.tool_calls import ToolRequestError, setup_tools, template_message
+from treadle.structured import (StructuredOutputError, StructuredSpec, from_response_format,
+                                from_structured_outputs)
 
 
 class APIError(Exception):
@@ -43,6 +50,37 @@ def error_response(status: int, message: str, param: str | None = None,
                    kind: str = "invalid_request_error", headers: dict | None = None):
     return JSONResponse({"error": {"message": message, "type": kind, "param": param,
                                    "code": status}}, status_code=status, headers=headers)
+
+
+async def _latest_per_source(merged):
+    """From (source index, output) pairs: the latest output of every source, in order."""
+    latest: dict[int, object] = {}
+    try:
+        async for i, output in merged:
+            latest[i] = output
+            yield [latest[k] for k in sorted(latest)]
+    finally:
+        await merged.aclose()
+
+
+class _LazyGrammarCompiler:
+    """The grammar compiler for the served tokenizer, built on first use in a thread
+    (converting a 49152-id tokenizer takes ~0.3 s); None without a tokenizer."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self._compiler = None
+        self._lock = asyncio.Lock()
+
+    async def get(self):
+        if self._compiler is None and self._engine.tokenizer is not None:
+            async with self._lock:
+                if self._compiler is None:
+                    from treadle.structured.compiler import GrammarCompiler
+                    self._compiler = await asyncio.to_thread(
+                        GrammarCompiler.from_hf_tokenizer, self._engine.tokenizer,
+                        self._engine.limits.vocab_size, self._engine.eos_token_id)
+        return self._compiler
 
 
 class BodySizeLimit:
@@ -91,6 +129,8 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
     app.state.engine, app.state.admission, app.state.shutting_down = engine, admission, False
     max_model_len = engine.limits.max_model_len
     tokenizer = engine.tokenizer
+    created = protocol.now()  # /v1/models: when this server started serving the model
+    grammars = _LazyGrammarCompiler(engine)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
@@ -126,7 +166,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
     async def models(request: Request):
         authenticate(request)
         return {"object": "list", "data": [{
-            "id": engine.model_name, "object": "model", "created": protocol.now(),
+            "id": engine.model_name, "object": "model", "created": created,
             "owned_by": "treadle", "max_model_len": max_model_len}]}
 
     @app.post("/tokenize")
@@ -155,16 +195,17 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
     def _encode(text: str, add_special_tokens: bool = True) -> list[int]:
         return _require_tokenizer().encode(text, add_special_tokens=add_special_tokens)
 
-    def _chat_token_ids(messages: list[protocol.ChatMessage], add_generation_prompt: bool):
+    def _chat_token_ids(messages: list[protocol.ChatMessage], add_generation_prompt: bool,
+                        tools: list[dict] | None = None):
         tok = _require_tokenizer()
         if not getattr(tok, "chat_template", None):
             raise APIError(400, "this model has no chat template", "messages")
         try:
-            conversation = [{"role": m.role, "content": m.text()} for m in messages]
+            conversation = [template_message(m) for m in messages]
         except ValueError as exc:
             raise APIError(400, f"messages: {exc}", "messages") from None
         try:
-            text = tok.apply_chat_template(conversation, tokenize=False,
+            text = tok.apply_chat_template(conversation, tokenize=False, tools=tools,
                                            add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # a template may reject any conversation it dislikes
             raise APIError(400, f"messages: the chat template failed: {exc}",
@@ -176,8 +217,10 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
             raise APIError(404, f"model {body.model!r} does not exist; this server serves "
                            f"{engine.model_name!r}", "model", kind="model_not_found")
 
-    def sampling_params(body: protocol.SamplingFields, max_tokens: int,
-                        logprobs: int | None) -> SamplingParams:
+    def sampling_params(body: protocol.SamplingFields, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None,
+                        structured: StructuredSpec | None = None,
+                        skip_special_tokens: bool | None = None) -> SamplingParams:
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
@@ -188,7 +231,10 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
                 ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
                 logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()} or None,
                 include_stop_str_in_output=body.include_stop_str_in_output,
-                skip_special_tokens=body.skip_special_tokens, logprobs=logprobs)
+                skip_special_tokens=(body.skip_special_tokens if skip_special_tokens is None
+                                     else skip_special_tokens),
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                structured_outputs=structured)
         except ValueError as exc:
             message = str(exc)
             raise APIError(400, message, message.split(" ", 1)[0]) from None
@@ -197,7 +243,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
         if not prompt_ids:
             raise APIError(400, "prompt is empty: at least one token is needed", "prompt")
         room = max_model_len - len(prompt_ids)
-        if room < 1:
+        if room < (0 if requested == 0 else 1):
             raise APIError(400, f"prompt has {len(prompt_ids)} tokens, but the model's context "
                            f"length is {max_model_len} tokens", "prompt")
         max_tokens = requested if requested is not None else min(default or room, room)
@@ -264,49 +310,129 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
+    def refuse_unsupported(body, endpoint: str) -> None:
+        refused = check_fields(body, endpoint)
+        if refused is None and endpoint == "chat":
+            refused = check_message_fields(body.messages)
+        if refused is not None:
+            raise APIError(400, refused[1], refused[0])
+
+    async def structured_spec(body: protocol.SamplingFields,
+                              tool_spec: StructuredSpec | None = None) -> StructuredSpec | None:
+        """The request's grammar, compiled (cached) off the event loop; 400s name the
+        field and the construct."""
+        try:
+            specs = [spec for spec in (from_response_format(body.response_format),
+                                       from_structured_outputs(body.structured_outputs),
+                                       tool_spec) if spec is not None]
+        except StructuredOutputError as exc:
+            raise APIError(400, str(exc), exc.field) from None
+        if len(specs) > 1:
+            raise APIError(400, f"{specs[1].field}: only one of response_format, "
+                           "structured_outputs and a 'required' or named tool_choice may "
+                           "constrain a request", specs[1].field)
+        if not specs:
+            return None
+        spec = specs[0]
+        compiler = await grammars.get()
+        if compiler is None:
+            raise APIError(400, f"{spec.field}: structured outputs need the model's tokenizer",
+                           spec.field)
+        try:
+            await compiler.compile_async(spec)
+        except StructuredOutputError as exc:
+            raise APIError(400, str(exc), exc.field) from None
+        if not engine.supports_structured_outputs:
+            raise APIError(400, f"{spec.field}: this model has no tokenizer files, so no "
+                           "grammar can be built for it", spec.field)
+        return spec
+
     @app.post("/v1/completions")
     async def completions(body: protocol.CompletionRequest, request: Request):
         tenant = authenticate(request)
         check_model(body)
-        if isinstance(body.prompt, str):
-            prompt, prompt_ids = body.prompt, await run_in_threadpool(_encode, body.prompt)
-        else:
-            prompt, prompt_ids = None, list(body.prompt)
-        check_vocab(prompt_ids)
-        max_tokens = check_lengths(prompt_ids, body.max_tokens, 16)
-        params = sampling_params(body, max_tokens, body.logprobs)
-        return await respond(request, body, tenant, "cmpl", prompt, prompt_ids, params,
-                             body.logprobs or 0, completion_chunk, completion_response)
+        refuse_unsupported(body, "completions")
+        if body.max_tokens == 0 and not body.echo and body.prompt_logprobs is None:
+            raise APIError(400, "max_tokens: 0 is allowed only with echo or prompt_logprobs "
+                           "(scoring a prompt)", "max_tokens")
+        texts, id_lists = [], []
+        for prompt in body.prompts():
+            if isinstance(prompt, str):
+                texts.append(prompt)
+                id_lists.append(await run_in_threadpool(_encode, prompt))
+            else:
+                texts.append(None)
+                id_lists.append(list(prompt))
+        for ids in id_lists:
+            check_vocab(ids)
+        spec = await structured_spec(body)
+        # echo with logprobs shows the prompt's logprobs: the engine computes them.
+        wanted = [v for v in (body.logprobs if body.echo else None, body.prompt_logprobs,
+                              0 if body.max_tokens == 0 else None) if v is not None]
+        prompt_logprobs = max(wanted) if wanted else None
+        params_list = [sampling_params(body, check_lengths(ids, body.max_tokens, 16),
+                                       body.logprobs, prompt_logprobs, spec)
+                       for ids in id_lists]
+        fmt = Formatting(tokenizer, body.logprobs or 0, body.n, body.echo, body.prompt_logprobs)
+        return await respond(request, body, tenant, "cmpl", texts, id_lists, params_list, fmt,
+                             completion_chunk, completion_response)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: protocol.ChatCompletionRequest, request: Request):
         tenant = authenticate(request)
         check_model(body)
+        refuse_unsupported(body, "chat")
+        try:
+            tools = setup_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
+                                server_config.tool_call_parser,
+                                server_config.enable_auto_tool_choice)
+        except ToolRequestError as exc:
+            raise APIError(400, str(exc), exc.field) from None
+        requested = (body.max_completion_tokens if body.max_completion_tokens is not None
+                     else body.max_tokens)
+        if requested == 0 and body.prompt_logprobs is None:
+            raise APIError(400, "max_tokens: 0 is allowed only with prompt_logprobs",
+                           "max_tokens")
         prompt_ids = await run_in_threadpool(_chat_token_ids, body.messages,
-                                             body.add_generation_prompt)
-        max_tokens = check_lengths(prompt_ids, body.max_completion_tokens or body.max_tokens,
-                                   None)
+                                             body.add_generation_prompt, tools.template_tools)
+        max_tokens = check_lengths(prompt_ids, requested, None)
+        spec = await structured_spec(body, tools.spec)
         top = body.top_logprobs if body.top_logprobs is not None else 0
-        params = sampling_params(body, max_tokens, top if body.logprobs else None)
-        return await respond(request, body, tenant, "chatcmpl", None, prompt_ids, params, top,
-                             chat_chunk, chat_response)
+        params = sampling_params(body, max_tokens, top if body.logprobs else None,
+                                 body.prompt_logprobs, spec,
+                                 skip_special_tokens=False if tools.needs_special_tokens
+                                 else None)
+        fmt = Formatting(tokenizer, top, body.n, prompt_logprobs=body.prompt_logprobs,
+                         tools=tools)
+        return await respond(request, body, tenant, "chatcmpl", [None], [prompt_ids], [params],
+                             fmt, chat_chunk,
+                             lambda rid, model, finals, f: chat_response(rid, model, finals[0], f))
 
     async def respond(request: Request, body: protocol.SamplingFields, tenant: str,
-                      id_prefix: str, prompt: str | None, prompt_ids: list[int],
-                      params: SamplingParams, top_n: int, chunks, whole):
-        """Admit, run, and answer: a stream of `chunks` events, or one `whole` body."""
-        ticket = admit(tenant, prompt_ids, params)
+                      id_prefix: str, texts: list[str | None], id_lists: list[list[int]],
+                      params_list: list[SamplingParams], fmt: Formatting, chunks, whole):
+        """Admit every prompt, run them, and answer: a stream of `chunks` events, or one
+        `whole` body made from the final output of each prompt."""
+        tickets = []
+        try:
+            for ids, params in zip(id_lists, params_list):
+                tickets.append(admit(tenant, ids, params))
+        except APIError:
+            for ticket in tickets:
+                admission.release(ticket)
+            raise
         request_id = protocol.random_id(id_prefix)
-        outputs = run(request, request_id, prompt, prompt_ids, params, body.priority, tenant,
-                      ticket)
+        many = len(id_lists) > 1
+        outputs = merge([run(request, f"{request_id}-{i}" if many else request_id, texts[i],
+                             id_lists[i], params_list[i], body.priority, tenant, tickets[i])
+                         for i in range(len(id_lists))])
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return sse(chunks(request_id, engine.model_name, outputs, include_usage, tokenizer,
-                              top_n))
-        final = await final_output(request, outputs)
-        if final is None:  # the client went away; the request was aborted
+            return sse(chunks(request_id, engine.model_name, outputs, include_usage, fmt))
+        finals = await final_output(request, _latest_per_source(outputs))
+        if finals is None:  # the client went away; the requests were aborted
             return Response(status_code=499)
-        return whole(request_id, engine.model_name, final, tokenizer, top_n)
+        return whole(request_id, engine.model_name, finals, fmt)
 
     def check_vocab(prompt_ids: list[int]) -> None:
         vocab = engine.limits.vocab_size
@@ -315,6 +441,12 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
             raise APIError(400, f"prompt: token id {bad} is outside the vocabulary [0, {vocab})",
                            "prompt")
 
+    app.include_router(responses_router(SimpleNamespace(
+        engine=engine, server_config=server_config, APIError=APIError, Response=Response,
+        authenticate=authenticate, check_model=check_model, chat_token_ids=_chat_token_ids,
+        run_in_threadpool=run_in_threadpool, check_lengths=check_lengths,
+        structured_spec=structured_spec, sampling_params=sampling_params, admit=admit,
+        run=run, final_output=final_output)))
     app.add_middleware(BodySizeLimit, max_bytes=server_config.max_request_body_bytes)
     return app
 

@@ -21,6 +21,9 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_PROMPT_TOKENS_LIST = 1_000_000
 MAX_TOKEN_ID = 2**31 - 1
 MAX_MESSAGES = 1024
+MAX_PROMPTS = 64
+"""Most prompts in one batched completions request (each runs n samples)."""
+MAX_TOOLS = 128
 
 
 def random_id(prefix: str) -> str:
@@ -28,8 +31,9 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIModel(BaseModel):
-    # Unknown fields are ignored, as the OpenAI API does (clients send extras).
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are kept so that server/fields.py can refuse them by name (or accept
+    # the few listed there as ignored): nothing is silently dropped.
+    model_config = ConfigDict(extra="allow")
 
 
 class StreamOptions(OpenAIModel):
@@ -40,7 +44,8 @@ class SamplingFields(OpenAIModel):
     """Fields shared by completions and chat completions."""
 
     model: Optional[str] = Field(default=None, max_length=512)
-    max_tokens: Optional[int] = Field(default=None, ge=1, le=1_000_000)
+    max_tokens: Optional[int] = Field(default=None, ge=0, le=1_000_000,
+                                      description="0 only with echo or prompt_logprobs")
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, le=1_000_000)
@@ -61,6 +66,13 @@ class SamplingFields(OpenAIModel):
     stream_options: Optional[StreamOptions] = None
     priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
     user: Optional[str] = Field(default=None, max_length=256)
+    response_format: Optional[dict[str, Any]] = Field(
+        default=None, description="{'type': 'text' | 'json_object' | 'json_schema', ...}")
+    structured_outputs: Optional[dict[str, Any]] = Field(
+        default=None, description="vLLM's: one of json, regex, choice, grammar, json_object")
+    prompt_logprobs: Optional[int] = Field(
+        default=None, ge=0, le=MAX_LOGPROBS,
+        description="vLLM's: logprobs of every prompt token and this many alternatives")
 
     @field_validator("stop")
     @classmethod
@@ -104,29 +116,41 @@ class SamplingFields(OpenAIModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
+    prompt: Union[str, list[int], list[str], list[list[int]]] = Field(
+        description="a string, token ids, or a batch of either (one choice per prompt x n)")
     echo: bool = False
     logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    suffix: Optional[str] = None
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value):
-        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-            if len(value) != 1:
-                raise ValueError("batched prompts are not supported: send one prompt per request")
-            value = value[0]
-        if isinstance(value, list):
-            if len(value) > MAX_PROMPT_TOKENS_LIST:
-                raise ValueError(f"at most {MAX_PROMPT_TOKENS_LIST} prompt token ids")
-            if any(not 0 <= t <= MAX_TOKEN_ID for t in value):
+    def _bounded_prompts(cls, value):
+        batch = value if isinstance(value, list) and value and isinstance(
+            value[0], (str, list)) else [value]
+        if len(batch) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts in one request, got {len(batch)}")
+        if sum(len(p) for p in batch if isinstance(p, list)) > MAX_PROMPT_TOKENS_LIST:
+            raise ValueError(f"at most {MAX_PROMPT_TOKENS_LIST} prompt token ids")
+        for p in batch:
+            if isinstance(p, list) and any(not 0 <= t <= MAX_TOKEN_ID for t in p):
                 raise ValueError("prompt token ids must be non-negative")
         return value
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompts of the batch (one for an unbatched request)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return list(p)
+        return [p]
 
 
 class ChatMessage(OpenAIModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[str, list[dict[str, Any]], None] = None
+    name: Optional[str] = Field(default=None, max_length=256)
+    tool_calls: Optional[list[dict[str, Any]]] = Field(default=None, max_length=MAX_TOOLS)
+    """An assistant message's calls: [{id, type: 'function', function: {name, arguments}}]."""
+    tool_call_id: Optional[str] = Field(default=None, max_length=256)
+    """A tool message: the id of the call it answers."""
 
     def text(self) -> str:
         if self.content is None:
@@ -147,6 +171,10 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1, le=1_000_000)
     add_generation_prompt: bool = True
+    tools: Optional[list[dict[str, Any]]] = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Optional[Union[str, dict[str, Any]]] = Field(
+        default=None, description="'none', 'auto', 'required' or {'type': 'function', ...}")
+    parallel_tool_calls: Optional[bool] = None
 
 
 class TokenizeRequest(OpenAIModel):

@@ -29,6 +29,7 @@ from treadle.models.loader import build_model, read_config
 from treadle.models.registry import resolve_model_class
 from treadle.worker.attention import make_attention_backend
 from treadle.worker.attention.cpu_native import CpuNativeBackend
+from treadle.worker.grammar import GrammarState
 from treadle.worker.cost_probe import measure_copy_bytes_per_s, measure_matmul_flops_per_s
 from treadle.worker.kv_cache import KVCacheSpec, allocate_kv_caches, allocate_swap_space
 from treadle.worker.linear_kernels import DenseLinearKernel, dense_kernel_factory
@@ -42,11 +43,12 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_model_dir(config: EngineConfig) -> Path:
-    """The checkpoint directory: the configured one, or the built-in demo model."""
-    if config.model.model is not None:
-        return Path(config.model.model)
-    from treadle.models.demo import demo_model_path
-    return demo_model_path()
+    """The checkpoint directory (EngineCore resolved `model` already; a Worker made
+    directly, as benchmarks do, resolves it here: treadle/models/resolve.py)."""
+    from treadle.models.resolve import resolve_model
+
+    m = config.model
+    return resolve_model(m.model, m.revision, m.download_dir, m.dtype)
 
 
 def read_eos_token_id(model_dir: Path, hf_config: dict) -> int | None:
@@ -152,7 +154,9 @@ class Worker:
         self.runner = ModelRunner(self.model, kv_caches, self.attention, block_size,
                                   num_kv_blocks, self.max_model_len, sampler, device,
                                   swap_caches, self.kv_spec.block_dim, self.eos_token_id,
-                                  self.parallel)
+                                  self.parallel,
+                                  GrammarState(self.model_dir, self.model.vocab_size,
+                                               self.eos_token_id))
 
     def _load_native(self):
         """The compiled C kernels (worker.native.NativeKernels), or None when they cannot
