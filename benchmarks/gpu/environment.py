@@ -1,9 +1,10 @@
 """What the GPU machine has, and whether treadle's offline path runs there as is.
 
 Prints the versions of python, torch, triton and transformers, the GPU, and which of the
-server's packages (fastapi, uvicorn, pydantic) are missing; then imports everything the
-GPU check uses (the offline LLM path, bench/static, the Triton kernels) with those
-packages blocked, so a pass here means the check needs no carried wheels. Exits 1 on an
+packages the offline path does without (the server's fastapi, uvicorn, pydantic;
+llguidance for structured outputs; gguf for GGUF files) are there; then imports
+everything the GPU check uses (the offline LLM path, bench/static, the Triton kernels)
+with those blocked, so a pass here means the check needs no carried wheels. Exits 1 on an
 import failure.
 
     python benchmarks/gpu/environment.py
@@ -18,7 +19,7 @@ import platform
 import sys
 from pathlib import Path
 
-SERVER_ONLY = ("fastapi", "uvicorn", "pydantic", "starlette")
+SERVER_ONLY = ("fastapi", "uvicorn", "pydantic", "starlette", "llguidance", "gguf")
 NEEDED = ("torch", "triton", "transformers", "safetensors", "tokenizers", "numpy",
           "prometheus_client", "tqdm", "yaml", "pytest")
 
@@ -41,7 +42,7 @@ def main() -> int:
             continue
         module = importlib.import_module(name)
         print(f"  {name} {getattr(module, '__version__', '?')}")
-    print("server-only packages present:",
+    print("packages the offline path does without, present:",
           [n for n in SERVER_ONLY if importlib.util.find_spec(n) is not None] or "none")
     import torch
     if torch.cuda.is_available():

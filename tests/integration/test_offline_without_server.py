@@ -1,7 +1,7 @@
-"""The offline path (LLM.generate, bench/static, the GPU check scripts) runs where the
-server's packages are absent, as on the GPU machine whose image has no fastapi, uvicorn
-or pydantic: imported and run here in a process that blocks them."""
-
+"""The offline path (LLM.generate on a local checkpoint, bench/static, the GPU check
+scripts) runs where the server's packages and the optional ones are absent, as on the GPU
+machine whose image has no fastapi, uvicorn, pydantic, llguidance (structured outputs)
+or gguf (GGUF files): imported and run here in a process that blocks them."""
 from __future__ import annotations
 
 import subprocess
@@ -12,6 +12,7 @@ from pathlib import Path
 from conftest import make_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
+BLOCKED = ("fastapi", "uvicorn", "pydantic", "starlette", "llguidance", "gguf")
 
 
 def test_offline_generate_needs_no_server_packages(tmp_path):
@@ -20,7 +21,7 @@ def test_offline_generate_needs_no_server_packages(tmp_path):
         import importlib.abc, sys
         class Block(importlib.abc.MetaPathFinder):
             def find_spec(self, name, path, target=None):
-                if name.split(".")[0] in ("fastapi", "uvicorn", "pydantic", "starlette"):
+                if name.split(".")[0] in {BLOCKED!r}:
                     raise ImportError("blocked " + name)
         sys.meta_path.insert(0, Block())
         sys.path.insert(0, {str(ROOT / "benchmarks" / "gpu")!r})
@@ -31,8 +32,7 @@ def test_offline_generate_needs_no_server_packages(tmp_path):
                            SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
                            use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 3
-        assert not any(m.split(".")[0] in ("fastapi", "uvicorn", "pydantic")
-                       for m in sys.modules)
+        assert not any(m.split(".")[0] in {BLOCKED!r} for m in sys.modules)
         print("ok")
     """)
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
