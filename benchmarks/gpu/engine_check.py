@@ -177,7 +177,7 @@ def step_engine(work: Path, plan: dict, device_options: dict, device: str) -> di
               max_num_seqs=plan["max_num_seqs"], max_num_batched_tokens=plan["budget"],
               **device_options)
     load_s = time.perf_counter() - t0
-    num_params = llm.engine.model.num_parameters
+    num_params = llm.engine.info.num_parameters
     greedy = dict(temperature=0.0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": list(range(3, 67))}] * 2,
                  SamplingParams(max_tokens=4, **greedy), use_tqdm=False)  # warm-up
