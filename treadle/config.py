@@ -88,8 +88,9 @@ class ModelConfig:
     device: str = field(default="auto", metadata=_help(
         "cpu, cuda, or auto (cuda when torch sees a GPU, else cpu)"))
     attention_backend: str = field(default="auto", metadata=_help(
-        "cpu-native (C kernels built on first use; 'native' is the same), torch, "
-        "reference (the slow oracle), or auto (the device's best that builds)"))
+        "cpu-native (C kernels built on first use; 'native' is the same), triton (GPU "
+        "kernels), torch, reference (the slow oracle), or auto (the device's best that "
+        "builds)"))
     kernel_isa: str = field(default="auto", metadata=_help(
         "Instruction set of the C kernels: auto (the best this CPU runs), avx512bf16, "
         "avx512, avx2, or native (gcc -march=native)"))
@@ -97,7 +98,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, got {self.dtype!r}")
-        backends = ("auto", "cpu-native", "native", "torch", "reference")
+        backends = ("auto", "cpu-native", "native", "triton", "torch", "reference")
         if self.attention_backend not in backends:
             raise ValueError(f"attention_backend must be one of {', '.join(backends)}, "
                              f"got {self.attention_backend!r}")
