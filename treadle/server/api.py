@@ -118,6 +118,9 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
     @app.post("/tokenize")
     async def tokenize(body: protocol.TokenizeRequest):
         if body.messages is not None:
+            refused = check_message_fields(body.messages)
+            if refused is not None:
+                raise APIError(400, refused[1], refused[0])
             ids = await run_in_threadpool(_chat_token_ids, body.messages, True)
         elif body.prompt is not None:
             ids = await run_in_threadpool(_encode, body.prompt, body.add_special_tokens)

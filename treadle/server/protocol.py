@@ -193,12 +193,26 @@ class TextPart(OpenAIModel):
     text: str
 
 
+class ToolCallFunction(OpenAIModel):
+    name: str = Field(max_length=256)
+    arguments: Union[str, dict[str, Any]] = "{}"
+    """JSON text, as OpenAI sends it (an object is taken as it is)."""
+
+
+class ToolCall(OpenAIModel):
+    """One call of an assistant message, as the chat completion answered it."""
+
+    id: Optional[str] = Field(default=None, max_length=256)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = Field(default=None, max_length=256)
-    tool_calls: Optional[list[dict[str, Any]]] = Field(default=None, max_length=MAX_TOOLS)
-    """An assistant message's calls: [{id, type: 'function', function: {name, arguments}}]."""
+    tool_calls: Optional[list[ToolCall]] = Field(default=None, max_length=MAX_TOOLS)
+    """An assistant message's calls."""
     tool_call_id: Optional[str] = Field(default=None, max_length=256)
     """A tool message: the id of the call it answers."""
 
