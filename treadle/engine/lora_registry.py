@@ -65,6 +65,11 @@ class LoRARegistry:
                             f"{identity[0]!r} at {identity[1]!r} in this engine; give "
                             "another adapter another id")
 
+    def inspect(self, path: str) -> AdapterSpec:
+        """Check the adapter at `path` against the model without registering it
+        (LoRAError naming what does not fit)."""
+        return inspect_adapter(path, self.module_shapes, self.num_layers, self.max_lora_rank)
+
     def remove(self, name: str) -> LoRARequest | None:
         """Forget an adapter by name (its id stays taken); the removed one, or None.
         Requests already running with it finish with it."""
