@@ -1,0 +1,174 @@
+"""Multi-LoRA offline, fp32, against PEFT: three adapters of different ranks (one rsLoRA)
+on a tiny Llama; a mixed batch (each request a random adapter or none), with chunked
+prefill and preemption in play, gives the same greedy tokens as transformers running
+PEFT's merged model of each adapter; so does eviction with max_loras=2 and all three in
+use; adapters that do not fit the model are refused with the reason."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from treadle import LLM, LoRARequest, SamplingParams
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTERS = [  # (rank, lora_alpha, use_rslora, target modules)
+    (2, 5.0, False, MODULES),
+    (4, 6.0, True, MODULES),
+    (8, 8.0, False, ["q_proj", "v_proj", "down_proj"]),
+]
+MAX_TOKENS = 12
+
+
+def make_adapter(base_dir: str, path: Path, rank: int, alpha: float, rslora: bool,
+                 modules: list[str], seed: int) -> str:
+    """A PEFT adapter with random A and B, large enough to change greedy tokens."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    torch.manual_seed(seed)
+    peft_model = peft.get_peft_model(model, peft.LoraConfig(
+        r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=modules,
+        init_lora_weights=False))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.mul_(3.0)
+    peft_model.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(base dir, adapter dirs, prompts, reference tokens per adapter index or None)."""
+    from conftest import make_tiny_checkpoint
+    root = tmp_path_factory.mktemp("lora")
+    base_dir = make_tiny_checkpoint(root / "base", "llama")
+    paths = [make_adapter(base_dir, root / f"a{i}", *spec, seed=20 + i)
+             for i, spec in enumerate(ADAPTERS)]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(2, 70))] for _ in range(12)]
+    references = {}
+    for key, path in [(None, None)] + list(enumerate(paths)):
+        model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        if path is not None:
+            model = peft.PeftModel.from_pretrained(model, path).merge_and_unload()
+        model.eval()
+        outs = []
+        for prompt in prompts:
+            with torch.no_grad():
+                ids = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
+                                     min_new_tokens=MAX_TOKENS, do_sample=False)
+            outs.append(ids[0, len(prompt):].tolist())
+        references[key] = outs
+    return base_dir, paths, prompts, references
+
+
+def run(llm: LLM, prompts, loras, choice):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
+                        use_tqdm=False,
+                        lora_request=[None if c is None else loras[c] for c in choice])
+    assert [o.error for o in outs] == [None] * len(outs)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def lora_stats(llm: LLM):
+    worker = getattr(llm.engine.executor, "worker", None)
+    return None if worker is None else worker.lora.stats
+
+
+def test_the_adapters_change_the_outputs(setup):
+    """Otherwise the comparisons below would prove nothing."""
+    _, _, prompts, references = setup
+    for i in range(len(ADAPTERS)):
+        assert sum(a != b for a, b in zip(references[i], references[None])) >= len(prompts) // 2
+
+
+@pytest.mark.parametrize("max_loras, kv_blocks, batched_tokens", [
+    (3, 512, 512),  # everything resident, no pressure
+    (3, 14, 24),    # chunked prefill and preemption
+    (2, 512, 48),   # three adapters in use, two slots: eviction
+])
+def test_a_mixed_batch_matches_peft_merged_models(setup, max_loras, kv_blocks, batched_tokens):
+    base_dir, paths, prompts, references = setup
+    llm = LLM(model=base_dir, dtype="float32", enable_lora=True, max_loras=max_loras,
+              max_cpu_loras=max_loras, max_lora_rank=8, block_size=8,
+              num_kv_blocks=kv_blocks, max_num_batched_tokens=batched_tokens,
+              max_num_seqs=6, preemption_mode="recompute", admission_lookahead_tokens=0,
+              kv_watermark=0.0)
+    loras = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]
+    rng = random.Random(max_loras * 1000 + kv_blocks)
+    choice = [rng.choice([None, 0, 1, 2]) for _ in prompts]
+    choice[:4] = [None, 0, 1, 2]  # every adapter and the base model at least once
+    outputs = run(llm, prompts, loras, choice)
+    expected = [references[c][k] for k, c in enumerate(choice)]
+    assert outputs == expected
+    stats = llm.get_stats()
+    if kv_blocks == 14:
+        assert stats["num_preemptions"] > 0
+    manager = lora_stats(llm)
+    if manager is not None and max_loras == 2:
+        assert manager.num_slot_evictions > 0
+    # Again, with the adapters resident or in the host cache: the same tokens.
+    assert run(llm, prompts, loras, choice) == expected
+    llm.engine.shutdown()
+
+
+def test_prefix_caching_never_crosses_adapters(setup):
+    """The same prompt under two adapters and the base model, prefix caching on, one
+    after the other: each gets its own model's tokens (a shared block would leak one
+    adapter's KV into another's)."""
+    base_dir, paths, prompts, references = setup
+    llm = LLM(model=base_dir, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
+              block_size=4, enable_prefix_caching=True)
+    loras = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]
+    k = max(range(len(prompts)), key=lambda i: len(prompts[i]))  # many full blocks
+    hits = []
+    for c in [0, 1, None, 0]:
+        before = llm.get_stats()["prefix_cache_hit_tokens"]
+        assert run(llm, [prompts[k]], loras, [c]) == [references[c][k]]
+        hits.append(llm.get_stats()["prefix_cache_hit_tokens"] - before)
+    assert hits[:3] == [0, 0, 0]  # another adapter's (or the base model's) blocks: no hit
+    assert hits[3] >= 4 * (len(prompts[k]) // 4 - 1)  # the same adapter's: hit
+    llm.engine.shutdown()
+
+
+def test_adapters_that_do_not_fit_are_refused_with_the_reason(setup, tmp_path):
+    base_dir, paths, prompts, _ = setup
+    llm = LLM(model=base_dir, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=4)
+    wrong_shape = Path(tmp_path / "wide")
+    wrong_shape.mkdir()
+    from safetensors.torch import save_file
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
+               torch.zeros(2, 65),
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight":
+               torch.zeros(64, 2)}, str(wrong_shape / "adapter_model.safetensors"))
+    (wrong_shape / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 2, "lora_alpha": 2, "target_modules": ["q_proj"]}))
+    requests = [LoRARequest("big", 1, paths[2]),           # rank 8 > max_lora_rank 4
+                LoRARequest("wide", 2, str(wrong_shape)),  # 65 inputs, the model has 64
+                LoRARequest("none", 3, str(tmp_path / "missing")),
+                LoRARequest("ok", 4, paths[0])]
+    outs = llm.generate([{"prompt_token_ids": prompts[0]}] * 4,
+                        SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False,
+                        lora_request=requests)
+    errors = [o.error for o in outs]
+    assert "rank 8" in errors[0] and "max_lora_rank" in errors[0]
+    assert "q_proj" in errors[1] and "64" in errors[1]
+    assert "does not exist" in errors[2]
+    assert errors[3] is None
+    llm.engine.shutdown()
+    plain = LLM(model=base_dir, dtype="float32")
+    out, = plain.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=1),
+                          use_tqdm=False, lora_request=requests[3])
+    assert "enable_lora is off" in out.error
+    with pytest.raises(ValueError, match="LoRARequest"):
+        plain.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=1),
+                       use_tqdm=False, lora_request="a0")
+    plain.engine.shutdown()
