@@ -29,7 +29,8 @@ def make_scheduler(max_loras: int, num_blocks=256, max_tokens=48, max_seqs=8,
     return Scheduler(
         SchedulerConfig(max_num_batched_tokens=max_tokens, max_num_seqs=max_seqs,
                         preemption_mode="recompute", max_head_bypasses=max_head_bypasses,
-                        scheduling_policy=policy),
+                        scheduling_policy=policy, kv_watermark=0.0,
+                        admission_lookahead_tokens=0),  # let memory pressure preempt
         CacheConfig(block_size=4, enable_prefix_caching=True),
         num_kv_blocks=num_blocks, max_model_len=4096, max_loras=max_loras)
 
