@@ -94,6 +94,13 @@ def _cmd_bench_scheduling(args: argparse.Namespace) -> int:
     return scheduling_main(args.rest)
 
 
+def _cmd_bench_lora(args: argparse.Namespace) -> int:
+    from treadle.bench.lora import main as lora_main
+
+    rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
+    return lora_main(rest)
+
+
 def _cmd_demo_model(args: argparse.Namespace) -> int:
     from treadle.models.demo import write_demo_model
 
@@ -520,6 +527,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "(options: treadle bench scheduling -- --help)")
     sched.add_argument("rest", nargs=argparse.REMAINDER)
     sched.set_defaults(func=_cmd_bench_scheduling)
+
+    lora = bench_sub.add_parser(
+        "lora", help="multi-LoRA offline throughput with 0/1/4/16 adapters against the base "
+                     "model (options: treadle bench lora -- --help)")
+    lora.add_argument("rest", nargs=argparse.REMAINDER)
+    lora.set_defaults(func=_cmd_bench_lora)
 
     ppl = bench_sub.add_parser("perplexity", help="perplexity of a fixed text through treadle "
                                                  "and transformers (output quality)")

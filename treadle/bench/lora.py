@@ -174,13 +174,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kv-cache-memory", default="1GiB")
     parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--prompt-len", default="32,384",
+                        help="prompt lengths drawn between these two (tokens)")
+    parser.add_argument("--output-len", default="16,160",
+                        help="output lengths drawn between these two (tokens)")
     parser.add_argument("--output", default=None, help="JSON result (default results/lora.json)")
     args = parser.parse_args(argv)
     counts = tuple(int(c) for c in args.adapters.split(",") if c.strip())
     if not counts or min(counts) < 0:
         parser.error("--adapters must be counts >= 0, e.g. 0,1,4,16")
+    def pair(text: str, name: str) -> tuple[int, int]:
+        try:
+            lo, hi = (int(v) for v in text.split(","))
+        except ValueError:
+            parser.error(f"--{name} must be two integers, e.g. 32,384")
+        if not 1 <= lo <= hi:
+            parser.error(f"--{name} must be 1 <= low <= high")
+        return lo, hi
+
     result = run(args.model, counts, args.repeats, args.num_requests, args.rank, args.dtype,
-                 args.kv_cache_memory, num_threads=args.num_threads)
+                 args.kv_cache_memory, pair(args.prompt_len, "prompt-len"),
+                 pair(args.output_len, "output-len"), num_threads=args.num_threads)
     print(format_table(result["summary"], ["config", "median_output_tok_s", "min", "max",
                                            "vs_base"]))
     print(f"load average before {result['load_average_before']}, after "
