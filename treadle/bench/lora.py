@@ -113,8 +113,8 @@ def run(model: str | None = None, adapter_counts: tuple[int, ...] = (0, 1, 4, 16
     short = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)
     engines["base"].generate(warm * 2, short, use_tqdm=False)
     if "lora" in engines:
-        engines["lora"].generate(warm * max(num_adapters, 2), short, use_tqdm=False,
-                                 lora_request=loras or None)
+        engines["lora"].generate(warm * max(len(loras), 1), short, use_tqdm=False,
+                                 lora_request=loras or None)  # every adapter read, resident
     configs = [("base", "base", 0)] + [(f"{k} adapters", "lora", k) for k in adapter_counts]
     runs: dict[str, list[dict]] = {label: [] for label, _, _ in configs}
     load_before = _load_average()
