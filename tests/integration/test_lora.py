@@ -172,3 +172,20 @@ def test_adapters_that_do_not_fit_are_refused_with_the_reason(setup, tmp_path):
         plain.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=1),
                        use_tqdm=False, lora_request="a0")
     plain.engine.shutdown()
+
+
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2),
+                                      dict(pipeline_parallel_size=2)])
+def test_adapters_split_like_their_layers_under_tp_and_pp(setup, parallel):
+    """Tensor parallelism splits each adapter like its base layer (B's rows for q/k/v and
+    gate/up, A's columns for o and down, the partial terms summed by the layer's
+    all-reduce); pipeline parallelism gives each stage its layers' part: the same tokens
+    as PEFT's merged models."""
+    base_dir, paths, prompts, references = setup
+    llm = LLM(model=base_dir, dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=8,
+              num_kv_blocks=256, **parallel)
+    loras = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]
+    choice = [None, 0, 1, 2, 2, 0][:len(prompts)]
+    outputs = run(llm, prompts[:len(choice)], loras, choice)
+    assert outputs == [references[c][k] for k, c in enumerate(choice)]
+    llm.engine.shutdown()
