@@ -45,6 +45,9 @@ class LoRAManager:
                  dtype: torch.dtype, ops=None, pin_memory: bool = False) -> None:
         self.config = config
         self.device, self.dtype = device, dtype
+        self.weight_dtype = (torch.float32 if device.type == "cpu"
+                             and dtype in (torch.bfloat16, torch.float16) else dtype)
+        """The adapters' dtype: fp32 under a bf16 / fp16 model on CPU (layers.py says why)."""
         self.pin_memory = pin_memory
         self.targets = model.lora_targets()
         self.module_shapes = model.lora_module_shapes()
@@ -113,7 +116,8 @@ class LoRAManager:
             return host
         try:
             host = load_adapter(lora, self.targets, self.module_shapes, self.num_layers,
-                                self.config.max_lora_rank, self.dtype, self.pin_memory)
+                                self.config.max_lora_rank, self.weight_dtype,
+                                self.pin_memory)
         except LoRAError as exc:  # checked when registered: the files changed since
             raise RuntimeError(f"adapter {lora.lora_name!r} (lora_int_id {lora_id}) could "
                                f"not be loaded: {exc}") from exc
