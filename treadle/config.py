@@ -255,6 +255,129 @@ class ParallelConfig:
             raise ValueError(f"worker_timeout must be > 0 seconds, got {self.worker_timeout}")
 
 
+SPEC_METHODS = ("ngram", "draft", "self")
+_SPEC_METHOD_KEYS = {"ngram": ("prompt_lookup_min", "prompt_lookup_max"), "draft": ("model",),
+                     "self": ("draft_layers",)}
+"""The keys only one method takes."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: who proposes tokens and how many. Given as one JSON object
+    (`--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'`,
+    `LLM(speculative_config={...})`) whose keys are these fields; docs/speculative.md."""
+
+    method: str | None = field(default=None, metadata=_help(
+        "ngram (prompt lookup), draft (a smaller checkpoint, key model) or self (the "
+        "model's own first draft_layers layers); not given: no speculation"))
+    num_speculative_tokens: int = field(default=4, metadata=_help(
+        "Most tokens proposed per request per step (the adaptive policy may run fewer)"))
+    prompt_lookup_min: int | None = field(default=None, metadata=_help(
+        "ngram: shortest suffix of the request's tokens matched against its earlier "
+        "tokens (default 2)"))
+    prompt_lookup_max: int | None = field(default=None, metadata=_help(
+        "ngram: longest suffix matched; the longest match wins (default 4)"))
+    model: str | None = field(default=None, metadata=_help(
+        "draft: checkpoint directory of the draft model (same tokenizer as the target)"))
+    draft_layers: int | None = field(default=None, metadata=_help(
+        "self: the target's first layers that, with its final norm and LM head, draft"))
+    adaptive: bool = field(default=True, metadata=_help(
+        "Choose each request's number of proposed tokens per step from its measured "
+        "acceptance and the measured step-cost model; false: always the most that fit"))
+    acceptance_prior: float = field(default=0.5, metadata=_help(
+        "Acceptance rate assumed for a request before any of its proposals is verified"))
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            given = [f.name for f in dataclasses.fields(self)
+                     if f.name != "method" and getattr(self, f.name) != f.default]
+            if given:
+                raise ValueError(f"speculative_config: {given[0]} given without a method; "
+                                 f"method must be one of {', '.join(SPEC_METHODS)}")
+            return
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config: method must be one of "
+                             f"{', '.join(SPEC_METHODS)}, got {self.method!r}")
+        for other, keys in _SPEC_METHOD_KEYS.items():
+            for key in keys:
+                if other != self.method and getattr(self, key) is not None:
+                    raise ValueError(f"speculative_config: {key} is a key of method "
+                                     f"{other}, not of {self.method}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an "
+                             f"integer in [1, 16], got {k!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config: adaptive must be true or false, "
+                             f"got {self.adaptive!r}")
+        prior = self.acceptance_prior
+        if (not isinstance(prior, (int, float)) or isinstance(prior, bool)
+                or not 0.0 < prior < 1.0):
+            raise ValueError(f"speculative_config: acceptance_prior must be in (0, 1), "
+                             f"got {prior!r}")
+        if self.method == "ngram":
+            lo = 2 if self.prompt_lookup_min is None else self.prompt_lookup_min
+            hi = max(4, lo) if self.prompt_lookup_max is None else self.prompt_lookup_max
+            for key, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 64:
+                    raise ValueError(f"speculative_config: {key} must be an integer in "
+                                     f"[1, 64], got {value!r}")
+            if lo > hi:
+                raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) must be <= "
+                                 f"prompt_lookup_max ({hi})")
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+        elif self.method == "draft":
+            if not self.model or not isinstance(self.model, str):
+                raise ValueError("speculative_config: method draft needs model, the draft "
+                                 "checkpoint's directory")
+        else:
+            layers = self.draft_layers
+            if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+                raise ValueError(f"speculative_config: method self needs draft_layers, an "
+                                 f"integer >= 1, got {layers!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    @property
+    def writes_kv_ahead(self) -> bool:
+        """Whether its proposer runs a model that writes KV past the request's computed
+        tokens (draft, self): the scheduler then holds slots for the proposals."""
+        return self.method in ("draft", "self")
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig":
+        """From a dict or a JSON object string (None or '': speculation off). An unknown
+        key is a ValueError naming it."""
+        if value is None or isinstance(value, cls):
+            return value or cls()
+        if isinstance(value, str):
+            if not value.strip():
+                return cls()
+            import json
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config must be a JSON object: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key {unknown[0]!r}; known: "
+                             f"{', '.join(sorted(known))}")
+        return cls(**value)
+
+    def keys_help(self) -> str:
+        return "; ".join(f"{f.name}: {f.metadata['help']}" for f in dataclasses.fields(self))
+
+
+SPECULATIVE_OPTION = "speculative_config"
+"""The one option (flag --speculative-config, TREADLE_SPECULATIVE_CONFIG) that carries
+the SpeculativeConfig as a JSON object."""
+
 ENV_PREFIX = "TREADLE_"
 """An engine option not given explicitly takes its value from TREADLE_<NAME> when set
 (e.g. TREADLE_DISTRIBUTED_EXECUTOR_BACKEND=mp), read once in EngineConfig.from_options."""
@@ -283,8 +406,18 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    """Given whole, as the one option `speculative_config` (a dict or JSON string)."""
 
     _SECTIONS = ("model", "cache", "scheduler", "parallel")
+
+    def __post_init__(self) -> None:
+        if self.speculative.method == "self" and self.parallel.world_size > 1:
+            raise ValueError(
+                "speculative_config: method self runs the target's first layers on the "
+                "output rank alone, which holds only its shard of them: it does not "
+                "support tensor_parallel_size or pipeline_parallel_size > 1 (method ngram "
+                "and method draft do)")
 
     @classmethod
     def section_types(cls) -> dict[str, type]:
@@ -297,7 +430,13 @@ class EngineConfig:
         given come from TREADLE_<NAME> environment variables when set (ENV_PREFIX).
 
         An unknown option is a TypeError naming it, as a wrong keyword argument would be.
+        `speculative_config` (a SpeculativeConfig, dict or JSON string) is the
+        speculative section whole.
         """
+        options = dict(options)
+        speculative = options.pop(SPECULATIVE_OPTION, None)
+        if speculative is None:
+            speculative = os.environ.get(ENV_PREFIX + SPECULATIVE_OPTION.upper())
         per_section: dict[str, dict[str, Any]] = {name: {} for name in cls._SECTIONS}
         fields = {f.name: (section, f) for section, section_type in cls.section_types().items()
                   for f in dataclasses.fields(section_type)}
@@ -310,7 +449,8 @@ class EngineConfig:
             if name not in options and text is not None:
                 per_section[section][name] = _from_env(f, text)
         return cls(**{name: cls.section_types()[name](**kwargs)
-                      for name, kwargs in per_section.items()})
+                      for name, kwargs in per_section.items()},
+                   speculative=SpeculativeConfig.parse(speculative))
 
 
 def _flag_type(annotation: str):
@@ -330,12 +470,16 @@ def add_config_arguments(parser: argparse.ArgumentParser,
     """Add one --flag per engine config field (underscores become dashes)."""
     for section, section_type in EngineConfig.section_types().items():
         add_dataclass_arguments(parser, section_type, f"{section} options", skip)
+    if SPECULATIVE_OPTION not in skip:
+        parser.add_argument_group("speculative decoding").add_argument(
+            "--speculative-config", dest=SPECULATIVE_OPTION, default=None, metavar="JSON",
+            help="A JSON object with keys " + SpeculativeConfig().keys_help())
 
 
 def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The config options given on the command line (flags left unset are omitted)."""
     names = {f.name for section_type in EngineConfig.section_types().values()
-             for f in dataclasses.fields(section_type)}
+             for f in dataclasses.fields(section_type)} | {SPECULATIVE_OPTION}
     return {name: value for name, value in vars(args).items()
             if name in names and value is not None}
 

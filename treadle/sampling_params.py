@@ -70,6 +70,10 @@ class SamplingParams:
     """Keep the matched stop string (or stop token's text) at the end of the text."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the output text."""
+    speculative: bool = True
+    """Let the engine speculate on this request's tokens when it has a proposer
+    (`speculative_config`); false opts this request out (its outputs are the same either
+    way: verification is exact)."""
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, low=1)
@@ -90,7 +94,8 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, low=0)
         self.stop_token_ids = list(self.stop_token_ids)
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "speculative"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("logprobs", "prompt_logprobs"):

@@ -25,9 +25,12 @@ picks. After the step, `update_from_output` appends sampled tokens, finishes req
 frees their blocks, so waiting requests join the very next step.
 
 A decoding request may carry proposed tokens (`Request.spec_token_ids`, speculative
-decoding): they are scheduled with its last token within the budget, and
-`update_from_output` keeps the accepted ones and rolls back the rest (their KV slots are
-freed; no rejected token reaches the prefix cache).
+decoding): they are scheduled with its last token within the budget, as many as
+`core.spec_decode` plans from the request's measured acceptance and the measured step
+costs, and `update_from_output` keeps the accepted ones and rolls back the rest (their
+KV slots are freed; no rejected token reaches the prefix cache). Each step also tells the
+worker how many tokens to propose for each sampled request's next step; with a proposer
+that writes KV ahead (a draft model), the request's blocks hold slots for them.
 
 The scheduler owns request state transitions, the running/waiting/swapped sets, the
 clock it passes to the policy, and what the worker already holds of each request (so that
@@ -45,7 +48,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from treadle.config import CacheConfig, SchedulerConfig, parse_tenant_weights
+from treadle.config import CacheConfig, SchedulerConfig, SpeculativeConfig, parse_tenant_weights
 from treadle.core import policy
 from treadle.core.admission import Admission, StepRoom, fit, plan_admission_victims
 from treadle.core.fair_share import FairShareLedger
@@ -54,6 +57,7 @@ from treadle.core.outputs import (EngineCoreOutput, ModelRunnerOutput, NewReques
                                   ScheduledRequest, SchedulerOutput)
 from treadle.core.preemption import Preemptor
 from treadle.core.scheduling_policy import make_policy
+from treadle.core.spec_decode import SpecCandidate, SpecCosts, SpecDecodeController
 from treadle.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -104,7 +108,11 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_kv_blocks: int, max_model_len: int, num_swap_blocks: int = 0,
                  preemption_costs: policy.PreemptionCosts | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 speculative: SpeculativeConfig | None = None,
+                 spec_costs: SpecCosts | None = None) -> None:
+        """`speculative` with a method: proposed tokens are planned per request (from
+        `spec_costs`, the worker's measurements, when the policy is adaptive)."""
         self.config = scheduler_config
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_kv_blocks, cache_config.block_size,
@@ -129,10 +137,23 @@ class Scheduler:
         """Requests in a step submitted to the workers and not yet answered (pipeline
         parallelism keeps several steps in flight): not scheduled, preempted or freed
         until it returns."""
+        self._swapped_out: list[str] = []
+        self._num_proposals: dict[str, int] = {}
+        self._spec_plan: dict[str, int] = {}
+        self._unrun: dict[str, tuple[int, int]] = {}
+        """Deterministic proposals the plan did not run: (their first token, the request's
+        num_tokens then), scored against the model's token when that step returns."""
         self._free_after_step: dict[str, Request] = {}
         """Requests that ended while in flight: their blocks are freed when the step
         returns (the workers may still be writing them)."""
         self.stats = SchedulerStats()
+        self.spec: SpecDecodeController | None = None
+        """Speculative decoding's plan and counters, when a proposer is configured."""
+        if speculative is not None and speculative.enabled:
+            self.spec = SpecDecodeController(
+                speculative.num_speculative_tokens, speculative.adaptive,
+                speculative.acceptance_prior, spec_costs, speculative.writes_kv_ahead,
+                deterministic=speculative.method == "ngram")
 
     @property
     def tenant_weights(self) -> dict[str, float]:
@@ -187,6 +208,9 @@ class Scheduler:
         self._protected_until.pop(request.request_id, None)
         self._chunked_prompts.discard(request.request_id)
         self._worker_views.pop(request.request_id, None)
+        if self.spec is not None:
+            self.spec.forget(request.request_id)
+            self._unrun.pop(request.request_id, None)
         self._finished_since_last_step.append(request.request_id)
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
@@ -243,11 +267,86 @@ class Scheduler:
         self._swap_in: list[tuple[int, int]] = []
         self._finishes_prompt = False
         self._finishes_chunked_prompt = False
+        self._swapped_out: list[str] = []
+        self._spec_plan: dict[str, int] = self._plan_spec_tokens()
         if self.policy.orders_by_urgency:
             self._schedule_by_urgency()
         else:
             self._schedule_fcfs()
+        self._num_proposals = self._plan_proposals()
         return self._build_output(self._num_new, self._preempted)
+
+    # ----- speculative decoding ----------------------------------------------------------
+
+    def _speculates(self, request: Request) -> bool:
+        return self.spec is not None and request.sampling_params.speculative
+
+    def _spec_room(self, request: Request, num_after: int) -> int:
+        """Proposed tokens that may still become output once `num_after` more tokens
+        are in: at most max_tokens - 1 more (one token is always the model's) and within
+        the context."""
+        return min(self.max_model_len - request.num_tokens - num_after + 1,
+                   request.sampling_params.max_tokens - request.num_output_tokens - num_after)
+
+    def _plan_spec_tokens(self) -> dict[str, int]:
+        """The proposed tokens each decoding request runs this step (core.spec_decode),
+        for a step like this one: its decodes, plus the prefill tokens waiting for it."""
+        if self.spec is None:
+            return {}
+        decodes = [r for r in self._idle_running() if r.is_decoding]
+        candidates = []
+        for r in decodes:
+            if r.spec_token_ids and self._speculates(r):
+                room = min(len(r.spec_token_ids), self._spec_room(r, 0) - 1)
+                if room > 0:
+                    candidates.append(SpecCandidate(r.request_id, room))
+        if not candidates:
+            return {}
+        budget = self.config.max_num_batched_tokens
+        base = len(decodes) + self._pending_prefill_tokens(budget - len(decodes))
+        return self.spec.tokens_to_run(candidates, len(decodes), min(base, budget), budget)
+
+    def _pending_prefill_tokens(self, room: int) -> int:
+        """Tokens running, swapped and waiting requests would prefill, up to `room`."""
+        total = 0
+        for group in ((r for r in self._idle_running() if not r.is_decoding), self.swapped,
+                      self.waiting):
+            for r in group:
+                total += r.num_uncomputed_tokens
+                if total >= room:
+                    return max(room, 0)
+        return total
+
+    def _plan_proposals(self) -> dict[str, int]:
+        """Tokens to propose after this step per sampled request; with a proposer that
+        writes KV ahead, each gets slots for them or proposes nothing."""
+        if self.spec is None:
+            return {}
+        sampled = []
+        for request in self.running:
+            n = self._num_new.get(request.request_id)
+            if (n is not None and request.num_computed_tokens + n >= request.num_tokens
+                    and self._speculates(request)):
+                sampled.append(request)
+        if not sampled:
+            return {}
+        num_spec = sum(len(v) for v in self._spec.values())
+        base = sum(self._num_new.values()) - num_spec
+        budget = self.config.max_num_batched_tokens
+        wanted = self.spec.tokens_to_propose([r.request_id for r in sampled], len(sampled),
+                                             min(base, budget), budget)
+        plan = {}
+        for request in sampled:
+            rid = request.request_id
+            k = min(wanted.get(rid, 0), max(self._spec_room(request, 1), 0))
+            if k > 0 and self.spec.writes_kv_ahead:
+                # Slots past this step's tokens for the draft to write its proposals'
+                # KV into: only from free blocks, never by preempting anyone.
+                if not self.kv.allocate_slots(request, self._num_new[rid] + k):
+                    k = 0
+            if k > 0:
+                plan[rid] = k
+        return plan
 
     def _schedule_fcfs(self) -> None:
         # 1. Running requests, decodes first. Each may preempt others to get a block.
@@ -374,13 +473,19 @@ class Scheduler:
         self._schedule_tokens(request, num_tokens, spec)
 
     def _spec_tokens(self, request: Request) -> list[int]:
-        """The proposed tokens a decoding request runs this step: as many as the budget
-        leaves beside its own token, that stay inside the context, and that could still
-        become output (at most max_tokens - 1 more: one token is always the model's)."""
+        """The proposed tokens a decoding request runs this step: as many as the plan
+        gives it (all, without a speculation policy), that the budget leaves beside its
+        own token, that stay inside the context, and that could still become output (at
+        most max_tokens - 1 more: one token is always the model's)."""
         if not request.spec_token_ids or not request.is_decoding:
             return []
         room = min(self._budget - 1, self.max_model_len - request.num_tokens,
                    request.sampling_params.max_tokens - request.num_output_tokens - 1)
+        if self.spec is not None:
+            room = min(room, self._spec_plan.get(request.request_id, 0))
+            if room <= 0 and self.spec.deterministic:
+                self._unrun[request.request_id] = (request.spec_token_ids[0],
+                                                   request.num_tokens)
         return request.spec_token_ids[:max(room, 0)]
 
     def _holds_back(self, request: Request, partial: bool) -> bool:
@@ -540,6 +645,7 @@ class Scheduler:
                     request.request_id, 0)
         return SchedulerOutput(scheduled=scheduled, finished_request_ids=finished,
                                preempted_request_ids=[r.request_id for r in preempted],
+                               swapped_request_ids=self._swapped_out,
                                swap_out=self._swap_out, swap_in=self._swap_in)
 
     def _scheduled_request(self, request: Request, num_tokens: int) -> ScheduledRequest:
@@ -563,6 +669,7 @@ class Scheduler:
             request_id=rid, num_computed_tokens=start, num_scheduled_tokens=num_tokens,
             new_token_ids=new_token_ids, new_block_ids=new_block_ids,
             replaces_block_table=replaces, spec_token_ids=self._spec.get(rid, []),
+            num_proposals=self._num_proposals.get(rid, 0),
             sample=start + num_tokens >= request.num_tokens,
             is_decoding=request.is_decoding, new_request=new_request)
 
@@ -589,6 +696,7 @@ class Scheduler:
         self.stats.num_preemptions += 1
         if taken.mode == policy.PreemptionMode.SWAP:
             self._swap_out.extend(taken.swap_plan)
+            self._swapped_out.append(request.request_id)
             request.status = RequestStatus.SWAPPED
             self.swapped.append(request)
             self.fair_share.queued_in(request)
@@ -603,6 +711,19 @@ class Scheduler:
             logger.info("preempted request %s %s (mode=recompute, %d computed tokens to "
                         "recompute)", request.request_id, reason, taken.num_computed_tokens)
 
+    def _observe_spec(self, sched: ScheduledRequest, tokens: list[int]) -> None:
+        """Acceptance of what the request's step verified (or of a deterministic proposal
+        the plan did not run, scored against the model's token)."""
+        rid = sched.request_id
+        unrun = self._unrun.pop(rid, None)
+        request = self.requests[rid]
+        if sched.spec_token_ids:
+            self.spec.observe(rid, len(sched.spec_token_ids), len(tokens) - 1)
+        elif unrun is not None and unrun[1] == request.num_tokens:
+            self.spec.observe_unrun(rid, unrun[0], tokens[0])
+        else:
+            self.spec.idle(rid)
+
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance every scheduled request; return one output per request with news.
@@ -611,6 +732,8 @@ class Scheduler:
         them followed by one token of its own); the slots of the rest are rolled back."""
         outputs = []
         sampled = runner_output.sampled_token_ids
+        if self.spec is not None:
+            self.spec.begin_step()
         for sched in scheduler_output.scheduled:
             self._in_flight.discard(sched.request_id)
             ended = self._free_after_step.pop(sched.request_id, None)
@@ -623,6 +746,8 @@ class Scheduler:
                 continue  # aborted while the step ran
             tokens = sampled[sched.request_id] if sched.sample else []
             num_rejected = len(sched.spec_token_ids) - max(len(tokens) - 1, 0)
+            if self.spec is not None and tokens:
+                self._observe_spec(sched, tokens)
             request.num_computed_tokens += sched.num_scheduled_tokens - num_rejected
             status = None
             num_kept = 0

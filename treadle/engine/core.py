@@ -45,7 +45,8 @@ class EngineCore:
         self.vocab_size = info.vocab_size
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks,
                                    self.max_model_len, self.num_swap_blocks,
-                                   info.preemption_costs)
+                                   info.preemption_costs, speculative=config.speculative,
+                                   spec_costs=info.spec_costs)
         self.trace = (TraceRecorder(config.scheduler.trace, config.scheduler.scheduling_policy)
                       if config.scheduler.trace else None)
         """Per-step trace (treadle.engine.trace), when `scheduler.trace` names a file."""
@@ -198,6 +199,7 @@ class EngineCore:
         total.forward_s += t.forward_s
         total.sample_s += t.sample_s
         total.comm_s += t.comm_s
+        total.propose_s += t.propose_s
         total.swap_bytes_out += t.swap_bytes_out
         total.swap_bytes_in += t.swap_bytes_in
 
@@ -232,4 +234,7 @@ class EngineCore:
             "time_forward_s": t.forward_s,
             "time_sample_s": t.sample_s,
             "time_comm_s": t.comm_s,
+            "time_propose_s": t.propose_s,
+            **(self.scheduler.spec.stats.as_dict() if self.scheduler.spec is not None
+               else {}),
         }

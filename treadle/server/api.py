@@ -188,7 +188,8 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
                 ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
                 logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()} or None,
                 include_stop_str_in_output=body.include_stop_str_in_output,
-                skip_special_tokens=body.skip_special_tokens, logprobs=logprobs)
+                skip_special_tokens=body.skip_special_tokens, logprobs=logprobs,
+                speculative=body.speculative)
         except ValueError as exc:
             message = str(exc)
             raise APIError(400, message, message.split(" ", 1)[0]) from None

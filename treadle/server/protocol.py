@@ -61,6 +61,8 @@ class SamplingFields(OpenAIModel):
     stream_options: Optional[StreamOptions] = None
     priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
     user: Optional[str] = Field(default=None, max_length=256)
+    speculative: bool = True
+    """false: no speculative decoding for this request (treadle extension)."""
 
     @field_validator("stop")
     @classmethod

@@ -8,8 +8,9 @@ numpy (all scheduled tokens of all requests concatenated, no padding; Python loo
 once per request, never once per token). The attention backend turns the step's
 geometry into its metadata once per step, shared by every layer. Logits are computed only
 for the rows that sample: a request's last scheduled token, or with proposed tokens each
-of them and the token before (the proposals are verified against what the model samples
-there: the longest agreeing prefix is kept, then one token of the model's own), plus,
+of them and the token before (the proposals are verified by exact rejection sampling,
+worker/spec/rejection.py: the accepted ones are kept, then one token of the model's own),
+plus,
 for requests that ask for prompt logprobs, every position of their prompt chunk (in
 slices, so a long chunk never holds [chunk, vocab] logits at once).
 
@@ -18,6 +19,10 @@ metadata); the first stage embeds and sends its activations to the next, a later
 receives them first, and only the last computes logits. With tensor parallelism the
 logits are gathered to the stage's first rank, the output rank, which alone samples and
 answers (worker/parallel_state.py); the other ranks return None.
+
+With speculative decoding the output rank also holds the proposer (worker/spec): after
+verification it proposes, for each request the step message asks it to, the tokens its
+next step verifies (`ModelRunnerOutput.spec_token_ids`).
 
 The runner never decides policy: it computes exactly what it is given.
 """
@@ -32,12 +37,14 @@ import numpy as np
 import torch
 
 from treadle.core.outputs import (ModelRunnerOutput, PromptLogprobs, ScheduledRequest,
-                                  SchedulerOutput, StepTimings, TokenLogprobs)
+                                  SchedulerOutput, StepTimings)
 from treadle.worker.attention import AttentionBackend, AttentionStep
 from treadle.worker.input_batch import CachedRequestState, InputBatch
 from treadle.worker.kv_cache import copy_blocks
 from treadle.worker.parallel_state import ParallelContext
 from treadle.worker.sampler import Sampler, group_order, prompt_logprobs
+from treadle.worker.spec.base import ProposalBatch, ProposalRequest, Proposer
+from treadle.worker.spec.rejection import RejectionSampler, SampleRow
 
 _PROMPT_LOGPROBS_ROWS = 256
 """Prompt positions whose logits are computed at once ([rows, vocab] float32)."""
@@ -73,8 +80,10 @@ class ModelRunner:
                  max_model_len: int, sampler: Sampler, device: torch.device,
                  swap_caches: list[torch.Tensor] | None = None, block_dim: int = 2,
                  eos_token_id: int | None = None,
-                 parallel: ParallelContext | None = None) -> None:
-        """`swap_caches` hold swapped-out blocks (same layout as kv_caches)."""
+                 parallel: ParallelContext | None = None,
+                 proposer: Proposer | None = None) -> None:
+        """`swap_caches` hold swapped-out blocks (same layout as kv_caches); `proposer`:
+        speculative decoding's, on the output rank."""
         self.model = model
         self.parallel = parallel or ParallelContext()
         self.kv_caches = kv_caches
@@ -88,6 +97,8 @@ class ModelRunner:
         self.eos_token_id = eos_token_id
         """The model's end-of-sequence id, masked until a request's min_tokens."""
         self.batch = InputBatch(-(-max_model_len // block_size))
+        self.proposer = proposer
+        self.rejection = RejectionSampler(sampler, eos_token_id)
 
     # ----- preparing the inputs ------------------------------------------------------------
 
@@ -148,14 +159,21 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         self.sampler.drop(scheduler_output.finished_request_ids)
+        proposer = self.proposer
+        if proposer is not None:
+            proposer.begin_step(scheduler_output)
         timings = StepTimings()
         # Swap-outs first: a block freed by a swap-out may be the target of a swap-in.
         if scheduler_output.swap_out:
             timings.swap_bytes_out = copy_blocks(self.kv_caches, self.swap_caches,
                                                  scheduler_output.swap_out, self.block_dim)
+            if proposer is not None:
+                proposer.swap_blocks(scheduler_output.swap_out, out=True)
         if scheduler_output.swap_in:
             timings.swap_bytes_in = copy_blocks(self.swap_caches, self.kv_caches,
                                                 scheduler_output.swap_in, self.block_dim)
+            if proposer is not None:
+                proposer.swap_blocks(scheduler_output.swap_in, out=False)
         par = self.parallel
         if not scheduler_output.scheduled:
             self.batch.update(scheduler_output)
@@ -186,6 +204,9 @@ class ModelRunner:
         output = self._sample(logits, rows, sample_rows)
         output.prompt_logprobs = prompt_lps
         t3 = time.perf_counter()
+        if proposer is not None:
+            output.spec_token_ids = self._propose(rows, output.sampled_token_ids)
+        timings.propose_s = time.perf_counter() - t3
         timings.prepare_s, timings.forward_s, timings.sample_s = t1 - t0, t2 - t1, t3 - t2
         timings.comm_s = par.take_comm_seconds()
         output.timings = timings
@@ -193,35 +214,43 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, rows: list[_Row],
                 sample_rows: list[tuple[int, int]]) -> ModelRunnerOutput:
-        """Sample every sampling position, then per request keep its proposed tokens up to
-        the first one the model disagrees with, and the model's token after them."""
-        states = [rows[i].state for i, _ in sample_rows]
-        spec = [rows[i].scheduled.spec_token_ids for i, _ in sample_rows]
-        # Position j of a request with proposals sees them up to j as generated tokens.
-        outputs = [st.output_token_ids + sp[:j] if j else st.output_token_ids
-                   for st, sp, (_, j) in zip(states, spec, sample_rows)]
-        sampled = self.sampler.sample(
-            logits, [st.request_id for st in states], [st.sampling_params for st in states],
-            [st.prompt_token_ids for st in states], outputs, self.eos_token_id)
-        drawn: dict[int, dict[int, tuple[int, TokenLogprobs | None]]] = {}
-        for (i, j), token, entry in zip(sample_rows, sampled.token_ids, sampled.logprobs):
-            drawn.setdefault(i, {})[j] = (token, entry)
-        tokens: dict[str, list[int]] = {}
-        logprobs: dict[str, list[TokenLogprobs]] = {}
-        for i, by_position in drawn.items():
-            row = rows[i]
-            proposals = row.scheduled.spec_token_ids
-            kept = []
-            for j in range(len(proposals) + 1):
-                token, entry = by_position[j]
-                kept.append((token, entry))
-                if j == len(proposals) or token != proposals[j]:
-                    break
-            rid = row.state.request_id
-            tokens[rid] = [t for t, _ in kept]
-            if kept[0][1] is not None:
-                logprobs[rid] = [e for _, e in kept]
+        """Sample every sampling position and verify each request's proposed tokens
+        (worker/spec/rejection.py): the accepted ones, then one token of the model's."""
+        entries = []
+        for i, j in sample_rows:
+            state, spec = rows[i].state, rows[i].scheduled.spec_token_ids
+            # Position j of a request with proposals sees them up to j as generated tokens.
+            outputs = state.output_token_ids + spec[:j] if j else state.output_token_ids
+            entries.append(SampleRow(state.request_id, state.sampling_params,
+                                     state.prompt_token_ids, outputs, j, spec))
+        draft_probs = (self.proposer.draft_probs if self.proposer is not None
+                       else lambda request_id: None)
+        tokens, logprobs = self.rejection(logits, entries, draft_probs)
         return ModelRunnerOutput(sampled_token_ids=tokens, logprobs=logprobs)
+
+    def _propose(self, rows: list[_Row], sampled: dict[str, list[int]]
+                 ) -> dict[str, list[int]]:
+        """The proposer's tokens for the requests the step message asks them for. A
+        model-based proposer writes KV past the request's tokens: never past the blocks
+        it holds (the scheduler held slots for the proposals)."""
+        requests = []
+        bs = self.block_size
+        for row in rows:
+            s, state = row.scheduled, row.state
+            new = sampled.get(state.request_id)
+            if not s.num_proposals or not s.sample or not new:
+                continue
+            tokens = state.prompt_token_ids + state.output_token_ids + new
+            k = s.num_proposals
+            if self.proposer.runs_model:
+                k = min(k, state.num_blocks * bs - (len(tokens) - 1))
+            if k > 0:
+                requests.append(ProposalRequest(state.request_id, tokens,
+                                                len(state.prompt_token_ids), k,
+                                                state.sampling_params, state.row))
+        if not requests:
+            return {}
+        return self.proposer.propose(ProposalBatch(requests, self.batch.block_table))
 
     def _prompt_logprobs(self, rows: list[_Row], hidden: torch.Tensor
                          ) -> dict[str, PromptLogprobs]:

@@ -97,6 +97,13 @@ class Sampler:
         for request_id in request_ids:
             self._request_generators.pop(request_id, None)
 
+    def _request_generator(self, request_id: str, seed: int) -> torch.Generator:
+        generator = self._request_generators.get(request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+            self._request_generators[request_id] = generator
+        return generator
+
     def _draw(self, request_ids: Sequence[str], params: Sequence[SamplingParams]
               ) -> torch.Tensor:
         """One U[0, 1) number per row: seeded rows from their own generator."""
@@ -104,13 +111,31 @@ class Sampler:
                        device=self.device)
         for i, p in enumerate(params):
             if p.seed is not None:
-                generator = self._request_generators.get(request_ids[i])
-                if generator is None:
-                    generator = torch.Generator(device=self.device).manual_seed(p.seed)
-                    self._request_generators[request_ids[i]] = generator
+                generator = self._request_generator(request_ids[i], p.seed)
                 u[i] = torch.rand(1, generator=generator, dtype=torch.float64,
                                   device=self.device)[0]
         return u
+
+    def uniforms(self, request_ids: Sequence[str], params: Sequence[SamplingParams]
+                 ) -> torch.Tensor:
+        """One U[0, 1) number per row, drawn as `sample` draws them (seeded rows from
+        their request's generator, in row order)."""
+        return self._draw(request_ids, params)
+
+    def generator_state(self, request_id: str, params: SamplingParams) -> torch.Tensor | None:
+        """A seeded request's generator state (None for an unseeded one), for `rewind`."""
+        if params.seed is None:
+            return None
+        return self._request_generator(request_id, params.seed).get_state()
+
+    def rewind(self, request_id: str, state: torch.Tensor, num_draws: int) -> None:
+        """Put a seeded request's generator back to `state`, then draw `num_draws`
+        numbers: as if only that many rows had been sampled since (speculative decoding
+        keeps the stream of a seeded request what it would be without speculation)."""
+        generator = self._request_generators[request_id]
+        generator.set_state(state)
+        for _ in range(num_draws):
+            torch.rand(1, generator=generator, dtype=torch.float64, device=self.device)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, request_ids: Sequence[str],
@@ -205,6 +230,33 @@ class Sampler:
                                            [chosen_lps[j]] + top_lps[j][:n],
                                            [ranks[j]] + list(range(1, n + 1)))
         return SamplerOutput(token_list, entries)
+
+    @torch.inference_mode()
+    def probs(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+              prompt_token_ids: Sequence[Sequence[int]] | None = None,
+              output_token_ids: Sequence[Sequence[int]] | None = None,
+              eos_token_id: int | None = None) -> torch.Tensor:
+        """The distribution `sample` draws each row from, float32 [rows, vocab]: every
+        control applied (logit_bias, min_tokens, penalties, temperature, top-k, top-p,
+        min-p); greedy rows one-hot at their token. `logits` is overwritten (the
+        penalties are applied in place). Through the C kernel when there is one, else
+        by sorting (processed_logits)."""
+        if self.kernels is not None and logits.dtype == torch.float32 and logits.stride(1) == 1:
+            adjust_logits(logits, params, prompt_token_ids, output_token_ids, eos_token_id)
+            inv_t = torch.tensor([0.0 if p.is_greedy else 1.0 / p.temperature for p in params],
+                                 dtype=torch.float32)
+            return self.kernels.probs(
+                logits, inv_t, torch.tensor([p.top_k for p in params], dtype=torch.int64),
+                torch.tensor([p.top_p for p in params], dtype=torch.float64),
+                torch.tensor([p.min_p for p in params], dtype=torch.float32))
+        x = self.processed_logits(logits, params, prompt_token_ids, output_token_ids,
+                                  eos_token_id)
+        out = torch.softmax(x.float(), dim=-1)
+        for i, p in enumerate(params):
+            if p.is_greedy:
+                out[i].zero_()
+                out[i, int(x[i].argmax())] = 1.0
+        return out
 
     @torch.inference_mode()
     def processed_logits(self, logits: torch.Tensor, params: Sequence[SamplingParams],

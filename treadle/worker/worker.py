@@ -5,7 +5,9 @@ Owns everything the engine core must not know: the platform, its place among the
 (worker/parallel_state.py: joining the process group, the cores it is bound to), loading
 its shard of the model, the C kernels and which of them run (linear, elementwise,
 attention, sampling), the attention backend, the KV-cache and swap tensors, the
-start-up cost probes, and the model runner.
+start-up cost probes, the model runner, and on the output rank the speculative
+proposer (worker/spec: with `draft`, the draft model and its KV cache, counted in the
+blocks that fit; with an adaptive policy, the measured step costs in WorkerInfo).
 Its life has three calls, made by an executor (treadle/executor): `load()` (model,
 kernels, probes -> a WorkerInfo), `initialize_cache(num_kv_blocks, num_swap_blocks)`
 (the core decides the block counts from what every worker reported), then
@@ -37,6 +39,7 @@ from treadle.worker.native_linear import NativeLayerOps
 from treadle.worker.parallel_state import ParallelContext, init_parallel
 from treadle.worker.platform import get_platform
 from treadle.worker.sampler import Sampler
+from treadle.worker.spec.base import Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +75,8 @@ class Worker:
         self.rank = rank
         self.platform = get_platform(config.model.device, rank)
         self.runner: ModelRunner | None = None
+        self.draft_model = None
+        """The draft checkpoint's model (speculative method draft, output rank)."""
         if cores:
             os.sched_setaffinity(0, cores)
             torch.set_num_threads(len(cores))
@@ -115,8 +120,12 @@ class Worker:
         cache = config.cache
         self.kv_spec = KVCacheSpec(self.model.num_local_layers, self.model.num_kv_heads,
                                    self.model.head_dim, dtype, self.attention.kv_layout)
+        self._load_draft()
+        # A draft model's KV rides along with every target block (worker/spec/draft.py).
+        bytes_per_token = self.kv_spec.bytes_per_token + self._draft_bytes_per_token
+        block_bytes = bytes_per_token * cache.block_size
         num_swap_blocks = (0 if config.scheduler.preemption_mode == "recompute" else
-                           self.kv_spec.num_blocks_for_memory(cache.swap_space, cache.block_size))
+                           cache.swap_space // block_bytes)
         kernels = (f"attention {self.attention.name}, sampling "
                    f"{'C' if self._sampler_kernels() is not None else 'torch'}, linear "
                    f"{'C + oneDNN' if self.layer_ops is not None else 'torch'}")
@@ -124,11 +133,11 @@ class Worker:
             model_dir=str(self.model_dir), dtype=str(dtype).replace("torch.", ""),
             vocab_size=self.model.vocab_size, eos_token_id=self.eos_token_id,
             max_model_len=self.max_model_len, num_parameters=self._whole_model_parameters(),
-            kv_bytes_per_token=self.kv_spec.bytes_per_token,
-            num_kv_blocks=self.kv_spec.num_blocks_for_memory(cache.kv_cache_memory,
-                                                             cache.block_size),
+            kv_bytes_per_token=bytes_per_token,
+            num_kv_blocks=cache.kv_cache_memory // block_bytes,
             num_swap_blocks=num_swap_blocks, preemption_costs=self._preemption_costs(),
-            attention_backend=self.attention.name, kernels=kernels)
+            attention_backend=self.attention.name, kernels=kernels,
+            spec_costs=self._spec_costs(cache.kv_cache_memory // block_bytes))
 
     def _whole_model_parameters(self) -> int:
         """Parameters of the whole model, not of this rank's shard (counted on a copy built
@@ -142,6 +151,9 @@ class Worker:
 
     def initialize_cache(self, num_kv_blocks: int, num_swap_blocks: int) -> None:
         """Allocate the KV cache and swap space the core decided on; make the runner."""
+        self.runner = self._make_runner(num_kv_blocks, num_swap_blocks)
+
+    def _make_runner(self, num_kv_blocks: int, num_swap_blocks: int) -> ModelRunner:
         block_size = self.config.cache.block_size
         device = self.platform.device
         kv_caches = allocate_kv_caches(self.kv_spec, num_kv_blocks, block_size, device)
@@ -149,10 +161,98 @@ class Worker:
                                            self.platform.pin_swap_memory)
                        if num_swap_blocks else None)
         sampler = Sampler(self.config.model.seed, self._sampler_kernels(), device)
-        self.runner = ModelRunner(self.model, kv_caches, self.attention, block_size,
-                                  num_kv_blocks, self.max_model_len, sampler, device,
-                                  swap_caches, self.kv_spec.block_dim, self.eos_token_id,
-                                  self.parallel)
+        proposer = self._make_proposer(kv_caches, num_kv_blocks, num_swap_blocks, sampler)
+        return ModelRunner(self.model, kv_caches, self.attention, block_size,
+                           num_kv_blocks, self.max_model_len, sampler, device,
+                           swap_caches, self.kv_spec.block_dim, self.eos_token_id,
+                           self.parallel, proposer)
+
+    # ----- speculative decoding --------------------------------------------------------------
+
+    def _load_draft(self) -> None:
+        """The draft checkpoint of method draft, whole on the output rank (it runs there
+        alone, so tensor and pipeline parallelism leave it unsplit), with its kernels,
+        its attention backend and its KV layout."""
+        self._draft_bytes_per_token = 0
+        spec = self.config.speculative
+        if spec.method == "self":
+            layers = self.model.num_layers
+            if spec.draft_layers > layers:
+                raise ValueError(f"speculative_config: draft_layers ({spec.draft_layers}) "
+                                 f"exceeds the model's {layers} layers")
+        if spec.method != "draft" or not self.parallel.is_output_rank:
+            return
+        if not (Path(spec.model) / "config.json").is_file():
+            raise ValueError(f"speculative_config: model {spec.model!r} is not a checkpoint "
+                             "directory (no config.json)")
+        draft, draft_config, _ = build_model(spec.model, self.dtype, self.platform.device)
+        if draft.vocab_size != self.model.vocab_size:
+            raise ValueError(f"speculative_config: the draft model {spec.model!r} has a "
+                             f"vocabulary of {draft.vocab_size} tokens, the target "
+                             f"{self.model.vocab_size}: they must share the tokenizer")
+        draft.set_kernels(dense_kernel_factory(self.dtype, self.layer_ops), self.layer_ops)
+        self.draft_model = draft
+        self.draft_attention = make_attention_backend(
+            self.config.model.attention_backend, self.platform, draft.num_kv_heads,
+            draft.head_dim, self.dtype, kernels=self.native, layer_ops=self.layer_ops)
+        self.draft_kv_spec = KVCacheSpec(draft.num_local_layers, draft.num_kv_heads,
+                                         draft.head_dim, self.dtype,
+                                         self.draft_attention.kv_layout)
+        self._draft_bytes_per_token = self.draft_kv_spec.bytes_per_token
+        logger.info("draft model %s: %d layers, %d parameters", spec.model,
+                    draft.num_layers, draft.num_parameters)
+
+    def _make_proposer(self, kv_caches: list[torch.Tensor], num_kv_blocks: int,
+                       num_swap_blocks: int, sampler: Sampler) -> Proposer | None:
+        """The configured proposer over these caches (output rank only)."""
+        spec = self.config.speculative
+        if not spec.enabled or not self.parallel.is_output_rank:
+            return None
+        if spec.method == "ngram":
+            from treadle.worker.spec.ngram import NgramProposer
+            return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        from treadle.worker.spec.draft import ModelProposer, separate_draft, truncated_target
+        block_size = self.config.cache.block_size
+        device = self.platform.device
+        if spec.method == "self":
+            draft = truncated_target(self.model, spec.draft_layers, kv_caches, self.attention,
+                                     num_kv_blocks)
+            return ModelProposer("self", draft, sampler, block_size, device,
+                                 self.eos_token_id, catches_up=False,
+                                 seed=self.config.model.seed)
+        caches = allocate_kv_caches(self.draft_kv_spec, num_kv_blocks, block_size, device)
+        swap = (allocate_swap_space(self.draft_kv_spec, num_swap_blocks, block_size,
+                                    self.platform.pin_swap_memory) if num_swap_blocks else None)
+        draft = separate_draft(self.draft_model, caches, self.draft_attention, num_kv_blocks)
+        return ModelProposer("draft", draft, sampler, block_size, device, self.eos_token_id,
+                             catches_up=True, seed=self.config.model.seed, swap_caches=swap,
+                             block_dim=self.draft_kv_spec.block_dim,
+                             kv_bytes_per_token=self._draft_bytes_per_token)
+
+    def _spec_costs(self, num_kv_blocks: int):
+        """The step-cost model of the adaptive speculation policy, measured now on a
+        scratch runner (worker/spec/cost_probe.py); None without one. Every rank runs
+        the probe's steps (they take part in each other's collectives); the output
+        rank's timings are the ones reported."""
+        spec = self.config.speculative
+        if not spec.enabled or not spec.adaptive:
+            return None
+        from treadle.worker.spec.cost_probe import blocks_per_row, measure_spec_costs
+        sched, cache = self.config.scheduler, self.config.cache
+        k = spec.num_speculative_tokens
+        context = min(128, self.max_model_len - 2 * k - 2)
+        per_row = blocks_per_row(k, context, cache.block_size)
+        blocks = min(num_kv_blocks, self.config.cache.num_kv_blocks or num_kv_blocks)
+        max_rows = min(sched.max_num_seqs, 64, blocks // per_row)
+        if max_rows < 1 or context < 2:
+            raise ValueError(f"speculative_config: the KV cache ({blocks} blocks) cannot hold "
+                             "one request of the start-up cost probe; give more "
+                             "kv_cache_memory or set adaptive false")
+        runner = self._make_runner(max_rows * per_row, 0)
+        costs = measure_spec_costs(runner, runner.proposer, self.model.vocab_size, max_rows,
+                                   k, sched.max_num_batched_tokens, cache.block_size,
+                                   context=context, seed=self.config.model.seed)
+        return costs if self.parallel.is_output_rank else None
 
     def _load_native(self):
         """The compiled C kernels (worker.native.NativeKernels), or None when they cannot
