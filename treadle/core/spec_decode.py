@@ -28,13 +28,13 @@ from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Sequence
 
-FORGET = 0.8
-"""Weight kept by earlier observations at each new one (about the last 5 verifications
+FORGET = 0.9
+"""Weight kept by earlier observations at each new one (about the last 10 verifications
 count): acceptance changes within a request (a copied passage ends)."""
 IDLE_FORGET = 0.97
 """Weight kept per step without an observation: a request whose speculation was switched
 off drifts back to the prior (half-way in about 23 steps) and is tried again."""
-PRIOR_WEIGHT = 2.0
+PRIOR_WEIGHT = 1.0
 """Pseudo-observations of the prior."""
 
 

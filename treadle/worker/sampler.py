@@ -265,17 +265,23 @@ class Sampler:
                          eos_token_id: int | None = None) -> torch.Tensor:
         """The logits the sampler draws from, with every control applied (filtered tokens
         at -inf); greedy rows get no temperature and no filtering. Does not modify
-        `logits`. For tests and inspection (it sorts; `sample` never does)."""
+        `logits`. For tests, inspection and the torch path of `probs` (it sorts, rows
+        sharing one SamplingParams object together; `sample` never does)."""
         x = logits.clone()
         adjust_logits(x, params, prompt_token_ids, output_token_ids, eos_token_id)
+        groups: dict[int, list[int]] = {}
         for i, p in enumerate(params):
-            if p.is_greedy:
-                continue
-            row = x[i:i + 1] / p.temperature
-            vals = row.topk(p.top_k or row.shape[1], dim=-1).values
-            keep = int(_keep_counts(vals, [p])[0])
+            if not p.is_greedy:
+                groups.setdefault(id(p), []).append(i)
+        for rows in groups.values():
+            p = params[rows[0]]
+            index = torch.tensor(rows, dtype=torch.long)
+            block = x[index] / p.temperature
+            vals = block.topk(p.top_k or block.shape[1], dim=-1).values
+            keep = _keep_counts(vals, [p] * len(rows))
             # Every logit equal to the last kept one is kept too (transformers' top-k).
-            x[i] = torch.where(row[0] >= vals[0, keep - 1], row[0], float("-inf"))
+            cut = vals.gather(1, (keep - 1).unsqueeze(1))
+            x[index] = torch.where(block >= cut, block, float("-inf"))
         return x
 
 

@@ -135,31 +135,47 @@ class RejectionSampler:
         p = self.sampler.probs(logits, [r.params for r in rows],
                                [r.prompt_token_ids for r in rows],
                                [r.output_token_ids for r in rows], self.eos_token_id)
+        # Every request at once: its rows start at `starts`, it verifies ks tokens.
         first_row: dict[str, int] = {}
         for i, r in enumerate(rows):
             first_row.setdefault(r.request_id, i)
+        rids = list(first_row)
+        starts = torch.tensor([first_row[rid] for rid in rids], dtype=torch.long)
+        ks = torch.tensor([len(rows[first_row[rid]].proposals) for rid in rids],
+                          dtype=torch.long)
+        spec = torch.tensor([t for rid in rids for t in rows[first_row[rid]].proposals],
+                            dtype=torch.long)
+        q = torch.cat([q_rows[rid] for rid in rids]).to(p.dtype)
+        segment = torch.repeat_interleave(torch.arange(len(rids)), ks)
+        offsets = torch.cumsum(ks, 0) - ks
+        local = torch.arange(spec.numel()) - offsets[segment]
+        # k acceptance numbers and one for the final draw per request, from its stream.
+        draws = [rid for rid in rids for _ in range(len(rows[first_row[rid]].proposals) + 1)]
+        u = self.sampler.uniforms(draws, [rows[first_row[rid]].params for rid in draws])
+        u_offsets = offsets + torch.arange(len(rids))
+        u_accept = u[u_offsets[segment] + local]
+        u_final = u[u_offsets + ks]
+        p_x = p[starts[segment] + local, spec].double()
+        q_x = q[torch.arange(spec.numel()), spec].double()
+        rejected = u_accept * q_x >= p_x
+        # Accepted: the proposals before each request's first rejection.
+        first_reject = ks.clone()
+        if bool(rejected.any()):
+            first_reject.scatter_reduce_(0, segment[rejected], local[rejected], reduce="amin")
+        final = p[starts + first_reject].clone()
+        refused = first_reject < ks
+        if bool(refused.any()):
+            at = torch.nonzero(refused).flatten()
+            residual = (final[at] - q[offsets[at] + first_reject[at]]).clamp_(min=0.0)
+            empty = residual.sum(dim=-1) <= 0  # p == q there: p itself
+            residual[empty] = final[at][empty]
+            final[at] = residual
+        drawn = inverse_cdf(final, u_final).tolist()
         kept_rows: dict[str, list[int]] = {}
-        for rid, start in first_row.items():
-            row = rows[start]
-            spec = row.proposals
-            k = len(spec)
-            q = q_rows[rid]
-            x = torch.tensor(spec, dtype=torch.long)
-            # k acceptance numbers and one for the final draw, from the request's stream.
-            u = self.sampler.uniforms([rid] * (k + 1), [row.params] * (k + 1))
-            p_x = p[start:start + k].gather(1, x.unsqueeze(1)).squeeze(1).double()
-            q_x = q.gather(1, x.unsqueeze(1)).squeeze(1).double()
-            accepted = (u[:k] * q_x < p_x).long()
-            num_accepted = int(accepted.cumprod(0).sum()) if k else 0
-            if num_accepted < k:
-                final = (p[start + num_accepted] - q[num_accepted]).clamp_(min=0.0)
-                if not float(final.sum()) > 0.0:
-                    final = p[start + num_accepted]
-            else:
-                final = p[start + k]
-            token = int(inverse_cdf(final.unsqueeze(0), u[k:k + 1])[0])
-            tokens[rid] = spec[:num_accepted] + [token]
-            kept_rows[rid] = list(range(start, start + num_accepted + 1))
+        for n, rid in enumerate(rids):
+            a = int(first_reject[n])
+            tokens[rid] = rows[first_row[rid]].proposals[:a] + [drawn[n]]
+            kept_rows[rid] = list(range(first_row[rid], first_row[rid] + a + 1))
         if raw is not None:
             position = {i: n for n, i in enumerate(wants_logprobs)}
             for rid, kept in kept_rows.items():
