@@ -186,7 +186,9 @@ class EngineCore:
         self._add_timings(runner_output.timings)
         if self.trace is not None and (scheduler_output.scheduled
                                        or scheduler_output.preempted_request_ids):
-            self.trace.record_step(step, t_start, time.monotonic(), scheduler_output, outputs)
+            spec = self.scheduler.spec
+            self.trace.record_step(step, t_start, time.monotonic(), scheduler_output, outputs,
+                                   None if spec is None else spec.last_step)
         return outputs
 
     @property

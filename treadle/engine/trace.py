@@ -7,14 +7,18 @@ Owns the trace file format, JSON lines, one object per line:
      "num_prompt_tokens": 120, "max_tokens": 64}
     {"type": "step", "step": 0, "t_start": 0.0315, "t_end": 0.1702,
      "scheduled": [["7", 120, "prefill"], ["3", 1, "decode"]],
-     "preempted": ["5"], "finished": [["3", "length"]]}
+     "preempted": ["5"], "finished": [["3", "length"]],
+     "spec": {"drafts": 2, "draft_tokens": 8, "accepted": 5}}
     {"type": "end", "request_id": "9", "t": 1.5, "reason": "abort"}
 
 Times are seconds since the recorder started (time.monotonic). A scheduled entry is
 `[request_id, num_tokens, kind]`: kind "prefill" covers prompt chunks and the recompute
 of a preempted request, "decode" a request's one uncomputed token (with any proposed
 tokens after it: `Request.is_decoding`). "preempted" lists the requests that
-lost their KV (swap or recompute) when the step was scheduled.
+lost their KV (swap or recompute) when the step was scheduled. "spec" (only in steps
+that verified proposed tokens) counts the step's drafts (requests whose proposals ran),
+their proposed tokens and the accepted ones; `Trace.spec_summary` gives the acceptance
+rate and the mean accepted length (1 + accepted / drafts, vLLM's) over a trace.
 
 `TraceRecorder` writes it (EngineCore calls it, when `scheduler.trace` is set);
 `read_trace` reads it back for `treadle.bench.trace_plot`. This module must not decide
@@ -30,6 +34,7 @@ from pathlib import Path
 from typing import IO, Iterable
 
 from treadle.core.outputs import EngineCoreOutput, ScheduledRequest, SchedulerOutput
+from treadle.core.spec_decode import SpecDecodeStats
 from treadle.request import Request
 
 TRACE_VERSION = 1
@@ -71,16 +76,22 @@ class TraceRecorder:
 
     def record_step(self, step: int, t_start: float, t_end: float,
                     scheduler_output: SchedulerOutput,
-                    outputs: Iterable[EngineCoreOutput]) -> None:
-        """One step; t_start / t_end are clock readings (time.monotonic)."""
-        self._write({
+                    outputs: Iterable[EngineCoreOutput],
+                    spec: SpecDecodeStats | None = None) -> None:
+        """One step; t_start / t_end are clock readings (time.monotonic); `spec`: the
+        step's own speculation counters."""
+        record = {
             "type": "step", "step": step,
             "t_start": round(t_start - self._t0, 6), "t_end": round(t_end - self._t0, 6),
             "scheduled": [[s.request_id, s.num_scheduled_tokens, step_kind(s)]
                           for s in scheduler_output.scheduled],
             "preempted": list(scheduler_output.preempted_request_ids),
             "finished": [[o.request_id, o.finish_reason.value]
-                         for o in outputs if o.finish_reason is not None]})
+                         for o in outputs if o.finish_reason is not None]}
+        if spec is not None and spec.num_drafts:
+            record["spec"] = {"drafts": spec.num_drafts, "draft_tokens": spec.num_draft_tokens,
+                              "accepted": spec.num_accepted_tokens}
+        self._write(record)
 
     def record_end(self, request_id: str, reason: str) -> None:
         """A request that ended outside a step (abort, stop string)."""
@@ -111,6 +122,8 @@ class TraceStep:
     scheduled: list[tuple[str, int, str]]
     preempted: list[str] = field(default_factory=list)
     finished: list[tuple[str, str]] = field(default_factory=list)
+    spec: dict | None = None
+    """{"drafts", "draft_tokens", "accepted"} of a step that verified proposed tokens."""
 
 
 @dataclass
@@ -121,6 +134,17 @@ class Trace:
     arrivals: dict[str, TraceArrival]
     steps: list[TraceStep]
     ends: dict[str, tuple[float, str]] = field(default_factory=dict)
+
+    def spec_summary(self) -> dict:
+        """Speculation over the trace: drafts, proposed and accepted tokens, the
+        acceptance rate (accepted / proposed) and the mean accepted length (1 + accepted
+        / drafts)."""
+        drafts = sum(s.spec["drafts"] for s in self.steps if s.spec)
+        proposed = sum(s.spec["draft_tokens"] for s in self.steps if s.spec)
+        accepted = sum(s.spec["accepted"] for s in self.steps if s.spec)
+        return {"drafts": drafts, "draft_tokens": proposed, "accepted": accepted,
+                "acceptance_rate": accepted / proposed if proposed else 0.0,
+                "mean_accepted_length": 1.0 + accepted / drafts if drafts else 0.0}
 
     def tokens_by_request(self) -> dict[str, int]:
         """Tokens computed per request over the whole trace."""
@@ -163,7 +187,7 @@ def read_trace(path: str | Path) -> Trace:
             steps.append(TraceStep(
                 record["step"], record["t_start"], record["t_end"],
                 [tuple(s) for s in record["scheduled"]], list(record.get("preempted", [])),
-                [tuple(x) for x in record.get("finished", [])]))
+                [tuple(x) for x in record.get("finished", [])], record.get("spec")))
         elif kind == "end":
             ends[record["request_id"]] = (record["t"], record.get("reason", ""))
     return Trace(policy, arrivals, steps, ends)
