@@ -250,6 +250,12 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_spec(args: argparse.Namespace) -> int:
+    from treadle.bench import spec
+
+    return spec.report(spec.run(args), args.output)
+
+
 def _cmd_bench_compare(args: argparse.Namespace) -> int:
     from treadle.bench.compare import compare, load_config, main_table, plot, strip_samples
 
@@ -370,6 +376,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "(options: treadle bench scheduling -- --help)")
     sched.add_argument("rest", nargs=argparse.REMAINDER)
     sched.set_defaults(func=_cmd_bench_scheduling)
+
+    spec_ = bench_sub.add_parser("spec", help="speculative decoding: off, ngram, draft, self "
+                                              "on copy-heavy and chat workloads")
+    from treadle.bench.spec import add_arguments as add_spec_arguments
+    add_spec_arguments(spec_)
+    spec_.set_defaults(func=_cmd_bench_spec)
 
     kv = bench_sub.add_parser("kv", help="KV memory: fragmentation, prefix cache, preemption")
     kv.add_argument("--measure", choices=["fragmentation", "prefix", "preemption", "all"],
