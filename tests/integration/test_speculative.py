@@ -113,11 +113,21 @@ def test_adaptive_policy_keeps_outputs(target, draft, reference, method):
     assert "spec_acceptance_rate" in stats and "spec_mean_accepted_length" in stats
 
 
-def test_draft_equal_to_the_target_is_always_accepted(target, reference):
-    tokens, stats, _ = run(target, speculative={"method": "draft", "model": target,
-                                                "num_speculative_tokens": 3,
-                                                "adaptive": False})
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("method", ["draft", "self"])
+def test_a_draft_equal_to_the_target_is_always_accepted(target, reference, method, mode):
+    """The draft's KV is right through its whole lifecycle: with the target itself as the
+    draft (its own cache for `draft`, all of the target's layers for `self`), every
+    proposal is accepted — through prompt chunks, prefix-cache hits, rollbacks of cut
+    proposals, and preemption by recompute or swap."""
+    config = ({"method": "draft", "model": target} if method == "draft"
+              else {"method": "self", "draft_layers": 4})
+    tokens, stats, _ = run(target, speculative={**config, "num_speculative_tokens": 3,
+                                                "adaptive": False},
+                           preemption_mode=mode, swap_space="1MiB",
+                           **{**TIGHT, "num_kv_blocks": 26})
     assert tokens == reference
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
     assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"] > 0
 
 
