@@ -21,9 +21,23 @@ from treadle.core.outputs import EngineCoreOutput, StepTimings, WorkerInfo
 from treadle.core.scheduler import Scheduler
 from treadle.engine.trace import TraceRecorder
 from treadle.executor import make_executor
+from treadle.models.tokenizer import has_tokenizer
 from treadle.request import FinishReason, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
+
+
+def resolve_model_once(config: EngineConfig) -> EngineConfig:
+    """The config with `model` resolved to a local checkpoint directory (the default model
+    fetched, a GGUF file converted, a Hub id downloaded: treadle/models/resolve.py), done
+    here, once, so that no worker rank fetches or converts anything."""
+    import dataclasses
+
+    from treadle.models.resolve import resolve_model  # imports torch: not at module level
+
+    m = config.model
+    path = resolve_model(m.model, m.revision, m.download_dir, m.dtype)
+    return dataclasses.replace(config, model=dataclasses.replace(m, model=str(path)))
 
 
 class EngineCore:
@@ -31,6 +45,8 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, executor=None) -> None:
         """`executor`: an Executor to use instead of the one the config names (tests)."""
+        if executor is None:
+            config = resolve_model_once(config)
         self.config = config
         self.executor = executor if executor is not None else make_executor(config)
         try:
@@ -43,6 +59,8 @@ class EngineCore:
         self.eos_token_id = info.eos_token_id
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
+        self.supports_structured_outputs = has_tokenizer(self.model_dir)
+        """Grammars need the model's tokenizer (the worker builds them from it)."""
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks,
                                    self.max_model_len, self.num_swap_blocks,
                                    info.preemption_costs, speculative=config.speculative,
@@ -52,6 +70,8 @@ class EngineCore:
         """Per-step trace (treadle.engine.trace), when `scheduler.trace` names a file."""
         self.timings = StepTimings()
         """The workers' step costs, summed over steps."""
+        self.time_recompute_s = 0.0
+        """Forward time spent recomputing what recompute preemptions threw away."""
         self._in_flight: deque[tuple] = deque()
         """Submitted steps not answered yet: (SchedulerOutput, step number, start time)."""
 
@@ -183,7 +203,7 @@ class EngineCore:
         scheduler_output, step, t_start = self._in_flight.popleft()
         runner_output = self.executor.receive()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        self._add_timings(runner_output.timings)
+        self._add_timings(runner_output.timings, scheduler_output)
         if self.trace is not None and (scheduler_output.scheduled
                                        or scheduler_output.preempted_request_ids):
             spec = self.scheduler.spec
@@ -195,13 +215,19 @@ class EngineCore:
     def num_steps_in_flight(self) -> int:
         return len(self._in_flight)
 
-    def _add_timings(self, t: StepTimings) -> None:
+    def _add_timings(self, t: StepTimings, scheduler_output) -> None:
         total = self.timings
         total.prepare_s += t.prepare_s
         total.forward_s += t.forward_s
         total.sample_s += t.sample_s
+        total.swap_s += t.swap_s
         total.comm_s += t.comm_s
         total.propose_s += t.propose_s
+        num_tokens = scheduler_output.num_scheduled_tokens
+        if num_tokens and scheduler_output.num_recomputed_tokens:
+            # The step's forward time, in the share of its tokens that were work redone.
+            self.time_recompute_s += (t.forward_s * scheduler_output.num_recomputed_tokens
+                                      / num_tokens)
         total.swap_bytes_out += t.swap_bytes_out
         total.swap_bytes_in += t.swap_bytes_in
 
@@ -236,6 +262,8 @@ class EngineCore:
             "time_forward_s": t.forward_s,
             "time_sample_s": t.sample_s,
             "time_comm_s": t.comm_s,
+            "time_swap_s": t.swap_s,
+            "time_recompute_s": self.time_recompute_s,
             "time_propose_s": t.propose_s,
             **(self.scheduler.spec.stats.as_dict() if self.scheduler.spec is not None
                else {}),

@@ -39,6 +39,7 @@ import torch
 from treadle.core.outputs import (ModelRunnerOutput, PromptLogprobs, ScheduledRequest,
                                   SchedulerOutput, StepTimings)
 from treadle.worker.attention import AttentionBackend, AttentionStep
+from treadle.worker.grammar import GrammarState
 from treadle.worker.input_batch import CachedRequestState, InputBatch
 from treadle.worker.kv_cache import copy_blocks
 from treadle.worker.parallel_state import ParallelContext
@@ -81,11 +82,13 @@ class ModelRunner:
                  swap_caches: list[torch.Tensor] | None = None, block_dim: int = 2,
                  eos_token_id: int | None = None,
                  parallel: ParallelContext | None = None,
+                 grammar: GrammarState | None = None,
                  proposer: Proposer | None = None) -> None:
-        """`swap_caches` hold swapped-out blocks (same layout as kv_caches); `proposer`:
-        speculative decoding's, on the output rank."""
+        """`swap_caches` hold swapped-out blocks (same layout as kv_caches); `grammar` the
+        structured-output state and `proposer` speculative decoding's (the output rank's)."""
         self.model = model
         self.parallel = parallel or ParallelContext()
+        self.grammar = grammar
         self.kv_caches = kv_caches
         self.swap_caches = swap_caches
         self.attention = attention
@@ -159,11 +162,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         self.sampler.drop(scheduler_output.finished_request_ids)
+        if self.grammar is not None:
+            self.grammar.drop(scheduler_output.finished_request_ids)
         proposer = self.proposer
         if proposer is not None:
             proposer.begin_step(scheduler_output)
         timings = StepTimings()
         # Swap-outs first: a block freed by a swap-out may be the target of a swap-in.
+        t_swap = time.perf_counter()
         if scheduler_output.swap_out:
             timings.swap_bytes_out = copy_blocks(self.kv_caches, self.swap_caches,
                                                  scheduler_output.swap_out, self.block_dim)
@@ -174,6 +180,7 @@ class ModelRunner:
                                                 scheduler_output.swap_in, self.block_dim)
             if proposer is not None:
                 proposer.swap_blocks(scheduler_output.swap_in, out=False)
+        timings.swap_s = time.perf_counter() - t_swap
         par = self.parallel
         if not scheduler_output.scheduled:
             self.batch.update(scheduler_output)
@@ -181,6 +188,12 @@ class ModelRunner:
                     if par.is_output_rank else None)
         t0 = time.perf_counter()
         inputs = self.prepare(scheduler_output)
+        rows, sample_rows = inputs.rows, inputs.sample_rows
+        # Logits rows in the sampler's group order: it then works in place, copying none.
+        order = group_order([rows[i].state.sampling_params for i, _ in sample_rows])
+        sample_rows = [sample_rows[k] for k in order]
+        if par.is_output_rank and self.grammar is not None:
+            self.grammar.start(self._grammar_positions(rows, sample_rows))  # fills meanwhile
         t1 = time.perf_counter()
         received = None
         if not par.is_first_stage:
@@ -191,10 +204,6 @@ class ModelRunner:
         if not par.is_last_stage:
             par.send_next_stage(hidden)
             return None
-        rows, sample_rows = inputs.rows, inputs.sample_rows
-        # Logits rows in the sampler's group order: it then works in place, copying none.
-        order = group_order([rows[i].state.sampling_params for i, _ in sample_rows])
-        sample_rows = [sample_rows[k] for k in order]
         indices = torch.from_numpy(inputs.logits_indices[order]).to(hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, indices))
         t2 = time.perf_counter()
@@ -212,6 +221,20 @@ class ModelRunner:
         output.timings = timings
         return output
 
+    @staticmethod
+    def _grammar_positions(rows: list[_Row], sample_rows: list[tuple[int, int]]) -> list:
+        """The sampling positions of constrained requests, for GrammarState.start: a
+        request's first position before those after its proposed tokens."""
+        positions = []
+        for logits_row, (i, j) in enumerate(sample_rows):
+            state = rows[i].state
+            spec = state.sampling_params.structured_outputs
+            if spec is not None:
+                positions.append((logits_row, state.request_id, spec, state.output_token_ids,
+                                  rows[i].scheduled.spec_token_ids[:j]))
+        positions.sort(key=lambda p: len(p[4]))
+        return positions
+
     def _sample(self, logits: torch.Tensor, rows: list[_Row],
                 sample_rows: list[tuple[int, int]]) -> ModelRunnerOutput:
         """Sample every sampling position and verify each request's proposed tokens
@@ -225,7 +248,8 @@ class ModelRunner:
                                      state.prompt_token_ids, outputs, j, spec))
         draft_probs = (self.proposer.draft_probs if self.proposer is not None
                        else lambda request_id: None)
-        tokens, logprobs = self.rejection(logits, entries, draft_probs)
+        masks = self.grammar.masks() if self.grammar is not None else None
+        tokens, logprobs = self.rejection(logits, entries, draft_probs, masks)
         return ModelRunnerOutput(sampled_token_ids=tokens, logprobs=logprobs)
 
     def _propose(self, rows: list[_Row], sampled: dict[str, list[int]]

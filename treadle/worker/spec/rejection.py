@@ -63,6 +63,18 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return pick
 
 
+def masks_of(masks, rows: list[int]):
+    """The StepMasks of the logits rows `rows` (in that order), renumbered from 0; None
+    when none of them is masked."""
+    if masks is None:
+        return None
+    position = {r: n for n, r in enumerate(rows)}
+    kept = [(k, position[r]) for k, r in enumerate(masks.rows) if r in position]
+    if not kept:
+        return None
+    return type(masks)(masks.bitmask[[k for k, _ in kept]], [n for _, n in kept])
+
+
 class RejectionSampler:
     """Samples every sampling position of a step and verifies the proposals."""
 
@@ -71,13 +83,15 @@ class RejectionSampler:
         self.eos_token_id = eos_token_id
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
-                 draft_probs: Callable[[str], torch.Tensor | None]
+                 draft_probs: Callable[[str], torch.Tensor | None], masks=None
                  ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
         """logits [rows, vocab] float32 (overwritten), one row per SampleRow, a request's
         rows in position order. `draft_probs(request_id)`: the proposer's q rows of a
-        request's proposals, or None when they were deterministic. Returns per request
-        its kept tokens (accepted proposals, then one drawn from the target) and, when
-        asked for, their logprobs."""
+        request's proposals, or None when they were deterministic. `masks`
+        (worker.grammar.StepMasks): the allowed tokens of structured-output rows, part of
+        the target's distribution p (a proposal the grammar forbids has p = 0 and is
+        always rejected). Returns per request its kept tokens (accepted proposals, then
+        one drawn from the target) and, when asked for, their logprobs."""
         stochastic: dict[str, torch.Tensor] = {}
         for row in rows:
             if row.position == 0 and row.proposals and not row.params.is_greedy:
@@ -88,16 +102,19 @@ class RejectionSampler:
         tokens: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {}
         if one_hot:
-            sub = logits if len(one_hot) == len(rows) else logits[one_hot]
-            self._coupled(sub, [rows[i] for i in one_hot], tokens, logprobs)
+            whole = len(one_hot) == len(rows)
+            sub = logits if whole else logits[one_hot]
+            self._coupled(sub, [rows[i] for i in one_hot], tokens, logprobs,
+                          masks if whole else masks_of(masks, one_hot))
         if stochastic:
             idx = [i for i, r in enumerate(rows) if r.request_id in stochastic]
-            self._leviathan(logits[idx], [rows[i] for i in idx], stochastic, tokens, logprobs)
+            self._leviathan(logits[idx], [rows[i] for i in idx], stochastic, tokens, logprobs,
+                            masks_of(masks, idx))
         return tokens, logprobs
 
     def _coupled(self, logits: torch.Tensor, rows: list[SampleRow],
-                 tokens: dict[str, list[int]], logprobs: dict[str, list[TokenLogprobs]]
-                 ) -> None:
+                 tokens: dict[str, list[int]], logprobs: dict[str, list[TokenLogprobs]],
+                 masks=None) -> None:
         """One-hot proposals: sample each position, keep proposals while they equal the
         sampled token (see the module docstring)."""
         states = {}
@@ -107,7 +124,7 @@ class RejectionSampler:
         out = self.sampler.sample(
             logits, [r.request_id for r in rows], [r.params for r in rows],
             [r.prompt_token_ids for r in rows], [r.output_token_ids for r in rows],
-            self.eos_token_id)
+            self.eos_token_id, masks)
         by_request: dict[str, list[tuple[int, TokenLogprobs | None]]] = {}
         for r, token, entry in zip(rows, out.token_ids, out.logprobs):
             by_request.setdefault(r.request_id, []).append((token, entry))
@@ -127,14 +144,15 @@ class RejectionSampler:
 
     def _leviathan(self, logits: torch.Tensor, rows: list[SampleRow],
                    q_rows: dict[str, torch.Tensor], tokens: dict[str, list[int]],
-                   logprobs: dict[str, list[TokenLogprobs]]) -> None:
+                   logprobs: dict[str, list[TokenLogprobs]], masks=None) -> None:
         """Sampled proposals: accept x with probability min(1, p(x)/q(x)); at the first
         rejection draw from norm(max(0, p - q)); after k acceptances draw from p."""
         wants_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         raw = logits[wants_logprobs].clone() if wants_logprobs else None
         p = self.sampler.probs(logits, [r.params for r in rows],
                                [r.prompt_token_ids for r in rows],
-                               [r.output_token_ids for r in rows], self.eos_token_id)
+                               [r.output_token_ids for r in rows], self.eos_token_id,
+                               masks)
         # Every request at once: its rows start at `starts`, it verifies ks tokens.
         first_row: dict[str, int] = {}
         for i, r in enumerate(rows):
