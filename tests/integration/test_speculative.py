@@ -4,7 +4,8 @@ chunked prefill, preemption by recompute and by swap, and prefix caching in play
 block comes back; the per-request opt-out; target logprobs; a seeded sampled request
 gives the same tokens with ngram speculation on and off; sampled outputs follow the same
 distribution with a draft proposer (two-sample chi-square); tensor and pipeline
-parallelism; the step trace and the stats carry the acceptance figures."""
+parallelism; the step trace and the stats carry the acceptance figures; structured
+outputs' grammars hold under each proposer."""
 
 from __future__ import annotations
 
@@ -245,3 +246,59 @@ def test_tensor_and_pipeline_parallel(target, draft, reference, method, options)
 def test_speculative_config_reaches_the_json_stats(target):
     _, stats, _ = run(target, speculative=spec_config("ngram", None))
     json.dumps(stats)  # every figure is plain data
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """A tiny random model with a real tokenizer (structured outputs need one)."""
+    from treadle.models.demo import write_demo_model
+    return str(write_demo_model(tmp_path_factory.mktemp("spec-demo") / "m", seed=11,
+                                config_overrides=dict(
+                                    hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2,
+                                    max_position_embeddings=512, initializer_range=0.2)))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "self"])
+def test_structured_outputs_hold_under_speculation(demo, method):
+    """The grammar's masks are part of the target's distribution in verification: a
+    proposal the grammar forbids is rejected, greedy outputs are those without
+    speculation, and sampled ones (a draft's stochastic path, or the coupled one) always
+    match the grammar."""
+    pytest.importorskip("llguidance")
+    import re
+
+    from treadle.structured import from_structured_outputs
+
+    regex = r"(ab|cd|ef){4,12}\."
+    spec = from_structured_outputs({"regex": regex})
+    items = ["abcdab abcd abcdef " * 3, "efef cdcd abab " * 3, "ab cd ef " * 4, "x y z"]
+    config = {"ngram": {"method": "ngram", "prompt_lookup_min": 1},
+              "draft": {"method": "draft", "model": demo},
+              "self": {"method": "self", "draft_layers": 2}}[method]
+    speculative = {**config, "num_speculative_tokens": 3, "adaptive": False}
+
+    def generate(params, speculative):
+        llm = LLM(model=demo, dtype="float32", num_threads=1, num_kv_blocks=256,
+                  speculative_config=speculative)
+        outs = llm.generate(items, params, use_tqdm=False)
+        stats = llm.get_stats()
+        llm.engine.shutdown()
+        return outs, stats
+
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, structured_outputs=spec)
+    plain, _ = generate(greedy, None)
+    spec_outs, stats = generate(greedy, speculative)
+    assert [o.outputs[0].token_ids for o in spec_outs] == [o.outputs[0].token_ids
+                                                           for o in plain]
+    if method != "ngram":  # the draft proposes on every step; prompt lookup may not match
+        assert stats["spec_num_drafts"] > 0
+    sampled = SamplingParams(max_tokens=30, temperature=1.0, seed=5, n=4,
+                             structured_outputs=spec)
+    outs, stats = generate(sampled, speculative)
+    for o in outs + plain:
+        for c in o.outputs:
+            if c.finish_reason == "stop":
+                assert re.fullmatch(regex, c.text), c.text
+            else:
+                assert re.fullmatch(r"(ab|cd|ef)*(a|c|e)?", c.text), c.text
