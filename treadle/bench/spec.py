@@ -228,16 +228,21 @@ def run(args) -> dict:
     for s in systems:
         if s not in SYSTEMS:
             raise ValueError(f"--systems: {s!r} is not one of {', '.join(SYSTEMS)}")
+    from treadle.models.resolve import resolve_model
+
+    # A .gguf file (the default SmolLM2 among them) is converted to a checkpoint in the
+    # run's dtype first: the draft is cut out of that checkpoint.
+    model_dir = str(resolve_model(args.model, dtype=args.dtype))
     draft_dir = None
     if "draft" in systems:
-        draft_dir = truncated_checkpoint(args.model, args.draft_layers, Path(args.draft_dir))
+        draft_dir = truncated_checkpoint(model_dir, args.draft_layers, Path(args.draft_dir))
     engine_options = dict(dtype=args.dtype, num_threads=args.num_threads,
                           kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=False,
                           max_num_seqs=max(concurrency))
     llms, load_s, costs = {}, {}, {}
     for system in systems:
         t0 = time.perf_counter()
-        llms[system] = LLM(model=args.model, speculative_config=_speculative_config(
+        llms[system] = LLM(model=model_dir, speculative_config=_speculative_config(
             system, args, draft_dir), **engine_options)
         load_s[system] = time.perf_counter() - t0
         info = llms[system].engine.info
@@ -265,7 +270,8 @@ def run(args) -> dict:
                     logger.info("%s c=%d %s repeat %d: %.1f tok/s, acceptance %.2f", name, c,
                                 system, repeat, result["output_tokens_per_s"],
                                 result["acceptance_rate"])
-    return {"benchmark": "spec", "model": args.model, "engine_options": engine_options,
+    return {"benchmark": "spec", "model": args.model, "model_dir": model_dir,
+            "engine_options": engine_options,
             "args": vars(args), "environment": environment(), "load_s": load_s,
             "spec_costs": costs, "summary": summarize(runs), "runs": runs}
 
@@ -294,7 +300,9 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="target checkpoint directory")
+    parser.add_argument("--model", default=None,
+                        help="as `serve --model` (checkpoint folder or .gguf file); the "
+                             "default model, SmolLM2-135M-Instruct, when not given")
     parser.add_argument("--workloads", default="copy,chat")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--concurrency", default="1,8,64")
