@@ -27,6 +27,7 @@ import random
 import shutil
 import statistics
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -72,13 +73,16 @@ def _texts() -> list[str]:
         except Exception:  # noqa: BLE001 - a module this Python lacks (tkinter)
             continue
         parts = [inspect.getdoc(module) or ""]
-        for attr in sorted(dir(module)):
-            obj = getattr(module, attr, None)
-            if attr.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj)):
-                continue
-            doc = inspect.getdoc(obj)
-            if doc and len(doc) > 80:
-                parts.append(doc)
+        with warnings.catch_warnings():  # typing.io and the like warn when touched
+            warnings.simplefilter("ignore", DeprecationWarning)
+            for attr in sorted(dir(module)):
+                obj = getattr(module, attr, None)
+                if attr.startswith("_") or not (inspect.isfunction(obj)
+                                                or inspect.isclass(obj)):
+                    continue
+                doc = inspect.getdoc(obj)
+                if doc and len(doc) > 80:
+                    parts.append(doc)
         texts.append("\n\n".join(p for p in parts if p))
     return texts
 
@@ -162,7 +166,7 @@ def truncated_checkpoint(model_dir: str, num_layers: int, out_dir: Path) -> str:
 
 
 def _speculative_config(system: str, args, draft_dir: str | None) -> dict | None:
-    k = {"num_speculative_tokens": args.num_speculative_tokens}
+    k = {"num_speculative_tokens": args.num_speculative_tokens, "adaptive": args.adaptive}
     if system == "off":
         return None
     if system == "ngram":
@@ -311,6 +315,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                        help="the adaptive per-request k (--no-adaptive: always the most)")
     parser.add_argument("--draft-layers", type=int, default=4,
                         help="layers of the truncated draft and of self")
     parser.add_argument("--draft-dir", default=str(Path.home() / ".cache" / "treadle-bench"),
