@@ -94,8 +94,17 @@ class ModelConfig:
     kernel_isa: str = field(default="auto", metadata=_help(
         "Instruction set of the C kernels: auto (the best this CPU runs), avx512bf16, "
         "avx512, avx2, or native (gcc -march=native)"))
+    enforce_eager: bool = field(default=False, metadata=_help(
+        "GPU: run every step eagerly (no CUDA graphs for decode steps)"))
+    cuda_graph_sizes: str | None = field(default=None, metadata=_help(
+        "GPU: decode batch sizes captured as CUDA graphs, e.g. '1,2,4,8,16' (a batch runs "
+        "at the next size up, eagerly above the largest); 1, 2, 4, then multiples of 8 up "
+        "to max_num_seqs when not given"))
 
     def __post_init__(self) -> None:
+        if self.cuda_graph_sizes is not None:
+            object.__setattr__(self, "cuda_graph_sizes",
+                               parse_int_list(self.cuda_graph_sizes, "cuda_graph_sizes"))
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, got {self.dtype!r}")
         backends = ("auto", "cpu-native", "native", "triton", "torch", "reference")
@@ -126,6 +135,10 @@ class CacheConfig:
         "Reuse the KV blocks of identical prompt prefixes across requests"))
     swap_space: int | str = field(default=1024**3, metadata=_help(
         "Bytes of swap memory for the KV of requests preempted by swap, e.g. 1GiB"))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_help(
+        "GPU: fraction of the card's memory this engine may use (weights, activations "
+        "and KV cache); the KV cache gets what a profiling step leaves (kv_cache_memory "
+        "is the CPU's)"))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_memory",
@@ -133,6 +146,9 @@ class CacheConfig:
         object.__setattr__(self, "swap_space", parse_size(self.swap_space, "swap_space"))
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 
@@ -226,6 +242,22 @@ class SchedulerConfig:
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+def parse_int_list(value: str | list | tuple, name: str) -> tuple[int, ...]:
+    """'1,2,4' or [1, 2, 4] -> (1, 2, 4), sorted; a ValueError naming the field for
+    anything but distinct integers >= 1."""
+    parts = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        numbers = [int(p) for p in parts if not isinstance(p, bool)]
+    except (TypeError, ValueError):
+        numbers = []
+    if not numbers or len(numbers) != len(parts) or min(numbers) < 1:
+        raise ValueError(f"{name} must be a comma-separated list of integers >= 1, "
+                         f"got {value!r}")
+    if len(set(numbers)) != len(numbers):
+        raise ValueError(f"{name} has duplicates: {value!r}")
+    return tuple(sorted(numbers))
 
 
 def parse_layer_partition(text: str | None) -> list[int] | None:

@@ -20,6 +20,10 @@ receives them first, and only the last computes logits. With tensor parallelism 
 logits are gathered to the stage's first rank, the output rank, which alone samples and
 answers (worker/parallel_state.py); the other ranks return None.
 
+On a GPU, a step of decodes only replays a CUDA graph of the forward pass captured at its
+padded batch size (worker/decode_graphs.py) instead of building the attention metadata
+and calling the model; every other step runs eagerly.
+
 With speculative decoding the output rank also holds the proposer (worker/spec): after
 verification it proposes, for each request the step message asks it to, the tokens its
 next step verifies (`ModelRunnerOutput.spec_token_ids`).
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from typing import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,9 +44,11 @@ import torch
 from treadle.core.outputs import (ModelRunnerOutput, PromptLogprobs, ScheduledRequest,
                                   SchedulerOutput, StepTimings)
 from treadle.worker.attention import AttentionBackend, AttentionStep
+from treadle.worker.decode_graphs import DecodeGraphs
 from treadle.worker.grammar import GrammarState
 from treadle.worker.input_batch import CachedRequestState, InputBatch
 from treadle.worker.kv_cache import copy_blocks
+from treadle.worker.platform import no_wait, run_copies_now
 from treadle.worker.parallel_state import ParallelContext
 from treadle.worker.sampler import Sampler, group_order, prompt_logprobs
 from treadle.worker.spec.base import ProposalBatch, ProposalRequest, Proposer
@@ -63,9 +70,13 @@ class _Row:
 
 @dataclass
 class PreparedInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
+    input_ids: torch.Tensor | None
+    """On the device; None when a decode graph runs the step (it copies the host arrays)."""
+    positions: torch.Tensor | None
     attn_metadata: object
+    step: AttentionStep
+    host_input_ids: np.ndarray
+    host_positions: np.ndarray
     rows: list[_Row]
     logits_indices: np.ndarray
     """Flat-batch tokens whose logits are sampled, one per sampling position."""
@@ -83,10 +94,14 @@ class ModelRunner:
                  eos_token_id: int | None = None,
                  parallel: ParallelContext | None = None,
                  grammar: GrammarState | None = None,
+                 start_copies: Callable[[Callable[[], None]], Callable[[], None]] | None = None,
                  proposer: Proposer | None = None) -> None:
         """`swap_caches` hold swapped-out blocks (same layout as kv_caches); `grammar` the
-        structured-output state and `proposer` speculative decoding's (the output rank's)."""
+        structured-output state and `proposer` speculative decoding's (the output rank's);
+        `start_copies` runs the step's swap copies and returns the wait before compute
+        (Platform.start_copies; by default they run at once)."""
         self.model = model
+        self.start_copies = start_copies or run_copies_now
         self.parallel = parallel or ParallelContext()
         self.grammar = grammar
         self.kv_caches = kv_caches
@@ -100,6 +115,8 @@ class ModelRunner:
         self.eos_token_id = eos_token_id
         """The model's end-of-sequence id, masked until a request's min_tokens."""
         self.batch = InputBatch(-(-max_model_len // block_size))
+        self.decode_graphs: DecodeGraphs | None = None
+        """Captured decode steps (worker/decode_graphs.py; the GPU's, unless enforce_eager)."""
         self.proposer = proposer
         self.rejection = RejectionSampler(sampler, eos_token_id)
 
@@ -132,7 +149,8 @@ class ModelRunner:
 
         step = AttentionStep(q_lens, row_offsets, starts, block_table, slot_mapping,
                              int(np.count_nonzero(q_lens == 1)), bs, self.num_cache_blocks)
-        meta = self.attention.build_metadata(step, self.device)
+        graphed = self.decode_graphs is not None and self.decode_graphs.accepts(step)
+        meta = None if graphed else self.attention.build_metadata(step, self.device)
 
         rows = [_Row(s, st, int(off)) for (s, st), off in zip(pairs, row_offsets)]
         logits_indices, sample_rows = [], []
@@ -146,7 +164,9 @@ class ModelRunner:
                 logits_indices.append(last - num_positions + 1 + j)
                 sample_rows.append((i, j))
         to_device = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
-        return PreparedInputs(to_device(input_ids), to_device(positions), meta, rows,
+        return PreparedInputs(None if graphed else to_device(input_ids),
+                              None if graphed else to_device(positions), meta, step,
+                              input_ids, positions, rows,
                               np.asarray(logits_indices, dtype=np.int64), sample_rows)
 
     @staticmethod
@@ -159,6 +179,29 @@ class ModelRunner:
 
     # ----- one step ------------------------------------------------------------------------
 
+    def _start_swaps(self, scheduler_output: SchedulerOutput,
+                     timings: StepTimings) -> Callable[[], None]:
+        """Issue the step's swap copies; the returned wait comes before the forward pass
+        (which may write the blocks just swapped out, or read those swapped in)."""
+        out, into = scheduler_output.swap_out, scheduler_output.swap_in
+        if not out and not into:
+            return no_wait
+
+        def copy() -> None:
+            # Swap-outs first: a block freed by a swap-out may be the target of a swap-in.
+            # A draft's own KV cache follows its target blocks (worker/spec/draft.py).
+            if out:
+                timings.swap_bytes_out = copy_blocks(self.kv_caches, self.swap_caches, out,
+                                                     self.block_dim)
+                if self.proposer is not None:
+                    self.proposer.swap_blocks(out, out=True)
+            if into:
+                timings.swap_bytes_in = copy_blocks(self.swap_caches, self.kv_caches, into,
+                                                    self.block_dim)
+                if self.proposer is not None:
+                    self.proposer.swap_blocks(into, out=False)
+        return self.start_copies(copy)
+
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         self.sampler.drop(scheduler_output.finished_request_ids)
@@ -168,26 +211,18 @@ class ModelRunner:
         if proposer is not None:
             proposer.begin_step(scheduler_output)
         timings = StepTimings()
-        # Swap-outs first: a block freed by a swap-out may be the target of a swap-in.
         t_swap = time.perf_counter()
-        if scheduler_output.swap_out:
-            timings.swap_bytes_out = copy_blocks(self.kv_caches, self.swap_caches,
-                                                 scheduler_output.swap_out, self.block_dim)
-            if proposer is not None:
-                proposer.swap_blocks(scheduler_output.swap_out, out=True)
-        if scheduler_output.swap_in:
-            timings.swap_bytes_in = copy_blocks(self.swap_caches, self.kv_caches,
-                                                scheduler_output.swap_in, self.block_dim)
-            if proposer is not None:
-                proposer.swap_blocks(scheduler_output.swap_in, out=False)
+        wait_for_swaps = self._start_swaps(scheduler_output, timings)
         timings.swap_s = time.perf_counter() - t_swap
         par = self.parallel
         if not scheduler_output.scheduled:
+            wait_for_swaps()
             self.batch.update(scheduler_output)
             return (ModelRunnerOutput(sampled_token_ids={}, timings=timings)
                     if par.is_output_rank else None)
         t0 = time.perf_counter()
-        inputs = self.prepare(scheduler_output)
+        inputs = self.prepare(scheduler_output)  # overlaps the swap copies on a GPU
+        wait_for_swaps()
         rows, sample_rows = inputs.rows, inputs.sample_rows
         # Logits rows in the sampler's group order: it then works in place, copying none.
         order = group_order([rows[i].state.sampling_params for i, _ in sample_rows])
@@ -197,10 +232,14 @@ class ModelRunner:
         t1 = time.perf_counter()
         received = None
         if not par.is_first_stage:
-            received = par.recv_prev_stage((inputs.positions.shape[0], self.model.hidden_size),
+            received = par.recv_prev_stage((len(inputs.host_positions), self.model.hidden_size),
                                            self.model.dtype)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                            inputs.attn_metadata, received)
+        if inputs.attn_metadata is None:
+            hidden = self.decode_graphs.run(inputs.host_input_ids, inputs.host_positions,
+                                            inputs.step)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                                inputs.attn_metadata, received)
         if not par.is_last_stage:
             par.send_next_stage(hidden)
             return None

@@ -4,10 +4,12 @@ cache.
 Owns everything the engine core must not know: the platform, its place among the ranks
 (worker/parallel_state.py: joining the process group, the cores it is bound to), loading
 its shard of the model, the C kernels and which of them run (linear, elementwise,
-attention, sampling), the attention backend, the KV-cache and swap tensors, the
-start-up cost probes, the model runner, and on the output rank the speculative
-proposer (worker/spec: with `draft`, the draft model and its KV cache, counted in the
-blocks that fit; with an adaptive policy, the measured step costs in WorkerInfo).
+attention, sampling), the attention backend, the KV-cache and swap tensors (on a GPU
+sized by a profiling step, worker/profile_step.py), the start-up cost probes, the model
+runner and, on a GPU, its decode CUDA graphs (worker/decode_graphs.py), and on the output
+rank the speculative proposer (worker/spec: with `draft`, the draft model and its KV
+cache, counted in the blocks that fit; with an adaptive policy, the measured step costs
+in WorkerInfo).
 Its life has three calls, made by an executor (treadle/executor): `load()` (model,
 kernels, probes -> a WorkerInfo), `initialize_cache(num_kv_blocks, num_swap_blocks)`
 (the core decides the block counts from what every worker reported), then
@@ -31,6 +33,9 @@ from treadle.models.loader import build_model, read_config
 from treadle.models.registry import resolve_model_class
 from treadle.worker.attention import make_attention_backend
 from treadle.worker.attention.cpu_native import CpuNativeBackend
+from treadle.worker.attention.triton_backend import TritonBackend
+from treadle.worker.cuda_support import default_cuda_graph_sizes
+from treadle.worker.decode_graphs import DecodeGraphs
 from treadle.worker.grammar import GrammarState
 from treadle.worker.cpu_isa import describe_kernels
 from treadle.worker.cost_probe import measure_copy_bytes_per_s, measure_matmul_flops_per_s
@@ -40,6 +45,7 @@ from treadle.worker.model_runner import ModelRunner
 from treadle.worker.native_linear import NativeLayerOps
 from treadle.worker.parallel_state import ParallelContext, init_parallel
 from treadle.worker.platform import get_platform
+from treadle.worker.profile_step import profile_lengths, profile_steps
 from treadle.worker.sampler import Sampler
 from treadle.worker.spec.base import Proposer
 
@@ -103,14 +109,16 @@ class Worker:
         """Load the model and kernels, probe the machine; report what the core needs."""
         config = self.config
         dtype = self.platform.resolve_dtype(config.model.dtype, config.model.kernel_isa)
+        self.platform.check_memory_at_start(config.cache.gpu_memory_utilization)
         self.model, self.hf_config, self.num_bytes_loaded = build_model(
             self.model_dir, dtype, self.platform.device, self.parallel)
         self.dtype = dtype
         self.native = self._load_native()
         self.layer_ops = (NativeLayerOps.load(self.native.lib)
                           if self.native is not None and dtype == torch.bfloat16 else None)
-        num_kernels = self.model.set_kernels(dense_kernel_factory(dtype, self.layer_ops),
-                                             self.layer_ops)
+        factory = (dense_kernel_factory(dtype, self.layer_ops)
+                   if self.platform.uses_native_kernels else None)  # oneDNN packs host weights
+        num_kernels = self.model.set_kernels(factory, self.layer_ops)
         if num_kernels:
             logger.info("linear layers: %d kernels attached (oneDNN prepacked bf16%s)",
                         num_kernels, ", C kernels at <= %d rows" % self.layer_ops.max_rows
@@ -129,6 +137,9 @@ class Worker:
         block_bytes = bytes_per_token * cache.block_size
         num_swap_blocks = (0 if config.scheduler.preemption_mode == "recompute" else
                            cache.swap_space // block_bytes)
+        num_kv_blocks = self.platform.kv_cache_bytes(
+            cache.kv_cache_memory, self._profile_step,
+            cache.gpu_memory_utilization) // block_bytes
         kernels = f"attention backend {self.attention.name}"
         if self.platform.uses_native_kernels:
             kernels += "; " + describe_kernels(
@@ -138,11 +149,10 @@ class Worker:
             model_dir=str(self.model_dir), dtype=str(dtype).replace("torch.", ""),
             vocab_size=self.model.vocab_size, eos_token_id=self.eos_token_id,
             max_model_len=self.max_model_len, num_parameters=self._whole_model_parameters(),
-            kv_bytes_per_token=bytes_per_token,
-            num_kv_blocks=cache.kv_cache_memory // block_bytes,
+            kv_bytes_per_token=bytes_per_token, num_kv_blocks=num_kv_blocks,
             num_swap_blocks=num_swap_blocks, preemption_costs=self._preemption_costs(),
             attention_backend=self.attention.name, kernels=kernels,
-            spec_costs=self._spec_costs(cache.kv_cache_memory // block_bytes))
+            spec_costs=self._spec_costs(num_kv_blocks))
 
     def _whole_model_parameters(self) -> int:
         """Parameters of the whole model, not of this rank's shard (counted on a copy built
@@ -157,6 +167,7 @@ class Worker:
     def initialize_cache(self, num_kv_blocks: int, num_swap_blocks: int) -> None:
         """Allocate the KV cache and swap space the core decided on; make the runner."""
         self.runner = self._make_runner(num_kv_blocks, num_swap_blocks)
+        self._enable_default_graphs()
 
     def _make_runner(self, num_kv_blocks: int, num_swap_blocks: int) -> ModelRunner:
         block_size = self.config.cache.block_size
@@ -173,7 +184,8 @@ class Worker:
                            self.parallel,
                            GrammarState(self.model_dir, self.model.vocab_size,
                                         self.eos_token_id),
-                           proposer)
+                           start_copies=self.platform.start_copies, proposer=proposer)
+
 
     # ----- speculative decoding --------------------------------------------------------------
 
@@ -261,6 +273,44 @@ class Worker:
                                    k, sched.max_num_batched_tokens, cache.block_size,
                                    context=context, seed=self.config.model.seed)
         return costs if self.parallel.is_output_rank else None
+
+    def _enable_default_graphs(self) -> None:
+        """Decode CUDA graphs where they apply (a GPU, the triton backend, one rank, not
+        enforce_eager)."""
+        model = self.config.model
+        if (self.platform.supports_cuda_graphs and not model.enforce_eager
+                and isinstance(self.attention, TritonBackend)
+                and self.parallel.world_size == 1):
+            self.enable_decode_graphs(model.cuda_graph_sizes or default_cuda_graph_sizes(
+                self.config.scheduler.max_num_seqs))
+
+    def enable_decode_graphs(self, sizes, capture=None) -> None:
+        """Capture the decode steps at `sizes` (worker/decode_graphs.py); `capture` is the
+        graph capture (CUDA's by default; tests pass cuda_graphs.ReplayByCall)."""
+        graphs = DecodeGraphs(self.model, self.runner.kv_caches, self.attention, sizes,
+                              self.max_model_len, self.config.cache.block_size,
+                              self.platform.device, capture)
+        graphs.capture()
+        self.runner.decode_graphs = graphs
+        logger.info("decode steps of up to %d rows replay CUDA graphs (sizes %s)",
+                    graphs.graphs.max_size, ",".join(map(str, graphs.graphs.sizes)))
+
+    def _profile_step(self) -> None:
+        """The largest step the scheduler can make, on a KV cache of its own
+        (worker/profile_step.py): the peak its activations reach sizes the GPU's KV cache."""
+        sched, cache = self.config.scheduler, self.config.cache
+        lengths = profile_lengths(sched.max_num_batched_tokens, sched.max_num_seqs,
+                                  self.max_model_len)
+        step, finish, num_blocks = profile_steps(lengths, cache.block_size,
+                                                 self.model.vocab_size)
+        device = self.platform.device
+        runner = ModelRunner(self.model, allocate_kv_caches(self.kv_spec, num_blocks,
+                                                            cache.block_size, device),
+                             self.attention, cache.block_size, num_blocks, self.max_model_len,
+                             Sampler(0, self._sampler_kernels(), device), device,
+                             block_dim=self.kv_spec.block_dim, parallel=self.parallel)
+        runner.execute(step)
+        runner.execute(finish)
 
     def _load_native(self):
         """The compiled C kernels (worker.native.NativeKernels), or None when they cannot
