@@ -1,0 +1,44 @@
+"""How fast the simulator runs: wall seconds per simulated step and per scheduled request.
+
+    python benchmarks/sim_speed.py [--num-requests 2000] [--replicas 2] [--repeats 3]
+
+Replays the first N requests of the Azure conversation trace (real rate) on N replicas of
+the roofline H200 / Llama-3-8B model and prints the median wall time over repeats, steps
+per second and microseconds per scheduled request-step (the scheduler's own cost is most
+of it). Compare commits by running it on each, alternating, on the same machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+from treadle.config import SimConfig
+from treadle.sim.simulate import simulate
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--num-requests", type=int, default=2000)
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--policy", default="fcfs")
+    args = parser.parse_args()
+    walls, summary = [], None
+    for _ in range(args.repeats):
+        summary = simulate(SimConfig(num_requests=args.num_requests, replicas=args.replicas),
+                           {"scheduling_policy": args.policy}, with_requests=False)
+        walls.append(summary["simulation"]["wall_s"])
+    sim = summary["simulation"]
+    request_steps = sum(r["mean_batch_size"] * r["num_steps"] for r in sim["replicas"])
+    wall = statistics.median(walls)
+    print(f"wall {wall:.2f}s (runs {', '.join(f'{w:.2f}' for w in walls)}), "
+          f"{sim['num_steps']} steps, {sim['num_steps'] / wall:.0f} steps/s, "
+          f"{wall / request_steps * 1e6:.1f} us per request-step, "
+          f"TTFT p99 {summary['ttft_ms']['p99']:.1f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
