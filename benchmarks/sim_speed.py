@@ -3,8 +3,9 @@
     python benchmarks/sim_speed.py [--num-requests 2000] [--replicas 2] [--repeats 3]
 
 Replays the first N requests of the Azure conversation trace (real rate) on N replicas of
-the roofline H200 / Llama-3-8B model and prints the median wall time over repeats, steps
-per second and microseconds per scheduled request-step (the scheduler's own cost is most
+the roofline H200 / Llama-3-8B model and prints the median wall and CPU time (the process's
+own: steadier on a shared machine) over repeats, steps per CPU second and CPU microseconds
+per scheduled request-step (the scheduler's own cost is most
 of it). Compare commits by running it on each, alternating, on the same machine.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 
 from treadle.config import SimConfig
 from treadle.sim.simulate import simulate
@@ -25,17 +27,19 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--policy", default="fcfs")
     args = parser.parse_args()
-    walls, summary = [], None
+    walls, cpus, summary = [], [], None
     for _ in range(args.repeats):
+        cpu = time.process_time()
         summary = simulate(SimConfig(num_requests=args.num_requests, replicas=args.replicas),
                            {"scheduling_policy": args.policy}, with_requests=False)
+        cpus.append(time.process_time() - cpu)
         walls.append(summary["simulation"]["wall_s"])
     sim = summary["simulation"]
     request_steps = sum(r["mean_batch_size"] * r["num_steps"] for r in sim["replicas"])
-    wall = statistics.median(walls)
-    print(f"wall {wall:.2f}s (runs {', '.join(f'{w:.2f}' for w in walls)}), "
-          f"{sim['num_steps']} steps, {sim['num_steps'] / wall:.0f} steps/s, "
-          f"{wall / request_steps * 1e6:.1f} us per request-step, "
+    wall, cpu = statistics.median(walls), statistics.median(cpus)
+    print(f"wall {wall:.2f}s, cpu {cpu:.2f}s (runs {', '.join(f'{c:.2f}' for c in cpus)}), "
+          f"{sim['num_steps']} steps, {sim['num_steps'] / cpu:.0f} steps per cpu-s, "
+          f"{cpu / request_steps * 1e6:.1f} cpu-us per request-step, "
           f"TTFT p99 {summary['ttft_ms']['p99']:.1f} ms")
     return 0
 
