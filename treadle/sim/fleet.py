@@ -35,7 +35,7 @@ class RequestRecord:
     """What happened to one request (simulated seconds from the first arrival)."""
 
     __slots__ = ("request", "first_token", "last_token", "num_tokens", "error", "replica",
-                 "decode_replica", "transfer_s", "done")
+                 "decode_replica", "transfer_s", "done", "missed")
 
     def __init__(self, request: SimRequest, replica: int) -> None:
         self.request = request
@@ -47,6 +47,51 @@ class RequestRecord:
         self.decode_replica: int | None = None
         self.transfer_s = 0.0
         self.done = False
+        self.missed = False
+
+
+class SloMonitor:
+    """Stops a simulation once it can no longer meet an SLO: when more of the judged
+    requests (priority at most `max_priority`, all when None) have missed the TTFT or the
+    TPOT target than a p99 (or the goodput target) allows, plus one for the percentile's
+    interpolation. A fleet size search uses it so that an overloaded fleet, whose queues
+    would grow for the rest of the trace, costs little to rule out."""
+
+    def __init__(self, num_judged: int, ttft_s: float | None, tpot_s: float | None,
+                 min_goodput: float | None = None, max_priority: int | None = None) -> None:
+        self.ttft_s = ttft_s
+        self.tpot_s = tpot_s
+        self.max_priority = max_priority
+        self.max_late = 0.01 * num_judged + 1
+        self.max_missed = ((1.0 - min_goodput) * num_judged + 1
+                           if min_goodput is not None else float("inf"))
+        self.num_late_ttft = self.num_late_tpot = self.num_missed = 0
+        self.failed = False
+
+    def judged(self, record: RequestRecord) -> bool:
+        return self.max_priority is None or record.request.priority <= self.max_priority
+
+    def first_token(self, record: RequestRecord, t: float) -> None:
+        if (self.ttft_s is not None and t - record.request.arrival > self.ttft_s
+                and self.judged(record)):
+            self.num_late_ttft += 1
+            self.num_missed += 1
+            record.missed = True
+            self._check()
+
+    def finished(self, record: RequestRecord) -> None:
+        if (self.tpot_s is None or record.num_tokens < 2 or record.first_token is None
+                or not self.judged(record)):
+            return
+        if (record.last_token - record.first_token) / (record.num_tokens - 1) > self.tpot_s:
+            self.num_late_tpot += 1
+            if not record.missed:
+                self.num_missed += 1
+            self._check()
+
+    def _check(self) -> None:
+        self.failed = (self.num_late_ttft > self.max_late or self.num_late_tpot > self.max_late
+                       or self.num_missed > self.max_missed)
 
 
 @dataclass
@@ -61,6 +106,8 @@ class FleetResult:
     """Wall-clock seconds the simulation took."""
     num_events: int
     mode: str
+    stopped_early: bool = False
+    """An SloMonitor ended the run: the SLO was already missed (figures are partial)."""
     info: dict = field(default_factory=dict)
 
 
@@ -71,7 +118,8 @@ class Fleet:
     def __init__(self, replicas: Sequence[Replica], router: Router, clock: SimClock,
                  prompt_maker: PromptMaker, decode_replicas: Sequence[Replica] = (),
                  decode_router: Router | None = None,
-                 transfer_seconds: Callable[[int], float] | None = None) -> None:
+                 transfer_seconds: Callable[[int], float] | None = None,
+                 monitor: SloMonitor | None = None) -> None:
         if not replicas:
             raise ValueError("a fleet needs at least one replica")
         self.replicas = list(replicas)
@@ -84,6 +132,7 @@ class Fleet:
         self.transfer_seconds = transfer_seconds
         self.clock = clock
         self.prompt_maker = prompt_maker
+        self.monitor = monitor
         self._heap: list = []
         self._seq = 0
         self._records: dict[str, RequestRecord] = {}
@@ -101,7 +150,8 @@ class Fleet:
         heap, clock = self._heap, self.clock
         num_events = 0
         i, n = 0, len(order)
-        while True:
+        monitor = self.monitor
+        while not (monitor is not None and monitor.failed):
             if i < n and (not heap or order[i].arrival <= heap[0][0]):
                 request = order[i]
                 i += 1
@@ -119,12 +169,14 @@ class Fleet:
             else:
                 break
             num_events += 1
+        stopped = monitor is not None and monitor.failed
         for record in records:
             if not record.done and record.error is None:
-                record.error = "unfinished when the simulation ran out of events"
+                record.error = ("unfinished: the SLO monitor stopped the simulation" if stopped
+                                else "unfinished when the simulation ran out of events")
         return FleetResult(records, self._itl, self.replicas + self.decode_replicas,
                            clock.now, time.perf_counter() - wall, num_events,
-                           "disaggregated" if self.disaggregated else "colocated")
+                           "disaggregated" if self.disaggregated else "colocated", stopped)
 
     # ----- events ---------------------------------------------------------------------------
 
@@ -166,6 +218,8 @@ class Fleet:
             if out.new_token_ids:
                 if record.first_token is None:
                     record.first_token = t
+                    if self.monitor is not None:
+                        self.monitor.first_token(record, t)
                 else:
                     self._itl.append(t - record.last_token)
                 record.last_token = t
@@ -204,3 +258,5 @@ class Fleet:
     def _finish(self, rid: str, record: RequestRecord) -> None:
         record.done = True
         del self._records[rid]
+        if self.monitor is not None and record.error is None:
+            self.monitor.finished(record)

@@ -10,7 +10,8 @@ and prefix caching are treadle.core's own, unchanged; the admission check of a n
 request is EngineCore.admission_error itself. Also owns the replica's view for routers
 (queue depths, KV usage, a side-effect-free prefix lookup), the KV a P/D transfer
 delivers (`receive_kv`), and its sampled time series (running, waiting, swapped, KV
-usage). It never advances the clock: the fleet does.
+usage, sampled after a step is scheduled, at most once per interval). It never advances
+the clock: the fleet does.
 """
 
 from __future__ import annotations
@@ -164,16 +165,14 @@ class Replica:
         """Schedule a step at the current simulated time; its end time, or None when there
         is nothing to run."""
         now = self.clock.now
-        if now >= self._next_sample:
-            self._sample(now)
         scheduler = self.scheduler
         output = scheduler.schedule()
-        if output.is_empty:
-            if not output.preempted_request_ids:
-                return None
+        if output.is_empty and output.preempted_request_ids:
             output = scheduler.schedule()  # the step only preempted: the engine goes on
-            if output.is_empty:
-                return None
+        if now >= self._next_sample:
+            self._sample(now)  # after scheduling: what is left waiting
+        if output.is_empty:
+            return None
         features = step_features(output, self._swap_block_bytes)
         seconds = self.step_model.step_seconds(features)
         self._pending = (output, features)

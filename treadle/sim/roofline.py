@@ -99,11 +99,14 @@ class RooflineStepModel:
 def num_kv_blocks(hardware: Hardware, shape: ModelShape, tensor_parallel_size: int,
                   block_size: int) -> int:
     """KV blocks a replica of `shape` on `tensor_parallel_size` devices holds: the usable
-    memory of each device less its weight shard and activation reserve, over the KV
-    bytes of a block (each device holds its share of every block's heads)."""
+    memory of each device less its weight shard and activation reserve (at most the
+    hardware's kv_cache_bytes when it sets one), over the KV bytes of a block (each
+    device holds its share of every block's heads)."""
     p = tensor_parallel_size
     per_device = (hardware.memory_bytes * hardware.memory_utilization - shape.weight_bytes / p
                   - hardware.activation_reserve_bytes)
+    if hardware.kv_cache_bytes and per_device > 0:
+        per_device = min(per_device, hardware.kv_cache_bytes)
     if per_device <= 0:
         raise ValueError(f"{shape.name} ({shape.weight_bytes / 1e9:.1f} GB of weights) does "
                          f"not fit on {p} x {hardware.name} "

@@ -161,8 +161,9 @@ def build(config: SimConfig, engine_options: dict | None = None) -> SimSetup:
     return SimSetup(config, requests, step_model, spec, hardware, shape, desc)
 
 
-def run(setup: SimSetup) -> FleetResult:
-    """Build the fleet of a SimSetup and replay its requests."""
+def run(setup: SimSetup, monitor=None) -> FleetResult:
+    """Build the fleet of a SimSetup and replay its requests (until `monitor`, a
+    fleet.SloMonitor, says the SLO is missed)."""
     config, spec = setup.config, setup.replica_spec
     clock = SimClock()
     maker = wl.PromptMaker(len(setup.requests), config.prefix_groups, config.prefix_len,
@@ -174,11 +175,11 @@ def run(setup: SimSetup) -> FleetResult:
                   for i in range(config.decode_replicas)]
         transfer = _transfer_model(setup)
         fleet = Fleet(prefill, make_router(config.routing), clock, maker, decode,
-                      make_router(config.routing), transfer)
+                      make_router(config.routing), transfer, monitor)
     else:
         replicas = [Replica(i, spec, setup.step_model, clock, config.seed)
                     for i in range(config.replicas)]
-        fleet = Fleet(replicas, make_router(config.routing), clock, maker)
+        fleet = Fleet(replicas, make_router(config.routing), clock, maker, monitor=monitor)
     return fleet.run(setup.requests)
 
 
