@@ -159,3 +159,40 @@ def test_presets_and_files(tmp_path):
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(cfg))
     assert load_model_shape(str(tmp_path / "ckpt")).num_layers == 30
+
+
+def test_version_1_trace_fits_on_what_it_has(tmp_path):
+    lines = [{"type": "header", "version": 1, "policy": "fcfs"}]
+    rng = random.Random(2)
+    t = 0.0
+    for step in range(200):
+        p, d = rng.choice([0, rng.randrange(1, 300)]), rng.randrange(0, 20)
+        y = 0.01 + 1e-4 * p + 5e-4 * d
+        sched = ([["a", p, "prefill"]] if p else []) + [[f"d{i}", 1, "decode"] for i in range(d)]
+        lines.append({"type": "step", "step": step, "t_start": t, "t_end": t + y,
+                      "scheduled": sched, "preempted": [], "finished": []})
+        t += y
+    path = tmp_path / "v1.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    model = fit_trace(read_trace(path))
+    assert model.intercept == pytest.approx(0.01, rel=0.01)
+    assert model.coefficients["prefill_tokens"] == pytest.approx(1e-4, rel=0.01)
+    assert model.coefficients["decode_tokens"] == pytest.approx(5e-4, rel=0.01)
+    assert model.coefficients["decode_context_tokens"] == 0.0
+
+
+def test_arrivals_of_a_trace_replay(tmp_path):
+    from treadle.engine.trace import TraceRecorder
+    from treadle.request import Request
+    from treadle.sampling_params import SamplingParams
+    from treadle.sim.workload import from_engine_trace
+
+    now = [100.0]
+    rec = TraceRecorder(tmp_path / "t.jsonl", clock=lambda: now[0])
+    for i, (t, p, o, prio) in enumerate([(100.5, 30, 4, 1), (101.0, 12, 9, 0)]):
+        rec.record_arrival(Request(str(i), [5] * p, SamplingParams(max_tokens=o),
+                                   arrival_time=t, priority=prio))
+    rec.close()
+    reqs = from_engine_trace(read_trace(tmp_path / "t.jsonl"))
+    assert [(r.arrival, r.prompt_len, r.output_len, r.priority) for r in reqs] == \
+        [(0.0, 30, 4, 1), (0.5, 12, 9, 0)]

@@ -118,6 +118,11 @@ def _cmd_fit(args: argparse.Namespace) -> int:
               f"{errors['weighted_abs_pct_error']:.1%}, R^2 {errors['r2']:.3f}, predicted/"
               f"measured step time {errors['step_time_ratio']:.3f}, busy time "
               f"{errors.get('busy_time_ratio', float('nan')):.3f}")
+    if fit.get("num_outliers"):
+        clean = fit["without_outliers"]
+        print(f"  {fit['num_outliers']} outlier steps ({fit['outlier_seconds']:.2f} s) left "
+              f"out of the fit; without them: mean |error| {clean['mean_abs_pct_error']:.1%}, "
+              f"weighted {clean['weighted_abs_pct_error']:.1%}, R^2 {clean['r2']:.3f}")
     if args.save:
         print("wrote", model.save(args.save))
     if args.json:

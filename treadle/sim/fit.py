@@ -67,6 +67,30 @@ def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
+OUTLIER_MADS = 8.0
+"""A step whose residual after a first fit is more than this many (scaled) median
+absolute deviations from the median residual is left out of the final fit: on a shared
+machine a step can stall for seconds (the process descheduled, memory reclaimed), which
+is the machine's noise, not the step's cost. The report counts them."""
+
+
+def robust_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """nonnegative_lstsq, refitted without outliers (OUTLIER_MADS); returns the
+    coefficients and the mask of the points kept."""
+    keep = np.ones(len(y), dtype=bool)
+    coef = nonnegative_lstsq(x, y)
+    for _ in range(3):
+        residual = y - x @ coef
+        center = np.median(residual[keep])
+        spread = 1.4826 * np.median(np.abs(residual[keep] - center))
+        new_keep = np.abs(residual - center) <= OUTLIER_MADS * max(spread, 1e-12)
+        if new_keep.sum() < max(x.shape[1] + 1, len(y) // 2) or (new_keep == keep).all():
+            break
+        keep = new_keep
+        coef = nonnegative_lstsq(x[keep], y[keep])
+    return coef, keep
+
+
 def busy_gaps(trace: Trace) -> list[tuple[TraceStep, float]]:
     """(step, seconds until the next step started) for every step after which requests
     were still in flight (so the engine went straight on: the gap is its own overhead)."""
@@ -129,7 +153,7 @@ def fit_trace(trace: Trace, source: str = "") -> LinearStepModel:
     feats = [step_features(s) for s in trace.steps]
     x = np.array([[1.0] + [_column(f, c) for c in FIT_COLUMNS] for f in feats])
     y = np.array([s.t_end - s.t_start for s in trace.steps])
-    coef = nonnegative_lstsq(x, y)
+    coef, keep = robust_lstsq(x, y)
     coefficients = {c: float(v) for c, v in zip(FIT_COLUMNS, coef[1:]) if c != "swap_bytes"}
     coefficients["swap_out_bytes"] = coefficients["swap_in_bytes"] = float(coef[-1])
     gaps = busy_gaps(trace)
@@ -137,12 +161,18 @@ def fit_trace(trace: Trace, source: str = "") -> LinearStepModel:
     if len(gaps) >= 2:
         gx = np.array([[1.0, s.features["decode_rows"] + s.features["prefill_rows"]
                         if s.features else len(s.scheduled)] for s, _ in gaps])
-        gap_intercept, gap_per_row = (float(v) for v in
-                                      nonnegative_lstsq(gx, np.array([g for _, g in gaps])))
+        gap_coef, _ = robust_lstsq(gx, np.array([g for _, g in gaps]))
+        gap_intercept, gap_per_row = (float(v) for v in gap_coef)
     model = LinearStepModel(float(coef[0]), coefficients, gap_intercept, gap_per_row,
                             name=f"fit({Path(source).name or 'trace'})", source=source)
-    model.fit_report = evaluate(model, trace) | {"trace_version": trace.version,
-                                                 "engine": trace.engine}
+    outliers = [trace.steps[i] for i in np.flatnonzero(~keep)]
+    kept = Trace(trace.policy, trace.arrivals, [s for s, k in zip(trace.steps, keep) if k],
+                 trace.ends, trace.version, trace.engine)
+    model.fit_report = evaluate(model, trace) | {
+        "trace_version": trace.version, "engine": trace.engine,
+        "num_outliers": len(outliers),
+        "outlier_seconds": float(sum(s.t_end - s.t_start for s in outliers)),
+        "without_outliers": evaluate(model, kept)}
     return model
 
 
