@@ -1,4 +1,5 @@
-"""The `treadle` command line: serve, generate, demo-model, bench, simulate.
+"""The `treadle` command line: serve, generate, chat, worker, demo-model, trace, bench,
+simulate.
 
 Engine flags are generated from the config dataclasses (treadle/config.py), so every
 knob has exactly one name and one help text. This module only parses arguments and calls
@@ -35,12 +36,50 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from treadle import SamplingParams
+    from treadle.chat import run_chat
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.sampling_seed)
+    return run_chat(options_from_args(args), params, system=args.system)
+
+
+def _cmd_bench_perplexity(args: argparse.Namespace) -> int:
+    from treadle.bench.quality import run_perplexity
+    from treadle.bench.report import format_table
+
+    result = run_perplexity(args.model, args.text, window=args.window, stride=args.stride,
+                            dtype=args.dtype, with_transformers=not args.no_transformers)
+    rows = [{"system": name, "perplexity": r["perplexity"], "tokens scored": r["num_scored"],
+             "seconds": r["seconds"]} for name, r in result["systems"].items()]
+    print(format_table(rows, ["system", "perplexity", "tokens scored", "seconds"]))
+    if "relative_difference" in result:
+        print(f"treadle / transformers - 1 = {result['relative_difference']:+.4%} "
+              f"({result['num_tokens']} tokens, {result['num_windows']} windows of "
+              f"{args.window}, stride {args.stride}, {args.dtype})")
+    print("wrote", _write_result(result, args.output, "perplexity.json"))
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from treadle.config import EngineConfig, ServerConfig, dataclass_from_args
+    from treadle.executor.torchrun import launcher_rank
     from treadle.server.serve import serve
 
-    return serve(EngineConfig.from_options(**options_from_args(args)),
-                 dataclass_from_args(ServerConfig, args))
+    config = EngineConfig.from_options(**options_from_args(args))
+    if config.parallel.executor == "torchrun" and launcher_rank() != 0:
+        return _cmd_worker(args)  # one command for every rank: only rank 0 serves
+    return serve(config, dataclass_from_args(ServerConfig, args))
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from treadle.config import EngineConfig
+    from treadle.executor.torchrun import run_worker
+
+    options = options_from_args(args)
+    options.setdefault("distributed_executor_backend", "torchrun")
+    return run_worker(EngineConfig.from_options(**options))
 
 
 def _cmd_trace_plot(args: argparse.Namespace) -> int:
@@ -64,24 +103,47 @@ def _cmd_demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _workload(args: argparse.Namespace):
+def _workload(args: argparse.Namespace, model_path: str):
+    """The chosen workload, its token ids drawn from (and checked against) the model's
+    own vocabulary (`--vocab-size` overrides what its config.json says), its lengths
+    within the model's context (`--max-model-len` where the command has it)."""
     from treadle.bench import workloads
 
+    vocab = getattr(args, "vocab_size", None) or workloads.model_vocab_size(model_path)
+    context = getattr(args, "max_model_len", None) or workloads.model_context_len(model_path)
     if getattr(args, "workload_file", None):
-        return workloads.load_workload(args.workload_file)
+        workload = workloads.load_workload(args.workload_file)
+        workloads.check_token_ids(workload, vocab)
+        return workload
     if args.workload == "synthetic":
-        return workloads.synthetic(num_requests=args.num_requests, seed=args.workload_seed)
+        return workloads.synthetic(num_requests=args.num_requests, seed=args.workload_seed,
+                                   vocab_size=vocab, max_model_len=context,
+                                   num_long=min(4, args.num_requests))
     if args.workload == "azure-conv":
         return workloads.azure_conv(num_requests=args.num_requests, token_scale=args.token_scale,
-                                    seed=args.workload_seed)
-    return workloads.shared_prefix(num_requests=args.num_requests, seed=args.workload_seed)
+                                    seed=args.workload_seed, vocab_size=vocab,
+                                    max_model_len=min(context or 2048, 2048))
+    return workloads.shared_prefix(num_requests=args.num_requests, seed=args.workload_seed,
+                                   vocab_size=vocab)
 
 
 def _model_path(args: argparse.Namespace) -> str:
-    if args.model:
-        return args.model
-    from treadle.models.demo import demo_model_path
-    return str(demo_model_path())
+    """The checkpoint directory of a benchmark's --model: the demo model when not given
+    (benchmarks measure speed on the fixed demo checkpoint unless told otherwise)."""
+    from treadle.models.resolve import resolve_model
+    return str(resolve_model(args.model or "demo", getattr(args, "revision", None),
+                             getattr(args, "download_dir", None),
+                             getattr(args, "dtype", None) or "auto"))
+
+
+def _failed(what: str, num_failed: int, num_requests: int, errors: list) -> int:
+    """Exit status 1 with the reason when a benchmark's requests failed (its figures would
+    not measure what they claim), else 0."""
+    if not num_failed:
+        return 0
+    print(f"error: {num_failed} of {num_requests} {what} requests failed; first errors: "
+          f"{errors[:3]}", file=sys.stderr)
+    return 1
 
 
 def _write_result(result: dict, path: str | None, default_name: str) -> Path:
@@ -96,17 +158,18 @@ def _cmd_bench_throughput(args: argparse.Namespace) -> int:
 
     options = options_from_args(args)
     options["model"] = _model_path(args)
-    result = run_throughput(_workload(args), **options)
+    result = run_throughput(_workload(args, options["model"]), **options)
     print(json.dumps({k: v for k, v in result.items() if k != "engine"}, indent=2, default=str))
     print(json.dumps(result["engine"], indent=2))
     print("wrote", _write_result(result, args.output, "throughput.json"))
-    return 0
+    return _failed("throughput", result["num_errors"], result["num_requests"], result["errors"])
 
 
 def _cmd_bench_static(args: argparse.Namespace) -> int:
     from treadle.bench.static import run_static
 
-    result = run_static(_model_path(args), _workload(args), batch_size=args.batch_size,
+    model = _model_path(args)
+    result = run_static(model, _workload(args, model), batch_size=args.batch_size,
                         dtype=args.dtype or "bfloat16")
     print(json.dumps({k: v for k, v in result.items() if k != "per_batch"}, indent=2,
                      default=str))
@@ -121,7 +184,8 @@ def _cmd_bench_engine_core(args: argparse.Namespace) -> int:
     options = options_from_args(args)
     options.pop("model", None)
     dtype = options.pop("dtype", None) or "bfloat16"
-    result = run_engine_core(_model_path(args), _workload(args), dtype=dtype,
+    model = _model_path(args)
+    result = run_engine_core(model, _workload(args, model), dtype=dtype,
                              static_batch_size=args.batch_size, **options)
     t, s = result["treadle"], result["static"]
     rows = [
@@ -136,7 +200,7 @@ def _cmd_bench_engine_core(args: argparse.Namespace) -> int:
           f"peak matmul {result['peak_matmul']['used_gflops']:.0f} GFLOP/s ({dtype})")
     print("engine:", json.dumps(t["engine"], indent=2))
     print("wrote", _write_result(result, args.output, "engine_core.json"))
-    return 0
+    return _failed("engine-core", t["num_errors"], t["num_requests"], t["errors"])
 
 
 def _cmd_bench_kv(args: argparse.Namespace) -> int:
@@ -201,23 +265,31 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     if (args.url is None) == (args.launch is None):
         raise ValueError("give exactly one of --url URL or --launch 'SERVE OPTIONS'")
     slo = _parse_slo(args.slo)
-    if args.workload == "azure-conv":
-        workload = workloads.azure_conv(num_requests=args.num_requests,
-                                        token_scale=args.token_scale,
-                                        time_scale=args.time_scale,
-                                        max_model_len=args.max_model_len)
-    else:
-        workload = workloads.synthetic(num_requests=args.num_requests, seed=args.workload_seed,
-                                       max_model_len=args.max_model_len)
-    priorities = None
-    if args.priority_mix:
-        # A fraction of the requests are urgent (priority 0); the rest background (1).
-        rng = np.random.default_rng(args.workload_seed)
-        priorities = [0 if x < args.priority_mix else 1 for x in rng.random(len(workload.requests))]
-    server = (launched_server(shlex.split(args.launch)) if args.launch is not None
+    launch = shlex.split(args.launch) if args.launch is not None else None
+    if launch is not None and not any(a == "--model" or a.startswith("--model=") for a in launch):
+        launch = ["--model", "demo", *launch]  # benchmarks run the demo model unless told
+    server = (launched_server(launch) if launch is not None
               else contextlib.nullcontext((args.url, None)))
     with server as (url, _):
-        model = args.served_model or served_model(url, args.api_key)
+        card = served_model(url, args.api_key)
+        model = args.served_model or card["id"]
+        vocab = args.vocab_size or card.get("vocab_size") or workloads.DEFAULT_VOCAB_SIZE
+        if args.workload == "azure-conv":
+            workload = workloads.azure_conv(num_requests=args.num_requests,
+                                            token_scale=args.token_scale,
+                                            time_scale=args.time_scale,
+                                            max_model_len=args.max_model_len, vocab_size=vocab)
+        else:
+            workload = workloads.synthetic(num_requests=args.num_requests,
+                                           seed=args.workload_seed,
+                                           max_model_len=args.max_model_len, vocab_size=vocab,
+                                           num_long=min(4, args.num_requests))
+        priorities = None
+        if args.priority_mix:
+            # A fraction of the requests are urgent (priority 0); the rest background (1).
+            rng = np.random.default_rng(args.workload_seed)
+            priorities = [0 if x < args.priority_mix else 1
+                          for x in rng.random(len(workload.requests))]
         results, duration = asyncio.run(run_load(
             url, workload, model, rate=args.rate, burstiness=args.burstiness,
             max_concurrency=args.max_concurrency, priorities=priorities, api_key=args.api_key,
@@ -235,7 +307,53 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     print(json.dumps({k: v for k, v in summary.items() if k != "workload"}, indent=2))
     summary["requests"] = request_records(results)
     print("wrote", _write_result(summary, args.output, "serve.json"))
-    return 0
+    return _failed("serve", summary["num_failed"], summary["num_requests"], summary["errors"])
+
+
+def _cmd_bench_soak(args: argparse.Namespace) -> int:
+    import asyncio
+    import contextlib
+    import secrets
+    import shlex
+    import tempfile
+
+    from treadle.bench.launch import launched_server
+    from treadle.bench.serve import served_model
+    from treadle.bench.soak import SoakConfig, run_soak
+
+    if (args.url is None) == (args.launch is None):
+        raise ValueError("give exactly one of --url URL or --launch 'SERVE OPTIONS'")
+    config = SoakConfig(
+        rate=args.rate, duration_s=args.duration, max_in_flight=args.max_in_flight,
+        timeout_s=args.timeout, disconnect_fraction=args.disconnect_fraction,
+        priorities=tuple(args.priorities), priority_weights=tuple(args.priority_weights),
+        prompt_len=tuple(args.prompt_len), output_len=tuple(args.output_len),
+        report_interval_s=args.report_interval, seed=args.workload_seed)
+    with contextlib.ExitStack() as stack:
+        keys: list[str | None] = list(args.api_key or [])
+        if args.launch is not None:
+            serve_args = shlex.split(args.launch)
+            if not keys and "--api-keys-file" not in serve_args:  # two tenants, one key each
+                keys = [f"soak-{name}-{secrets.token_hex(8)}" for name in ("a", "b")]
+                folder = stack.enter_context(tempfile.TemporaryDirectory())
+                keys_file = Path(folder) / "keys.yaml"
+                keys_file.write_text("".join(f"- {{key: {k}, tenant: tenant-{n}}}\n"
+                                             for k, n in zip(keys, "ab")))
+                serve_args += ["--api-keys-file", str(keys_file)]
+            url, proc = stack.enter_context(launched_server(serve_args))
+            print(f"server pid {proc.pid}, log {proc.log_path}", file=sys.stderr)
+        else:
+            url = args.url
+        keys = keys or [None]
+        card = served_model(url, keys[0])
+        vocab = args.vocab_size or card.get("vocab_size") or 49152
+        result = asyncio.run(run_soak(url, card["id"], keys, vocab, config,
+                                      card.get("max_model_len")))
+    result["launch"], result["url"] = args.launch, args.url
+    summary = result["summary"]
+    print(json.dumps(summary, indent=2, default=str))
+    print("wrote", _write_result(result, args.output, "soak.json"))
+    return _failed("soak", summary["error"], summary["num_requests"], summary["errors"])
 
 
 def _cmd_bench_compare(args: argparse.Namespace) -> int:
@@ -262,6 +380,8 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload-file", default=None,
                         help="a workload saved as JSON (bench/workloads.save_workload); "
                              "overrides the options above")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="draw token ids below this (default: the model's config.json)")
     parser.add_argument("--output", default=None, help="where to write the JSON result")
 
 
@@ -281,10 +401,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(gen)
     gen.set_defaults(func=_cmd_generate)
 
-    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API (demo model by default)")
+    chat = sub.add_parser("chat", help="chat with a model in the terminal (streamed; /reset, "
+                                       "/exit; Ctrl-C stops an answer)")
+    chat.add_argument("--system", default=None, help="system prompt (the template's own "
+                                                     "default when not given)")
+    chat.add_argument("--max-tokens", type=int, default=512)
+    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument("--top-p", type=float, default=1.0)
+    chat.add_argument("--sampling-seed", type=int, default=None)
+    add_config_arguments(chat)
+    chat.set_defaults(func=_cmd_chat)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API "
+                                       "(SmolLM2-135M-Instruct by default)")
     add_config_arguments(srv)
     add_dataclass_arguments(srv, ServerConfig, "server options")
     srv.set_defaults(func=_cmd_serve)
+
+    wrk = sub.add_parser("worker", help="a rank other than 0 under torchrun (RANK, "
+                         "WORLD_SIZE, MASTER_ADDR, MASTER_PORT): serve rank 0's calls")
+    add_config_arguments(wrk)
+    wrk.set_defaults(func=_cmd_worker)
 
     trace = sub.add_parser("trace", help="per-step traces (written with --trace FILE)")
     trace_sub = trace.add_subparsers(dest="trace_command", required=True)
@@ -344,15 +481,60 @@ def build_parser() -> argparse.ArgumentParser:
     online.add_argument("--priority-mix", type=float, default=None,
                         help="fraction of requests sent with priority 0 (the rest 1)")
     online.add_argument("--served-model", default=None, help="model name (asked when omitted)")
+    online.add_argument("--vocab-size", type=int, default=None,
+                        help="draw token ids below this (default: the server's /v1/models "
+                             "vocab_size, else 49152)")
     online.add_argument("--api-key", default=None)
     online.add_argument("--output", default=None)
     online.set_defaults(func=_cmd_bench_serve)
+
+    soak = bench_sub.add_parser(
+        "soak", help="bounded mixed traffic (arrivals, disconnects, priorities, two tenants, "
+                     "timeouts) with a report every minute; goodput at the end")
+    soak.add_argument("--url", default=None, help="base URL of a running server")
+    soak.add_argument("--launch", default=None,
+                      help="start `treadle serve` with these options instead (two API keys "
+                           "are made for two tenants unless --api-keys-file is among them)")
+    soak.add_argument("--api-key", action="append", default=None,
+                      help="with --url: one key per tenant (repeat for two tenants)")
+    soak.add_argument("--rate", type=float, default=6.0, help="arrivals per second (Poisson)")
+    soak.add_argument("--duration", type=float, default=240.0,
+                      help="seconds of arrivals; open requests then finish or time out")
+    soak.add_argument("--max-in-flight", type=int, default=150)
+    soak.add_argument("--timeout", type=float, default=300.0,
+                      help="client deadline per request, from its arrival (s)")
+    soak.add_argument("--disconnect-fraction", type=float, default=0.1,
+                      help="share of clients that leave mid-stream")
+    soak.add_argument("--priorities", type=int, nargs="+", default=[-5, 0, 5])
+    soak.add_argument("--priority-weights", type=float, nargs="+", default=[0.2, 0.6, 0.2])
+    soak.add_argument("--prompt-len", type=int, nargs=2, default=[32, 512], metavar=("LO", "HI"))
+    soak.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("LO", "HI"))
+    soak.add_argument("--report-interval", type=float, default=60.0, help="seconds")
+    soak.add_argument("--workload-seed", type=int, default=0)
+    soak.add_argument("--vocab-size", type=int, default=None,
+                      help="token ids below this (default: the server's /v1/models vocab_size)")
+    soak.add_argument("--output", default=None)
+    soak.set_defaults(func=_cmd_bench_soak)
 
     sched = bench_sub.add_parser(
         "scheduling", help="mixed-priority and azure-conv replays under several policies "
                            "(options: treadle bench scheduling -- --help)")
     sched.add_argument("rest", nargs=argparse.REMAINDER)
     sched.set_defaults(func=_cmd_bench_scheduling)
+
+    ppl = bench_sub.add_parser("perplexity", help="perplexity of a fixed text through treadle "
+                                                 "and transformers (output quality)")
+    ppl.add_argument("--model", default=None,
+                     help="as `serve --model`; the default model when not given")
+    ppl.add_argument("--text", default=None,
+                     help="UTF-8 text file (default: benchmarks/data/treadle_essay.txt)")
+    ppl.add_argument("--window", type=int, default=1024, help="tokens per scored window")
+    ppl.add_argument("--stride", type=int, default=512, help="tokens between window starts")
+    ppl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ppl.add_argument("--no-transformers", action="store_true",
+                     help="treadle only (no reference run)")
+    ppl.add_argument("--output", default=None)
+    ppl.set_defaults(func=_cmd_bench_perplexity)
 
     kv = bench_sub.add_parser("kv", help="KV memory: fragmentation, prefix cache, preemption")
     kv.add_argument("--measure", choices=["fragmentation", "prefix", "preemption", "all"],

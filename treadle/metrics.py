@@ -7,7 +7,8 @@ routers built for vLLM read treadle unchanged. It never decides anything.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
+                               generate_latest)
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -25,12 +26,18 @@ _COUNTER_STATS = {
     "swap_bytes_in": ("swap_in_bytes", "Bytes of KV swapped in"),
 }
 
+# The preemption tax: seconds the engine spent on work a preemption caused, by mode.
+# Exposed once the engine's stats carry these keys (seconds, cumulative); until then the
+# metric is absent rather than a zero nobody measured.
+_PREEMPTION_TAX_STATS = {"time_swap_s": "swap", "time_recompute_s": "recompute"}
+
 
 class EngineMetrics:
     """The metrics of one engine, exposed at /metrics."""
 
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, CPU seconds
         r, labels = self.registry, ["model_name"]
         self._model = model_name
 
@@ -60,6 +67,7 @@ class EngineMetrics:
         self._engine_counters = {key: counter(name, doc)
                                  for key, (name, doc) in _COUNTER_STATS.items()}
         self._last_stats: dict[str, float] = {}
+        self._preemption_tax: Counter | None = None
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token",
                               _LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between streamed tokens",
@@ -79,10 +87,7 @@ class EngineMetrics:
     def record_step(self, stats: dict, num_running: int, num_waiting: int, num_swapped: int,
                     num_scheduled: int, max_num_seqs: int) -> None:
         """Gauges after a step, and the engine's cumulative counters as increments."""
-        self.running.set(num_running)
-        self.waiting.set(num_waiting)
-        self.swapped.set(num_swapped)
-        self.kv_usage.set(stats["kv_usage"])
+        self.record_gauges(num_running, num_waiting, num_swapped, stats["kv_usage"])
         if num_scheduled:
             efficiency = num_scheduled / max_num_seqs
             self.batch_efficiency.set(efficiency)
@@ -91,6 +96,31 @@ class EngineMetrics:
             increment = stats[key] - self._last_stats.get(key, 0)
             if increment > 0:
                 metric.inc(increment)
+            self._last_stats[key] = stats[key]
+        self._record_preemption_tax(stats)
+
+    def record_gauges(self, num_running: int, num_waiting: int, num_swapped: int,
+                      kv_usage: float) -> None:
+        """The request and KV gauges (after a step, or while idle after aborts)."""
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+        self.swapped.set(num_swapped)
+        self.kv_usage.set(kv_usage)
+
+    def _record_preemption_tax(self, stats: dict) -> None:
+        present = [key for key in _PREEMPTION_TAX_STATS if key in stats]
+        if not present:
+            return
+        if self._preemption_tax is None:
+            self._preemption_tax = Counter(
+                "treadle:preemption_tax_seconds",
+                "Seconds spent swapping KV out and in, and recomputing preempted tokens",
+                ["model_name", "mode"], registry=self.registry)
+        for key in present:
+            increment = stats[key] - self._last_stats.get(key, 0)
+            if increment > 0:
+                self._preemption_tax.labels(self._model, _PREEMPTION_TAX_STATS[key]).inc(
+                    increment)
             self._last_stats[key] = stats[key]
 
     def record_new_tokens(self, num_tokens: int, ttft: float | None = None,

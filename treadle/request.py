@@ -80,6 +80,12 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        self.max_num_computed_tokens = 0
+        """The most tokens it ever had in the KV cache (a recompute preemption loses them:
+        computing them again is work done twice)."""
+        self.num_cached_tokens = 0
+        """Prompt tokens found in the prefix cache when the request was first admitted
+        (the scheduler sets it; the API reports it as usage.prompt_tokens_details)."""
         self.status = RequestStatus.WAITING
         self.error: str | None = None
         self.num_preemptions = 0
@@ -88,8 +94,6 @@ class Request:
         self.first_token_time: float | None = None
         self.spec_token_ids: list[int] = []
         """Proposed next tokens (speculative decoding), scored in the request's next step."""
-        self.num_cached_tokens = 0
-        """Prompt tokens the prefix cache supplied when the request was first admitted."""
         self.parent_id: str | None = None
         """The user request this one is a sample of (the n samples of an n > 1 request
         share it); None for a request made directly."""
@@ -133,8 +137,9 @@ class Request:
         """The finished status this request has reached after its last token, if any."""
         params = self.sampling_params
         last = self.output_token_ids[-1]
-        if not params.ignore_eos and last == self.eos_token_id:
-            return RequestStatus.FINISHED_STOPPED
+        if last == self.eos_token_id and (not params.ignore_eos
+                                          or params.structured_outputs is not None):
+            return RequestStatus.FINISHED_STOPPED  # a grammar's end is the request's end
         if last in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if (len(self.output_token_ids) >= params.max_tokens

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from treadle.structured.spec import StructuredSpec
+
 _MAX_SEED = 2**63 - 1
 _GREEDY_BELOW = 1e-5
 """Temperatures below this sample greedily (1 / T would overflow float32 logits)."""
@@ -30,7 +32,8 @@ class SamplingParams:
     """
 
     max_tokens: int = 16
-    """Most tokens to generate."""
+    """Most tokens to generate; 0 (only with prompt_logprobs) scores the prompt and
+    generates nothing."""
     temperature: float = 1.0
     """0 (or anything below 1e-5, as in vLLM) means greedy; higher flattens the
     distribution."""
@@ -70,9 +73,15 @@ class SamplingParams:
     """Keep the matched stop string (or stop token's text) at the end of the text."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the output text."""
+    structured_outputs: StructuredSpec | None = None
+    """A grammar the output must match (treadle.structured): JSON schema, regex, choice
+    or EBNF/Lark; the sampler masks every token the grammar does not allow."""
 
     def __post_init__(self) -> None:
-        _check_int("max_tokens", self.max_tokens, low=1)
+        _check_int("max_tokens", self.max_tokens, low=0)
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError("max_tokens must be >= 1 (0 only with prompt_logprobs, to score "
+                             "a prompt), got 0")
         _check_number("temperature", self.temperature, low=0.0, high=100.0)
         _check_number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         _check_int("top_k", self.top_k, low=0)
@@ -98,6 +107,10 @@ class SamplingParams:
                 _check_int(name, getattr(self, name), low=0, high=MAX_LOGPROBS)
         _check_int("n", self.n, low=1, high=MAX_N)
         self.logit_bias = _check_logit_bias(self.logit_bias)
+        if (self.structured_outputs is not None
+                and not isinstance(self.structured_outputs, StructuredSpec)):
+            raise ValueError("structured_outputs must be a treadle.structured.StructuredSpec, "
+                             f"got {type(self.structured_outputs).__name__}")
 
     @property
     def is_greedy(self) -> bool:

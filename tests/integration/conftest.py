@@ -17,15 +17,17 @@ FAMILIES = {
 }
 
 
-def make_tiny_checkpoint(path, family: str, vocab_size: int = 512, seed: int = 0) -> str:
+def make_tiny_checkpoint(path, family: str, vocab_size: int = 512, seed: int = 0,
+                         **overrides) -> str:
     import transformers
 
     spec = FAMILIES[family]
-    config = getattr(transformers, spec["cls"])(
+    settings = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         initializer_range=0.2, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
         **spec["extra"])
+    config = getattr(transformers, spec["cls"])(**{**settings, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
     model.save_pretrained(path)
@@ -54,10 +56,13 @@ def executor_backend(request):
     sets the option's default (config.ENV_PREFIX): LLM(...) and `treadle serve` alike."""
     import os
 
-    name = getattr(request, "param", "uni")
+    name = getattr(request, "param", None)
     key = "TREADLE_DISTRIBUTED_EXECUTOR_BACKEND"
     previous = os.environ.get(key)
-    os.environ[key] = name
+    if name is None:  # not an engine module: the option keeps its default
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = name
     yield name
     if previous is None:
         os.environ.pop(key, None)

@@ -118,6 +118,7 @@ def test_offline_runners_get_the_workload_file_and_report_its_figures(tmp_path):
 
 
 def test_a_failing_offline_runner_is_an_error_with_its_log(tmp_path):
+    (tmp_path / "config.json").write_text('{"vocab_size": 512}')  # the workload's ids
     config_path = tmp_path / "cmp.yaml"
     config_path.write_text(yaml.safe_dump({
         "model": str(tmp_path), "workload": {"name": "synthetic", "num_requests": 2, "num_long": 0},
@@ -125,6 +126,25 @@ def test_a_failing_offline_runner_is_an_error_with_its_log(tmp_path):
                      "command": "echo no such runner >&2; exit 3"}]}))
     with pytest.raises(RuntimeError, match="exited with 3(.|\n)*no such runner"):
         compare(load_config(config_path))
+
+
+def test_missing_plot_dependency_stops_before_any_system_runs(tmp_path, monkeypatch):
+    """Without matplotlib (the `bench` extra) a comparison says so at once, instead of
+    after every system has run."""
+    import importlib.util
+
+    import treadle.bench.compare as compare_module
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
+    ran = []
+    monkeypatch.setattr(compare_module, "run_system", lambda *args: ran.append(args) or [])
+    config = {"systems": [{"name": "s", "kind": "static"}], "workload": {"name": "synthetic"},
+              "load": {}, "repeats": 1}
+    with pytest.raises(SystemExit, match=r"matplotlib \(for the plots\).*treadle\[bench\]"):
+        compare(config)
+    assert ran == []
 
 
 def test_workload_file_round_trip(tmp_path):

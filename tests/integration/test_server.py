@@ -273,25 +273,11 @@ def test_overload_gets_429_quickly_and_accepted_finish(tiny_demo):
         assert codes.count(429) >= 40 and codes.count(200) >= 4
         refused = [(t, ra) for c, t, ra in results if c == 429]
         assert all(ra is not None and int(ra) >= 1 for _, ra in refused)
-        assert max(t for t, _ in refused) < 5.0  # refused at once, not after queueing
+        # Refused at once, not after queueing: every refusal came back before the first
+        # accepted request (200 tokens) finished; this holds on a loaded machine too.
+        accepted = [t for c, t, _ in results if c == 200]
+        assert max(t for t, _ in refused) < min(accepted)
         assert httpx.get(base + "/health").status_code == 200
-
-
-def test_schemathesis_fuzz_finds_no_5xx(tiny_demo, tmp_path):
-    schemathesis = pytest.importorskip("schemathesis")
-    import subprocess
-    import sys
-    with running_server(tiny_demo, "--num-kv-blocks", "128", "--max-model-len", "256") \
-            as (base, _):
-        result = subprocess.run(
-            [sys.executable, "-m", "schemathesis.cli", "run", base + "/openapi.json",
-             "--checks", "not_a_server_error", "--max-examples", "25",
-             "--request-timeout", "60", "--phases", "examples,coverage,fuzzing",
-             "--suppress-health-check", "all"],
-            capture_output=True, text=True, timeout=600, cwd=tmp_path)
-        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-        assert httpx.get(base + "/health").status_code == 200
-        del schemathesis
 
 
 def test_sigterm_drains_then_aborts_and_exits_zero(tiny_demo):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from treadle.server.admission import AdmissionControl, AdmissionLimits, Overloaded
+from treadle.server.admission import (AdmissionControl, AdmissionLimits, NeverAdmissible,
+                                      Overloaded)
 from treadle.server.auth import AuthError, KeyRing, Tenant
 
 
@@ -56,8 +57,20 @@ def test_tokens_per_minute_window_and_retry_after():
         ac.admit("a", 10, 10, now=20.0)          # 90 + 20 > 100: wait for t=0 to expire
     assert exc.value.retry_after_s == 40
     ac.admit("a", 10, 10, now=60.5)              # the t=0 entry has left the window
-    with pytest.raises(Overloaded, match="more than tenant_tokens_per_minute"):
+
+
+def test_a_request_over_the_whole_quota_is_never_admissible():
+    # It used to be a 429 with Retry-After: 60 that no retry could ever pass.
+    ac = control(max_waiting_requests=100, tenant_max_concurrent_requests=100,
+                 tenant_tokens_per_minute=100)
+    with pytest.raises(NeverAdmissible, match="tenant_tokens_per_minute") as exc:
         ac.admit("b", 90, 20, now=0)
+    assert not isinstance(exc.value, Overloaded) and exc.value.param == "max_tokens"
+    assert ac.num_waiting == 0 and ac.num_waiting_tokens == 0  # nothing was counted
+    ac.release(ac.admit("b", 90, 10, now=0))  # exactly the quota still passes
+    with pytest.raises(NeverAdmissible, match="max_waiting_tokens") as exc:
+        ac.admit("c", 101, 1, now=0)  # a prompt larger than the whole waiting queue
+    assert exc.value.param == "prompt"
 
 
 def test_keyring_tenants_and_constant_time_check(tmp_path):

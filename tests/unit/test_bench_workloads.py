@@ -9,8 +9,7 @@ import pytest
 from treadle.bench import report, workloads
 from treadle.bench.workloads import azure_conv, cap_lengths, shared_prefix, synthetic
 
-TRACE = Path("/work/shared/traces/AzureLLMInferenceTrace_conv.csv")
-needs_trace = pytest.mark.skipif(not TRACE.is_file(), reason="Azure trace not available")
+TRACE = Path(__file__).resolve().parents[2] / "benchmarks" / "traces" / workloads.AZURE_CONV_FILE
 
 
 def test_synthetic_is_deterministic_per_seed():
@@ -69,7 +68,6 @@ def test_bad_parameters_raise():
         synthetic(num_requests=2, num_long=3)
 
 
-@needs_trace
 def test_azure_conv_reads_real_rows():
     w = azure_conv(TRACE, num_requests=5, max_model_len=4096)
     lens = [(len(r.prompt_token_ids), r.max_tokens) for r in w.requests]
@@ -81,7 +79,6 @@ def test_azure_conv_reads_real_rows():
     assert w.description["token_scale"] == 1.0 and w.description["time_scale"] == 1.0
 
 
-@needs_trace
 def test_azure_conv_scaling_and_cap():
     w = azure_conv(TRACE, num_requests=4, token_scale=0.5, time_scale=2.0, max_model_len=4096)
     assert [(len(r.prompt_token_ids), r.max_tokens) for r in w.requests] == [
@@ -94,8 +91,11 @@ def test_azure_conv_scaling_and_cap():
     assert azure_conv(TRACE, num_requests=10).requests == azure_conv(TRACE, num_requests=10).requests
 
 
-@needs_trace
 def test_azure_conv_default_path_and_env(monkeypatch):
+    monkeypatch.delenv(workloads.TRACES_DIR_ENV, raising=False)
+    assert workloads.default_traces_dir() / workloads.AZURE_CONV_FILE == TRACE  # shipped
+    assert len(azure_conv(num_requests=3).requests) == 3
+    assert "CC-BY 4.0" in (TRACE.parent / "README.md").read_text()
     monkeypatch.setenv(workloads.TRACES_DIR_ENV, str(TRACE.parent))
     assert len(azure_conv(num_requests=3).requests) == 3
     monkeypatch.setenv(workloads.TRACES_DIR_ENV, "/nonexistent-dir")

@@ -1,8 +1,10 @@
 """`treadle bench compare CONFIG.yaml`: several systems, one workload, one run, side by side.
 
-Owns reading the comparison config, running each system on the same workload in turn
-(alternating over repeats, so drift on a shared machine hits every system alike), the
-table of figures with ratios against the first entry, and the plots. A system is one of:
+Owns reading the comparison config, checking the optional dependencies before anything
+runs (matplotlib, from the `bench` extra: a run takes many minutes, and only then come the
+plots), running each system on the same workload in turn (alternating over repeats, so
+drift on a shared machine hits every system alike), the table of figures with ratios
+against the first entry, and the plots. A system is one of:
 
 - `treadle`: `treadle serve <options>` launched on 127.0.0.1, loaded over HTTP;
 - `server`: any OpenAI-compatible server started by a shell `command` (`{port}` and
@@ -17,7 +19,7 @@ table of figures with ratios against the first entry, and the plots. A system is
 
 Example (benchmarks/compare_cpu.yaml):
 
-    model: null                 # a checkpoint folder; null = the demo model
+    model: demo                 # demo (random weights), a checkpoint folder, .gguf or HF id
     workload: {name: synthetic, num_requests: 64, seed: 0}
     load: {rates: [null]}       # requests/s per point; null = all at once;
                                 # "trace" = the workload's own arrival times
@@ -31,6 +33,7 @@ Example (benchmarks/compare_cpu.yaml):
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import itertools
 import json
 import os
@@ -52,6 +55,18 @@ from treadle.bench.serve import request_records, run_load, summarize
 
 _KINDS = ("treadle", "server", "static", "treadle-offline", "offline")
 _NEEDS_COMMAND = ("server", "offline")
+_OPTIONAL_MODULES = {"matplotlib": "the plots"}
+"""Modules of the `bench` extra that a comparison needs, and what for."""
+
+
+def check_dependencies() -> None:
+    """SystemExit naming what is missing and how to install it, before any system runs."""
+    missing = [f"{name} (for {use})" for name, use in _OPTIONAL_MODULES.items()
+               if importlib.util.find_spec(name) is None]
+    if missing:
+        raise SystemExit(f"treadle bench compare needs {', '.join(missing)}, which the "
+                         f"`bench` extra installs: pip install 'treadle[bench]' (or "
+                         f"pip install -e '.[bench]' in a checkout). Nothing was run.")
 
 
 def load_config(path: str | Path) -> dict:
@@ -72,9 +87,13 @@ def load_config(path: str | Path) -> dict:
     return config
 
 
-def make_workload(spec: dict) -> workloads.Workload:
+def make_workload(spec: dict, model: str | None = None) -> workloads.Workload:
+    """The configured workload; its token ids below the model's vocabulary unless the
+    spec gives `vocab_size`."""
     spec = dict(spec)
     name = spec.pop("name", "synthetic")
+    if model is not None and "vocab_size" not in spec:
+        spec["vocab_size"] = workloads.model_vocab_size(model)
     builders = {"synthetic": workloads.synthetic, "azure-conv": workloads.azure_conv,
                 "shared-prefix": workloads.shared_prefix}
     if name not in builders:
@@ -157,7 +176,7 @@ def _online(base: str, workload, rates: list, load: dict) -> list[dict]:
     """One summary per rate, every request streamed over HTTP."""
     from treadle.bench.serve import served_model
 
-    model = served_model(base)
+    model = served_model(base)["id"]
     points = []
     for rate in rates:
         results, duration = asyncio.run(run_load(
@@ -201,12 +220,17 @@ def run_system(system: dict, model: str, workload, load: dict) -> list[dict]:
 
 
 def compare(config: dict) -> dict:
-    """Run every system `repeats` times, alternating; keep every point of every run."""
-    model = config.get("model")
-    if model is None:
-        from treadle.models.demo import demo_model_path
-        model = str(demo_model_path())
-    workload = make_workload(config["workload"])
+    """Run every system `repeats` times, alternating; keep every point of every run.
+    Checks the optional dependencies first (`check_dependencies`)."""
+    check_dependencies()
+    from treadle.models.resolve import resolve_model
+
+    # Every system loads the same checkpoint folder: a folder given is passed as is; demo
+    # (the default), a .gguf file or a Hub id become the folder treadle resolves them to.
+    model = config.get("model") or "demo"
+    if not Path(model).is_dir():
+        model = str(resolve_model(model))
+    workload = make_workload(config["workload"], model)
     runs: dict[str, list[list[dict]]] = {s["name"]: [] for s in config["systems"]}
     for _ in range(int(config["repeats"])):
         for system in config["systems"]:

@@ -80,7 +80,7 @@ def sampler_in_step(num_requests: int = 256, prompt_len: int = 8, steps: int = 5
     from treadle.config import EngineConfig
     from treadle.request import Request
 
-    config = EngineConfig.from_options(dtype="bfloat16", max_num_seqs=num_requests,
+    config = EngineConfig.from_options(model="demo", dtype="bfloat16", max_num_seqs=num_requests,
                                        max_num_batched_tokens=max(2048, num_requests),
                                        kv_cache_memory="2GiB", num_threads=num_threads)
     core = EngineCore(config)

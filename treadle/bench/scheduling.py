@@ -199,7 +199,7 @@ def _engine(**options: Any):
     from treadle.config import EngineConfig
     from treadle.engine.core import EngineCore
 
-    engine = EngineCore(EngineConfig.from_options(**options))
+    engine = EngineCore(EngineConfig.from_options(**{"model": "demo", **options}))
     warmup = [ReplayRequest(list(range(3, 131)), 4, 0.0),
               ReplayRequest(list(range(3, 35)), 4, 0.0)]
     replay(engine, warmup, id_prefix="warmup-")

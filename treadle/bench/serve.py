@@ -137,12 +137,17 @@ async def run_load(url: str, workload: Workload, model: str, rate: float | None 
     return list(results), time.perf_counter() - t0
 
 
-def served_model(url: str, api_key: str | None = None) -> str:
-    """The first model a server lists at /v1/models."""
+def served_model(url: str, api_key: str | None = None) -> dict:
+    """The first model card a server lists at /v1/models ("id"; treadle and vLLM add
+    "max_model_len", treadle "vocab_size")."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    return httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    response = httpx.get(url + "/v1/models", headers=headers, timeout=30)
+    if response.status_code != 200:
+        raise ValueError(f"{url}/v1/models answered {response.status_code}: "
+                         f"{response.text[:200]}")
+    return response.json()["data"][0]
 
 
 def request_records(results: list[RequestResult]) -> list[dict]:

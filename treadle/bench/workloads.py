@@ -24,6 +24,8 @@ import numpy as np
 #: Token ids below this are avoided in random prompts (pad / bos / eos in most vocabularies).
 FIRST_ORDINARY_TOKEN_ID = 3
 AZURE_CONV_FILE = "AzureLLMInferenceTrace_conv.csv"
+DEFAULT_VOCAB_SIZE = 49152
+"""The benchmark model's vocabulary (SmolLM2-135M); used only when the model's is unknown."""
 TRACES_DIR_ENV = "TREADLE_TRACES_DIR"
 
 
@@ -94,6 +96,40 @@ def _check_vocab(vocab_size: int) -> None:
         raise ValueError(f"vocab_size must be > {FIRST_ORDINARY_TOKEN_ID}, got {vocab_size}")
 
 
+def _model_config_value(model_dir: str | Path, key: str):
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    return config.get(key) or (config.get("text_config") or {}).get(key)
+
+
+def model_vocab_size(model_dir: str | Path) -> int:
+    """The vocabulary size in a Hugging Face checkpoint's config.json (reading a file, not
+    loading the model), so that a workload draws only ids the model has."""
+    size = _model_config_value(model_dir, "vocab_size")
+    if not isinstance(size, int):
+        raise ValueError(f"cannot tell the vocabulary size of {model_dir} (no vocab_size in "
+                         "its config.json): pass --vocab-size")
+    return size
+
+
+def model_context_len(model_dir: str | Path) -> int | None:
+    """max_position_embeddings in the checkpoint's config.json (None if absent)."""
+    length = _model_config_value(model_dir, "max_position_embeddings")
+    return length if isinstance(length, int) else None
+
+
+def check_token_ids(workload: Workload, vocab_size: int) -> None:
+    """ValueError if any prompt token id is outside [0, vocab_size) (e.g. a workload file
+    made for another model)."""
+    for i, request in enumerate(workload.requests):
+        bad = next((t for t in request.prompt_token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"workload {workload.name!r}: request {i} has token id {bad}, "
+                             f"outside the model's vocabulary [0, {vocab_size})")
+
+
 def _random_ids(rng: np.random.Generator, length: int, vocab_size: int) -> list[int]:
     return rng.integers(FIRST_ORDINARY_TOKEN_ID, vocab_size, size=length).tolist()
 
@@ -152,11 +188,12 @@ def synthetic(num_requests: int = 64, prompt_len: tuple[int, int] = (32, 512),
 
 
 def default_traces_dir() -> Path:
-    """$TREADLE_TRACES_DIR if set, else ../shared/traces next to the repository root."""
+    """$TREADLE_TRACES_DIR if set, else the project's own benchmarks/traces (the Azure
+    conversation trace ships there, with its CC-BY 4.0 attribution in its README)."""
     env = os.environ.get(TRACES_DIR_ENV)
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+    return Path(__file__).resolve().parents[2] / "benchmarks" / "traces"
 
 
 def _parse_timestamp(text: str) -> float:

@@ -47,7 +47,8 @@ from typing import Callable, Iterable
 
 from treadle.config import CacheConfig, SchedulerConfig, parse_tenant_weights
 from treadle.core import policy
-from treadle.core.admission import Admission, StepRoom, fit, plan_admission_victims
+from treadle.core.admission import (Admission, StepRoom, fit, kv_growth,
+                                    plan_admission_victims, tenant_share_blocks)
 from treadle.core.fair_share import FairShareLedger
 from treadle.core.kv_cache_manager import KVCacheManager
 from treadle.core.outputs import (EngineCoreOutput, ModelRunnerOutput, NewRequestData,
@@ -125,6 +126,13 @@ class Scheduler:
         self._chunked_prompts: set[str] = set()
         """Requests whose prompt has been split across steps and is not finished yet."""
         self._worker_views: dict[str, _WorkerView] = {}
+        self._in_flight: set[str] = set()
+        """Requests in a step submitted to the workers and not yet answered (pipeline
+        parallelism keeps several steps in flight): not scheduled, preempted or freed
+        until it returns."""
+        self._free_after_step: dict[str, Request] = {}
+        """Requests that ended while in flight: their blocks are freed when the step
+        returns (the workers may still be writing them)."""
         self.stats = SchedulerStats()
 
     @property
@@ -170,8 +178,11 @@ class Scheduler:
 
     def _end(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        self.kv.free(request)
-        self.kv.forget(request)
+        if request.request_id in self._in_flight:
+            self._free_after_step[request.request_id] = request
+        else:
+            self.kv.free(request)
+            self.kv.forget(request)
         del self.requests[request.request_id]
         self._num_bypasses.pop(request.request_id, None)
         self._protected_until.pop(request.request_id, None)
@@ -202,6 +213,17 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def num_in_flight(self) -> int:
+        """Requests in submitted steps not answered yet."""
+        return len(self._in_flight)
+
+    def _idle_running(self) -> list[Request]:
+        """Running requests not in a step in flight: the ones this step may touch."""
+        if not self._in_flight:
+            return self.running
+        return [r for r in self.running if r.request_id not in self._in_flight]
+
     def urgency(self, request: Request, now: float | None = None) -> float:
         """The request's urgency under the configured policy (lower is more urgent)."""
         return self.policy.urgency(request, self._clock() if now is None else now)
@@ -215,6 +237,9 @@ class Scheduler:
         self._num_new: dict[str, int] = {}
         self._spec: dict[str, list[int]] = {}
         """Proposed tokens scheduled per request (counted in _num_new)."""
+        self._num_recomputed = 0
+        self._kv_reserve: int | None = None
+        """This step's KV headroom for admissions (StepRoom.kv_reserve), made on first use."""
         self._preempted: list[Request] = []
         self._memory_victims: list[Request] = []
         self._admitted: set[str] = set()
@@ -222,6 +247,7 @@ class Scheduler:
         self._swap_in: list[tuple[int, int]] = []
         self._finishes_prompt = False
         self._finishes_chunked_prompt = False
+        self.policy.prepare_step(self.requests.values())
         if self.policy.orders_by_urgency:
             self._schedule_by_urgency()
         else:
@@ -230,7 +256,7 @@ class Scheduler:
 
     def _schedule_fcfs(self) -> None:
         # 1. Running requests, decodes first. Each may preempt others to get a block.
-        for request in policy.running_order(self.running):
+        for request in policy.running_order(self._idle_running()):
             self._schedule_running(request)
         # 2. Swapped-out requests come back in, oldest first, before anything new.
         if self._preempted:
@@ -244,13 +270,13 @@ class Scheduler:
     def _schedule_by_urgency(self) -> None:
         key = self._order_key
         # 1. Decodes: one token each (plus any proposed tokens), most urgent first.
-        for request in policy.running_order(self.running, key):
+        for request in policy.running_order(self._idle_running(), key):
             if request.is_decoding:
                 self._schedule_running(request)
         # 2. Everything else that wants tokens, in one order: running prefill chunks,
         #    swapped-out and waiting requests, most urgent first.
         preempted = {r.request_id for r in self._preempted}
-        items = [r for r in self.running if r.request_id not in self._num_new]
+        items = [r for r in self._idle_running() if r.request_id not in self._num_new]
         items += [r for r in self.swapped if r.request_id not in preempted]
         items += [r for r in self.waiting if r.request_id not in preempted]
         self._admit_in_order(self.policy.order(items, self._now))
@@ -346,8 +372,9 @@ class Scheduler:
         if self._holds_back(request, num_tokens < num_uncomputed):
             return
         while not self.kv.allocate_slots(request, num_tokens):
-            victim = self.preemptor.choose_memory_victim(request, self.running, self._admitted,
-                                                         self._now, self._step)
+            victim = self.preemptor.choose_memory_victim(request, self._idle_running(),
+                                                         self._admitted, self._now, self._step,
+                                                         self._over_share())
             self._preempt_now(victim)
             self._memory_victims.append(victim)
             if victim is request:
@@ -393,13 +420,18 @@ class Scheduler:
                 self._finishes_chunked_prompt = True
                 self._chunked_prompts.discard(rid)
         self._num_new[rid] = num_tokens
+        self._num_recomputed += max(0, min(num_tokens, request.max_num_computed_tokens
+                                           - request.num_computed_tokens))
         if spec:
             self._spec[rid] = spec
         self._budget -= num_tokens
         self.fair_share.charge(request, num_tokens)
 
     def _unschedule(self, request: Request) -> None:
-        num_tokens = self._num_new.pop(request.request_id, 0)
+        num_tokens = self._num_new.get(request.request_id, 0)
+        self._num_recomputed -= max(0, min(num_tokens, request.max_num_computed_tokens
+                                           - request.num_computed_tokens))
+        self._num_new.pop(request.request_id, None)
         self._spec.pop(request.request_id, None)
         if num_tokens:
             self._budget += num_tokens
@@ -440,6 +472,7 @@ class Scheduler:
             self._admit_waiting(request, num_tokens, num_hit_tokens, computed_blocks)
         self._admitted.add(request.request_id)
         self._num_bypasses.pop(request.request_id, None)
+        self._kv_reserve = None  # one more running request to leave room for
         return Admission.ADMITTED
 
     def _may_chunk(self, request: Request) -> bool:
@@ -451,13 +484,62 @@ class Scheduler:
         """
         return self.config.enable_chunked_prefill or request.num_output_tokens > 0
 
-    def _room(self) -> StepRoom:
-        return StepRoom(self._budget, len(self.running), self.config.max_num_seqs)
+    def _room(self, request: Request | None = None) -> StepRoom:
+        """What is left of the step for admitting `request`: slots, budget, and the KV
+        headroom (watermark + growth of the running requests) and tenant share it must
+        respect."""
+        cfg = self.config
+        if self._kv_reserve is None:
+            reserve = 0
+            if self.running and (cfg.kv_watermark or cfg.admission_lookahead_tokens):
+                reserve = int(cfg.kv_watermark * self.kv.num_blocks + 0.999999)
+                for r in self.running:
+                    reserve += kv_growth(self.kv, r, self.kv.num_allocated_slots(r.request_id),
+                                         cfg.admission_lookahead_tokens)
+            self._kv_reserve = reserve
+        tenant_room = None
+        if cfg.tenant_kv_share and request is not None:
+            tenant_room = self._tenant_room(request)
+        return StepRoom(self._budget, len(self.running), cfg.max_num_seqs, self._kv_reserve,
+                        cfg.admission_lookahead_tokens if self.running else 0, tenant_room)
+
+    def _tenant_blocks(self) -> dict[str, int]:
+        held: dict[str, int] = {}
+        for r in self.running:
+            tenant = policy.tenant_of(r)
+            held[tenant] = held.get(tenant, 0) + self.kv.num_held_blocks(r.request_id)
+        return held
+
+    def _active_tenants(self) -> set[str]:
+        active = {policy.tenant_of(r) for r in self.running}
+        return active | set(self.fair_share.num_queued)
+
+    def _tenant_room(self, request: Request) -> int | None:
+        """Blocks the request's tenant may still take, or None when no other tenant
+        wants memory (its share is lent: it may take everything)."""
+        tenant = policy.tenant_of(request)
+        active = self._active_tenants() | {tenant}
+        if len(active) < 2:
+            return None
+        share = tenant_share_blocks(self.kv.num_blocks, self.fair_share.weight(tenant),
+                                    sum(self.fair_share.weight(t) for t in active))
+        return share - self._tenant_blocks().get(tenant, 0)
+
+    def _over_share(self) -> set[str]:
+        """Tenants holding more than their share of the blocks while others compete."""
+        active = self._active_tenants()
+        if not self.config.tenant_kv_share or len(active) < 2:
+            return set()
+        total = sum(self.fair_share.weight(t) for t in active)
+        return {t for t, held in self._tenant_blocks().items()
+                if held > tenant_share_blocks(self.kv.num_blocks, self.fair_share.weight(t),
+                                              total)}
 
     def _fit(self, request: Request, swapped: bool, num_hit_tokens: int,
              computed_blocks: list) -> tuple[Admission, int]:
         """Whether the request fits in this step now, and with how many tokens."""
-        return fit(self.kv, request, swapped, num_hit_tokens, computed_blocks, self._room(),
+        return fit(self.kv, request, swapped, num_hit_tokens, computed_blocks,
+                   self._room(request),
                    self._may_chunk(request), lambda partial: self._holds_back(request, partial))
 
     def _plan_admission_victims(self, request: Request, swapped: bool,
@@ -467,7 +549,8 @@ class Scheduler:
         protected |= self._admitted
         return plan_admission_victims(
             self.kv, request, swapped, num_hit_tokens, self._urgency(request),
-            [(r, self._urgency(r)) for r in self.running], self.policy.admission_threshold,
+            [(r, self._urgency(r)) for r in self._idle_running()],
+            self.policy.admission_threshold,
             protected, self._room(), self._num_new, self._may_chunk(request))
 
     def _admit_waiting(self, request: Request, num_tokens: int, num_hit_tokens: int,
@@ -483,6 +566,7 @@ class Scheduler:
             request.num_cached_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             request.first_scheduled_time = self._now
+            self.policy.observe_wait(self._now - request.arrival_time)
             self.running.append(request)
         self._schedule_tokens(request, num_tokens)
 
@@ -510,6 +594,7 @@ class Scheduler:
         decodes = [s for s in scheduled if s.is_decoding]  # decodes first (a stable partition)
         if len(decodes) != len(scheduled):
             scheduled = decodes + [s for s in scheduled if not s.is_decoding]
+        self._in_flight.update(s.request_id for s in scheduled)
         finished, self._finished_since_last_step = self._finished_since_last_step, []
         stats = self.stats
         if scheduled:
@@ -526,7 +611,8 @@ class Scheduler:
             stats.used_slots += used
         return SchedulerOutput(scheduled=scheduled, finished_request_ids=finished,
                                preempted_request_ids=[r.request_id for r in preempted],
-                               swap_out=self._swap_out, swap_in=self._swap_in)
+                               swap_out=self._swap_out, swap_in=self._swap_in,
+                               num_recomputed_tokens=self._num_recomputed)
 
     def _scheduled_request(self, request: Request, num_tokens: int) -> ScheduledRequest:
         """The request's entry of the step message: what the worker does not know yet
@@ -551,8 +637,8 @@ class Scheduler:
             request_id=rid, num_computed_tokens=start, num_scheduled_tokens=num_tokens,
             new_token_ids=new_token_ids, new_block_ids=new_block_ids,
             replaces_block_table=replaces, spec_token_ids=self._spec.get(rid, []),
-            sample=start + num_tokens >= total, is_decoding=request.is_decoding,
-            new_request=new_request)
+            sample=start + num_tokens >= total and request.sampling_params.max_tokens > 0,
+            is_decoding=request.is_decoding, new_request=new_request)
 
     def _table_changed(self, request: Request) -> None:
         """The request's block table changed other than by appending."""
@@ -608,6 +694,12 @@ class Scheduler:
         proposals_of = runner_output.spec_token_ids
         for sched in scheduler_output.scheduled:
             rid = sched.request_id
+            self._in_flight.discard(rid)
+            ended = self._free_after_step.pop(rid, None)
+            if ended is not None:  # it ended while the step ran: its blocks are free now
+                kv.free(ended)
+                kv.forget(ended)
+                continue
             request = requests_get(rid)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
@@ -626,14 +718,23 @@ class Scheduler:
             num_tokens = len(request.all_token_ids)
             if request.num_computed_tokens > num_tokens:
                 request.num_computed_tokens = num_tokens
+            if request.num_computed_tokens > request.max_num_computed_tokens:
+                request.max_num_computed_tokens = request.num_computed_tokens
             if num_rejected and kv.trim(request):
                 self._table_changed(request)
             kv.cache_full_blocks(request)  # only blocks full of its own tokens
             prompt_logprobs = prompt_logprobs_of.get(rid) if prompt_logprobs_of else None
             if not sched.sample:
-                if prompt_logprobs is not None:
-                    outputs.append(EngineCoreOutput(request.request_id, [],
-                                                    new_prompt_logprobs=prompt_logprobs))
+                scored = (request.sampling_params.max_tokens == 0
+                          and request.num_computed_tokens >= request.num_tokens)
+                if scored:  # max_tokens 0: its prompt scored, nothing to generate
+                    self.running.remove(request)
+                    self._end(request, RequestStatus.FINISHED_LENGTH)
+                if prompt_logprobs is not None or scored:
+                    outputs.append(EngineCoreOutput(
+                        request.request_id, [], finish_reason=request.finish_reason,
+                        new_prompt_logprobs=prompt_logprobs,
+                        num_cached_tokens=request.num_cached_tokens))
                 continue
             if request.first_token_time is None:
                 request.first_token_time = self._clock()

@@ -39,9 +39,11 @@ from typing import AsyncIterator
 from treadle.config import EngineConfig
 from treadle.engine.core import EngineCore
 from treadle.engine.driver import EngineDriver
-from treadle.engine.llm import load_tokenizer
+from treadle.engine.limits import EngineLimits
+from treadle.engine.llm import STRUCTURED_UNSUPPORTED, load_tokenizer
 from treadle.engine.output_processor import RequestOutput
 from treadle.metrics import EngineMetrics
+from treadle.models.resolve import served_model_name as resolved_name
 from treadle.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -51,15 +53,8 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can be served."""
 
 
-@dataclass(frozen=True)
-class EngineLimits:
-    """What the server checks requests against before it accepts them."""
-
-    vocab_size: int
-    max_model_len: int
-    num_kv_tokens: int
-    """Token slots of the whole KV cache."""
-    block_size: int
+class EngineFailedError(EngineDeadError):
+    """The engine loop failed while the request was in flight (an internal error)."""
 
 
 @dataclass
@@ -91,12 +86,13 @@ class AsyncEngine:
         self._built.wait()
         if self._build_error is not None:
             raise self._build_error
+        self.limits = EngineLimits.from_core(self.core)
+        """What a request must fit (vocabulary, context, KV cache): read-only."""
         self.tokenizer = load_tokenizer(self.core.model_dir)
-        self.model_name = served_model_name or self.core.model_dir.name
+        self.model_name = served_model_name or resolved_name(config.model.model,
+                                                             self.core.model_dir)
         self.driver = EngineDriver(self.core, self.tokenizer)
-        block_size = config.cache.block_size
-        self.limits = EngineLimits(self.core.vocab_size, self.core.max_model_len,
-                                   self.core.num_kv_blocks * block_size, block_size)
+        self.eos_token_id = self.core.eos_token_id
         self.metrics = EngineMetrics(self.model_name)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -125,6 +121,11 @@ class AsyncEngine:
         return self._thread.is_alive() and self.error is None and not self._stop.is_set()
 
     @property
+    def supports_structured_outputs(self) -> bool:
+        """Whether the core applies grammar masks (treadle.structured) when sampling."""
+        return self.core.supports_structured_outputs
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
@@ -140,6 +141,8 @@ class AsyncEngine:
         """
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
+        if params.structured_outputs is not None and not self.supports_structured_outputs:
+            raise ValueError(STRUCTURED_UNSUPPORTED)
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), time.monotonic(), len(prompt_token_ids))
         self._streams[request_id] = stream
@@ -186,6 +189,7 @@ class AsyncEngine:
                 self._drain_commands()
                 if not self.core.has_unfinished_requests():
                     self.core.check_health()
+                    self._record_idle_gauges()  # the last request may have been aborted
                     self._wake.wait(0.1)
                     self._wake.clear()
                     continue
@@ -195,7 +199,7 @@ class AsyncEngine:
             self.error = exc
             for stream in list(self._streams.values()):
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait,
-                                                 EngineDeadError(f"engine loop failed: {exc}"))
+                                                 EngineFailedError(f"engine loop failed: {exc}"))
             self._streams.clear()
 
     def _drain_commands(self) -> None:
@@ -244,6 +248,12 @@ class AsyncEngine:
             self.config.scheduler.max_num_seqs)
         for output in request_outputs:
             self._deliver(output.request_id, output)
+
+    def _record_idle_gauges(self) -> None:
+        """Gauges of an idle engine: no step runs to update them after aborts."""
+        sched = self.core.scheduler
+        self.metrics.record_gauges(sched.num_running, sched.num_waiting, sched.num_swapped,
+                                   sched.kv.usage)
 
     def _deliver(self, request_id: str, output: RequestOutput) -> None:
         stream = self._streams.get(request_id)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from pathlib import Path
 
 from treadle.config import EngineConfig
@@ -20,17 +21,34 @@ from treadle.core.outputs import EngineCoreOutput, StepTimings, WorkerInfo
 from treadle.core.scheduler import Scheduler
 from treadle.engine.trace import TraceRecorder, engine_facts
 from treadle.executor import make_executor
+from treadle.models.tokenizer import has_tokenizer
 from treadle.request import FinishReason, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
 
+def resolve_model_once(config: EngineConfig) -> EngineConfig:
+    """The config with `model` resolved to a local checkpoint directory (the default model
+    fetched, a GGUF file converted, a Hub id downloaded: treadle/models/resolve.py), done
+    here, once, so that no worker rank fetches or converts anything."""
+    import dataclasses
+
+    from treadle.models.resolve import resolve_model  # imports torch: not at module level
+
+    m = config.model
+    path = resolve_model(m.model, m.revision, m.download_dir, m.dtype)
+    return dataclasses.replace(config, model=dataclasses.replace(m, model=str(path)))
+
+
 class EngineCore:
     """The engine without tokenizer: requests of token ids in, new token ids out."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, executor=None) -> None:
+        """`executor`: an Executor to use instead of the one the config names (tests)."""
+        if executor is None:
+            config = resolve_model_once(config)
         self.config = config
-        self.executor = make_executor(config)
+        self.executor = executor if executor is not None else make_executor(config)
         try:
             self.info = info = self.executor.load()
             self._size_cache(info)
@@ -41,6 +59,8 @@ class EngineCore:
         self.eos_token_id = info.eos_token_id
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
+        self.supports_structured_outputs = has_tokenizer(self.model_dir)
+        """Grammars need the model's tokenizer (the worker builds them from it)."""
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks,
                                    self.max_model_len, self.num_swap_blocks,
                                    info.preemption_costs)
@@ -51,6 +71,10 @@ class EngineCore:
         """Per-step trace (treadle.engine.trace), when `scheduler.trace` names a file."""
         self.timings = StepTimings()
         """The workers' step costs, summed over steps."""
+        self.time_recompute_s = 0.0
+        """Forward time spent recomputing what recompute preemptions threw away."""
+        self._in_flight: deque[tuple] = deque()
+        """Submitted steps not answered yet: (SchedulerOutput, step number, start time)."""
 
     def _size_cache(self, info: WorkerInfo) -> None:
         """Decide the block counts from the workers' report and allocate them."""
@@ -140,13 +164,20 @@ class EngineCore:
             self.trace.record_end(request_id, FinishReason.STOP.value)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def check_health(self) -> None:
         """Raise executor.WorkerDiedError when a worker is gone."""
         self.executor.check_health()
 
     def shutdown(self) -> None:
+        """Wait for the steps in flight (their answers are dropped), stop the workers."""
+        try:
+            while self._in_flight:
+                self._in_flight.popleft()
+                self.executor.receive()
+        except Exception:  # noqa: BLE001 - a dead worker: stop the rest anyway
+            pass
         self.executor.shutdown()
         if self.trace is not None:
             self.trace.close()
@@ -154,22 +185,47 @@ class EngineCore:
     # ----- one step ------------------------------------------------------------------------
 
     def step(self) -> list[EngineCoreOutput]:
-        t_start = time.monotonic()
-        step = self.scheduler.stats.num_steps
-        scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute_model(scheduler_output)
+        """Schedule and submit steps until the executor has `max_in_flight` of them
+        running (one, unless pipeline stages can overlap), then take the oldest one's
+        answer and update the requests with it."""
+        while len(self._in_flight) < self.executor.max_in_flight:
+            t_start = time.monotonic()
+            step = self.scheduler.stats.num_steps
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.is_empty and not (scheduler_output.finished_request_ids
+                                                  or scheduler_output.preempted_request_ids):
+                break  # nothing to run or to tell the workers
+            self.executor.submit(scheduler_output)
+            self._in_flight.append((scheduler_output, step, t_start))
+            if not scheduler_output.scheduled:
+                break
+        if not self._in_flight:
+            return []
+        scheduler_output, step, t_start = self._in_flight.popleft()
+        runner_output = self.executor.receive()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        self._add_timings(runner_output.timings)
+        self._add_timings(runner_output.timings, scheduler_output)
         if self.trace is not None and (scheduler_output.scheduled
                                        or scheduler_output.preempted_request_ids):
             self.trace.record_step(step, t_start, time.monotonic(), scheduler_output, outputs)
         return outputs
 
-    def _add_timings(self, t: StepTimings) -> None:
+    @property
+    def num_steps_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def _add_timings(self, t: StepTimings, scheduler_output) -> None:
         total = self.timings
         total.prepare_s += t.prepare_s
         total.forward_s += t.forward_s
         total.sample_s += t.sample_s
+        total.swap_s += t.swap_s
+        total.comm_s += t.comm_s
+        num_tokens = scheduler_output.num_scheduled_tokens
+        if num_tokens and scheduler_output.num_recomputed_tokens:
+            # The step's forward time, in the share of its tokens that were work redone.
+            self.time_recompute_s += (t.forward_s * scheduler_output.num_recomputed_tokens
+                                      / num_tokens)
         total.swap_bytes_out += t.swap_bytes_out
         total.swap_bytes_in += t.swap_bytes_in
 
@@ -203,4 +259,7 @@ class EngineCore:
             "time_prepare_s": t.prepare_s,
             "time_forward_s": t.forward_s,
             "time_sample_s": t.sample_s,
+            "time_comm_s": t.comm_s,
+            "time_swap_s": t.swap_s,
+            "time_recompute_s": self.time_recompute_s,
         }

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import time
-from pathlib import Path
 from typing import Any, Sequence, Union
 
 from tqdm.auto import tqdm
@@ -21,8 +21,10 @@ from tqdm.auto import tqdm
 from treadle.config import EngineConfig
 from treadle.engine.core import EngineCore
 from treadle.engine.driver import EngineDriver
+from treadle.engine.limits import EngineLimits
 from treadle.engine.output_processor import (CompletionOutput, Logprob, RequestMetrics,
                                              RequestOutput)
+from treadle.models.tokenizer import load_tokenizer
 from treadle.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput",
@@ -33,20 +35,8 @@ logger = logging.getLogger(__name__)
 PromptType = Union[str, list[int], dict[str, Any]]
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
-def load_tokenizer(model_dir: Path):
-    """The checkpoint's tokenizer, or None when the folder has no tokenizer files.
-
-    Without one, the engine still runs on token ids (as vLLM's skip_tokenizer_init);
-    string prompts are then refused and output text is empty.
-    """
-    if not any((Path(model_dir) / name).exists() for name in _TOKENIZER_FILES):
-        logger.warning("no tokenizer files in %s: prompts must be token ids", model_dir)
-        return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(model_dir))
+class PromptError(ValueError):
+    """This one prompt cannot be turned into token ids (it fails alone, with an output)."""
 
 
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 1024
@@ -59,6 +49,12 @@ alternating runs each: 302.0 / 297.5 at 1024, 293.8 / 288.9 at 512, 294.3 / 296.
 its LLM class, 2048 for its server)."""
 
 
+STRUCTURED_UNSUPPORTED = ("structured_outputs: this model has no tokenizer files, so no "
+                          "grammar can be built for it")
+"""Without a tokenizer (EngineCore.supports_structured_outputs false) a constrained request
+is refused rather than run unconstrained."""
+
+
 class LLM:
     """An engine for offline batch generation."""
 
@@ -66,25 +62,57 @@ class LLM:
         engine_options.setdefault("max_num_batched_tokens", OFFLINE_MAX_NUM_BATCHED_TOKENS)
         self.config = EngineConfig.from_options(model=model, **engine_options)
         self.engine = EngineCore(self.config)
+        self.limits = EngineLimits.from_core(self.engine)
         self.tokenizer = load_tokenizer(self.engine.model_dir)
         self.driver = EngineDriver(self.engine, self.tokenizer)
         self._request_counter = itertools.count()
 
     def _prompt_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(text, token ids) of one prompt; PromptError saying what is wrong with it."""
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompts as token ids "
-                                 "({'prompt_token_ids': [...]})")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+            return prompt, self._encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                text = prompt.get("prompt")
+                return text if isinstance(text, str) else None, self._checked_ids(
+                    prompt["prompt_token_ids"], "prompt_token_ids")
             if "prompt" in prompt:
                 return self._prompt_token_ids(prompt["prompt"])
-            raise ValueError("a prompt dict needs 'prompt_token_ids' or 'prompt'")
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {prompt!r}")
+            raise PromptError("a prompt dict needs 'prompt_token_ids' or 'prompt'")
+        if isinstance(prompt, (list, tuple)):
+            return None, self._checked_ids(prompt, "prompt")
+        raise PromptError(f"prompt must be a str, a list of token ids or a dict, "
+                          f"got {type(prompt).__name__}")
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise PromptError("this model has no tokenizer: pass prompts as token ids "
+                              "({'prompt_token_ids': [...]})")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise PromptError(f"prompt holds a lone UTF-16 surrogate at character {exc.start}: "
+                              "not valid Unicode, no tokenizer can encode it") from None
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=True)
+        except Exception as exc:  # a tokenizer may refuse text: that prompt fails, alone
+            raise PromptError(f"prompt could not be tokenized: {exc}") from None
+
+    def _checked_ids(self, ids, name: str) -> list[int]:
+        """Token ids as plain ints, each an integer (numpy's too, not bool) in the vocabulary."""
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise PromptError(f"{name} must be a list of token ids, got {type(ids).__name__}")
+        vocab = self.limits.vocab_size
+        checked = []
+        for i, token in enumerate(ids):
+            if not isinstance(token, numbers.Integral) or isinstance(token, bool):
+                raise PromptError(f"{name}[{i}] is {token!r}: token ids are integers in "
+                                  f"[0, {vocab})")
+            if not 0 <= token < vocab:
+                raise PromptError(f"{name}[{i}] is {token}, outside the vocabulary "
+                                  f"[0, {vocab})")
+            checked.append(int(token))
+        return checked
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -96,8 +124,9 @@ class LLM:
         `priority` (lower runs first), `tenant` (the `fair` policy's share) and
         `length_hint` (expected output tokens, for `srpt`) are one value for every prompt
         or one per prompt. A prompt that can never run (empty, too long for the context
-        or the KV cache) gets an output with finish_reason 'error' and the reason in
-        `error`; the other prompts complete normally.
+        or the KV cache, token ids that are not integers in the vocabulary, text that
+        cannot be tokenized, not a prompt at all) gets an output with finish_reason
+        'error' and the reason in `error`; the other prompts complete normally.
         """
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -110,18 +139,25 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} "
                              "sampling_params: pass one, or one per prompt")
 
+        if (any(p.structured_outputs is not None for p in sampling_params)
+                and not self.engine.supports_structured_outputs):
+            raise ValueError(STRUCTURED_UNSUPPORTED)
         count = len(prompts)
         scheduling = list(zip(_per_prompt(priority, count, "priority"),
                               _per_prompt(tenant, count, "tenant"),
                               _per_prompt(length_hint, count, "length_hint")))
-        # Tokenize everything first: a bad prompt raises before any request is in the engine.
-        tokenized = [self._prompt_token_ids(prompt) for prompt in prompts]
+        # Tokenize everything first; a prompt that cannot be tokenized fails alone.
+        tokenized = [self._tokenized_or_error(prompt) for prompt in prompts]
         results: dict[str, RequestOutput] = {}
         order = []
-        for (text, token_ids), params, (priority, tenant, hint) in zip(
+        for prompt, params, (priority, tenant, hint) in zip(
                 tokenized, sampling_params, scheduling):
             request_id = str(next(self._request_counter))
             order.append(request_id)
+            if isinstance(prompt, PromptError):
+                results[request_id] = self.driver.processor.reject(request_id, str(prompt))
+                continue
+            text, token_ids = prompt
             rejected = self.driver.add(request_id, text, token_ids, params, time.monotonic(),
                                        priority, tenant, hint)
             if rejected is not None:
@@ -129,6 +165,12 @@ class LLM:
 
         self._run([rid for rid in order if rid not in results], results, use_tqdm)
         return [results[rid] for rid in order]
+
+    def _tokenized_or_error(self, prompt: PromptType):
+        try:
+            return self._prompt_token_ids(prompt)
+        except PromptError as exc:
+            return exc
 
     def _run(self, request_ids: list[str], results: dict[str, RequestOutput],
              use_tqdm: bool) -> None:

@@ -286,6 +286,16 @@ class OutputProcessor:
     def _update(self, state: _UserRequest, sample: _Sample, out: EngineCoreOutput) -> bool:
         """Apply one output to one sample; True when a stop string ended it."""
         params = sample.params
+        if params.max_tokens == 0:
+            # Scoring a prompt (prompt_logprobs): nothing is generated. The scheduler still
+            # samples one token before it finishes the request; it is not output.
+            if out.error is not None:
+                state.error = out.error
+            if out.finish_reason is not None:
+                sample.end_text()
+                sample.finish_reason = (out.finish_reason.value if out.finish_reason in (
+                    FinishReason.ABORT, FinishReason.ERROR) else FinishReason.LENGTH.value)
+            return False
         new_ids = out.new_token_ids
         sample.token_ids.extend(new_ids)
         if out.new_logprobs is not None and sample.logprobs is not None:

@@ -9,7 +9,9 @@ ModelRunnerOutput (treadle/core/outputs.py). The core sees no device, tensor or 
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
+from collections import deque
 
 from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 
@@ -18,8 +20,23 @@ class WorkerDiedError(RuntimeError):
     """A worker process ended or stopped answering: the engine cannot go on."""
 
 
+def merge_worker_infos(infos: list[WorkerInfo]) -> WorkerInfo:
+    """What several ranks report, as one: rank 0's facts, the smallest block counts (every
+    rank must hold every block)."""
+    return dataclasses.replace(infos[0], num_kv_blocks=min(i.num_kv_blocks for i in infos),
+                               num_swap_blocks=min(i.num_swap_blocks for i in infos))
+
+
 class Executor(ABC):
-    """Runs the workers of one engine."""
+    """Runs the workers of one engine.
+
+    `max_in_flight` steps may be submitted before the first answer is received (pipeline
+    parallelism keeps one per stage busy); `execute_model` is submit + receive."""
+
+    max_in_flight: int = 1
+
+    def __init__(self) -> None:
+        self._done: deque[ModelRunnerOutput] = deque()
 
     @abstractmethod
     def load(self) -> WorkerInfo:
@@ -33,6 +50,15 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; raises WorkerDiedError when a worker is gone."""
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Start a step without waiting for it (`receive` answers in submission order).
+        Executors that run steps one at a time run it here."""
+        self._done.append(self.execute_model(scheduler_output))
+
+    def receive(self) -> ModelRunnerOutput:
+        """The answer of the oldest submitted step."""
+        return self._done.popleft()
 
     def check_health(self) -> None:
         """Raise WorkerDiedError when a worker is gone (cheap: called while idle)."""

@@ -15,6 +15,7 @@ class UniExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         from treadle.worker.worker import Worker  # torch is imported with the worker
 
+        super().__init__()
         self.worker = Worker(config)
 
     def load(self) -> WorkerInfo:

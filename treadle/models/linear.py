@@ -42,6 +42,11 @@ class Linear(nn.Module):
         self.kernel: LinearKernel | None = None
         """Set by `attach_linear_kernels`; None computes with F.linear."""
 
+    @property
+    def kernel_bias(self) -> torch.Tensor | None:
+        """The bias the kernel adds (a row-parallel layer adds its own after the sum)."""
+        return self.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             return self.kernel(x)
@@ -54,6 +59,7 @@ def attach_linear_kernels(model: nn.Module, factory: LinearKernelFactory | None)
     count = 0
     for module in model.modules():
         if isinstance(module, Linear):
-            module.kernel = None if factory is None else factory(module.weight, module.bias)
+            module.kernel = (None if factory is None
+                             else factory(module.weight, module.kernel_bias))
             count += module.kernel is not None
     return count

@@ -3,10 +3,11 @@
 Owns the model's parameters in fused form (one `qkv_proj` and one `gate_up_proj` per
 layer), the forward pass over a flat batch of tokens (all requests concatenated, no
 padding, one position per token), the logits, and the mapping of Hugging Face weight
-names onto the fused parameters. Attention over the paged KV cache is delegated to
-`treadle.worker.attention`; this module never builds attention metadata, picks tokens or
-samples. It takes the checkpoint's parsed config.json dict, not a transformers config
-object, so it does not depend on the transformers version.
+names onto the fused parameters, read by slices for a tensor-parallel rank. Attention
+over the paged KV cache is delegated to `treadle.worker.attention`; this module never
+builds attention metadata, picks tokens or samples. It takes the checkpoint's parsed
+config.json dict, not a transformers config object, so it does not depend on the
+transformers version.
 
 Kernels are handed in by the worker and never chosen here (`set_kernels`): one
 `LinearKernel` per linear layer (models/linear.py), and optionally elementwise ops
@@ -14,6 +15,13 @@ Kernels are handed in by the worker and never chosen here (`set_kernels`): one
 does not apply, and the torch code below runs instead). Attention is one
 `AttentionLayer` call per layer with un-rotated queries and keys; the attention backend
 does the rest.
+
+Tensor and pipeline parallelism (`parallel`: worker.parallel_state.ParallelContext): a
+rank holds its heads, MLP columns and vocabulary range of every layer of its stage
+(models/parallel_layers.py), reads only those slices from the checkpoint, and
+all-reduces after attention and after the MLP; the first stage embeds, the last one
+normalizes and computes logits (gathered to the stage's first rank). With one rank all of
+this is the plain model.
 
 Family switches (as transformers defines them): Qwen2 always has q/k/v biases; Qwen3
 applies a per-head RMSNorm (`q_norm`, `k_norm`) to queries and keys before RoPE; Llama
@@ -30,8 +38,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from treadle.models.linear import Linear, LinearKernelFactory, attach_linear_kernels
+from treadle.models.parallel_layers import RowParallelLinear, ShardGeometry, VocabParallelEmbedding
 from treadle.models.rope import RotaryEmbedding, RotaryInputs
+from treadle.models.weights import TensorSource, WeightSource
 from treadle.worker.attention import AttentionLayer
+from treadle.worker.parallel_state import ParallelContext
 
 _ARCH_TO_FAMILY = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
@@ -89,15 +100,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
 
-def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> Linear:
-    return Linear(in_features, out_features, bias, dtype)
-
-
 class Attention(nn.Module):
-    def __init__(self, cfg: dict[str, Any], family: str, dims: dict[str, int],
+    def __init__(self, cfg: dict[str, Any], family: str, dims: dict[str, Any],
                  dtype: torch.dtype, layer_index: int) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = dims["num_heads"], dims["num_kv_heads"]
+        shard: ShardGeometry = dims["shard"]
+        self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
         self.head_dim = dims["head_dim"]
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -106,8 +114,8 @@ class Attention(nn.Module):
         qkv_bias = True if family == "qwen2" else attention_bias
         o_bias = False if family in ("qwen2", "mistral") else attention_bias
         hidden = dims["hidden_size"]
-        self.qkv_proj = _linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias, dtype)
-        self.o_proj = _linear(self.q_size, hidden, o_bias, dtype)
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias, dtype)
+        self.o_proj = RowParallelLinear(self.q_size, hidden, o_bias, dtype, dims["parallel"])
         self.eps = dims["eps"]
         self.attn = AttentionLayer(self.num_heads, self.num_kv_heads, self.head_dim,
                                    self.scale, layer_index)
@@ -134,13 +142,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: dict[str, Any], family: str, hidden: int, intermediate: int,
+    def __init__(self, cfg: dict[str, Any], family: str, dims: dict[str, Any],
                  dtype: torch.dtype) -> None:
         super().__init__()
         bias = bool(cfg.get("mlp_bias", False)) if family == "llama" else False
-        self.intermediate = intermediate
-        self.gate_up_proj = _linear(hidden, 2 * intermediate, bias, dtype)
-        self.down_proj = _linear(intermediate, hidden, bias, dtype)
+        hidden = dims["hidden_size"]
+        self.intermediate = dims["shard"].intermediate_size
+        self.gate_up_proj = Linear(hidden, 2 * self.intermediate, bias, dtype)
+        self.down_proj = RowParallelLinear(self.intermediate, hidden, bias, dtype,
+                                           dims["parallel"])
         self.ops: LayerOps | None = None
         """Fused elementwise kernels (see LlamaForCausalLM.set_kernels), or None."""
 
@@ -154,14 +164,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], family: str, dims: dict[str, int],
+    def __init__(self, cfg: dict[str, Any], family: str, dims: dict[str, Any],
                  dtype: torch.dtype, layer_index: int) -> None:
         super().__init__()
         hidden, eps = dims["hidden_size"], dims["eps"]
         self.input_layernorm = RMSNorm(hidden, eps, dtype)
         self.self_attn = Attention(cfg, family, dims, dtype, layer_index)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
-        self.mlp = MLP(cfg, family, hidden, dims["intermediate_size"], dtype)
+        self.mlp = MLP(cfg, family, dims, dtype)
         self.ops: LayerOps | None = None
         """Fused elementwise kernels (see LlamaForCausalLM.set_kernels), or None."""
 
@@ -176,39 +186,57 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: dict[str, Any], family: str, dims: dict[str, int],
-                 dtype: torch.dtype) -> None:
+    """The layers of this pipeline stage (keyed by their index in the whole model), with
+    the embedding on the first stage and the final norm on the last."""
+
+    def __init__(self, cfg: dict[str, Any], family: str, dims: dict[str, Any],
+                 dtype: torch.dtype, layers: range, first: bool, last: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(dims["vocab_size"], dims["hidden_size"], dtype=dtype)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, family, dims, dtype, i) for i in range(dims["num_layers"]))
-        self.norm = RMSNorm(dims["hidden_size"], dims["eps"], dtype)
+        if first:
+            self.embed_tokens = VocabParallelEmbedding(dims["shard"], dims["hidden_size"],
+                                                       dtype, dims["parallel"])
+        self.layers = nn.ModuleDict(
+            {str(i): DecoderLayer(cfg, family, dims, dtype, i) for i in layers})
+        if last:
+            self.norm = RMSNorm(dims["hidden_size"], dims["eps"], dtype)
 
 
-# HF name pieces that land in a slice of a fused parameter: piece -> (fused piece, shard).
+_PROJECTIONS = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\."
+                          r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|"
+                          r"qkv_proj|gate_up_proj)\.(weight|bias)$")
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-_FUSED_NAME = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+"""HF projection -> (fused parameter, which of its parts)."""
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class LlamaForCausalLM(nn.Module):
     """Llama / Mistral / Qwen2 / Qwen3 causal LM on a flat, unpadded batch."""
 
-    def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype) -> None:
+    def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype,
+                 parallel: ParallelContext | None = None) -> None:
         super().__init__()
         cfg = hf_config
         family = _family(cfg)
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported; only 'silu'")
         hidden, num_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        self.parallel = parallel = parallel or ParallelContext()
         self.family = family
         self.dtype = dtype
         self.num_layers = int(cfg["num_hidden_layers"])
-        self.num_heads = num_heads
-        self.num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
+        """Layers of the whole model (this stage runs `layer_range` of them)."""
+        self.layer_range = parallel.layer_range or (0, self.num_layers)
+        self.total_num_heads = num_heads
+        self.total_num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
         self.head_dim = int(cfg.get("head_dim") or hidden // num_heads)
         self.hidden_size = hidden
         self.vocab_size = int(cfg["vocab_size"])
+        self.shard = ShardGeometry.of(parallel, num_heads, self.total_num_kv_heads,
+                                      self.head_dim, int(cfg["intermediate_size"]),
+                                      self.vocab_size)
+        self.num_heads, self.num_kv_heads = self.shard.num_heads, self.shard.num_kv_heads
+        """Heads of this rank (all of them with one rank)."""
         self.max_position_embeddings = int(cfg.get("max_position_embeddings") or 2048)
         if family == "mistral":
             self.sliding_window = cfg.get("sliding_window")
@@ -217,46 +245,67 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.sliding_window = None
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", _TIE_DEFAULT[family]))
-        dims = {"hidden_size": hidden, "num_heads": num_heads, "num_kv_heads": self.num_kv_heads,
-                "head_dim": self.head_dim, "intermediate_size": int(cfg["intermediate_size"]),
-                "vocab_size": self.vocab_size, "num_layers": self.num_layers,
-                "eps": float(cfg.get("rms_norm_eps", 1e-6))}
-        self.model = DecoderModel(cfg, family, dims, dtype)
-        if not self.tie_word_embeddings:
-            self.lm_head = _linear(hidden, self.vocab_size, False, dtype)
+        dims = {"hidden_size": hidden, "head_dim": self.head_dim, "shard": self.shard,
+                "parallel": parallel, "eps": float(cfg.get("rms_norm_eps", 1e-6))}
+        first, last = parallel.is_first_stage, parallel.is_last_stage
+        self.model = DecoderModel(cfg, family, dims, dtype, range(*self.layer_range),
+                                  first, last)
+        # The LM head shares the embedding when tied and both live on this stage.
+        if last and not (self.tie_word_embeddings and first):
+            self.lm_head = Linear(hidden, self.shard.vocab_per_rank, False, dtype)
         self.rotary = RotaryEmbedding(cfg, self.head_dim, self.max_position_embeddings, dtype)
         self.lm_head_kernel = None
         """The LinearKernel of the LM head (set_kernels), or None for F.linear."""
         self.ops: LayerOps | None = None
 
     @property
+    def num_local_layers(self) -> int:
+        return self.layer_range[1] - self.layer_range[0]
+
+    @property
     def num_parameters(self) -> int:
-        """Parameter count; a tied embedding / lm_head is counted once."""
+        """Parameter count of this rank; a tied embedding / lm_head is counted once."""
         return sum(p.numel() for p in self.parameters())
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        if hasattr(self, "lm_head"):
+            return self.lm_head.weight
+        return self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], attn_metadata: Any) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden] after the final norm, for every token.
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], attn_metadata: Any,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] of every token: after the final norm on the
+        last stage, else the residual stream for the next stage.
 
-        `attn_metadata` is the attention backend's metadata of the step."""
-        if len(kv_caches) != self.num_layers:
-            raise ValueError(f"expected {self.num_layers} KV caches, got {len(kv_caches)}")
-        embed = self.model.embed_tokens.weight
-        rotary = RotaryInputs(*self.rotary.cos_sin(positions, embed.dtype))  # once per step
-        hidden = F.embedding(input_ids, embed)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        The first stage embeds `input_ids`; a later one continues from `hidden`, the
+        previous stage's output. `attn_metadata` is the attention backend's metadata of
+        the step; `kv_caches` holds one tensor per layer of this stage."""
+        if len(kv_caches) != self.num_local_layers:
+            raise ValueError(f"expected {self.num_local_layers} KV caches, got {len(kv_caches)}")
+        rotary = RotaryInputs(*self.rotary.cos_sin(positions, self.dtype))  # once per step
+        if self.parallel.is_first_stage:
+            hidden = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers.values(), kv_caches):
             hidden = layer.forward(hidden, rotary, kv_cache, attn_metadata)
+        if not self.parallel.is_last_stage:
+            return hidden
         return add_rms_norm(hidden, None, self.model.norm, self.ops)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [N, vocab] of hidden states [N, hidden]."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits [N, vocab] of hidden states [N, hidden]; with tensor parallelism
+        on the stage's first rank only (None on the others, which still take part)."""
         if self.lm_head_kernel is not None:
-            return self.lm_head_kernel(hidden).float()
-        return F.linear(hidden, self.lm_head_weight).float()
+            shard = self.lm_head_kernel(hidden)
+        else:
+            shard = F.linear(hidden, self.lm_head_weight)
+        logits = self.parallel.gather_last_dim(shard)
+        if logits is None:
+            return None
+        if logits.shape[-1] != self.vocab_size:
+            logits = logits[:, :self.vocab_size]
+        return logits.float()
 
     def set_kernels(self, linear_kernels: LinearKernelFactory | None,
                     ops: LayerOps | None) -> int:
@@ -265,7 +314,9 @@ class LlamaForCausalLM(nn.Module):
         calls this after loading; a kernel may hold a packed copy of its weight, made
         now. Returns how many kernels were attached."""
         count = attach_linear_kernels(self, linear_kernels)
-        if not self.tie_word_embeddings:
+        if not self.parallel.is_last_stage:
+            self.lm_head_kernel = None
+        elif hasattr(self, "lm_head"):
             self.lm_head_kernel = self.lm_head.kernel  # attached above with the others
         else:
             self.lm_head_kernel = (None if linear_kernels is None
@@ -277,57 +328,100 @@ class LlamaForCausalLM(nn.Module):
                 module.ops = ops
         return count
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into the (fused) parameters.
+    # ----- loading ---------------------------------------------------------------------
 
-        Raises ValueError naming any unexpected or mis-shaped weight, and any parameter
-        (or slice of a fused one) that no weight filled.
+    def load_weights(self, weights: WeightSource | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into this rank's (fused, sharded) parameters.
+
+        `weights` is a WeightSource (read by slices: a rank reads only its shard) or
+        (name, tensor) pairs. Raises ValueError naming any unexpected or mis-shaped
+        weight, and any parameter (or part of a fused one) that no weight filled.
         """
+        source = weights if hasattr(weights, "read") else TensorSource(weights)
         params = dict(self.named_parameters())
-        fused = _fused_targets(params)
-        pending = {name: fused.get(name, 1) for name in params}
+        parts = {n: 3 if ".qkv_proj." in n else 2 if ".gate_up_proj." in n else 1
+                 for n in params}
         loaded: dict[str, set[int]] = {name: set() for name in params}
         unexpected = []
         with torch.no_grad():
-            for name, tensor in weights:
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue
-                if name == "lm_head.weight" and self.tie_word_embeddings:
-                    continue
-                target, shard = name, None
-                match = _FUSED_NAME.match(name)
-                if match:
-                    fused_piece, shard = _FUSED[match.group(2)]
-                    target = f"{match.group(1)}.{fused_piece}.{match.group(3)}"
-                if target not in params:
+            for name in source.names():
+                plan = self._plan(name, source.shape(name), params)
+                if plan is None:
                     unexpected.append(name)
                     continue
-                dest = params[target]
-                if shard is not None:
-                    dest = self._shard_slice(dest, target, shard)
-                if tuple(dest.shape) != tuple(tensor.shape):
-                    raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(dest.shape)}")
-                dest.copy_(tensor)
-                # A fused name given whole (treadle's own state dict) fills every shard.
-                loaded[target].update(range(pending[target]) if shard is None else (shard,))
+                for target, part, rows, src in plan:
+                    dest = params[target]
+                    if rows is not None:
+                        dest = dest[rows[0]:rows[1]]
+                    tensor = source.read(name, *src) if src else source.read(name)
+                    if tensor.shape[0] < dest.shape[0] and ("embed" in target
+                                                            or "lm_head" in target):
+                        dest[tensor.shape[0]:].zero_()  # vocabulary padding of the last rank
+                        dest = dest[:tensor.shape[0]]
+                    if tuple(dest.shape) != tuple(tensor.shape):
+                        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                                         f"expected {tuple(dest.shape)}")
+                    dest.copy_(tensor)
+                    loaded[target].update(range(parts[target]) if part is None else (part,))
         if unexpected:
             raise ValueError(f"unexpected weights in checkpoint: {', '.join(sorted(unexpected))}")
-        missing = sorted(n for n, got in loaded.items() if len(got) < pending[n])
+        missing = sorted(n for n, got in loaded.items() if len(got) < parts[n])
         if missing:
             raise ValueError(f"parameters never loaded from checkpoint: {', '.join(missing)}")
 
-    def _shard_slice(self, param: torch.Tensor, name: str, shard: int) -> torch.Tensor:
-        if "qkv_proj" in name:
-            q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            bounds = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
-        else:
-            half = param.shape[0] // 2
-            bounds = (shard * half, (shard + 1) * half)
-        return param[bounds[0]:bounds[1]]
-
-
-def _fused_targets(params: dict[str, torch.Tensor]) -> dict[str, int]:
-    """Fused parameter name -> how many checkpoint tensors fill it."""
-    return {n: (3 if ".qkv_proj." in n else 2) for n in params
-            if ".qkv_proj." in n or ".gate_up_proj." in n}
+    def _plan(self, name: str, shape: tuple[int, ...], params: dict[str, torch.Tensor]
+              ) -> list[tuple[str, int | None, tuple[int, int] | None, tuple]] | None:
+        """Where checkpoint tensor `name` goes on this rank: a list of (parameter, part of
+        a fused parameter or None, its row range or None, the slice to read as (dim,
+        start, stop) or () for all). Empty: not this rank's; None: unexpected."""
+        if name.endswith("rotary_emb.inv_freq"):
+            return []
+        shard, d = self.shard, self.head_dim
+        layer = _LAYER_NAME.match(name)
+        if layer is not None:
+            index = int(layer.group(1))
+            if index >= self.num_layers:
+                return None
+            if not self.layer_range[0] <= index < self.layer_range[1]:
+                return []
+        projection = _PROJECTIONS.match(name)
+        if projection is not None:
+            _, _, piece, kind = projection.groups()
+            prefix = name[:-len(f"{piece}.{kind}")]
+            if piece in ("o_proj", "down_proj"):  # row-parallel: split input columns
+                first, last = (shard.q_heads() if piece == "o_proj" else shard.columns())
+                width = d if piece == "o_proj" else 1
+                src = (1, first * width, last * width) if kind == "weight" else ()
+                return [(name, None, None, src)] if name in params else None
+            if piece in ("qkv_proj", "gate_up_proj"):  # treadle's own fused names
+                if self.parallel.tp_size > 1:
+                    return None
+                return [(name, None, None, ())] if name in params else None
+            fused, part = _FUSED[piece]
+            target = f"{prefix}{fused}.{kind}"
+            if target not in params:
+                return None
+            q, kv, cols = shard.num_heads * d, shard.num_kv_heads * d, shard.intermediate_size
+            if fused == "qkv_proj":
+                heads = (shard.q_heads() if part == 0
+                         else shard.kv_heads(self.total_num_kv_heads))
+                rows = [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][part]
+                return [(target, part, rows, (0, heads[0] * d, heads[1] * d))]
+            first, last = shard.columns()
+            return [(target, part, (part * cols, (part + 1) * cols), (0, first, last))]
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            first, last = shard.vocab_range()
+            src = (0, first, min(last, self.vocab_size))
+            targets = []
+            if name == "model.embed_tokens.weight" and "model.embed_tokens.weight" in params:
+                targets.append(("model.embed_tokens.weight", None, None, src))
+            tied_here = self.tie_word_embeddings and name == "model.embed_tokens.weight"
+            if "lm_head.weight" in params and (tied_here or not self.tie_word_embeddings
+                                               and name == "lm_head.weight"):
+                targets.append(("lm_head.weight", None, None, src))
+            known = name == "model.embed_tokens.weight" or not self.tie_word_embeddings
+            return targets if targets or known else []
+        if name == "model.norm.weight":
+            return [(name, None, None, ())] if name in params else (
+                [] if not self.parallel.is_last_stage else None)
+        return [(name, None, None, ())] if name in params else None

@@ -1,17 +1,23 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic), with their bounds.
 
 Owns the wire format: field names and types follow the OpenAI API plus vLLM's sampling
-extensions and `priority`. Every field is bounded here, so a violation is a 400 naming
-the field before anything reaches the engine. It does not tokenize or talk to the engine.
+extensions and `priority`. Every field is bounded here, in its type, so that the OpenAPI
+schema states exactly what the validators accept (bounds that depend on the model, such
+as the vocabulary and the context, are added to the schema by server/openapi.py). A
+violation is a 400 naming the field before anything reaches the engine. Types are strict
+(a number sent as a string is an error, as the schema says; 2.0 is the integer 2, as in
+JSON Schema), and no text may hold a lone UTF-16 surrogate, which no tokenizer can
+encode. It does not tokenize or talk to the engine.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -21,15 +27,87 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_PROMPT_TOKENS_LIST = 1_000_000
 MAX_TOKEN_ID = 2**31 - 1
 MAX_MESSAGES = 1024
+MAX_PROMPTS = 64
+"""Most prompts in one batched completions request (each runs n samples)."""
+MAX_TOOLS = 128
+MAX_SEED = 2**53 - 1
+"""The largest integer every JSON reader holds exactly (float64 ones too, as JavaScript's and
+schema validators'); beyond it a seed would not round-trip."""
+MAX_LOGIT_BIAS_KEY_DIGITS = 9
+"""logit_bias keys are decimal token ids (no leading zeros) of at most this many digits."""
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+PromptText = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS_LIST)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+BiasKey = Annotated[str, Field(
+    pattern=rf"^(0|[1-9][0-9]{{0,{MAX_LOGIT_BIAS_KEY_DIGITS - 1}}})$")]
 
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def _is_lone_surrogate_free(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def surrogate_path(value: Any, path: tuple = ()) -> tuple | None:
+    """Where in a JSON value the first string (or key) holding a lone UTF-16 surrogate is
+    (JSON's "\\ud800" escapes decode to one); None if there is none."""
+    if isinstance(value, str):
+        return None if _is_lone_surrogate_free(value) else path
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str) and not _is_lone_surrogate_free(key):
+                return path
+            found = surrogate_path(item, path + (key,))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        if all(type(item) is int for item in value):  # token ids: nothing to look at
+            return None
+        for i, item in enumerate(value):
+            found = surrogate_path(item, path + (i,))
+            if found is not None:
+                return found
+    return None
+
+
+def integral_floats_as_ints(value: Any) -> Any:
+    """2.0 -> 2 throughout a JSON value: JSON Schema counts a number with no fraction as an
+    integer, and the strict types would refuse it (a float field still takes an int)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: integral_floats_as_ints(v) for k, v in value.items()}
+    if isinstance(value, list):
+        if all(type(item) is int for item in value):
+            return value
+        return [integral_floats_as_ints(item) for item in value]
+    return value
+
+
 class OpenAIModel(BaseModel):
-    # Unknown fields are ignored, as the OpenAI API does (clients send extras).
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are kept so that server/fields.py can refuse them by name (or accept
+    # the few listed there as ignored): nothing is silently dropped.
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data):
+        path = surrogate_path(data)
+        if path is not None:
+            field = ".".join(str(p) for p in path)
+            raise PydanticCustomError(
+                "lone_surrogate", "text holds a lone UTF-16 surrogate (not valid Unicode)",
+                {"field": field})
+        return integral_floats_as_ints(data)
 
 
 class StreamOptions(OpenAIModel):
@@ -40,7 +118,8 @@ class SamplingFields(OpenAIModel):
     """Fields shared by completions and chat completions."""
 
     model: Optional[str] = Field(default=None, max_length=512)
-    max_tokens: Optional[int] = Field(default=None, ge=1, le=1_000_000)
+    max_tokens: Optional[int] = Field(default=None, ge=0, le=1_000_000,
+                                      description="0 only with echo or prompt_logprobs")
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, le=1_000_000)
@@ -48,54 +127,28 @@ class SamplingFields(OpenAIModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
-    seed: Optional[int] = Field(default=None, ge=0, le=2**63 - 1)
+    seed: Optional[int] = Field(default=None, ge=0, le=MAX_SEED)
     n: int = Field(default=1, ge=1, le=MAX_N)
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = Field(default=None, max_length=MAX_STOP_STRINGS)
+    stop: Optional[Union[StopString, Annotated[list[StopString],
+                                               Field(max_length=MAX_STOP_STRINGS)]]] = None
+    stop_token_ids: Optional[list[TokenId]] = Field(default=None, max_length=MAX_STOP_STRINGS)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, le=1_000_000)
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[dict[BiasKey, Bias]] = Field(default=None,
+                                                      max_length=MAX_LOGIT_BIAS_ENTRIES)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
     user: Optional[str] = Field(default=None, max_length=256)
-
-    @field_validator("stop")
-    @classmethod
-    def _bounded_stop(cls, value):
-        if value is None:
-            return value
-        stops = [value] if isinstance(value, str) else value
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
-        for s in stops:
-            if not s or len(s) > MAX_STOP_STRING_CHARS:
-                raise ValueError(f"each stop string must have 1 to {MAX_STOP_STRING_CHARS} "
-                                 f"characters, got {len(s)}")
-        return value
-
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _bounded_stop_ids(cls, value):
-        if value is not None and any(not 0 <= t <= MAX_TOKEN_ID for t in value):
-            raise ValueError("stop_token_ids must be non-negative token ids")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _bounded_logit_bias(cls, value):
-        if value is None:
-            return value
-        if len(value) > MAX_LOGIT_BIAS_ENTRIES:
-            raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(value)}")
-        for key, bias in value.items():
-            if not key.isdigit() or int(key) > MAX_TOKEN_ID:
-                raise ValueError(f"keys must be token ids, got {key!r}")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"biases must be in [-100, 100], got {bias}")
-        return value
+    response_format: Optional[dict[str, Any]] = Field(
+        default=None, description="{'type': 'text' | 'json_object' | 'json_schema', ...}")
+    structured_outputs: Optional[dict[str, Any]] = Field(
+        default=None, description="vLLM's: one of json, regex, choice, grammar, json_object")
+    prompt_logprobs: Optional[int] = Field(
+        default=None, ge=0, le=MAX_LOGPROBS,
+        description="vLLM's: logprobs of every prompt token and this many alternatives")
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -104,41 +157,71 @@ class SamplingFields(OpenAIModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
+    prompt: Union[PromptText, TokenIds,
+                  Annotated[list[PromptText], Field(min_length=1, max_length=MAX_PROMPTS)],
+                  Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]] = Field(
+        description="a string, token ids, or a batch of either (one choice per prompt x n)")
     echo: bool = False
     logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    suffix: Optional[str] = None
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value):
-        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-            if len(value) != 1:
-                raise ValueError("batched prompts are not supported: send one prompt per request")
-            value = value[0]
-        if isinstance(value, list):
-            if len(value) > MAX_PROMPT_TOKENS_LIST:
-                raise ValueError(f"at most {MAX_PROMPT_TOKENS_LIST} prompt token ids")
-            if any(not 0 <= t <= MAX_TOKEN_ID for t in value):
+    def _bounded_prompts(cls, value):
+        batch = value if isinstance(value, list) and value and isinstance(
+            value[0], (str, list)) else [value]
+        if len(batch) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts in one request, got {len(batch)}")
+        if sum(len(p) for p in batch if isinstance(p, list)) > MAX_PROMPT_TOKENS_LIST:
+            raise ValueError(f"at most {MAX_PROMPT_TOKENS_LIST} prompt token ids")
+        for p in batch:
+            if isinstance(p, list) and any(not 0 <= t <= MAX_TOKEN_ID for t in p):
                 raise ValueError("prompt token ids must be non-negative")
         return value
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompts of the batch (one for an unbatched request)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return list(p)
+        return [p]
+
+
+class TextPart(OpenAIModel):
+    """A content part; only text parts are supported."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ToolCallFunction(OpenAIModel):
+    name: str = Field(max_length=256)
+    arguments: Union[str, dict[str, Any]] = "{}"
+    """JSON text, as OpenAI sends it (an object is taken as it is)."""
+
+
+class ToolCall(OpenAIModel):
+    """One call of an assistant message, as the chat completion answered it."""
+
+    id: Optional[str] = Field(default=None, max_length=256)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
 
 
 class ChatMessage(OpenAIModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Union[str, list[dict[str, Any]], None] = None
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = Field(default=None, max_length=256)
+    tool_calls: Optional[list[ToolCall]] = Field(default=None, max_length=MAX_TOOLS)
+    """An assistant message's calls."""
+    tool_call_id: Optional[str] = Field(default=None, max_length=256)
+    """A tool message: the id of the call it answers."""
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
+        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -147,19 +230,34 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1, le=1_000_000)
     add_generation_prompt: bool = True
+    tools: Optional[list[dict[str, Any]]] = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Optional[Union[str, dict[str, Any]]] = Field(
+        default=None, description="'none', 'auto', 'required' or {'type': 'function', ...}")
+    parallel_tool_calls: Optional[bool] = None
 
 
 class TokenizeRequest(OpenAIModel):
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
+
     model: Optional[str] = Field(default=None, max_length=512)
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1,
                                                   max_length=MAX_MESSAGES)
     add_special_tokens: bool = True
 
+    @model_validator(mode="after")
+    def _prompt_or_messages(self):
+        if self.prompt is None and self.messages is None:
+            raise PydanticCustomError("missing", "one of prompt or messages is required",
+                                      {"field": "prompt"})
+        return self
+
 
 class DetokenizeRequest(OpenAIModel):
     model: Optional[str] = Field(default=None, max_length=512)
-    tokens: list[int] = Field(max_length=MAX_PROMPT_TOKENS_LIST)
+    tokens: list[TokenId] = Field(max_length=MAX_PROMPT_TOKENS_LIST)
 
 
 class Usage(BaseModel):

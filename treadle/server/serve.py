@@ -2,7 +2,10 @@
 
 Owns the process lifecycle. On SIGTERM or SIGINT the server stops accepting work (new
 requests get 503), lets in-flight requests finish for up to `shutdown_timeout` seconds,
-aborts whatever is left with an error event on its stream, and exits with status 0.
+aborts whatever is left with an error event on its stream, and exits with status 0. When
+the engine itself dies (a worker process gone or hung), its requests have already failed
+and /health answers 503; the server keeps answering for ENGINE_DEATH_GRACE_S (so that
+clients and health checks see why), then exits with status 1.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from treadle.server.auth import KeyRing
 
 logger = logging.getLogger(__name__)
 
+ENGINE_DEATH_GRACE_S = 2.0
+"""Seconds the server stays up (answering 503) after its engine died."""
+
 
 class _GracefulServer(uvicorn.Server):
     """uvicorn, with a drain phase between the signal and the exit."""
@@ -29,6 +35,17 @@ class _GracefulServer(uvicorn.Server):
         super().__init__(config)
         self._app, self._engine, self._timeout = app, engine, shutdown_timeout
         self._draining = False
+        self.engine_died_at: float | None = None
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._engine.error is not None and not self._draining:
+            if self.engine_died_at is None:
+                self.engine_died_at = time.monotonic()
+                logger.error("the engine died (%s): exiting in %.0f s", self._engine.error,
+                             ENGINE_DEATH_GRACE_S)
+            elif time.monotonic() - self.engine_died_at > ENGINE_DEATH_GRACE_S:
+                self.should_exit = True
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig, frame) -> None:
         if self._draining:  # a second signal: exit now
@@ -72,4 +89,4 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         server.run()
     finally:
         engine.shutdown()
-    return 0
+    return 1 if server.engine_died_at is not None else 0

@@ -13,6 +13,12 @@ there: the longest agreeing prefix is kept, then one token of the model's own), 
 for requests that ask for prompt logprobs, every position of their prompt chunk (in
 slices, so a long chunk never holds [chunk, vocab] logits at once).
 
+With pipeline parallelism every stage applies every message (its layers need the same
+metadata); the first stage embeds and sends its activations to the next, a later stage
+receives them first, and only the last computes logits. With tensor parallelism the
+logits are gathered to the stage's first rank, the output rank, which alone samples and
+answers (worker/parallel_state.py); the other ranks return None.
+
 The runner never decides policy: it computes exactly what it is given.
 """
 
@@ -28,8 +34,10 @@ import torch
 from treadle.core.outputs import (ModelRunnerOutput, PromptLogprobs, ScheduledRequest,
                                   SchedulerOutput, StepTimings, TokenLogprobs)
 from treadle.worker.attention import AttentionBackend, AttentionStep
+from treadle.worker.grammar import GrammarState
 from treadle.worker.input_batch import CachedRequestState, InputBatch
 from treadle.worker.kv_cache import copy_blocks
+from treadle.worker.parallel_state import ParallelContext
 from treadle.worker.sampler import Sampler, group_order, prompt_logprobs
 
 _PROMPT_LOGPROBS_ROWS = 256
@@ -65,9 +73,14 @@ class ModelRunner:
                  attention: AttentionBackend, block_size: int, num_cache_blocks: int,
                  max_model_len: int, sampler: Sampler, device: torch.device,
                  swap_caches: list[torch.Tensor] | None = None, block_dim: int = 2,
-                 eos_token_id: int | None = None) -> None:
-        """`swap_caches` hold swapped-out blocks (same layout as kv_caches)."""
+                 eos_token_id: int | None = None,
+                 parallel: ParallelContext | None = None,
+                 grammar: GrammarState | None = None) -> None:
+        """`swap_caches` hold swapped-out blocks (same layout as kv_caches); `grammar` the
+        structured-output state (the output rank's)."""
         self.model = model
+        self.parallel = parallel or ParallelContext()
+        self.grammar = grammar
         self.kv_caches = kv_caches
         self.swap_caches = swap_caches
         self.attention = attention
@@ -137,37 +150,70 @@ class ModelRunner:
     # ----- one step ------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         self.sampler.drop(scheduler_output.finished_request_ids)
+        if self.grammar is not None:
+            self.grammar.drop(scheduler_output.finished_request_ids)
         timings = StepTimings()
         # Swap-outs first: a block freed by a swap-out may be the target of a swap-in.
+        t_swap = time.perf_counter()
         if scheduler_output.swap_out:
             timings.swap_bytes_out = copy_blocks(self.kv_caches, self.swap_caches,
                                                  scheduler_output.swap_out, self.block_dim)
         if scheduler_output.swap_in:
             timings.swap_bytes_in = copy_blocks(self.swap_caches, self.kv_caches,
                                                 scheduler_output.swap_in, self.block_dim)
+        timings.swap_s = time.perf_counter() - t_swap
+        par = self.parallel
         if not scheduler_output.scheduled:
             self.batch.update(scheduler_output)
-            return ModelRunnerOutput(sampled_token_ids={}, timings=timings)
+            return (ModelRunnerOutput(sampled_token_ids={}, timings=timings)
+                    if par.is_output_rank else None)
         t0 = time.perf_counter()
         inputs = self.prepare(scheduler_output)
-        t1 = time.perf_counter()
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                            inputs.attn_metadata)
         rows, sample_rows = inputs.rows, inputs.sample_rows
         # Logits rows in the sampler's group order: it then works in place, copying none.
         order = group_order([rows[i].state.sampling_params for i, _ in sample_rows])
         sample_rows = [sample_rows[k] for k in order]
+        if par.is_output_rank and self.grammar is not None:
+            self.grammar.start(self._grammar_positions(rows, sample_rows))  # fills meanwhile
+        t1 = time.perf_counter()
+        received = None
+        if not par.is_first_stage:
+            received = par.recv_prev_stage((inputs.positions.shape[0], self.model.hidden_size),
+                                           self.model.dtype)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                            inputs.attn_metadata, received)
+        if not par.is_last_stage:
+            par.send_next_stage(hidden)
+            return None
         indices = torch.from_numpy(inputs.logits_indices[order]).to(hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, indices))
         t2 = time.perf_counter()
+        prompt_lps = self._prompt_logprobs(rows, hidden)
+        if not par.is_output_rank:
+            return None
         output = self._sample(logits, rows, sample_rows)
-        output.prompt_logprobs = self._prompt_logprobs(rows, hidden)
+        output.prompt_logprobs = prompt_lps
         t3 = time.perf_counter()
         timings.prepare_s, timings.forward_s, timings.sample_s = t1 - t0, t2 - t1, t3 - t2
+        timings.comm_s = par.take_comm_seconds()
         output.timings = timings
         return output
+
+    @staticmethod
+    def _grammar_positions(rows: list[_Row], sample_rows: list[tuple[int, int]]) -> list:
+        """The sampling positions of constrained requests, for GrammarState.start: a
+        request's first position before those after its proposed tokens."""
+        positions = []
+        for logits_row, (i, j) in enumerate(sample_rows):
+            state = rows[i].state
+            spec = state.sampling_params.structured_outputs
+            if spec is not None:
+                positions.append((logits_row, state.request_id, spec, state.output_token_ids,
+                                  rows[i].scheduled.spec_token_ids[:j]))
+        positions.sort(key=lambda p: len(p[4]))
+        return positions
 
     def _sample(self, logits: torch.Tensor, rows: list[_Row],
                 sample_rows: list[tuple[int, int]]) -> ModelRunnerOutput:
@@ -178,9 +224,10 @@ class ModelRunner:
         # Position j of a request with proposals sees them up to j as generated tokens.
         outputs = [st.output_token_ids + sp[:j] if j else st.output_token_ids
                    for st, sp, (_, j) in zip(states, spec, sample_rows)]
+        masks = self.grammar.masks() if self.grammar is not None else None
         sampled = self.sampler.sample(
             logits, [st.request_id for st in states], [st.sampling_params for st in states],
-            [st.prompt_token_ids for st in states], outputs, self.eos_token_id)
+            [st.prompt_token_ids for st in states], outputs, self.eos_token_id, masks)
         drawn: dict[int, dict[int, tuple[int, TokenLogprobs | None]]] = {}
         for (i, j), token, entry in zip(sample_rows, sampled.token_ids, sampled.logprobs):
             drawn.setdefault(i, {})[j] = (token, entry)
@@ -219,6 +266,7 @@ class ModelRunner:
             for a in range(start, end, _PROMPT_LOGPROBS_ROWS):
                 b = min(end, a + _PROMPT_LOGPROBS_ROWS)
                 logits = self.model.compute_logits(hidden[first + a - start:first + b - start])
-                entries += prompt_logprobs(logits, prompt[a + 1:b + 1], num_top)
+                if logits is not None:  # None on a rank that only lent its vocabulary shard
+                    entries += prompt_logprobs(logits, prompt[a + 1:b + 1], num_top)
             result[state.request_id] = PromptLogprobs(start + 1, entries)
         return result

@@ -117,23 +117,28 @@ class Sampler:
                params: Sequence[SamplingParams],
                prompt_token_ids: Sequence[Sequence[int]] | None = None,
                output_token_ids: Sequence[Sequence[int]] | None = None,
-               eos_token_id: int | None = None) -> SamplerOutput:
+               eos_token_id: int | None = None, masks=None) -> SamplerOutput:
         """logits: [num_rows, vocab] float32, overwritten. Per row: its request id,
         parameters, prompt and generated tokens so far (for penalties and min_tokens).
+        `masks` (worker.grammar.StepMasks): allowed-token bitmasks of constrained rows,
+        applied after logit_bias and the penalties (logprobs stay the raw logits').
         Rows in `group_order` are sampled in place; others are first copied into it
         (the C kernel takes rows in any order)."""
         if self.kernels is not None and logits.dtype == torch.float32 and logits.stride(1) == 1:
             return self._sample_native(logits, request_ids, params, prompt_token_ids,
-                                       output_token_ids, eos_token_id)
+                                       output_token_ids, eos_token_id, masks)
         num_rows = logits.shape[0]
         order = group_order(params)
         if order != list(range(num_rows)):
+            position = {i: j for j, i in enumerate(order)}
             result = self.sample(logits[order], [request_ids[i] for i in order],
                                  [params[i] for i in order],
                                  None if prompt_token_ids is None else
                                  [prompt_token_ids[i] for i in order],
                                  None if output_token_ids is None else
-                                 [output_token_ids[i] for i in order], eos_token_id)
+                                 [output_token_ids[i] for i in order], eos_token_id,
+                                 None if masks is None else
+                                 type(masks)(masks.bitmask, [position[r] for r in masks.rows]))
             tokens, entries = [0] * num_rows, [None] * num_rows
             for j, i in enumerate(order):
                 tokens[i], entries[i] = result.token_ids[j], result.logprobs[j]
@@ -142,6 +147,7 @@ class Sampler:
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw = logits[logprob_rows] if logprob_rows else None
         adjust_logits(logits, params, prompt_token_ids, output_token_ids, eos_token_id)
+        _apply_masks(logits, masks)
         kinds = [_kind(p) for p in params]
         num_greedy = kinds.count(_GREEDY)
         tokens = torch.empty(num_rows, dtype=torch.long)
@@ -165,14 +171,18 @@ class Sampler:
                        params: Sequence[SamplingParams],
                        prompt_token_ids: Sequence[Sequence[int]] | None,
                        output_token_ids: Sequence[Sequence[int]] | None,
-                       eos_token_id: int | None) -> SamplerOutput:
+                       eos_token_id: int | None, masks=None) -> SamplerOutput:
         """`sample` through the C kernel: penalties in place here, then one kernel call for
         every row; the logprob rows get their raw logits back (the kernel leaves the
-        logits as it found them, so only the few adjusted entries need restoring)."""
+        logits as it found them, so only the few adjusted entries need restoring; a
+        masked row that asks for logprobs is kept whole before its mask)."""
         num_rows = logits.shape[0]
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        masked_lp = sorted(set(logprob_rows) & set(masks.rows)) if masks is not None else []
+        raw_masked = logits[masked_lp].clone() if masked_lp else None
         saved = adjust_logits(logits, params, prompt_token_ids, output_token_ids,
                               eos_token_id, save_rows=logprob_rows)
+        _apply_masks(logits, masks)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         u = torch.zeros(num_rows, dtype=torch.float64)
         if random_rows:
@@ -191,6 +201,8 @@ class Sampler:
         if logprob_rows:
             for rows, cols, values in reversed(saved):
                 logits[rows, cols] = values
+            if raw_masked is not None:
+                logits[masked_lp] = raw_masked
             rows = torch.tensor(logprob_rows, dtype=torch.int64)
             num_top = [params[i].logprobs for i in logprob_rows]
             stats = self.kernels.logprobs(logits, rows, tokens[rows].contiguous(),
@@ -225,6 +237,18 @@ class Sampler:
             # Every logit equal to the last kept one is kept too (transformers' top-k).
             x[i] = torch.where(row[0] >= vals[0, keep - 1], row[0], float("-inf"))
         return x
+
+
+def _apply_masks(logits: torch.Tensor, masks) -> None:
+    """Disallowed tokens of the constrained rows to -inf, in place (the others untouched)."""
+    if masks is None or not masks.rows:
+        return
+    from treadle.structured.matcher import apply_bitmask_
+
+    rows = list(masks.rows)
+    part = logits[rows]
+    apply_bitmask_(part, masks.bitmask)
+    logits[rows] = part
 
 
 def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],

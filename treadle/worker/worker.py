@@ -1,8 +1,11 @@
-"""A worker: one device, one copy (or, later, one shard) of the model, its KV cache.
+"""A worker: one device, one rank's share of the model (all of it with one rank), its KV
+cache.
 
-Owns everything the engine core must not know: the platform, loading the model, the
-C kernels and which of them run (linear, elementwise, attention, sampling), the attention
-backend, the KV-cache and swap tensors, the start-up cost probes, and the model runner.
+Owns everything the engine core must not know: the platform, its place among the ranks
+(worker/parallel_state.py: joining the process group, the cores it is bound to), loading
+its shard of the model, the C kernels and which of them run (linear, elementwise,
+attention, sampling), the attention backend, the KV-cache and swap tensors, the
+start-up cost probes, and the model runner.
 Its life has three calls, made by an executor (treadle/executor): `load()` (model,
 kernels, probes -> a WorkerInfo), `initialize_cache(num_kv_blocks, num_swap_blocks)`
 (the core decides the block counts from what every worker reported), then
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -20,14 +24,19 @@ import torch
 from treadle.config import EngineConfig
 from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 from treadle.core.policy import PreemptionCosts
-from treadle.models.loader import load_model
+from treadle.config import parse_layer_partition
+from treadle.models.loader import build_model, read_config
+from treadle.models.registry import resolve_model_class
 from treadle.worker.attention import make_attention_backend
 from treadle.worker.attention.cpu_native import CpuNativeBackend
+from treadle.worker.grammar import GrammarState
+from treadle.worker.cpu_isa import describe_kernels
 from treadle.worker.cost_probe import measure_copy_bytes_per_s, measure_matmul_flops_per_s
 from treadle.worker.kv_cache import KVCacheSpec, allocate_kv_caches, allocate_swap_space
 from treadle.worker.linear_kernels import DenseLinearKernel, dense_kernel_factory
 from treadle.worker.model_runner import ModelRunner
 from treadle.worker.native_linear import NativeLayerOps
+from treadle.worker.parallel_state import ParallelContext, init_parallel
 from treadle.worker.platform import get_platform
 from treadle.worker.sampler import Sampler
 
@@ -35,11 +44,12 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_model_dir(config: EngineConfig) -> Path:
-    """The checkpoint directory: the configured one, or the built-in demo model."""
-    if config.model.model is not None:
-        return Path(config.model.model)
-    from treadle.models.demo import demo_model_path
-    return demo_model_path()
+    """The checkpoint directory (EngineCore resolved `model` already; a Worker made
+    directly, as benchmarks do, resolves it here: treadle/models/resolve.py)."""
+    from treadle.models.resolve import resolve_model
+
+    m = config.model
+    return resolve_model(m.model, m.revision, m.download_dir, m.dtype)
 
 
 def read_eos_token_id(model_dir: Path, hf_config: dict) -> int | None:
@@ -56,22 +66,40 @@ def read_eos_token_id(model_dir: Path, hf_config: dict) -> int | None:
 class Worker:
     """The device side of the engine."""
 
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, init_method: str | None = None,
+                 cores: list[int] | None = None) -> None:
+        """`rank` among tensor_parallel_size x pipeline_parallel_size ranks, which join
+        their process group at `init_method` (a torch.distributed URL); `cores`: the CPU
+        cores this rank is bound to (its threads: one per core)."""
         self.config = config
         self.rank = rank
-        self.platform = get_platform(config.model.device)
+        self.platform = get_platform(config.model.device, rank)
         self.runner: ModelRunner | None = None
+        if cores:
+            os.sched_setaffinity(0, cores)
+            torch.set_num_threads(len(cores))
+        elif config.model.num_threads is not None:
+            torch.set_num_threads(config.model.num_threads)
+        par = config.parallel
+        self.model_dir = resolve_model_dir(config)
+        self.hf_config = read_config(self.model_dir)
+        if par.world_size > 1:
+            self.parallel = init_parallel(
+                par.tensor_parallel_size, par.pipeline_parallel_size, rank,
+                init_method or "env://", self.platform.dist_backend,
+                int(self.hf_config["num_hidden_layers"]),
+                parse_layer_partition(par.pp_layer_partition), par.worker_timeout)
+        else:
+            self.parallel = ParallelContext()
 
     # ----- start-up --------------------------------------------------------------------------
 
     def load(self) -> WorkerInfo:
         """Load the model and kernels, probe the machine; report what the core needs."""
         config = self.config
-        if config.model.num_threads is not None:
-            torch.set_num_threads(config.model.num_threads)
-        self.model_dir = resolve_model_dir(config)
-        dtype = self.platform.resolve_dtype(config.model.dtype)
-        self.model, self.hf_config = load_model(self.model_dir, dtype, self.platform.device)
+        dtype = self.platform.resolve_dtype(config.model.dtype, config.model.kernel_isa)
+        self.model, self.hf_config, self.num_bytes_loaded = build_model(
+            self.model_dir, dtype, self.platform.device, self.parallel)
         self.dtype = dtype
         self.native = self._load_native()
         self.layer_ops = (NativeLayerOps.load(self.native.lib)
@@ -88,22 +116,34 @@ class Worker:
         self.eos_token_id = read_eos_token_id(self.model_dir, self.hf_config)
         self.max_model_len = self._resolve_max_model_len()
         cache = config.cache
-        self.kv_spec = KVCacheSpec(self.model.num_layers, self.model.num_kv_heads,
+        self.kv_spec = KVCacheSpec(self.model.num_local_layers, self.model.num_kv_heads,
                                    self.model.head_dim, dtype, self.attention.kv_layout)
         num_swap_blocks = (0 if config.scheduler.preemption_mode == "recompute" else
                            self.kv_spec.num_blocks_for_memory(cache.swap_space, cache.block_size))
-        kernels = (f"attention {self.attention.name}, sampling "
-                   f"{'C' if self._sampler_kernels() is not None else 'torch'}, linear "
-                   f"{'C + oneDNN' if self.layer_ops is not None else 'torch'}")
+        kernels = f"attention backend {self.attention.name}"
+        if self.platform.uses_native_kernels:
+            kernels += "; " + describe_kernels(
+                self.native, dtype, self.model.head_dim, self.layer_ops,
+                native_attention=self.attention.name == "cpu-native")
         return WorkerInfo(
             model_dir=str(self.model_dir), dtype=str(dtype).replace("torch.", ""),
             vocab_size=self.model.vocab_size, eos_token_id=self.eos_token_id,
-            max_model_len=self.max_model_len, num_parameters=self.model.num_parameters,
+            max_model_len=self.max_model_len, num_parameters=self._whole_model_parameters(),
             kv_bytes_per_token=self.kv_spec.bytes_per_token,
             num_kv_blocks=self.kv_spec.num_blocks_for_memory(cache.kv_cache_memory,
                                                              cache.block_size),
             num_swap_blocks=num_swap_blocks, preemption_costs=self._preemption_costs(),
             attention_backend=self.attention.name, kernels=kernels)
+
+    def _whole_model_parameters(self) -> int:
+        """Parameters of the whole model, not of this rank's shard (counted on a copy built
+        on the meta device, which allocates nothing)."""
+        if self.parallel.world_size == 1:
+            return self.model.num_parameters
+        with torch.device("meta"):
+            whole = resolve_model_class(self.hf_config.get("architectures"))(
+                self.hf_config, self.dtype)
+        return whole.num_parameters
 
     def initialize_cache(self, num_kv_blocks: int, num_swap_blocks: int) -> None:
         """Allocate the KV cache and swap space the core decided on; make the runner."""
@@ -116,7 +156,10 @@ class Worker:
         sampler = Sampler(self.config.model.seed, self._sampler_kernels(), device)
         self.runner = ModelRunner(self.model, kv_caches, self.attention, block_size,
                                   num_kv_blocks, self.max_model_len, sampler, device,
-                                  swap_caches, self.kv_spec.block_dim, self.eos_token_id)
+                                  swap_caches, self.kv_spec.block_dim, self.eos_token_id,
+                                  self.parallel,
+                                  GrammarState(self.model_dir, self.model.vocab_size,
+                                               self.eos_token_id))
 
     def _load_native(self):
         """The compiled C kernels (worker.native.NativeKernels), or None when they cannot
@@ -128,7 +171,7 @@ class Worker:
         if backend in ("torch", "reference") and self.dtype != torch.bfloat16:
             return None
         from treadle.worker.native import load_kernels
-        return load_kernels()
+        return load_kernels(self.config.model.kernel_isa)
 
     def _sampler_kernels(self):
         """The C sampling kernel runs with the cpu-native attention backend; the other
@@ -167,21 +210,34 @@ class Worker:
 
     # ----- steps -----------------------------------------------------------------------------
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """One step; the output on the output rank (parallel_state), None on the others."""
         return self.runner.execute(scheduler_output)
+
+    @property
+    def is_output_rank(self) -> bool:
+        return self.parallel.is_output_rank
 
     def set_layer_kernels(self, enabled: bool) -> None:
         """Switch the small-batch C layer kernels (linear, norms, rope + K/V write) on or
         off, for side-by-side benchmarks and tests; the results agree up to rounding."""
-        ops = self.layer_ops if enabled else None
+        self.use_native_kernels(self.native, self.layer_ops if enabled else None)
+
+    def use_native_kernels(self, kernels, layer_ops) -> None:
+        """Run on another build of the C kernels (`kernels`: worker.native.NativeKernels of
+        some ISA level, for attention and sampling; `layer_ops`: its NativeLayerOps, or None
+        for torch's layers) — for benchmarks comparing builds in one engine."""
         for module in self.model.modules():
             if isinstance(getattr(module, "kernel", None), DenseLinearKernel):
-                module.kernel.native = ops
+                module.kernel.native = layer_ops
         if isinstance(self.model.lm_head_kernel, DenseLinearKernel):
-            self.model.lm_head_kernel.native = ops
-        self.model.ops = ops
+            self.model.lm_head_kernel.native = layer_ops
+        self.model.ops = layer_ops
         for module in self.model.modules():
             if hasattr(module, "ops"):
-                module.ops = ops
+                module.ops = layer_ops
         if isinstance(self.attention, CpuNativeBackend):
-            self.attention.layer_ops = ops
+            self.attention.kernels = kernels
+            self.attention.layer_ops = layer_ops
+        if self.runner is not None and self.runner.sampler.kernels is not None:
+            self.runner.sampler.kernels = kernels

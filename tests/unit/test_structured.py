@@ -1,0 +1,269 @@
+"""Structured outputs on a tiny byte-level BPE tokenizer: masked decoding (greedy and
+random) only ever produces strings the grammar accepts; rollback, sync after
+preemption, the batch filler, applying masks, the compile cache and error messages."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+pytest.importorskip("llguidance")
+
+from treadle.structured import (StructuredOutputError, StructuredSpec,  # noqa: E402
+                                from_response_format, from_structured_outputs)
+from treadle.structured.compiler import GrammarCompiler  # noqa: E402
+from treadle.structured.matcher import (BitmaskFiller, allocate_bitmask,  # noqa: E402
+                                        allowed_ids, apply_bitmask_)
+
+CORPUS = ['{"name": "bob", "n": 12, "ok": true, "tags": ["a", "b"]}',
+          "yes no maybe 2024-01-31 hello world", "[1, 2, 3] {\"a\": false} null",
+          "the quick brown fox jumps over the lazy dog 0123456789"] * 20
+EOS = "<eos>"
+
+SCHEMA = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 6},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                         "ok": {"type": "boolean"},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                  "maxItems": 3}},
+          "required": ["name", "n", "ok"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
+
+
+VOCAB = 416  # the model's logits are wider than the tokenizer (as with padded vocabularies)
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    return GrammarCompiler.from_hf_tokenizer(tokenizer, VOCAB)
+
+
+def decode_masked(compiler, tokenizer, spec, seed: int | None, max_steps: int = 300):
+    """Sample with random logits (greedy when seed is None) under the grammar's masks
+    until EOS; the text, or None if it ran out of steps."""
+    request = compiler.new_request(spec)
+    generator = torch.Generator().manual_seed(seed if seed is not None else 0)
+    eos = tokenizer.eos_token_id
+    bitmask = allocate_bitmask(1, VOCAB)
+    out = []
+    for _ in range(max_steps):
+        logits = torch.randn(1, VOCAB, generator=generator) * 3
+        request.fill_bitmask(bitmask[0])
+        apply_bitmask_(logits, bitmask)
+        if seed is None:
+            token = int(logits.argmax())
+        else:
+            token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
+        assert request.accept(token), "a masked sampler picked a disallowed token"
+        if token == eos:
+            assert request.is_terminated()
+            return tokenizer.decode(out)
+        out.append(token)
+    return None
+
+
+CASES = [
+    ("json schema", from_response_format({"type": "json_schema", "json_schema": {
+        "name": "t", "schema": SCHEMA, "strict": True}}),
+     lambda text: jsonschema.validate(json.loads(text), SCHEMA)),
+    ("json object", from_response_format({"type": "json_object"}),
+     lambda text: isinstance(json.loads(text), dict) or pytest.fail(text)),
+    ("regex", from_structured_outputs({"regex": r"[0-9]{4}-(0[1-9]|1[0-2])-[0-3][0-9]"}),
+     lambda text: re.fullmatch(r"[0-9]{4}-(0[1-9]|1[0-2])-[0-3][0-9]", text)
+     or pytest.fail(text)),
+    ("choice", from_structured_outputs({"choice": ["yes", "no", "maybe so"]}),
+     lambda text: text in ("yes", "no", "maybe so") or pytest.fail(text)),
+    ("lark", from_structured_outputs({"grammar": 'start: "(" item ("," item)* ")"\n'
+                                                 'item: /[a-c]{1,3}/'}),
+     lambda text: re.fullmatch(r"\([a-c]{1,3}(,[a-c]{1,3})*\)", text) or pytest.fail(text)),
+    ("ebnf", from_structured_outputs({"grammar": 'root ::= "x" digit digit\n'
+                                                 'digit ::= [0-9]'}),
+     lambda text: re.fullmatch(r"x[0-9][0-9]", text) or pytest.fail(text)),
+]
+
+
+@pytest.mark.parametrize("name, spec, check", CASES, ids=[c[0] for c in CASES])
+def test_masked_decoding_only_makes_accepted_strings(compiler, tokenizer, name, spec, check):
+    finished = 0
+    for seed in [None, *range(12)]:
+        text = decode_masked(compiler, tokenizer, spec, seed)
+        if text is None:
+            continue  # random logits may wander (e.g. an unbounded JSON object)
+        check(text)
+        finished += 1
+    assert finished >= 8, f"only {finished} of 13 decodes of {name} finished"
+
+
+def test_disallowed_token_is_refused_and_matcher_stays_usable(compiler, tokenizer):
+    request = compiler.new_request(from_structured_outputs({"choice": ["yes", "no"]}))
+    before = request.allowed_token_ids()
+    bad = tokenizer.encode("q", add_special_tokens=False)
+    assert not request.accept(bad)
+    assert request.accepted == [] and request.allowed_token_ids() == before
+    assert request.accept(tokenizer.encode("yes", add_special_tokens=False))
+    assert request.allowed_token_ids() == [tokenizer.eos_token_id]
+    assert request.is_terminated() and request.is_accepting()
+
+
+def test_rollback_restores_the_earlier_masks(compiler, tokenizer):
+    spec = from_structured_outputs({"json": SCHEMA})
+    request = compiler.new_request(spec)
+    tokens = tokenizer.encode('{"name": "bob", "n": 12', add_special_tokens=False)
+    masks = []
+    for token in tokens:
+        masks.append(request.allowed_token_ids())
+        assert request.accept(token)
+    for k in (1, 3, len(tokens)):
+        request.rollback(k)
+        assert request.allowed_token_ids() == masks[len(tokens) - k]
+        assert request.accept(tokens[len(tokens) - k:])
+    with pytest.raises(ValueError, match="rollback"):
+        request.rollback(len(tokens) + 1)
+
+
+def test_sync_rebuilds_the_state_after_preemption(compiler, tokenizer):
+    spec = from_structured_outputs({"json": SCHEMA})
+    tokens = tokenizer.encode('{"name": "al", "n": 7, "ok": ', add_special_tokens=False)
+    original = compiler.new_request(spec)
+    assert original.accept(tokens)
+    resumed = compiler.new_request(spec)  # e.g. in another worker after a swap
+    assert resumed.sync(tokens)
+    assert resumed.allowed_token_ids() == original.allowed_token_ids()
+    # sync to a diverging list (a rejected speculative suffix): rolls back, then accepts
+    other = tokenizer.encode('{"name": "al", "n": 8', add_special_tokens=False)
+    assert original.sync(other) and original.accepted == other
+    fresh = compiler.new_request(spec)
+    fresh.accept(other)
+    assert original.allowed_token_ids() == fresh.allowed_token_ids()
+
+
+def test_batch_filler_matches_per_request_masks(compiler, tokenizer):
+    spec = from_structured_outputs({"json": SCHEMA})
+    texts = ['{"na', '{"name": "x", "n": 1', '{"name": "x", "n": 1, "ok": true}', '']
+    requests = [compiler.new_request(spec) for _ in texts]
+    for request, text in zip(requests, texts):
+        assert request.accept(tokenizer.encode(text, add_special_tokens=False))
+    rows = [5, 0, 2, 3]
+    bitmask = allocate_bitmask(6, VOCAB)
+    filler = BitmaskFiller(num_threads=2)
+    try:
+        filler.submit(requests, bitmask, rows).result(timeout=30)
+    finally:
+        filler.close()
+    for request, row in zip(requests, rows):
+        assert allowed_ids(bitmask[row], VOCAB) == request.allowed_token_ids()
+    assert len(allowed_ids(bitmask[1], VOCAB)) == VOCAB  # untouched rows stay all-allowed
+    assert allowed_ids(bitmask[2], VOCAB) == [tokenizer.eos_token_id]
+    assert all(t < len(tokenizer) for t in allowed_ids(bitmask[3], VOCAB))
+
+
+def test_apply_bitmask_sets_exactly_the_disallowed_logits_to_minus_inf():
+    generator = torch.Generator().manual_seed(3)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (4, 13), dtype=torch.int32,
+                            generator=generator)
+    logits = torch.randn(2, 13 * 32 + 7, generator=generator)  # wider than the mask
+    expected = logits.clone()
+    for i, row in enumerate((3, 1)):
+        for t in range(expected.shape[1]):
+            if t >= 13 * 32 or not (int(bitmask[row, t // 32]) >> (t % 32)) & 1:
+                expected[i, t] = float("-inf")
+    apply_bitmask_(logits, bitmask, rows=[3, 1])
+    assert torch.equal(logits, expected)
+
+
+def test_compile_cache_and_async_compile(tokenizer):
+    compiler = GrammarCompiler.from_hf_tokenizer(tokenizer, VOCAB, cache_size=2)
+    a = from_structured_outputs({"regex": "a+"})
+    same_as_a = StructuredSpec("regex", "a+", field="response_format")
+    compiler.compile(a)
+    compiler.compile(same_as_a)
+    assert compiler.num_compiled == 1
+    asyncio.run(compiler.compile_async(from_structured_outputs({"regex": "b+"})))
+    assert compiler.num_compiled == 2
+    compiler.compile(from_structured_outputs({"regex": "c+"}))  # evicts a (LRU of 2)
+    compiler.compile(a)
+    assert compiler.num_compiled == 4
+
+
+@pytest.mark.parametrize("spec, field, construct", [
+    (from_structured_outputs({"json": {"type": "string", "format": "weird"}}),
+     "structured_outputs.json", "format"),
+    (from_structured_outputs({"json": {"type": "strng"}}), "structured_outputs.json",
+     "strng"),
+    (from_structured_outputs({"regex": "a(b"}), "structured_outputs.regex",
+     "unclosed group"),
+    (from_structured_outputs({"json": {"type": "string", "pattern": "(?<=a)b"}}),
+     "structured_outputs.json", "look-around"),
+    (from_structured_outputs({"grammar": "start: foo\nfoo: 'a' bar"}),
+     "structured_outputs.grammar", "grammar"),
+    (from_response_format({"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"$ref": "#/defs/missing"}}}),
+     "response_format.json_schema.schema", "/defs/missing"),
+])
+def test_compile_errors_name_field_and_construct(compiler, spec, field, construct):
+    with pytest.raises(StructuredOutputError) as info:
+        compiler.compile(spec)
+    assert info.value.field == field
+    assert construct in str(info.value)
+    with pytest.raises(StructuredOutputError):  # cached errors are raised again
+        compiler.compile(spec)
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"type": "json_schema"}, "response_format.json_schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format.json_schema.schema"),
+    ({"type": "json_schema", "json_schema": {"schema": 3}}, "response_format.json_schema.schema"),
+    ({"type": "xml"}, "response_format.type"),
+])
+def test_response_format_shape_errors(body, field):
+    with pytest.raises(StructuredOutputError) as info:
+        from_response_format(body)
+    assert info.value.field == field
+
+
+@pytest.mark.parametrize("body, field", [
+    ({}, "structured_outputs"),
+    ({"json": {}, "regex": "a"}, "structured_outputs"),
+    ({"choice": []}, "structured_outputs.choice"),
+    ({"structural_tag": "x"}, "structured_outputs.structural_tag"),
+    ({"regex": "a", "colour": 1}, "structured_outputs.colour"),
+    ({"json": "{not json"}, "structured_outputs.json"),
+])
+def test_structured_outputs_shape_errors(body, field):
+    with pytest.raises(StructuredOutputError) as info:
+        from_structured_outputs(body)
+    assert info.value.field == field
+
+
+def test_spec_forms():
+    assert from_response_format({"type": "text"}) is None
+    assert from_response_format(None) is None
+    a = from_structured_outputs({"json": '{"type": "object"}'})
+    b = from_response_format({"type": "json_schema", "json_schema": {
+        "name": "n", "schema": {"type": "object"}, "strict": False}})
+    assert a.key == b.key and a.kind == "json"
+    closed = from_structured_outputs({"json": {"type": "object", "properties": {
+        "properties": {"type": "object"}}}, "disable_additional_properties": True})
+    schema = json.loads(closed.value)
+    assert schema["additionalProperties"] is False
+    assert schema["properties"]["properties"]["additionalProperties"] is False
+    assert set(schema["properties"]) == {"properties"}
+    assert from_structured_outputs({"json_object": True,
+                                    "disable_any_whitespace": True}).compact_json

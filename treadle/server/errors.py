@@ -1,0 +1,140 @@
+"""Error answers in the OpenAI shape, for every way a request can fail.
+
+Owns `APIError`, the one error body (`{"error": {"message", "type", "param", "code"}}`,
+`param` naming a body field or null, never a character offset), and the exception
+handlers that turn validation errors, unparseable bodies (invalid JSON or UTF-8, nesting
+too deep), unknown routes and methods, and unexpected failures into that body. It does
+not decide which requests are valid: protocol.py and api.py do.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+
+logger = logging.getLogger(__name__)
+
+_KIND_OF_STATUS = {400: "invalid_request_error", 401: "authentication_error",
+                   404: "not_found_error", 405: "invalid_request_error",
+                   413: "invalid_request_error", 429: "rate_limit_error"}
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.headers = headers or {}
+
+
+def error_body(status: int, message: str, param: str | None = None,
+               kind: str | None = None) -> dict:
+    kind = kind or _KIND_OF_STATUS.get(status, "server_error" if status >= 500
+                                       else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   kind: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, kind), status_code=status,
+                        headers=headers)
+
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "bytes", "tuple", "set"}
+
+
+def field_of(loc) -> str | None:
+    """The dotted field path of a pydantic error location ("messages.0.content"), without
+    the "body" root, pydantic's union-member tags ("str", "list[int]", ...) and dict keys."""
+    parts = []
+    for part in loc:
+        if isinstance(part, int):
+            parts.append(str(part))
+        elif part == "body" and not parts:
+            continue
+        elif isinstance(part, str) and _IDENTIFIER.match(part) and part not in _TYPE_TAGS:
+            parts.append(part)
+        elif isinstance(part, str) and part == "[key]":
+            break
+    return ".".join(parts) or None
+
+
+def _most_specific(errors: list[dict]) -> dict:
+    """Of a union's alternatives the error that got furthest into the input (the deepest
+    location) says best what is wrong; ties keep pydantic's order."""
+    return max(errors, key=lambda e: len(e.get("loc", ())))
+
+
+def validation_error_response(exc: RequestValidationError) -> JSONResponse:
+    errors = list(exc.errors())
+    if not errors:
+        return error_response(400, "invalid request body")
+    first = errors[0] if errors[0].get("type") == "json_invalid" else _most_specific(errors)
+    ctx = first.get("ctx") or {}
+    if first.get("type") == "json_invalid":
+        offset = next((p for p in first.get("loc", ()) if isinstance(p, int)), None)
+        where = f" (character {offset})" if offset is not None else ""
+        return error_response(400, f"body is not valid JSON: {ctx.get('error', 'decode error')}"
+                                   f"{where}")
+    field = field_of(first.get("loc", ()))
+    inner = ctx.get("field")  # set by protocol.py's own errors on a whole model
+    if inner:
+        field = f"{field}.{inner}" if field else inner
+    message = first.get("msg", "invalid value")
+    if field is None and first.get("type") == "missing":
+        return error_response(400, "a JSON body is required")
+    if field is None and first.get("type") in ("model_attributes_type", "dict_type",
+                                               "model_type"):
+        return error_response(400, "the body must be a JSON object "
+                                   "(Content-Type: application/json)")
+    return error_response(400, f"{field or 'body'}: {message}", field)
+
+
+def allowed_methods(app: FastAPI, request: Request) -> list[str]:
+    """Every method some route of the app answers at the request's path."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        match, _ = route.matches(request.scope)
+        probe = getattr(route, "methods", None)
+        if match != Match.NONE and probe:
+            methods.update(probe)
+    return sorted(methods)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every failure answers with an OpenAI error body."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return error_response(exc.status, exc.message, exc.param, exc.kind, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError):
+        return validation_error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 405:  # Starlette names only the first matching route's methods
+            return error_response(405, str(exc.detail),
+                                  headers={"Allow": ", ".join(allowed_methods(app, request))})
+        if exc.status_code == 400 and isinstance(exc.__cause__, (UnicodeDecodeError, ValueError)):
+            message = "body is not valid UTF-8 JSON"  # FastAPI's "error parsing the body"
+        elif exc.status_code == 400 and isinstance(exc.__cause__, RecursionError):
+            message = "body is nested too deeply to parse"
+        else:
+            message = str(exc.detail)
+        return error_response(exc.status_code, message, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        logger.exception("unhandled error")
+        return error_response(500, f"internal error: {type(exc).__name__}", kind="server_error")
