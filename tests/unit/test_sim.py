@@ -40,8 +40,13 @@ def trace_csv(tmp_path):
     return write_csv(tmp_path / "trace.csv", rows)
 
 
-def tiny_spec(budget=8, block_size=4, blocks=64, **kw) -> ReplicaSpec:
-    return ReplicaSpec(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=4),
+NO_LOOKAHEAD = dict(admission_lookahead_tokens=0, kv_watermark=0.0)
+"""Admit on free blocks alone (the engine's default leaves headroom), for tests of preemption."""
+
+
+def tiny_spec(budget=8, block_size=4, blocks=64, scheduler=None, **kw) -> ReplicaSpec:
+    return ReplicaSpec(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=4,
+                                       **(scheduler or {})),
                        CacheConfig(block_size=block_size), blocks, 0, 1024, 256, 1, **kw)
 
 
@@ -84,9 +89,10 @@ def test_timeline_with_a_gap_and_an_arrival_at_the_step_boundary():
 
 def test_chunked_prompt_and_memory_preemption_follow_the_scheduler():
     # A 10-token prompt with an 8-token budget takes two steps (chunked prefill);
-    # 4 blocks of 4 tokens cannot hold two requests of 10 + 6 tokens: one is preempted.
+    # 4 blocks of 4 tokens cannot hold two requests of 10 + 6 tokens: one is preempted
+    # (admitted on free blocks alone; the default headroom would keep the second waiting).
     model = LinearStepModel(0.010, {"prefill_tokens": 0.001, "decode_tokens": 0.001})
-    spec = tiny_spec(budget=8, blocks=5)
+    spec = tiny_spec(budget=8, blocks=5, scheduler=NO_LOOKAHEAD)
     requests = [SimRequest(0, 0.0, 10, 6), SimRequest(1, 0.0, 9, 6)]
     result = fleet_of(spec, model).run(requests)
     assert all(r.error is None and r.num_tokens == 6 for r in result.records)
