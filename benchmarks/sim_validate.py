@@ -4,7 +4,8 @@
     python benchmarks/sim_validate.py real-concurrent --out DIR   # the two at once
     python benchmarks/sim_validate.py compare --out DIR   # fit each, simulate the other
 
-`real` runs, with the same model options (demo model = the SmolLM2-135M shape, bf16,
+`real` runs, with the same model options (`--model demo`: the SmolLM2-135M shape with
+random weights, as benchmarks/compare_azure.yaml; bf16,
 --num-threads 1, max_model_len 2048, 1 GiB of KV) and each with a per-step trace:
   1. the azure-conv replay of benchmarks/compare_azure.yaml (first 100 requests, tokens
      x0.25, arrival gaps x2) over HTTP: `treadle bench serve --launch "... --trace ..."`;
@@ -31,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-MODEL_OPTIONS = {"dtype": "bfloat16", "num_threads": 1, "max_model_len": 2048,
+MODEL_OPTIONS = {"model": "demo", "dtype": "bfloat16", "num_threads": 1, "max_model_len": 2048,
                  "kv_cache_memory": "1GiB", "swap_space": "256MiB"}
 AZURE = {"num_requests": 100, "token_scale": 0.25, "time_scale": 0.5, "max_model_len": 2048}
 MIXED_SCHEDULER = {"scheduling_policy": "priority", "max_num_batched_tokens": 256,
