@@ -82,7 +82,7 @@ def real_mixed(out: Path) -> dict:
                                                            r.arrival_time) for r in replay])
     priorities = [r.priority for r in replay]
     with launched_server(_launch_args(out / "mixed.trace.jsonl", MIXED_SCHEDULER)) as (url, _):
-        model = served_model(url)
+        model = served_model(url)["id"]  # served_model returns the whole model card
         before = _load()
         results, duration = asyncio.run(run_load(url, workload, model, priorities=priorities,
                                                  use_trace_times=True, progress=False))
