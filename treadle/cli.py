@@ -1,4 +1,5 @@
-"""The `treadle` command line: serve, generate, chat, worker, demo-model, trace, bench.
+"""The `treadle` command line: serve, generate, chat, worker, demo-model, trace, bench,
+simulate.
 
 Engine flags are generated from the config dataclasses (treadle/config.py), so every
 knob has exactly one name and one help text. This module only parses arguments and calls
@@ -558,6 +559,9 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--output", default=None)
     add_config_arguments(kv)
     kv.set_defaults(func=_cmd_bench_kv)
+
+    from treadle.sim.cli import add_parser as add_simulate_parser
+    add_simulate_parser(sub)
     return parser
 
 

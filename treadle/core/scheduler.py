@@ -461,12 +461,14 @@ class Scheduler:
 
     def _schedule_running(self, request: Request) -> None:
         """Give a running request its tokens, preempting others if its blocks run short."""
-        if request.status != RequestStatus.RUNNING or self._budget == 0:
+        budget = self._budget
+        if request.status is not RequestStatus.RUNNING or budget == 0:
             return
-        num_tokens = min(request.num_uncomputed_tokens, self._budget)
-        spec = self._spec_tokens(request)
+        num_uncomputed = request.num_uncomputed_tokens
+        num_tokens = min(num_uncomputed, budget)
+        spec = self._spec_tokens(request) if request.spec_token_ids else []
         num_tokens += len(spec)
-        if self._holds_back(request, num_tokens < request.num_uncomputed_tokens):
+        if self._holds_back(request, num_tokens < num_uncomputed):
             return
         while not self.kv.allocate_slots(request, num_tokens):
             victim = self.preemptor.choose_memory_victim(request, self._idle_running(),
@@ -689,11 +691,14 @@ class Scheduler:
     def _build_output(self, num_new_tokens: dict[str, int],
                       preempted: list[Request]) -> SchedulerOutput:
         scheduled = []
+        get = num_new_tokens.get
         for request in self.running:
-            n = num_new_tokens.get(request.request_id)
+            n = get(request.request_id)
             if n is not None:
                 scheduled.append(self._scheduled_request(request, n))
-        scheduled.sort(key=lambda s: not s.is_decoding)  # decodes first
+        decodes = [s for s in scheduled if s.is_decoding]  # decodes first (a stable partition)
+        if len(decodes) != len(scheduled):
+            scheduled = decodes + [s for s in scheduled if not s.is_decoding]
         self._in_flight.update(s.request_id for s in scheduled)
         finished, self._finished_since_last_step = self._finished_since_last_step, []
         stats = self.stats
@@ -701,10 +706,14 @@ class Scheduler:
             stats.num_steps += 1
             stats.num_scheduled_requests += len(scheduled)
             stats.num_scheduled_tokens += sum(num_new_tokens.values())
+            allocated = used = 0
+            num_slots = self.kv.num_allocated_slots
             for request in self.running:
-                stats.allocated_slots += self.kv.num_allocated_slots(request.request_id)
-                stats.used_slots += request.num_computed_tokens + num_new_tokens.get(
-                    request.request_id, 0)
+                rid = request.request_id
+                allocated += num_slots(rid)
+                used += request.num_computed_tokens + get(rid, 0)
+            stats.allocated_slots += allocated
+            stats.used_slots += used
         return SchedulerOutput(scheduled=scheduled, finished_request_ids=finished,
                                preempted_request_ids=[r.request_id for r in preempted],
                                swapped_request_ids=self._swapped_out,
@@ -721,8 +730,10 @@ class Scheduler:
         if view is None:
             view = self._worker_views[rid] = _WorkerView(num_tokens=request.num_prompt_tokens)
             new_request = NewRequestData(request.prompt_token_ids, request.sampling_params)
-        new_token_ids = request.all_token_ids[view.num_tokens:]
-        view.num_tokens = request.num_tokens
+        all_token_ids = request.all_token_ids
+        total = len(all_token_ids)
+        new_token_ids = all_token_ids[view.num_tokens:]
+        view.num_tokens = total
         block_ids = self.kv.block_ids(rid)
         replaces = view.table_stale
         new_block_ids = block_ids[0 if replaces else view.num_blocks:]
@@ -733,8 +744,7 @@ class Scheduler:
             new_token_ids=new_token_ids, new_block_ids=new_block_ids,
             replaces_block_table=replaces, spec_token_ids=self._spec.get(rid, []),
             num_proposals=self._num_proposals.get(rid, 0),
-            sample=(start + num_tokens >= request.num_tokens
-                    and request.sampling_params.max_tokens > 0),
+            sample=start + num_tokens >= total and request.sampling_params.max_tokens > 0,
             is_decoding=request.is_decoding, new_request=new_request)
 
     def _table_changed(self, request: Request) -> None:
@@ -798,17 +808,25 @@ class Scheduler:
         sampled = runner_output.sampled_token_ids
         if self.spec is not None:
             self.spec.begin_step()
+        # Bound once: this loop runs for every request of every step (docs/simulator.md).
+        requests_get = self.requests.get
+        kv = self.kv
+        max_model_len = self.max_model_len
+        prompt_logprobs_of = runner_output.prompt_logprobs
+        logprobs_of = runner_output.logprobs
+        proposals_of = runner_output.spec_token_ids
         for sched in scheduler_output.scheduled:
-            self._in_flight.discard(sched.request_id)
-            ended = self._free_after_step.pop(sched.request_id, None)
+            rid = sched.request_id
+            self._in_flight.discard(rid)
+            ended = self._free_after_step.pop(rid, None)
             if ended is not None:  # it ended while the step ran: its blocks are free now
-                self.kv.free(ended)
-                self.kv.forget(ended)
+                kv.free(ended)
+                kv.forget(ended)
                 continue
-            request = self.requests.get(sched.request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            request = requests_get(rid)
+            if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            tokens = sampled[sched.request_id] if sched.sample else []
+            tokens = sampled[rid] if sched.sample else []
             num_rejected = len(sched.spec_token_ids) - max(len(tokens) - 1, 0)
             if self.spec is not None and tokens:
                 self._observe_spec(sched, tokens)
@@ -818,17 +836,19 @@ class Scheduler:
             for token_id in tokens:  # accepted proposals, then the model's own token
                 request.append_output_token(token_id)
                 num_kept += 1
-                status = request.check_stop(self.max_model_len)
+                status = request.check_stop(max_model_len)
                 if status is not None:
                     break
             # Stopped early: proposals after the stop were computed but are not its tokens.
-            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
-            request.max_num_computed_tokens = max(request.max_num_computed_tokens,
-                                                  request.num_computed_tokens)
-            if num_rejected and self.kv.trim(request):
+            num_tokens = len(request.all_token_ids)
+            if request.num_computed_tokens > num_tokens:
+                request.num_computed_tokens = num_tokens
+            if request.num_computed_tokens > request.max_num_computed_tokens:
+                request.max_num_computed_tokens = request.num_computed_tokens
+            if num_rejected and kv.trim(request):
                 self._table_changed(request)
-            self.kv.cache_full_blocks(request)  # only blocks full of its own tokens
-            prompt_logprobs = runner_output.prompt_logprobs.get(sched.request_id)
+            kv.cache_full_blocks(request)  # only blocks full of its own tokens
+            prompt_logprobs = prompt_logprobs_of.get(rid) if prompt_logprobs_of else None
             if not sched.sample:
                 scored = (request.sampling_params.max_tokens == 0
                           and request.num_computed_tokens >= request.num_tokens)
@@ -847,8 +867,8 @@ class Scheduler:
                 self.running.remove(request)
                 self._end(request, status)
             else:
-                request.spec_token_ids = runner_output.spec_token_ids.get(sched.request_id, [])
-            logprobs = runner_output.logprobs.get(sched.request_id)
+                request.spec_token_ids = proposals_of.get(rid, []) if proposals_of else []
+            logprobs = logprobs_of.get(rid) if logprobs_of else None
             outputs.append(EngineCoreOutput(
                 request_id=request.request_id, new_token_ids=tokens[:num_kept],
                 finish_reason=request.finish_reason,

@@ -19,7 +19,7 @@ from pathlib import Path
 from treadle.config import EngineConfig
 from treadle.core.outputs import EngineCoreOutput, StepTimings, WorkerInfo
 from treadle.core.scheduler import Scheduler
-from treadle.engine.trace import TraceRecorder
+from treadle.engine.trace import TraceRecorder, engine_facts
 from treadle.executor import make_executor
 from treadle.models.tokenizer import has_tokenizer
 from treadle.request import FinishReason, Request, RequestStatus
@@ -65,7 +65,9 @@ class EngineCore:
                                    self.max_model_len, self.num_swap_blocks,
                                    info.preemption_costs, speculative=config.speculative,
                                    spec_costs=info.spec_costs)
-        self.trace = (TraceRecorder(config.scheduler.trace, config.scheduler.scheduling_policy)
+        self.trace = (TraceRecorder(config.scheduler.trace, config.scheduler.scheduling_policy,
+                                    engine=engine_facts(config, info, self.num_kv_blocks,
+                                                        self.num_swap_blocks))
                       if config.scheduler.trace else None)
         """Per-step trace (treadle.engine.trace), when `scheduler.trace` names a file."""
         self.timings = StepTimings()
