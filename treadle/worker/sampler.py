@@ -31,8 +31,8 @@ Two implementations, same distribution:
   less than top_p; else drop every token no more likely and draw again).
 
 On a GPU the torch path runs there: every tensor it makes lives on the logits' device,
-and the host waits for the device once per step (the sampled ids), once per top-p
-rejection round, and in the rare step where rounding picked a zero-weight entry.
+and the host waits for the device once per step (the sampled ids and logprobs) plus once
+per top-p rejection round (whether any row must draw again).
 
 A row draws one uniform number per step (the torch path's top-p rejections draw more),
 and a seeded request draws from its own generator only, so its tokens do not depend on
@@ -526,14 +526,17 @@ def _block_inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, 
     cdf = sums.cumsum(dim=-1)
     total = cdf[:, -1]
     target = (u * total).unsqueeze(1)
-    block = torch.searchsorted(cdf, target, right=True).clamp_(max=sums.shape[1] - 1)
+    # A target rounded up to the total lands in the last block with any weight.
+    blocks = torch.arange(sums.shape[1], device=w.device)
+    last = torch.where(sums > 0, blocks, 0).amax(dim=1, keepdim=True)
+    block = torch.searchsorted(cdf, target, right=True).minimum(last)
     before = torch.where(block > 0, cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
     cols = block * _BLOCK + torch.arange(_BLOCK, device=w.device)
     inside = cols < vocab
     weights = w.gather(1, cols.clamp(max=vocab - 1)).double() * inside
     j = torch.searchsorted(weights.cumsum(dim=-1), target - before, right=True)
-    pick = (block * _BLOCK + j.clamp_(max=_BLOCK - 1)).squeeze(1).clamp_(max=vocab - 1)
-    _nearest_kept(w, pick)  # rounding at the end of a block or row
+    j = _nearest_kept(weights, j.clamp_(max=_BLOCK - 1))  # the block's sums round too
+    pick = (block * _BLOCK + j).squeeze(1).clamp_(max=vocab - 1)
     return pick, total
 
 
@@ -543,24 +546,20 @@ def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.
     row, total weight per row as float64)."""
     cdf = w.double().cumsum(dim=-1)
     total = cdf[:, -1]
-    pick = torch.searchsorted(cdf, (u * total).unsqueeze(1), right=True).squeeze(1)
-    pick.clamp_(max=w.shape[1] - 1)
-    _nearest_kept(w, pick)  # u * total rounded up to the total
-    return pick, total
+    pick = torch.searchsorted(cdf, (u * total).unsqueeze(1), right=True)
+    pick = _nearest_kept(w, pick.clamp_(max=w.shape[1] - 1))  # u * total rounded up
+    return pick.squeeze(1), total
 
 
-def _nearest_kept(w: torch.Tensor, pick: torch.Tensor) -> None:
-    """Where rounding picked a zero-weight entry, take the last kept entry before it (the
-    first kept one if there is none), in place. Rows are fixed together, with one host
-    sync for the rare step that has any."""
-    bad = (w.gather(1, pick.unsqueeze(1)).squeeze(1) <= 0).nonzero().flatten()
-    if bad.numel() == 0:
-        return
-    kept = w[bad] > 0
+def _nearest_kept(w: torch.Tensor, pick: torch.Tensor) -> torch.Tensor:
+    """pick [rows, 1] moved, where rounding put it on a zero-weight entry of w [rows, n],
+    to the last kept entry before it (the first kept one if there is none): elementwise
+    over the rows' n entries, so the device never waits for the host."""
+    kept = w > 0
     index = torch.arange(w.shape[1], device=w.device).expand_as(kept)
-    before = torch.where(kept & (index <= pick[bad].unsqueeze(1)), index, -1).amax(dim=1)
-    first = torch.where(kept, index, w.shape[1]).amin(dim=1)
-    pick[bad] = torch.where(before >= 0, before, first)
+    before = torch.where(kept & (index <= pick), index, -1).amax(dim=1, keepdim=True)
+    first = torch.where(kept, index, w.shape[1]).amin(dim=1, keepdim=True)
+    return torch.where(before >= 0, before, first)
 
 
 def _keep_counts(vals: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
