@@ -1,4 +1,5 @@
-"""The `treadle` command line: serve, generate, chat, worker, demo-model, trace, bench.
+"""The `treadle` command line: serve, generate, chat, worker, demo-model, trace, bench,
+simulate.
 
 Engine flags are generated from the config dataclasses (treadle/config.py), so every
 knob has exactly one name and one help text. This module only parses arguments and calls
@@ -362,6 +363,12 @@ def _cmd_bench_soak(args: argparse.Namespace) -> int:
     return _failed("soak", summary["error"], summary["num_requests"], summary["errors"])
 
 
+def _cmd_bench_spec(args: argparse.Namespace) -> int:
+    from treadle.bench import spec
+
+    return spec.report(spec.run(args), args.output)
+
+
 def _cmd_bench_compare(args: argparse.Namespace) -> int:
     from treadle.bench.compare import compare, load_config, main_table, plot, strip_samples
 
@@ -534,6 +541,11 @@ def build_parser() -> argparse.ArgumentParser:
     lora.add_argument("rest", nargs=argparse.REMAINDER)
     lora.set_defaults(func=_cmd_bench_lora)
 
+    spec_ = bench_sub.add_parser("spec", help="speculative decoding: off, ngram, draft, self "
+                                              "on copy-heavy and chat workloads")
+    from treadle.bench.spec import add_arguments as add_spec_arguments
+    add_spec_arguments(spec_)
+    spec_.set_defaults(func=_cmd_bench_spec)
     ppl = bench_sub.add_parser("perplexity", help="perplexity of a fixed text through treadle "
                                                  "and transformers (output quality)")
     ppl.add_argument("--model", default=None,
@@ -560,6 +572,9 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--output", default=None)
     add_config_arguments(kv)
     kv.set_defaults(func=_cmd_bench_kv)
+
+    from treadle.sim.cli import add_parser as add_simulate_parser
+    add_simulate_parser(sub)
     return parser
 
 

@@ -94,8 +94,17 @@ class ModelConfig:
     kernel_isa: str = field(default="auto", metadata=_help(
         "Instruction set of the C kernels: auto (the best this CPU runs), avx512bf16, "
         "avx512, avx2, or native (gcc -march=native)"))
+    enforce_eager: bool = field(default=False, metadata=_help(
+        "GPU: run every step eagerly (no CUDA graphs for decode steps)"))
+    cuda_graph_sizes: str | None = field(default=None, metadata=_help(
+        "GPU: decode batch sizes captured as CUDA graphs, e.g. '1,2,4,8,16' (a batch runs "
+        "at the next size up, eagerly above the largest); 1, 2, 4, then multiples of 8 up "
+        "to max_num_seqs when not given"))
 
     def __post_init__(self) -> None:
+        if self.cuda_graph_sizes is not None:
+            object.__setattr__(self, "cuda_graph_sizes",
+                               parse_int_list(self.cuda_graph_sizes, "cuda_graph_sizes"))
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, got {self.dtype!r}")
         backends = ("auto", "cpu-native", "native", "triton", "torch", "reference")
@@ -126,6 +135,10 @@ class CacheConfig:
         "Reuse the KV blocks of identical prompt prefixes across requests"))
     swap_space: int | str = field(default=1024**3, metadata=_help(
         "Bytes of swap memory for the KV of requests preempted by swap, e.g. 1GiB"))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_help(
+        "GPU: fraction of the card's memory this engine may use (weights, activations "
+        "and KV cache); the KV cache gets what a profiling step leaves (kv_cache_memory "
+        "is the CPU's)"))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_memory",
@@ -133,6 +146,9 @@ class CacheConfig:
         object.__setattr__(self, "swap_space", parse_size(self.swap_space, "swap_space"))
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 
@@ -228,6 +244,22 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
 
+def parse_int_list(value: str | list | tuple, name: str) -> tuple[int, ...]:
+    """'1,2,4' or [1, 2, 4] -> (1, 2, 4), sorted; a ValueError naming the field for
+    anything but distinct integers >= 1."""
+    parts = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        numbers = [int(p) for p in parts if not isinstance(p, bool)]
+    except (TypeError, ValueError):
+        numbers = []
+    if not numbers or len(numbers) != len(parts) or min(numbers) < 1:
+        raise ValueError(f"{name} must be a comma-separated list of integers >= 1, "
+                         f"got {value!r}")
+    if len(set(numbers)) != len(numbers):
+        raise ValueError(f"{name} has duplicates: {value!r}")
+    return tuple(sorted(numbers))
+
+
 def parse_layer_partition(text: str | None) -> list[int] | None:
     """'8,8,7,7' -> [8, 8, 7, 7]; None or '' -> None (an even split)."""
     if not text:
@@ -319,6 +351,129 @@ class LoRAConfig:
         return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
 
+SPEC_METHODS = ("ngram", "draft", "self")
+_SPEC_METHOD_KEYS = {"ngram": ("prompt_lookup_min", "prompt_lookup_max"), "draft": ("model",),
+                     "self": ("draft_layers",)}
+"""The keys only one method takes."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: who proposes tokens and how many. Given as one JSON object
+    (`--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'`,
+    `LLM(speculative_config={...})`) whose keys are these fields; docs/speculative.md."""
+
+    method: str | None = field(default=None, metadata=_help(
+        "ngram (prompt lookup), draft (a smaller checkpoint, key model) or self (the "
+        "model's own first draft_layers layers); not given: no speculation"))
+    num_speculative_tokens: int = field(default=4, metadata=_help(
+        "Most tokens proposed per request per step (the adaptive policy may run fewer)"))
+    prompt_lookup_min: int | None = field(default=None, metadata=_help(
+        "ngram: shortest suffix of the request's tokens matched against its earlier "
+        "tokens (default 2)"))
+    prompt_lookup_max: int | None = field(default=None, metadata=_help(
+        "ngram: longest suffix matched; the longest match wins (default 4)"))
+    model: str | None = field(default=None, metadata=_help(
+        "draft: checkpoint directory of the draft model (same tokenizer as the target)"))
+    draft_layers: int | None = field(default=None, metadata=_help(
+        "self: the target's first layers that, with its final norm and LM head, draft"))
+    adaptive: bool = field(default=True, metadata=_help(
+        "Choose each request's number of proposed tokens per step from its measured "
+        "acceptance and the measured step-cost model; false: always the most that fit"))
+    acceptance_prior: float = field(default=0.5, metadata=_help(
+        "Acceptance rate assumed for a request before any of its proposals is verified"))
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            given = [f.name for f in dataclasses.fields(self)
+                     if f.name != "method" and getattr(self, f.name) != f.default]
+            if given:
+                raise ValueError(f"speculative_config: {given[0]} given without a method; "
+                                 f"method must be one of {', '.join(SPEC_METHODS)}")
+            return
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config: method must be one of "
+                             f"{', '.join(SPEC_METHODS)}, got {self.method!r}")
+        for other, keys in _SPEC_METHOD_KEYS.items():
+            for key in keys:
+                if other != self.method and getattr(self, key) is not None:
+                    raise ValueError(f"speculative_config: {key} is a key of method "
+                                     f"{other}, not of {self.method}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an "
+                             f"integer in [1, 16], got {k!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config: adaptive must be true or false, "
+                             f"got {self.adaptive!r}")
+        prior = self.acceptance_prior
+        if (not isinstance(prior, (int, float)) or isinstance(prior, bool)
+                or not 0.0 < prior < 1.0):
+            raise ValueError(f"speculative_config: acceptance_prior must be in (0, 1), "
+                             f"got {prior!r}")
+        if self.method == "ngram":
+            lo = 2 if self.prompt_lookup_min is None else self.prompt_lookup_min
+            hi = max(4, lo) if self.prompt_lookup_max is None else self.prompt_lookup_max
+            for key, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 64:
+                    raise ValueError(f"speculative_config: {key} must be an integer in "
+                                     f"[1, 64], got {value!r}")
+            if lo > hi:
+                raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) must be <= "
+                                 f"prompt_lookup_max ({hi})")
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+        elif self.method == "draft":
+            if not self.model or not isinstance(self.model, str):
+                raise ValueError("speculative_config: method draft needs model, the draft "
+                                 "checkpoint's directory")
+        else:
+            layers = self.draft_layers
+            if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+                raise ValueError(f"speculative_config: method self needs draft_layers, an "
+                                 f"integer >= 1, got {layers!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    @property
+    def writes_kv_ahead(self) -> bool:
+        """Whether its proposer runs a model that writes KV past the request's computed
+        tokens (draft, self): the scheduler then holds slots for the proposals."""
+        return self.method in ("draft", "self")
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig":
+        """From a dict or a JSON object string (None or '': speculation off). An unknown
+        key is a ValueError naming it."""
+        if value is None or isinstance(value, cls):
+            return value or cls()
+        if isinstance(value, str):
+            if not value.strip():
+                return cls()
+            import json
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config must be a JSON object: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key {unknown[0]!r}; known: "
+                             f"{', '.join(sorted(known))}")
+        return cls(**value)
+
+    def keys_help(self) -> str:
+        return "; ".join(f"{f.name}: {f.metadata['help']}" for f in dataclasses.fields(self))
+
+
+SPECULATIVE_OPTION = "speculative_config"
+"""The one option (flag --speculative-config, TREADLE_SPECULATIVE_CONFIG) that carries
+the SpeculativeConfig as a JSON object."""
+
 ENV_PREFIX = "TREADLE_"
 """An engine option not given explicitly takes its value from TREADLE_<NAME> when set
 (e.g. TREADLE_DISTRIBUTED_EXECUTOR_BACKEND=mp), read once in EngineConfig.from_options."""
@@ -348,8 +503,18 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    """Given whole, as the one option `speculative_config` (a dict or JSON string)."""
 
     _SECTIONS = ("model", "cache", "scheduler", "parallel", "lora")
+
+    def __post_init__(self) -> None:
+        if self.speculative.method == "self" and self.parallel.world_size > 1:
+            raise ValueError(
+                "speculative_config: method self runs the target's first layers on the "
+                "output rank alone, which holds only its shard of them: it does not "
+                "support tensor_parallel_size or pipeline_parallel_size > 1 (method ngram "
+                "and method draft do)")
 
     @classmethod
     def section_types(cls) -> dict[str, type]:
@@ -362,7 +527,13 @@ class EngineConfig:
         given come from TREADLE_<NAME> environment variables when set (ENV_PREFIX).
 
         An unknown option is a TypeError naming it, as a wrong keyword argument would be.
+        `speculative_config` (a SpeculativeConfig, dict or JSON string) is the
+        speculative section whole.
         """
+        options = dict(options)
+        speculative = options.pop(SPECULATIVE_OPTION, None)
+        if speculative is None:
+            speculative = os.environ.get(ENV_PREFIX + SPECULATIVE_OPTION.upper())
         per_section: dict[str, dict[str, Any]] = {name: {} for name in cls._SECTIONS}
         fields = {f.name: (section, f) for section, section_type in cls.section_types().items()
                   for f in dataclasses.fields(section_type)}
@@ -375,7 +546,8 @@ class EngineConfig:
             if name not in options and text is not None:
                 per_section[section][name] = _from_env(f, text)
         return cls(**{name: cls.section_types()[name](**kwargs)
-                      for name, kwargs in per_section.items()})
+                      for name, kwargs in per_section.items()},
+                   speculative=SpeculativeConfig.parse(speculative))
 
 
 def _flag_type(annotation: str):
@@ -395,12 +567,16 @@ def add_config_arguments(parser: argparse.ArgumentParser,
     """Add one --flag per engine config field (underscores become dashes)."""
     for section, section_type in EngineConfig.section_types().items():
         add_dataclass_arguments(parser, section_type, f"{section} options", skip)
+    if SPECULATIVE_OPTION not in skip:
+        parser.add_argument_group("speculative decoding").add_argument(
+            "--speculative-config", dest=SPECULATIVE_OPTION, default=None, metavar="JSON",
+            help="A JSON object with keys " + SpeculativeConfig().keys_help())
 
 
 def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The config options given on the command line (flags left unset are omitted)."""
     names = {f.name for section_type in EngineConfig.section_types().values()
-             for f in dataclasses.fields(section_type)}
+             for f in dataclasses.fields(section_type)} | {SPECULATIVE_OPTION}
     return {name: value for name, value in vars(args).items()
             if name in names and value is not None}
 
@@ -465,6 +641,194 @@ class ServerConfig:
                              f"got {self.tool_call_parser!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The capacity simulator (`treadle simulate`, treadle/sim): workload, step-time model
+    and fleet. The engine's scheduler and cache options apply to every replica."""
+
+    trace: str | None = field(default=None, metadata=_help(
+        "Azure-format CSV trace to replay (TIMESTAMP, ContextTokens, GeneratedTokens); the "
+        "conversation trace when no workload is given"))
+    workload: str | None = field(default=None, metadata=_help(
+        "Instead of a trace: azure-conv, synthetic, shared-prefix or mixed-priority "
+        "(treadle.bench workloads)"))
+    workload_file: str | None = field(default=None, metadata=_help(
+        "Instead of a trace: a saved workload JSON (bench/workloads.save_workload)"))
+    workload_trace: str | None = field(default=None, metadata=_help(
+        "Instead of a trace: replay the arrivals of a treadle per-step trace (--trace FILE "
+        "of a real run)"))
+    num_requests: int | None = field(default=None, metadata=_help(
+        "Replay only the first N requests (all when not given; bench workloads: their size)"))
+    token_scale: float = field(default=1.0, metadata=_help(
+        "Multiply the trace's prompt and output lengths by this"))
+    time_scale: float = field(default=1.0, metadata=_help(
+        "Divide the arrival gaps by this (2: twice the rate, half the duration)"))
+    rate_scale: float = field(default=1.0, metadata=_help(
+        "Superpose this many copies of the trace over the same duration (10: ten times the "
+        "request rate); fractions thin the last copy"))
+    max_model_len: int | None = field(default=None, metadata=_help(
+        "Context length of the model (lengths are capped to it); the model shape's or the "
+        "fitted trace's when not given"))
+    priority_mix: float | None = field(default=None, metadata=_help(
+        "Fraction of requests with priority 0 (the rest 1), drawn with the seed"))
+    prefix_groups: int = field(default=0, metadata=_help(
+        "Synthetic prompts: number of shared prefixes (system prompts); 0: none shared"))
+    prefix_len: int = field(default=0, metadata=_help(
+        "Synthetic prompts: tokens of each shared prefix"))
+    prefix_fraction: float = field(default=1.0, metadata=_help(
+        "Synthetic prompts: fraction of requests that start with a shared prefix"))
+    prefix_zipf: float = field(default=0.0, metadata=_help(
+        "Synthetic prompts: Zipf exponent of the prefixes' popularity (0: uniform)"))
+    seed: int = field(default=0, metadata=_help(
+        "Seed of everything random in the simulation (prompts, priorities, acceptance)"))
+    step_model: str = field(default="roofline", metadata=_help(
+        "roofline, fit:TRACE.jsonl (least squares on a real run's trace) or "
+        "linear:FILE.json (a saved fit)"))
+    hardware: str = field(default="h200", metadata=_help(
+        "roofline: cpu-here, h200, a100 or a YAML file (treadle/sim/presets)"))
+    model_shape: str = field(default="llama-3-8b", metadata=_help(
+        "roofline: llama-3-8b, smollm2-135m, a YAML file or a HF config.json / checkpoint"))
+    tensor_parallel_size: int = field(default=1, metadata=_help(
+        "roofline: devices per replica (tensor parallelism)"))
+    replicas: int = field(default=1, metadata=_help(
+        "Colocated replicas (each prefills and decodes)"))
+    prefill_replicas: int = field(default=0, metadata=_help(
+        "P/D: prefill replicas (with decode_replicas; overrides replicas)"))
+    decode_replicas: int = field(default=0, metadata=_help(
+        "P/D: decode replicas (with prefill_replicas)"))
+    routing: str = field(default="round-robin", metadata=_help(
+        "Router: round-robin, least-load or prefix"))
+    kv_transfer_bandwidth: float | None = field(default=None, metadata=_help(
+        "P/D: bytes/s of the KV link per device; the hardware's network_bandwidth when not "
+        "given"))
+    num_spec_tokens: int = field(default=0, metadata=_help(
+        "Speculative decoding: tokens proposed per decode step (0: none)"))
+    spec_acceptance_rate: float = field(default=0.7, metadata=_help(
+        "Speculative decoding: probability each proposed token is accepted"))
+    slo_ttft_ms: float | None = field(default=None, metadata=_help(
+        "TTFT SLO in milliseconds for goodput"))
+    slo_tpot_ms: float | None = field(default=None, metadata=_help(
+        "TPOT SLO in milliseconds for goodput"))
+    timeseries_interval: float = field(default=1.0, metadata=_help(
+        "Seconds of simulated time between samples of each replica's queues and KV usage"))
+    output: str | None = field(default=None, metadata=_help(
+        "Folder for the JSON result and the plots (results/simulate when not given)"))
+
+    def __post_init__(self) -> None:
+        sources = [x for x in (self.workload, self.workload_file, self.workload_trace) if x]
+        if len(sources) > 1 or (sources and self.trace):
+            raise ValueError("give at most one of trace, workload, workload_file, "
+                             "workload_trace")
+        if self.workload is not None and self.workload not in (
+                "azure-conv", "synthetic", "shared-prefix", "mixed-priority"):
+            raise ValueError("workload must be one of azure-conv, synthetic, shared-prefix, "
+                             f"mixed-priority, got {self.workload!r}")
+        for name in ("token_scale", "time_scale", "rate_scale", "timeseries_interval"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("num_requests", "max_model_len"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("priority_mix", "prefix_fraction", "spec_acceptance_rate"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
+        for name in ("prefix_groups", "prefix_len", "prefill_replicas", "decode_replicas",
+                     "num_spec_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.prefix_zipf < 0:
+            raise ValueError(f"prefix_zipf must be >= 0, got {self.prefix_zipf}")
+        if self.replicas < 1 or self.tensor_parallel_size < 1:
+            raise ValueError("replicas and tensor_parallel_size must be >= 1, got "
+                             f"{self.replicas}, {self.tensor_parallel_size}")
+        if bool(self.prefill_replicas) != bool(self.decode_replicas):
+            raise ValueError("P/D needs both prefill_replicas and decode_replicas >= 1, got "
+                             f"{self.prefill_replicas}, {self.decode_replicas}")
+        if self.routing not in ("round-robin", "least-load", "prefix"):
+            raise ValueError("routing must be one of round-robin, least-load, prefix, "
+                             f"got {self.routing!r}")
+        if self.kv_transfer_bandwidth is not None and not self.kv_transfer_bandwidth > 0:
+            raise ValueError(f"kv_transfer_bandwidth must be > 0 bytes/s, "
+                             f"got {self.kv_transfer_bandwidth}")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_replicas > 0
+
+
+@dataclass(frozen=True)
+class SizingConfig:
+    """`treadle simulate size`: the smallest fleet that meets an SLO, and where to look."""
+
+    target_ttft_p99_ms: float = field(default=1000.0, metadata=_help(
+        "Largest acceptable p99 TTFT in milliseconds"))
+    target_tpot_p99_ms: float = field(default=50.0, metadata=_help(
+        "Largest acceptable p99 TPOT in milliseconds"))
+    target_goodput: float | None = field(default=None, metadata=_help(
+        "Smallest acceptable fraction of requests meeting both SLOs (e.g. 0.99)"))
+    slo_priority: int | None = field(default=None, metadata=_help(
+        "Judge the SLO on requests of at most this priority only (all requests when not "
+        "given)"))
+    search_policies: str = field(default="fcfs", metadata=_help(
+        "Scheduling policies to try, comma-separated (e.g. fcfs,priority)"))
+    search_tp: str = field(default="1", metadata=_help(
+        "Tensor-parallel degrees to try, comma-separated (e.g. 1,2)"))
+    search_chunks: str = field(default="", metadata=_help(
+        "Token budgets (max_num_batched_tokens) to try, comma-separated; the engine's "
+        "when empty"))
+    search_modes: str = field(default="colocated", metadata=_help(
+        "colocated, disaggregated, or both comma-separated"))
+    max_replicas: int = field(default=64, metadata=_help(
+        "Largest replica count (per pool under P/D) the search tries"))
+
+    def __post_init__(self) -> None:
+        for name in ("target_ttft_p99_ms", "target_tpot_p99_ms"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.target_goodput is not None and not 0 < self.target_goodput <= 1:
+            raise ValueError(f"target_goodput must be in (0, 1], got {self.target_goodput}")
+        if self.max_replicas < 1:
+            raise ValueError(f"max_replicas must be >= 1, got {self.max_replicas}")
+        for mode in self.modes:
+            if mode not in ("colocated", "disaggregated"):
+                raise ValueError(f"search_modes must list colocated and/or disaggregated, "
+                                 f"got {self.search_modes!r}")
+        for policy in self.policies:
+            if policy not in ("fcfs", "priority", "srpt", "fair"):
+                raise ValueError(f"search_policies: unknown policy {policy!r}")
+        try:
+            bad = [v for v in self.tp_degrees + self.chunks if v < 1]
+        except ValueError:
+            raise ValueError("search_tp and search_chunks must be comma-separated integers, "
+                             f"got {self.search_tp!r}, {self.search_chunks!r}") from None
+        if bad:
+            raise ValueError(f"search_tp and search_chunks must be >= 1, got {bad}")
+
+    @staticmethod
+    def _split(text: str) -> list[str]:
+        return [part.strip() for part in text.split(",") if part.strip()]
+
+    @property
+    def policies(self) -> list[str]:
+        return self._split(self.search_policies)
+
+    @property
+    def modes(self) -> list[str]:
+        return self._split(self.search_modes)
+
+    @property
+    def tp_degrees(self) -> list[int]:
+        return [int(v) for v in self._split(self.search_tp)]
+
+    @property
+    def chunks(self) -> list[int]:
+        return [int(v) for v in self._split(self.search_chunks)]
 
 
 def add_dataclass_arguments(parser: argparse.ArgumentParser, config_type: type,

@@ -24,6 +24,11 @@ _COUNTER_STATS = {
     "num_preemptions_swap": ("num_preemptions_swap", "Preemptions by swap"),
     "swap_bytes_out": ("swap_out_bytes", "Bytes of KV swapped out"),
     "swap_bytes_in": ("swap_in_bytes", "Bytes of KV swapped in"),
+    "spec_num_drafts": ("spec_decode_num_drafts",
+                        "Speculative drafts verified (one per request per step it ran proposals)"),
+    "spec_num_draft_tokens": ("spec_decode_num_draft_tokens", "Proposed tokens verified"),
+    "spec_num_accepted_tokens": ("spec_decode_num_accepted_tokens",
+                                 "Proposed tokens accepted"),
 }
 
 # The preemption tax: seconds the engine spent on work a preemption caused, by mode.
@@ -66,6 +71,11 @@ class EngineMetrics:
                                 ["model_name", "finished_reason"], registry=r)
         self._engine_counters = {key: counter(name, doc)
                                  for key, (name, doc) in _COUNTER_STATS.items()}
+        self._accepted_per_pos = Counter(
+            "treadle:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted proposed tokens by position in their draft (0: the first)",
+            ["model_name", "position"], registry=r)
+        self._last_per_pos: list[int] = []
         self._last_stats: dict[str, float] = {}
         self._preemption_tax: Counter | None = None
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token",
@@ -93,10 +103,18 @@ class EngineMetrics:
             self.batch_efficiency.set(efficiency)
             self.batch_efficiency_hist.observe(efficiency)
         for key, metric in self._engine_counters.items():
+            if key not in stats:  # speculation's counters exist only with a proposer
+                continue
             increment = stats[key] - self._last_stats.get(key, 0)
             if increment > 0:
                 metric.inc(increment)
             self._last_stats[key] = stats[key]
+        per_pos = stats.get("spec_accepted_per_position", ())
+        for position, total in enumerate(per_pos):
+            before = self._last_per_pos[position] if position < len(self._last_per_pos) else 0
+            if total > before:
+                self._accepted_per_pos.labels(self._model, str(position)).inc(total - before)
+        self._last_per_pos = list(per_pos)
         self._record_preemption_tax(stats)
 
     def record_gauges(self, num_running: int, num_waiting: int, num_swapped: int,

@@ -151,7 +151,8 @@ class Request:
             return RequestStatus.FINISHED_STOPPED  # a grammar's end is the request's end
         if last in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+        if (len(self.output_token_ids) >= params.max_tokens
+                or len(self.all_token_ids) >= max_model_len):
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -76,6 +76,10 @@ class SamplingParams:
     structured_outputs: StructuredSpec | None = None
     """A grammar the output must match (treadle.structured): JSON schema, regex, choice
     or EBNF/Lark; the sampler masks every token the grammar does not allow."""
+    speculative: bool = True
+    """Let the engine speculate on this request's tokens when it has a proposer
+    (`speculative_config`); false opts this request out (its outputs are the same either
+    way: verification is exact)."""
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, low=0)
@@ -99,7 +103,8 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, low=0)
         self.stop_token_ids = list(self.stop_token_ids)
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "speculative"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("logprobs", "prompt_logprobs"):

@@ -189,3 +189,68 @@ def test_adapters_split_like_their_layers_under_tp_and_pp(setup, parallel):
     outputs = run(llm, prompts[:len(choice)], loras, choice)
     assert outputs == [references[c][k] for k, c in enumerate(choice)]
     llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "self"])
+def test_speculative_decoding_with_adapters_stays_lossless(setup, method):
+    """Speculation and adapters together: the proposer drafts without the adapters (the
+    base model as the draft, or the base layers of the first layer for `self`, or prompt
+    lookup), verification runs the target with each row's adapter, so a mixed batch under
+    chunking and preemption still gives PEFT's merged models' greedy tokens, with some
+    proposals accepted and some rolled back."""
+    base_dir, paths, prompts, references = setup
+    speculative = {"ngram": {"method": "ngram", "prompt_lookup_min": 1},
+                   "draft": {"method": "draft", "model": base_dir},
+                   "self": {"method": "self", "draft_layers": 1}}[method]
+    llm = LLM(model=base_dir, dtype="float32", enable_lora=True, max_loras=2,
+              max_cpu_loras=3, max_lora_rank=8, block_size=8, num_kv_blocks=20,
+              max_num_batched_tokens=32, max_num_seqs=6, preemption_mode="recompute",
+              admission_lookahead_tokens=0, kv_watermark=0.0, num_threads=1,
+              speculative_config={**speculative, "num_speculative_tokens": 3,
+                                  "adaptive": False})
+    loras = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]
+    choice = [None, 0, 1, 2] * (len(prompts) // 4)
+    outputs = run(llm, prompts, loras, choice)
+    assert outputs == [references[c][k] for k, c in enumerate(choice)]
+    stats = llm.get_stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["spec_num_drafts"] > 0 and stats["spec_num_accepted_tokens"] > 0
+    assert stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
+    assert llm.engine.scheduler.kv.pool.num_free_blocks == llm.engine.num_kv_blocks
+    llm.engine.shutdown()
+
+
+class _EagerGraphs:
+    """Stands in for the GPU's DecodeGraphs (worker/decode_graphs.py needs triton): it
+    accepts the steps DecodeGraphs accepts (decodes only) and replays one by running the
+    model eagerly, counting replays."""
+
+    def __init__(self, runner, model) -> None:
+        self.runner, self.model, self.num_replays = runner, model, 0
+
+    def accepts(self, step) -> bool:
+        return step.num_single_token_rows == len(step.query_lens)
+
+    def run(self, input_ids, positions, step):
+        self.num_replays += 1
+        meta = self.runner.attention.build_metadata(step, self.runner.device)
+        return self.model(torch.from_numpy(input_ids), torch.from_numpy(positions),
+                          self.runner.kv_caches, meta)
+
+
+def test_steps_with_adapter_rows_never_replay_decode_graphs(setup):
+    """Decode graphs are captured without adapter terms: a step with an adapter row runs
+    eagerly (the adapters' tokens stay PEFT's), a step of base-model rows replays."""
+    base_dir, paths, prompts, references = setup
+    llm = LLM(model=base_dir, dtype="float32", enable_lora=True, max_loras=3,
+              max_lora_rank=8, num_kv_blocks=256)
+    worker = llm.engine.executor.worker
+    graphs = worker.runner.decode_graphs = _EagerGraphs(worker.runner, worker.model)
+    loras = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]
+    choice = [0, 1, 2, 0]
+    assert run(llm, prompts[:4], loras, choice) == [references[c][k]
+                                                    for k, c in enumerate(choice)]
+    assert graphs.num_replays == 0
+    assert run(llm, prompts[:4], loras, [None] * 4) == references[None][:4]
+    assert graphs.num_replays > 0
+    llm.engine.shutdown()

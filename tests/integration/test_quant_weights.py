@@ -121,10 +121,12 @@ def test_without_kernels_torch_runs_the_same_weight(kernels, fmt):
     plain = QuantizedLinear(native.format, native.blocks, 256, scales=native.scales)
     assert plain.path(1) == "torch"
     torch.testing.assert_close(plain.dequantize(), torch.from_numpy(ref), rtol=3e-7, atol=1e-9)
-    x = torch.randn(5, 256)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(6))
     want = x.double() @ torch.from_numpy(ref).double().T
-    torch.testing.assert_close(plain.apply(x).double(), want, rtol=1e-5, atol=1e-5)
     scale = x.double().abs() @ torch.from_numpy(ref).double().abs().T
+    # fp32 sums of 256 products: within 1e-5 of the sum of their magnitudes (a fixed 1e-5
+    # failed on one entry in 120 at 2.0e-5, an outcome of rounding, not of the weight)
+    assert ((plain.apply(x).double() - want).abs() <= scale * 1e-5 + 1e-7).all()
     assert ((native.apply(x).double() - want).abs() <= scale / 100).all()
 
 

@@ -287,7 +287,7 @@ def test_schemathesis_with_every_check_finds_nothing(tiny_demo, tmp_path):
         result = subprocess.run(
             [sys.executable, "-m", "schemathesis.cli", "run", base + "/openapi.json",
              "--checks", "all", "--max-examples", "10", "--seed", "1", "--workers", "1",
-             "--request-timeout", "60", "--phases", "examples,coverage,fuzzing",
+             "--request-timeout", "300", "--phases", "examples,coverage,fuzzing",
              "--generation-database", "none", "--suppress-health-check", "all"],
             capture_output=True, text=True, timeout=900, cwd=tmp_path, env=env)
         assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]

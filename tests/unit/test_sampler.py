@@ -241,3 +241,19 @@ def test_prompt_logprobs_score_each_next_token():
         assert entries[j].token_ids[0] == targets[j]
         assert entries[j].logprobs[0] == pytest.approx(float(raw[j, targets[j]]), abs=1e-6)
         assert entries[j].token_ids[1:] == raw[j].topk(2).indices.tolist()
+
+
+def test_inverse_cdf_never_picks_a_zero_weight_entry_when_rounding_reaches_the_end():
+    from treadle.worker.sampler import _block_inverse_cdf, _inverse_cdf
+
+    w = torch.zeros(3, 4000)
+    w[0, 10], w[0, 20] = 1.0, 2.0  # the last 3979 entries weigh nothing
+    w[1, 3999] = 1.0
+    w[2, 1500:1600] = 1.0  # a kept run inside one block of the two-level walk
+    u = torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64)  # u * total == total
+    pick, total = _block_inverse_cdf(w, u)
+    assert pick.tolist() == [20, 3999, 1599] and total.tolist() == [3.0, 1.0, 100.0]
+    assert _inverse_cdf(w[:1, :30], u[:1])[0].tolist() == [20]
+    # u = 0 takes the first kept entry, never a zero-weight one before it
+    assert _block_inverse_cdf(w, torch.zeros(3, dtype=torch.float64))[0].tolist() == \
+        [10, 3999, 1500]

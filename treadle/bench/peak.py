@@ -1,7 +1,8 @@
 """The machine's matmul limit, and model FLOPs utilization (MFU) against it.
 
 Owns `measure_peak_matmul` (GFLOP/s of `torch.nn.functional.linear` on the benchmark
-model's own layer shapes, median over repeats) and the MFU arithmetic. Re-measure the
+model's own layer shapes, median over repeats), `measure_memory_bandwidth` (a large copy's
+bytes/s; both feed the simulator's measured CPU preset) and the MFU arithmetic. Re-measure the
 peak in the same run as every throughput figure: machines are shared and noisy.
 Must not: load a model, hard-code any figure, or leave torch's thread count changed.
 """
@@ -116,3 +117,30 @@ def mfu(tokens_per_s: float, num_params: int, peak_gflops: float) -> float:
     if peak_gflops <= 0:
         raise ValueError(f"peak_gflops must be > 0, got {peak_gflops}")
     return model_flops_per_token(num_params) * tokens_per_s / (peak_gflops * 1e9)
+
+
+def measure_memory_bandwidth(size_bytes: int = 256 * 1024**2, repeats: int = 10,
+                             num_threads: int | None = None) -> dict:
+    """Bytes/s of copying a tensor of `size_bytes` into another (read + write counted),
+    median over `repeats`: the streaming rate a memory-bound kernel can reach."""
+    if size_bytes < 1024 or repeats < 1:
+        raise ValueError(f"need size_bytes >= 1024 and repeats >= 1, got {size_bytes}, {repeats}")
+    old_threads = torch.get_num_threads()
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    try:
+        src = torch.ones(size_bytes // 4, dtype=torch.float32)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            dst.copy_(src)
+            samples.append(time.perf_counter() - start)
+        threads_used = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(old_threads)
+    seconds = statistics.median(samples)
+    moved = 2 * src.numel() * src.element_size()
+    return {"bytes_per_s": moved / seconds, "size_bytes": src.numel() * src.element_size(),
+            "median_s": seconds, "repeats": repeats, "num_threads": threads_used}

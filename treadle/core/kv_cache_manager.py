@@ -148,6 +148,11 @@ class KVCacheManager:
         `computed_blocks` (from get_computed_blocks, only when the request holds nothing
         yet) are shared into its table first. Nothing changes when it returns False.
         """
+        if not computed_blocks:
+            held = self._blocks.get(request.request_id)
+            if (held is not None and request.num_computed_tokens + num_new_tokens
+                    <= len(held) * self.block_size):
+                return True  # its blocks have room already (most decode steps)
         if self._num_blocks_short(request, num_new_tokens, computed_blocks) > 0:
             return False
         rid = request.request_id

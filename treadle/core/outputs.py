@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from treadle.core.policy import PreemptionCosts
 from treadle.lora import LoRARequest
+from treadle.core.spec_decode import SpecCosts
 from treadle.request import FinishReason
 from treadle.sampling_params import SamplingParams
 
@@ -56,6 +57,9 @@ class WorkerInfo:
     """Module an adapter may target -> (in_features, out_features) of the whole model."""
     num_layers: int = 0
     """Decoder layers of the whole model."""
+    spec_costs: SpecCosts | None = None
+    """Measured step and draft costs for the adaptive speculation policy (the output
+    rank's, with speculative decoding configured), else None."""
 
 
 @dataclass
@@ -92,6 +96,10 @@ class ScheduledRequest:
     is_decoding: bool = False
     """The request's prompt is computed: this step computes its last generated token
     (Request.is_decoding when it was scheduled)."""
+    num_proposals: int = 0
+    """Tokens the worker's proposer should propose after this step for the request's next
+    one (the scheduler's choice, core/spec_decode.py; 0: none). With a model-based
+    proposer the request's blocks hold slots for them (its KV is written ahead)."""
     new_request: NewRequestData | None = None
     """Set the first time the worker sees the request."""
 
@@ -107,6 +115,9 @@ class SchedulerOutput:
     """Requests that ended since the last step: the worker drops their state."""
     preempted_request_ids: list[str] = field(default_factory=list)
     """Requests that lost their KV this step (the worker keeps their state)."""
+    swapped_request_ids: list[str] = field(default_factory=list)
+    """Those of preempted_request_ids whose KV went to the swap space (it comes back by
+    swap_in, block for block); the others lost it and recompute."""
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     """(device block, swap block) copies to make before the forward pass."""
     swap_in: list[tuple[int, int]] = field(default_factory=list)
@@ -158,6 +169,8 @@ class StepTimings:
     """Copying swapped-out and swapped-in blocks."""
     comm_s: float = 0.0
     """In collectives: all-reduces, logit gathers, activations between stages."""
+    propose_s: float = 0.0
+    """In the speculative proposer (its lookup or its draft model's passes)."""
     swap_bytes_out: int = 0
     swap_bytes_in: int = 0
 

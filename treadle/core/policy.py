@@ -111,8 +111,11 @@ def running_order(running: Sequence[Request],
     (admission order), or follows `key` (the scheduling policy's order, most urgent
     first) when one is given.
     """
-    if key is None:
-        return sorted(running, key=lambda r: not r.is_decoding)
+    if key is None:  # a stable partition: the order of sorted(key=not is_decoding)
+        decodes = [r for r in running if r.is_decoding]
+        if len(decodes) == len(running):
+            return decodes
+        return decodes + [r for r in running if not r.is_decoding]
     return sorted(running, key=lambda r: (not r.is_decoding, key(r)))
 
 

@@ -25,9 +25,12 @@ picks. After the step, `update_from_output` appends sampled tokens, finishes req
 frees their blocks, so waiting requests join the very next step.
 
 A decoding request may carry proposed tokens (`Request.spec_token_ids`, speculative
-decoding): they are scheduled with its last token within the budget, and
-`update_from_output` keeps the accepted ones and rolls back the rest (their KV slots are
-freed; no rejected token reaches the prefix cache).
+decoding): they are scheduled with its last token within the budget, as many as
+`core.spec_decode` plans from the request's measured acceptance and the measured step
+costs, and `update_from_output` keeps the accepted ones and rolls back the rest (their
+KV slots are freed; no rejected token reaches the prefix cache). Each step also tells the
+worker how many tokens to propose for each sampled request's next step; with a proposer
+that writes KV ahead (a draft model), the request's blocks hold slots for them.
 
 With LoRA, the running requests never use more distinct adapters than the worker has
 slots (`max_loras`), so neither does any step: a waiting or swapped-out request whose
@@ -51,7 +54,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from treadle.config import CacheConfig, SchedulerConfig, parse_tenant_weights
+from treadle.config import CacheConfig, SchedulerConfig, SpeculativeConfig, parse_tenant_weights
 from treadle.core import policy
 from treadle.core.admission import (Admission, StepRoom, fit, kv_growth,
                                     plan_admission_victims, tenant_share_blocks)
@@ -61,6 +64,7 @@ from treadle.core.outputs import (EngineCoreOutput, ModelRunnerOutput, NewReques
                                   ScheduledRequest, SchedulerOutput)
 from treadle.core.preemption import Preemptor
 from treadle.core.scheduling_policy import make_policy
+from treadle.core.spec_decode import SpecCandidate, SpecCosts, SpecDecodeController
 from treadle.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -111,8 +115,12 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_kv_blocks: int, max_model_len: int, num_swap_blocks: int = 0,
                  preemption_costs: policy.PreemptionCosts | None = None,
-                 clock: Callable[[], float] = time.monotonic, max_loras: int = 0) -> None:
-        """`max_loras`: adapter slots of the worker (0: no request has an adapter)."""
+                 clock: Callable[[], float] = time.monotonic,
+                 speculative: SpeculativeConfig | None = None,
+                 spec_costs: SpecCosts | None = None, max_loras: int = 0) -> None:
+        """`speculative` with a method: proposed tokens are planned per request (from
+        `spec_costs`, the worker's measurements, when the policy is adaptive).
+        `max_loras`: adapter slots of the worker (0: no request has an adapter)."""
         self.config = scheduler_config
         self.max_loras = max_loras
         self.max_model_len = max_model_len
@@ -138,10 +146,23 @@ class Scheduler:
         """Requests in a step submitted to the workers and not yet answered (pipeline
         parallelism keeps several steps in flight): not scheduled, preempted or freed
         until it returns."""
+        self._swapped_out: list[str] = []
+        self._num_proposals: dict[str, int] = {}
+        self._spec_plan: dict[str, int] = {}
+        self._unrun: dict[str, tuple[int, int]] = {}
+        """Deterministic proposals the plan did not run: (their first token, the request's
+        num_tokens then), scored against the model's token when that step returns."""
         self._free_after_step: dict[str, Request] = {}
         """Requests that ended while in flight: their blocks are freed when the step
         returns (the workers may still be writing them)."""
         self.stats = SchedulerStats()
+        self.spec: SpecDecodeController | None = None
+        """Speculative decoding's plan and counters, when a proposer is configured."""
+        if speculative is not None and speculative.enabled:
+            self.spec = SpecDecodeController(
+                speculative.num_speculative_tokens, speculative.adaptive,
+                speculative.acceptance_prior, spec_costs, speculative.writes_kv_ahead,
+                deterministic=speculative.method == "ngram")
 
     @property
     def tenant_weights(self) -> dict[str, float]:
@@ -196,6 +217,9 @@ class Scheduler:
         self._protected_until.pop(request.request_id, None)
         self._chunked_prompts.discard(request.request_id)
         self._worker_views.pop(request.request_id, None)
+        if self.spec is not None:
+            self.spec.forget(request.request_id)
+            self._unrun.pop(request.request_id, None)
         self._finished_since_last_step.append(request.request_id)
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
@@ -256,11 +280,86 @@ class Scheduler:
         self._finishes_prompt = False
         self._finishes_chunked_prompt = False
         self.policy.prepare_step(self.requests.values())
+        self._swapped_out: list[str] = []
+        self._spec_plan: dict[str, int] = self._plan_spec_tokens()
         if self.policy.orders_by_urgency:
             self._schedule_by_urgency()
         else:
             self._schedule_fcfs()
+        self._num_proposals = self._plan_proposals()
         return self._build_output(self._num_new, self._preempted)
+
+    # ----- speculative decoding ----------------------------------------------------------
+
+    def _speculates(self, request: Request) -> bool:
+        return self.spec is not None and request.sampling_params.speculative
+
+    def _spec_room(self, request: Request, num_after: int) -> int:
+        """Proposed tokens that may still become output once `num_after` more tokens
+        are in: at most max_tokens - 1 more (one token is always the model's) and within
+        the context."""
+        return min(self.max_model_len - request.num_tokens - num_after + 1,
+                   request.sampling_params.max_tokens - request.num_output_tokens - num_after)
+
+    def _plan_spec_tokens(self) -> dict[str, int]:
+        """The proposed tokens each decoding request runs this step (core.spec_decode),
+        for a step like this one: its decodes, plus the prefill tokens waiting for it."""
+        if self.spec is None:
+            return {}
+        decodes = [r for r in self._idle_running() if r.is_decoding]
+        candidates = []
+        for r in decodes:
+            if r.spec_token_ids and self._speculates(r):
+                room = min(len(r.spec_token_ids), self._spec_room(r, 0) - 1)
+                if room > 0:
+                    candidates.append(SpecCandidate(r.request_id, room))
+        if not candidates:
+            return {}
+        budget = self.config.max_num_batched_tokens
+        base = len(decodes) + self._pending_prefill_tokens(budget - len(decodes))
+        return self.spec.tokens_to_run(candidates, len(decodes), min(base, budget), budget)
+
+    def _pending_prefill_tokens(self, room: int) -> int:
+        """Tokens running, swapped and waiting requests would prefill, up to `room`."""
+        total = 0
+        for group in ((r for r in self._idle_running() if not r.is_decoding), self.swapped,
+                      self.waiting):
+            for r in group:
+                total += r.num_uncomputed_tokens
+                if total >= room:
+                    return max(room, 0)
+        return total
+
+    def _plan_proposals(self) -> dict[str, int]:
+        """Tokens to propose after this step per sampled request; with a proposer that
+        writes KV ahead, each gets slots for them or proposes nothing."""
+        if self.spec is None:
+            return {}
+        sampled = []
+        for request in self.running:
+            n = self._num_new.get(request.request_id)
+            if (n is not None and request.num_computed_tokens + n >= request.num_tokens
+                    and self._speculates(request)):
+                sampled.append(request)
+        if not sampled:
+            return {}
+        num_spec = sum(len(v) for v in self._spec.values())
+        base = sum(self._num_new.values()) - num_spec
+        budget = self.config.max_num_batched_tokens
+        wanted = self.spec.tokens_to_propose([r.request_id for r in sampled], len(sampled),
+                                             min(base, budget), budget)
+        plan = {}
+        for request in sampled:
+            rid = request.request_id
+            k = min(wanted.get(rid, 0), max(self._spec_room(request, 1), 0))
+            if k > 0 and self.spec.writes_kv_ahead:
+                # Slots past this step's tokens for the draft to write its proposals'
+                # KV into: only from free blocks, never by preempting anyone.
+                if not self.kv.allocate_slots(request, self._num_new[rid] + k):
+                    k = 0
+            if k > 0:
+                plan[rid] = k
+        return plan
 
     def _schedule_fcfs(self) -> None:
         # 1. Running requests, decodes first. Each may preempt others to get a block.
@@ -370,12 +469,14 @@ class Scheduler:
 
     def _schedule_running(self, request: Request) -> None:
         """Give a running request its tokens, preempting others if its blocks run short."""
-        if request.status != RequestStatus.RUNNING or self._budget == 0:
+        budget = self._budget
+        if request.status is not RequestStatus.RUNNING or budget == 0:
             return
-        num_tokens = min(request.num_uncomputed_tokens, self._budget)
-        spec = self._spec_tokens(request)
+        num_uncomputed = request.num_uncomputed_tokens
+        num_tokens = min(num_uncomputed, budget)
+        spec = self._spec_tokens(request) if request.spec_token_ids else []
         num_tokens += len(spec)
-        if self._holds_back(request, num_tokens < request.num_uncomputed_tokens):
+        if self._holds_back(request, num_tokens < num_uncomputed):
             return
         while not self.kv.allocate_slots(request, num_tokens):
             victim = self.preemptor.choose_memory_victim(request, self._idle_running(),
@@ -388,13 +489,19 @@ class Scheduler:
         self._schedule_tokens(request, num_tokens, spec)
 
     def _spec_tokens(self, request: Request) -> list[int]:
-        """The proposed tokens a decoding request runs this step: as many as the budget
-        leaves beside its own token, that stay inside the context, and that could still
-        become output (at most max_tokens - 1 more: one token is always the model's)."""
+        """The proposed tokens a decoding request runs this step: as many as the plan
+        gives it (all, without a speculation policy), that the budget leaves beside its
+        own token, that stay inside the context, and that could still become output (at
+        most max_tokens - 1 more: one token is always the model's)."""
         if not request.spec_token_ids or not request.is_decoding:
             return []
         room = min(self._budget - 1, self.max_model_len - request.num_tokens,
                    request.sampling_params.max_tokens - request.num_output_tokens - 1)
+        if self.spec is not None:
+            room = min(room, self._spec_plan.get(request.request_id, 0))
+            if room <= 0 and self.spec.deterministic:
+                self._unrun[request.request_id] = (request.spec_token_ids[0],
+                                                   request.num_tokens)
         return request.spec_token_ids[:max(room, 0)]
 
     def _holds_back(self, request: Request, partial: bool) -> bool:
@@ -604,11 +711,14 @@ class Scheduler:
     def _build_output(self, num_new_tokens: dict[str, int],
                       preempted: list[Request]) -> SchedulerOutput:
         scheduled = []
+        get = num_new_tokens.get
         for request in self.running:
-            n = num_new_tokens.get(request.request_id)
+            n = get(request.request_id)
             if n is not None:
                 scheduled.append(self._scheduled_request(request, n))
-        scheduled.sort(key=lambda s: not s.is_decoding)  # decodes first
+        decodes = [s for s in scheduled if s.is_decoding]  # decodes first (a stable partition)
+        if len(decodes) != len(scheduled):
+            scheduled = decodes + [s for s in scheduled if not s.is_decoding]
         self._in_flight.update(s.request_id for s in scheduled)
         finished, self._finished_since_last_step = self._finished_since_last_step, []
         stats = self.stats
@@ -616,12 +726,17 @@ class Scheduler:
             stats.num_steps += 1
             stats.num_scheduled_requests += len(scheduled)
             stats.num_scheduled_tokens += sum(num_new_tokens.values())
+            allocated = used = 0
+            num_slots = self.kv.num_allocated_slots
             for request in self.running:
-                stats.allocated_slots += self.kv.num_allocated_slots(request.request_id)
-                stats.used_slots += request.num_computed_tokens + num_new_tokens.get(
-                    request.request_id, 0)
+                rid = request.request_id
+                allocated += num_slots(rid)
+                used += request.num_computed_tokens + get(rid, 0)
+            stats.allocated_slots += allocated
+            stats.used_slots += used
         return SchedulerOutput(scheduled=scheduled, finished_request_ids=finished,
                                preempted_request_ids=[r.request_id for r in preempted],
+                               swapped_request_ids=self._swapped_out,
                                swap_out=self._swap_out, swap_in=self._swap_in,
                                num_recomputed_tokens=self._num_recomputed)
 
@@ -636,8 +751,10 @@ class Scheduler:
             view = self._worker_views[rid] = _WorkerView(num_tokens=request.num_prompt_tokens)
             new_request = NewRequestData(request.prompt_token_ids, request.sampling_params,
                                          request.lora_request)
-        new_token_ids = request.all_token_ids[view.num_tokens:]
-        view.num_tokens = request.num_tokens
+        all_token_ids = request.all_token_ids
+        total = len(all_token_ids)
+        new_token_ids = all_token_ids[view.num_tokens:]
+        view.num_tokens = total
         block_ids = self.kv.block_ids(rid)
         replaces = view.table_stale
         new_block_ids = block_ids[0 if replaces else view.num_blocks:]
@@ -647,8 +764,8 @@ class Scheduler:
             request_id=rid, num_computed_tokens=start, num_scheduled_tokens=num_tokens,
             new_token_ids=new_token_ids, new_block_ids=new_block_ids,
             replaces_block_table=replaces, spec_token_ids=self._spec.get(rid, []),
-            sample=(start + num_tokens >= request.num_tokens
-                    and request.sampling_params.max_tokens > 0),
+            num_proposals=self._num_proposals.get(rid, 0),
+            sample=start + num_tokens >= total and request.sampling_params.max_tokens > 0,
             is_decoding=request.is_decoding, new_request=new_request)
 
     def _table_changed(self, request: Request) -> None:
@@ -674,6 +791,7 @@ class Scheduler:
         self.stats.num_preemptions += 1
         if taken.mode == policy.PreemptionMode.SWAP:
             self._swap_out.extend(taken.swap_plan)
+            self._swapped_out.append(request.request_id)
             request.status = RequestStatus.SWAPPED
             self.swapped.append(request)
             self.fair_share.queued_in(request)
@@ -688,6 +806,19 @@ class Scheduler:
             logger.info("preempted request %s %s (mode=recompute, %d computed tokens to "
                         "recompute)", request.request_id, reason, taken.num_computed_tokens)
 
+    def _observe_spec(self, sched: ScheduledRequest, tokens: list[int]) -> None:
+        """Acceptance of what the request's step verified (or of a deterministic proposal
+        the plan did not run, scored against the model's token)."""
+        rid = sched.request_id
+        unrun = self._unrun.pop(rid, None)
+        request = self.requests[rid]
+        if sched.spec_token_ids:
+            self.spec.observe(rid, len(sched.spec_token_ids), len(tokens) - 1)
+        elif unrun is not None and unrun[1] == request.num_tokens:
+            self.spec.observe_unrun(rid, unrun[0], tokens[0])
+        else:
+            self.spec.idle(rid)
+
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance every scheduled request; return one output per request with news.
@@ -696,35 +827,49 @@ class Scheduler:
         them followed by one token of its own); the slots of the rest are rolled back."""
         outputs = []
         sampled = runner_output.sampled_token_ids
+        if self.spec is not None:
+            self.spec.begin_step()
+        # Bound once: this loop runs for every request of every step (docs/simulator.md).
+        requests_get = self.requests.get
+        kv = self.kv
+        max_model_len = self.max_model_len
+        prompt_logprobs_of = runner_output.prompt_logprobs
+        logprobs_of = runner_output.logprobs
+        proposals_of = runner_output.spec_token_ids
         for sched in scheduler_output.scheduled:
-            self._in_flight.discard(sched.request_id)
-            ended = self._free_after_step.pop(sched.request_id, None)
+            rid = sched.request_id
+            self._in_flight.discard(rid)
+            ended = self._free_after_step.pop(rid, None)
             if ended is not None:  # it ended while the step ran: its blocks are free now
-                self.kv.free(ended)
-                self.kv.forget(ended)
+                kv.free(ended)
+                kv.forget(ended)
                 continue
-            request = self.requests.get(sched.request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            request = requests_get(rid)
+            if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            tokens = sampled[sched.request_id] if sched.sample else []
+            tokens = sampled[rid] if sched.sample else []
             num_rejected = len(sched.spec_token_ids) - max(len(tokens) - 1, 0)
+            if self.spec is not None and tokens:
+                self._observe_spec(sched, tokens)
             request.num_computed_tokens += sched.num_scheduled_tokens - num_rejected
             status = None
             num_kept = 0
             for token_id in tokens:  # accepted proposals, then the model's own token
                 request.append_output_token(token_id)
                 num_kept += 1
-                status = request.check_stop(self.max_model_len)
+                status = request.check_stop(max_model_len)
                 if status is not None:
                     break
             # Stopped early: proposals after the stop were computed but are not its tokens.
-            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
-            request.max_num_computed_tokens = max(request.max_num_computed_tokens,
-                                                  request.num_computed_tokens)
-            if num_rejected and self.kv.trim(request):
+            num_tokens = len(request.all_token_ids)
+            if request.num_computed_tokens > num_tokens:
+                request.num_computed_tokens = num_tokens
+            if request.num_computed_tokens > request.max_num_computed_tokens:
+                request.max_num_computed_tokens = request.num_computed_tokens
+            if num_rejected and kv.trim(request):
                 self._table_changed(request)
-            self.kv.cache_full_blocks(request)  # only blocks full of its own tokens
-            prompt_logprobs = runner_output.prompt_logprobs.get(sched.request_id)
+            kv.cache_full_blocks(request)  # only blocks full of its own tokens
+            prompt_logprobs = prompt_logprobs_of.get(rid) if prompt_logprobs_of else None
             if not sched.sample:
                 scored = (request.sampling_params.max_tokens == 0
                           and request.num_computed_tokens >= request.num_tokens)
@@ -743,8 +888,8 @@ class Scheduler:
                 self.running.remove(request)
                 self._end(request, status)
             else:
-                request.spec_token_ids = runner_output.spec_token_ids.get(sched.request_id, [])
-            logprobs = runner_output.logprobs.get(sched.request_id)
+                request.spec_token_ids = proposals_of.get(rid, []) if proposals_of else []
+            logprobs = logprobs_of.get(rid) if logprobs_of else None
             outputs.append(EngineCoreOutput(
                 request_id=request.request_id, new_token_ids=tokens[:num_kept],
                 finish_reason=request.finish_reason,

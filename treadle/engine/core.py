@@ -23,7 +23,7 @@ from treadle.config import EngineConfig
 from treadle.core.outputs import EngineCoreOutput, StepTimings, WorkerInfo
 from treadle.core.scheduler import Scheduler
 from treadle.engine.lora_registry import LoRARegistry
-from treadle.engine.trace import TraceRecorder
+from treadle.engine.trace import TraceRecorder, engine_facts
 from treadle.executor import make_executor
 from treadle.lora import AdapterSpec, LoRARequest
 from treadle.models.tokenizer import has_tokenizer
@@ -68,12 +68,15 @@ class EngineCore:
         """Grammars need the model's tokenizer (the worker builds them from it)."""
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks,
                                    self.max_model_len, self.num_swap_blocks,
-                                   info.preemption_costs, max_loras=info.num_lora_slots)
+                                   info.preemption_costs, speculative=config.speculative,
+                                   spec_costs=info.spec_costs, max_loras=info.num_lora_slots)
         self.loras = (LoRARegistry(info.lora_module_shapes, info.num_layers,
                                    config.lora.max_lora_rank)
                       if config.lora.enable_lora else None)
         """The adapters this engine knows (None: LoRA is off)."""
-        self.trace = (TraceRecorder(config.scheduler.trace, config.scheduler.scheduling_policy)
+        self.trace = (TraceRecorder(config.scheduler.trace, config.scheduler.scheduling_policy,
+                                    engine=engine_facts(config, info, self.num_kv_blocks,
+                                                        self.num_swap_blocks))
                       if config.scheduler.trace else None)
         """Per-step trace (treadle.engine.trace), when `scheduler.trace` names a file."""
         self.timings = StepTimings()
@@ -235,7 +238,9 @@ class EngineCore:
         self._add_timings(runner_output.timings, scheduler_output)
         if self.trace is not None and (scheduler_output.scheduled
                                        or scheduler_output.preempted_request_ids):
-            self.trace.record_step(step, t_start, time.monotonic(), scheduler_output, outputs)
+            spec = self.scheduler.spec
+            self.trace.record_step(step, t_start, time.monotonic(), scheduler_output, outputs,
+                                   None if spec is None else spec.last_step)
         return outputs
 
     @property
@@ -249,6 +254,7 @@ class EngineCore:
         total.sample_s += t.sample_s
         total.swap_s += t.swap_s
         total.comm_s += t.comm_s
+        total.propose_s += t.propose_s
         num_tokens = scheduler_output.num_scheduled_tokens
         if num_tokens and scheduler_output.num_recomputed_tokens:
             # The step's forward time, in the share of its tokens that were work redone.
@@ -290,4 +296,7 @@ class EngineCore:
             "time_comm_s": t.comm_s,
             "time_swap_s": t.swap_s,
             "time_recompute_s": self.time_recompute_s,
+            "time_propose_s": t.propose_s,
+            **(self.scheduler.spec.stats.as_dict() if self.scheduler.spec is not None
+               else {}),
         }

@@ -22,9 +22,11 @@ class WorkerDiedError(RuntimeError):
 
 def merge_worker_infos(infos: list[WorkerInfo]) -> WorkerInfo:
     """What several ranks report, as one: rank 0's facts, the smallest block counts (every
-    rank must hold every block)."""
+    rank must hold every block), and the output rank's measured speculation costs."""
     return dataclasses.replace(infos[0], num_kv_blocks=min(i.num_kv_blocks for i in infos),
-                               num_swap_blocks=min(i.num_swap_blocks for i in infos))
+                               num_swap_blocks=min(i.num_swap_blocks for i in infos),
+                               spec_costs=next((i.spec_costs for i in infos
+                                                if i.spec_costs is not None), None))
 
 
 class Executor(ABC):

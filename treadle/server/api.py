@@ -191,7 +191,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
                 skip_special_tokens=(body.skip_special_tokens if skip_special_tokens is None
                                      else skip_special_tokens),
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                structured_outputs=structured)
+                structured_outputs=structured, speculative=body.speculative)
         except ValueError as exc:
             message = str(exc)
             raise APIError(400, message, message.split(" ", 1)[0]) from None

@@ -149,6 +149,9 @@ class SamplingFields(OpenAIModel):
     prompt_logprobs: Optional[int] = Field(
         default=None, ge=0, le=MAX_LOGPROBS,
         description="vLLM's: logprobs of every prompt token and this many alternatives")
+    speculative: bool = Field(
+        default=True, description="treadle's: false opts this request out of speculative decoding "
+        "(the output is the same either way)")
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -85,6 +85,8 @@ def copy_blocks(src: list[torch.Tensor], dst: list[torch.Tensor],
     """
     if not pairs:
         return 0
+    if src[0].device != dst[0].device:
+        return _copy_blocks_across(src, dst, pairs, block_dim)
     src_ids = torch.tensor([p[0] for p in pairs], dtype=torch.long)
     dst_ids = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst[0].device)
     num_bytes = 0
@@ -92,4 +94,19 @@ def copy_blocks(src: list[torch.Tensor], dst: list[torch.Tensor],
         blocks = s.index_select(block_dim, src_ids.to(s.device))
         d.index_copy_(block_dim, dst_ids, blocks.to(d.device, non_blocking=True))
         num_bytes += blocks.numel() * blocks.element_size()
+    return num_bytes
+
+
+def _copy_blocks_across(src: list[torch.Tensor], dst: list[torch.Tensor],
+                        pairs: list[tuple[int, int]], block_dim: int) -> int:
+    """Between the device and (pinned) host memory: one copy per block straight into its
+    destination, so that with pinned memory every copy is asynchronous and nothing on the
+    host reads a block before it arrives (a gather, then a host-side index_copy_ of a
+    non-blocking device-to-host result, would)."""
+    num_bytes = 0
+    for s, d in zip(src, dst):
+        for src_id, dst_id in pairs:
+            block = s.select(block_dim, src_id)
+            d.select(block_dim, dst_id).copy_(block, non_blocking=True)
+            num_bytes += block.numel() * block.element_size()
     return num_bytes

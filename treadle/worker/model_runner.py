@@ -10,8 +10,9 @@ within each of the two groups, and the step's adapter segments (token ranges) go
 LoRA manager (worker/lora/) before the forward pass. The attention backend turns the step's
 geometry into its metadata once per step, shared by every layer. Logits are computed only
 for the rows that sample: a request's last scheduled token, or with proposed tokens each
-of them and the token before (the proposals are verified against what the model samples
-there: the longest agreeing prefix is kept, then one token of the model's own), plus,
+of them and the token before (the proposals are verified by exact rejection sampling,
+worker/spec/rejection.py: the accepted ones are kept, then one token of the model's own),
+plus,
 for requests that ask for prompt logprobs, every position of their prompt chunk (in
 slices, so a long chunk never holds [chunk, vocab] logits at once).
 
@@ -21,6 +22,19 @@ receives them first, and only the last computes logits. With tensor parallelism 
 logits are gathered to the stage's first rank, the output rank, which alone samples and
 answers (worker/parallel_state.py); the other ranks return None.
 
+On a GPU, a step of decodes only replays a CUDA graph of the forward pass captured at its
+padded batch size (worker/decode_graphs.py) instead of building the attention metadata
+and calling the model; every other step runs eagerly, and so does a step with a row that
+has a LoRA adapter (the graphs hold no adapter terms).
+
+With speculative decoding the output rank also holds the proposer (worker/spec): after
+verification it proposes, for each request the step message asks it to, the tokens its
+next step verifies (`ModelRunnerOutput.spec_token_ids`).
+The proposer runs after the forward pass, outside the LoRA manager's step: a `self`
+proposer drafts with the base layers (no adapter terms), a `draft` model has no adapters,
+and verification runs the target with each row's adapter, so speculation with adapters
+stays lossless (docs/lora.md).
+
 The runner never decides policy: it computes exactly what it is given.
 """
 
@@ -28,19 +42,24 @@ from __future__ import annotations
 
 import itertools
 import time
+from typing import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from treadle.core.outputs import (ModelRunnerOutput, PromptLogprobs, ScheduledRequest,
-                                  SchedulerOutput, StepTimings, TokenLogprobs)
+                                  SchedulerOutput, StepTimings)
 from treadle.worker.attention import AttentionBackend, AttentionStep
+from treadle.worker.decode_graphs import DecodeGraphs
 from treadle.worker.grammar import GrammarState
 from treadle.worker.input_batch import CachedRequestState, InputBatch
 from treadle.worker.kv_cache import copy_blocks
+from treadle.worker.platform import no_wait, run_copies_now
 from treadle.worker.parallel_state import ParallelContext
 from treadle.worker.sampler import Sampler, group_order, prompt_logprobs
+from treadle.worker.spec.base import ProposalBatch, ProposalRequest, Proposer
+from treadle.worker.spec.rejection import RejectionSampler, SampleRow
 
 _PROMPT_LOGPROBS_ROWS = 256
 """Prompt positions whose logits are computed at once ([rows, vocab] float32)."""
@@ -58,9 +77,13 @@ class _Row:
 
 @dataclass
 class PreparedInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
+    input_ids: torch.Tensor | None
+    """On the device; None when a decode graph runs the step (it copies the host arrays)."""
+    positions: torch.Tensor | None
     attn_metadata: object
+    step: AttentionStep
+    host_input_ids: np.ndarray
+    host_positions: np.ndarray
     rows: list[_Row]
     logits_indices: np.ndarray
     """Flat-batch tokens whose logits are sampled, one per sampling position."""
@@ -99,12 +122,17 @@ class ModelRunner:
                  swap_caches: list[torch.Tensor] | None = None, block_dim: int = 2,
                  eos_token_id: int | None = None,
                  parallel: ParallelContext | None = None,
-                 grammar: GrammarState | None = None, lora=None) -> None:
+                 grammar: GrammarState | None = None,
+                 start_copies: Callable[[Callable[[], None]], Callable[[], None]] | None = None,
+                 proposer: Proposer | None = None, lora=None) -> None:
         """`swap_caches` hold swapped-out blocks (same layout as kv_caches); `grammar` the
-        structured-output state (the output rank's); `lora`: the worker's LoRAManager, None
-        without LoRA."""
+        structured-output state and `proposer` speculative decoding's (the output rank's);
+        `start_copies` runs the step's swap copies and returns the wait before compute
+        (Platform.start_copies; by default they run at once); `lora`: the worker's
+        LoRAManager, None without LoRA."""
         self.model = model
         self.lora = lora
+        self.start_copies = start_copies or run_copies_now
         self.parallel = parallel or ParallelContext()
         self.grammar = grammar
         self.kv_caches = kv_caches
@@ -118,6 +146,10 @@ class ModelRunner:
         self.eos_token_id = eos_token_id
         """The model's end-of-sequence id, masked until a request's min_tokens."""
         self.batch = InputBatch(-(-max_model_len // block_size))
+        self.decode_graphs: DecodeGraphs | None = None
+        """Captured decode steps (worker/decode_graphs.py; the GPU's, unless enforce_eager)."""
+        self.proposer = proposer
+        self.rejection = RejectionSampler(sampler, eos_token_id)
 
     # ----- preparing the inputs ------------------------------------------------------------
 
@@ -152,9 +184,14 @@ class ModelRunner:
 
         step = AttentionStep(q_lens, row_offsets, starts, block_table, slot_mapping,
                              int(np.count_nonzero(q_lens == 1)), bs, self.num_cache_blocks)
-        meta = self.attention.build_metadata(step, self.device)
-
         rows = [_Row(s, st, int(off)) for (s, st), off in zip(pairs, row_offsets)]
+        lora_segments = _lora_segments(rows) if self.lora is not None else []
+        # A decode graph was captured without adapter terms: a step with adapter rows
+        # runs eagerly.
+        graphed = (self.decode_graphs is not None and not lora_segments
+                   and self.decode_graphs.accepts(step))
+        meta = None if graphed else self.attention.build_metadata(step, self.device)
+
         logits_indices, sample_rows = [], []
         for i, row in enumerate(rows):
             s = row.scheduled
@@ -166,9 +203,11 @@ class ModelRunner:
                 logits_indices.append(last - num_positions + 1 + j)
                 sample_rows.append((i, j))
         to_device = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
-        return PreparedInputs(to_device(input_ids), to_device(positions), meta, rows,
+        return PreparedInputs(None if graphed else to_device(input_ids),
+                              None if graphed else to_device(positions), meta, step,
+                              input_ids, positions, rows,
                               np.asarray(logits_indices, dtype=np.int64), sample_rows,
-                              _lora_segments(rows) if self.lora is not None else [])
+                              lora_segments)
 
     @staticmethod
     def _row_tokens(scheduled: ScheduledRequest, state: CachedRequestState) -> list[int]:
@@ -180,28 +219,50 @@ class ModelRunner:
 
     # ----- one step ------------------------------------------------------------------------
 
+    def _start_swaps(self, scheduler_output: SchedulerOutput,
+                     timings: StepTimings) -> Callable[[], None]:
+        """Issue the step's swap copies; the returned wait comes before the forward pass
+        (which may write the blocks just swapped out, or read those swapped in)."""
+        out, into = scheduler_output.swap_out, scheduler_output.swap_in
+        if not out and not into:
+            return no_wait
+
+        def copy() -> None:
+            # Swap-outs first: a block freed by a swap-out may be the target of a swap-in.
+            # A draft's own KV cache follows its target blocks (worker/spec/draft.py).
+            if out:
+                timings.swap_bytes_out = copy_blocks(self.kv_caches, self.swap_caches, out,
+                                                     self.block_dim)
+                if self.proposer is not None:
+                    self.proposer.swap_blocks(out, out=True)
+            if into:
+                timings.swap_bytes_in = copy_blocks(self.swap_caches, self.kv_caches, into,
+                                                    self.block_dim)
+                if self.proposer is not None:
+                    self.proposer.swap_blocks(into, out=False)
+        return self.start_copies(copy)
+
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         self.sampler.drop(scheduler_output.finished_request_ids)
         if self.grammar is not None:
             self.grammar.drop(scheduler_output.finished_request_ids)
+        proposer = self.proposer
+        if proposer is not None:
+            proposer.begin_step(scheduler_output)
         timings = StepTimings()
-        # Swap-outs first: a block freed by a swap-out may be the target of a swap-in.
         t_swap = time.perf_counter()
-        if scheduler_output.swap_out:
-            timings.swap_bytes_out = copy_blocks(self.kv_caches, self.swap_caches,
-                                                 scheduler_output.swap_out, self.block_dim)
-        if scheduler_output.swap_in:
-            timings.swap_bytes_in = copy_blocks(self.swap_caches, self.kv_caches,
-                                                scheduler_output.swap_in, self.block_dim)
+        wait_for_swaps = self._start_swaps(scheduler_output, timings)
         timings.swap_s = time.perf_counter() - t_swap
         par = self.parallel
         if not scheduler_output.scheduled:
+            wait_for_swaps()
             self.batch.update(scheduler_output)
             return (ModelRunnerOutput(sampled_token_ids={}, timings=timings)
                     if par.is_output_rank else None)
         t0 = time.perf_counter()
-        inputs = self.prepare(scheduler_output)
+        inputs = self.prepare(scheduler_output)  # overlaps the swap copies on a GPU
+        wait_for_swaps()
         rows, sample_rows = inputs.rows, inputs.sample_rows
         # Logits rows in the sampler's group order: it then works in place, copying none.
         order = group_order([rows[i].state.sampling_params for i, _ in sample_rows])
@@ -211,16 +272,20 @@ class ModelRunner:
         t1 = time.perf_counter()
         received = None
         if not par.is_first_stage:
-            received = par.recv_prev_stage((inputs.positions.shape[0], self.model.hidden_size),
+            received = par.recv_prev_stage((len(inputs.host_positions), self.model.hidden_size),
                                            self.model.dtype)
-        if self.lora is not None:
-            self.lora.begin_step(inputs.lora_segments)
-        try:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                                inputs.attn_metadata, received)
-        finally:
+        if inputs.attn_metadata is None:  # a decode graph: no adapter rows (prepare)
+            hidden = self.decode_graphs.run(inputs.host_input_ids, inputs.host_positions,
+                                            inputs.step)
+        else:
             if self.lora is not None:
-                self.lora.end_step()
+                self.lora.begin_step(inputs.lora_segments)
+            try:
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                                    inputs.attn_metadata, received)
+            finally:
+                if self.lora is not None:
+                    self.lora.end_step()
         if not par.is_last_stage:
             par.send_next_stage(hidden)
             return None
@@ -233,6 +298,9 @@ class ModelRunner:
         output = self._sample(logits, rows, sample_rows)
         output.prompt_logprobs = prompt_lps
         t3 = time.perf_counter()
+        if proposer is not None:
+            output.spec_token_ids = self._propose(rows, output.sampled_token_ids)
+        timings.propose_s = time.perf_counter() - t3
         timings.prepare_s, timings.forward_s, timings.sample_s = t1 - t0, t2 - t1, t3 - t2
         timings.comm_s = par.take_comm_seconds()
         output.timings = timings
@@ -254,36 +322,44 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, rows: list[_Row],
                 sample_rows: list[tuple[int, int]]) -> ModelRunnerOutput:
-        """Sample every sampling position, then per request keep its proposed tokens up to
-        the first one the model disagrees with, and the model's token after them."""
-        states = [rows[i].state for i, _ in sample_rows]
-        spec = [rows[i].scheduled.spec_token_ids for i, _ in sample_rows]
-        # Position j of a request with proposals sees them up to j as generated tokens.
-        outputs = [st.output_token_ids + sp[:j] if j else st.output_token_ids
-                   for st, sp, (_, j) in zip(states, spec, sample_rows)]
+        """Sample every sampling position and verify each request's proposed tokens
+        (worker/spec/rejection.py): the accepted ones, then one token of the model's."""
+        entries = []
+        for i, j in sample_rows:
+            state, spec = rows[i].state, rows[i].scheduled.spec_token_ids
+            # Position j of a request with proposals sees them up to j as generated tokens.
+            outputs = state.output_token_ids + spec[:j] if j else state.output_token_ids
+            entries.append(SampleRow(state.request_id, state.sampling_params,
+                                     state.prompt_token_ids, outputs, j, spec))
+        draft_probs = (self.proposer.draft_probs if self.proposer is not None
+                       else lambda request_id: None)
         masks = self.grammar.masks() if self.grammar is not None else None
-        sampled = self.sampler.sample(
-            logits, [st.request_id for st in states], [st.sampling_params for st in states],
-            [st.prompt_token_ids for st in states], outputs, self.eos_token_id, masks)
-        drawn: dict[int, dict[int, tuple[int, TokenLogprobs | None]]] = {}
-        for (i, j), token, entry in zip(sample_rows, sampled.token_ids, sampled.logprobs):
-            drawn.setdefault(i, {})[j] = (token, entry)
-        tokens: dict[str, list[int]] = {}
-        logprobs: dict[str, list[TokenLogprobs]] = {}
-        for i, by_position in drawn.items():
-            row = rows[i]
-            proposals = row.scheduled.spec_token_ids
-            kept = []
-            for j in range(len(proposals) + 1):
-                token, entry = by_position[j]
-                kept.append((token, entry))
-                if j == len(proposals) or token != proposals[j]:
-                    break
-            rid = row.state.request_id
-            tokens[rid] = [t for t, _ in kept]
-            if kept[0][1] is not None:
-                logprobs[rid] = [e for _, e in kept]
+        tokens, logprobs = self.rejection(logits, entries, draft_probs, masks)
         return ModelRunnerOutput(sampled_token_ids=tokens, logprobs=logprobs)
+
+    def _propose(self, rows: list[_Row], sampled: dict[str, list[int]]
+                 ) -> dict[str, list[int]]:
+        """The proposer's tokens for the requests the step message asks them for. A
+        model-based proposer writes KV past the request's tokens: never past the blocks
+        it holds (the scheduler held slots for the proposals)."""
+        requests = []
+        bs = self.block_size
+        for row in rows:
+            s, state = row.scheduled, row.state
+            new = sampled.get(state.request_id)
+            if not s.num_proposals or not s.sample or not new:
+                continue
+            tokens = state.prompt_token_ids + state.output_token_ids + new
+            k = s.num_proposals
+            if self.proposer.runs_model:
+                k = min(k, state.num_blocks * bs - (len(tokens) - 1))
+            if k > 0:
+                requests.append(ProposalRequest(state.request_id, tokens,
+                                                len(state.prompt_token_ids), k,
+                                                state.sampling_params, state.row))
+        if not requests:
+            return {}
+        return self.proposer.propose(ProposalBatch(requests, self.batch.block_table))
 
     def _prompt_logprobs(self, rows: list[_Row], hidden: torch.Tensor
                          ) -> dict[str, PromptLogprobs]:

@@ -97,6 +97,9 @@ class NativeKernels:
         self._sample_rows = lib.sample_rows
         self._sample_rows.argtypes = _SAMPLE_ARGTYPES
         self._sample_rows.restype = ctypes.c_int
+        self._probs_rows = lib.probs_rows
+        self._probs_rows.argtypes = [_P, _I64, _I64, _I64] + [_P] * 5 + [_I64]
+        self._probs_rows.restype = ctypes.c_int
         self._logprob_rows = lib.logprob_rows
         self._logprob_rows.argtypes = _LOGPROB_ARGTYPES
         self._logprob_rows.restype = None
@@ -201,6 +204,25 @@ class NativeKernels:
         if status != 0:
             raise MemoryError("sample_rows: could not allocate its buffers")
         return tokens
+
+    def probs(self, logits: torch.Tensor, inv_temperature: torch.Tensor, top_k: torch.Tensor,
+              top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+        """The distribution `sample` draws from for each row (same parameters, no u):
+        float32 [rows, vocab], each row summing to 1 over its kept tokens."""
+        rows, vocab = logits.shape
+        assert logits.dtype == torch.float32 and logits.stride(1) == 1
+        args = [(inv_temperature, torch.float32), (top_k, torch.int64),
+                (top_p, torch.float64), (min_p, torch.float32)]
+        for t, dtype in args:
+            assert t.dtype == dtype and t.shape == (rows,) and t.is_contiguous()
+        out = torch.empty(rows, vocab, dtype=torch.float32)
+        if rows == 0:
+            return out
+        status = self._probs_rows(logits.data_ptr(), rows, vocab, logits.stride(0),
+                                  *(t.data_ptr() for t, _ in args), out.data_ptr(), vocab)
+        if status != 0:
+            raise MemoryError("probs_rows: could not allocate its buffers")
+        return out
 
     def logprobs(self, logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,
                  num_top: int) -> RowLogprobs:

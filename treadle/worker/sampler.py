@@ -30,6 +30,10 @@ Two implementations, same distribution:
   exact rejection sampling (draw; accept when the tokens more likely than the draw weigh
   less than top_p; else drop every token no more likely and draw again).
 
+On a GPU the torch path runs there: every tensor it makes lives on the logits' device,
+and the host waits for the device once per step (the sampled ids and logprobs) plus once
+per top-p rejection round (whether any row must draw again).
+
 A row draws one uniform number per step (the torch path's top-p rejections draw more),
 and a seeded request draws from its own generator only, so its tokens do not depend on
 the rest of the batch (a request recomputed after preemption samples once, at its last
@@ -97,6 +101,13 @@ class Sampler:
         for request_id in request_ids:
             self._request_generators.pop(request_id, None)
 
+    def _request_generator(self, request_id: str, seed: int) -> torch.Generator:
+        generator = self._request_generators.get(request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+            self._request_generators[request_id] = generator
+        return generator
+
     def _draw(self, request_ids: Sequence[str], params: Sequence[SamplingParams]
               ) -> torch.Tensor:
         """One U[0, 1) number per row: seeded rows from their own generator."""
@@ -104,13 +115,31 @@ class Sampler:
                        device=self.device)
         for i, p in enumerate(params):
             if p.seed is not None:
-                generator = self._request_generators.get(request_ids[i])
-                if generator is None:
-                    generator = torch.Generator(device=self.device).manual_seed(p.seed)
-                    self._request_generators[request_ids[i]] = generator
+                generator = self._request_generator(request_ids[i], p.seed)
                 u[i] = torch.rand(1, generator=generator, dtype=torch.float64,
                                   device=self.device)[0]
         return u
+
+    def uniforms(self, request_ids: Sequence[str], params: Sequence[SamplingParams]
+                 ) -> torch.Tensor:
+        """One U[0, 1) number per row, drawn as `sample` draws them (seeded rows from
+        their request's generator, in row order)."""
+        return self._draw(request_ids, params)
+
+    def generator_state(self, request_id: str, params: SamplingParams) -> torch.Tensor | None:
+        """A seeded request's generator state (None for an unseeded one), for `rewind`."""
+        if params.seed is None:
+            return None
+        return self._request_generator(request_id, params.seed).get_state()
+
+    def rewind(self, request_id: str, state: torch.Tensor, num_draws: int) -> None:
+        """Put a seeded request's generator back to `state`, then draw `num_draws`
+        numbers: as if only that many rows had been sampled since (speculative decoding
+        keeps the stream of a seeded request what it would be without speculation)."""
+        generator = self._request_generators[request_id]
+        generator.set_state(state)
+        for _ in range(num_draws):
+            torch.rand(1, generator=generator, dtype=torch.float64, device=self.device)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, request_ids: Sequence[str],
@@ -150,7 +179,7 @@ class Sampler:
         _apply_masks(logits, masks)
         kinds = [_kind(p) for p in params]
         num_greedy = kinds.count(_GREEDY)
-        tokens = torch.empty(num_rows, dtype=torch.long)
+        tokens = torch.empty(num_rows, dtype=torch.long, device=logits.device)
         if num_greedy:
             tokens[:num_greedy] = logits[:num_greedy].argmax(dim=-1)
         if num_greedy < num_rows:
@@ -219,23 +248,59 @@ class Sampler:
         return SamplerOutput(token_list, entries)
 
     @torch.inference_mode()
+    def probs(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+              prompt_token_ids: Sequence[Sequence[int]] | None = None,
+              output_token_ids: Sequence[Sequence[int]] | None = None,
+              eos_token_id: int | None = None, masks=None) -> torch.Tensor:
+        """The distribution `sample` draws each row from, float32 [rows, vocab]: every
+        control applied (logit_bias, min_tokens, penalties, the grammar `masks` as in
+        `sample`, temperature, top-k, top-p, min-p); greedy rows one-hot at their token.
+        `logits` is overwritten (the penalties are applied in place). Through the C
+        kernel when there is one, else by sorting (processed_logits)."""
+        if self.kernels is not None and logits.dtype == torch.float32 and logits.stride(1) == 1:
+            adjust_logits(logits, params, prompt_token_ids, output_token_ids, eos_token_id)
+            _apply_masks(logits, masks)
+            inv_t = torch.tensor([0.0 if p.is_greedy else 1.0 / p.temperature for p in params],
+                                 dtype=torch.float32)
+            return self.kernels.probs(
+                logits, inv_t, torch.tensor([p.top_k for p in params], dtype=torch.int64),
+                torch.tensor([p.top_p for p in params], dtype=torch.float64),
+                torch.tensor([p.min_p for p in params], dtype=torch.float32))
+        x = self.processed_logits(logits, params, prompt_token_ids, output_token_ids,
+                                  eos_token_id, masks)
+        out = torch.softmax(x.float(), dim=-1)
+        for i, p in enumerate(params):
+            if p.is_greedy:
+                out[i].zero_()
+                out[i, int(x[i].argmax())] = 1.0
+        return out
+
+    @torch.inference_mode()
     def processed_logits(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                          prompt_token_ids: Sequence[Sequence[int]] | None = None,
                          output_token_ids: Sequence[Sequence[int]] | None = None,
-                         eos_token_id: int | None = None) -> torch.Tensor:
+                         eos_token_id: int | None = None, masks=None) -> torch.Tensor:
         """The logits the sampler draws from, with every control applied (filtered tokens
-        at -inf); greedy rows get no temperature and no filtering. Does not modify
-        `logits`. For tests and inspection (it sorts; `sample` never does)."""
+        and those the grammar `masks` forbid at -inf); greedy rows get no temperature and
+        no filtering. Does not modify `logits`. For tests, inspection and the torch path
+        of `probs` (it sorts, rows sharing one SamplingParams object together; `sample`
+        never does)."""
         x = logits.clone()
         adjust_logits(x, params, prompt_token_ids, output_token_ids, eos_token_id)
+        _apply_masks(x, masks)
+        groups: dict[int, list[int]] = {}
         for i, p in enumerate(params):
-            if p.is_greedy:
-                continue
-            row = x[i:i + 1] / p.temperature
-            vals = row.topk(p.top_k or row.shape[1], dim=-1).values
-            keep = int(_keep_counts(vals, [p])[0])
+            if not p.is_greedy:
+                groups.setdefault(id(p), []).append(i)
+        for rows in groups.values():
+            p = params[rows[0]]
+            index = torch.tensor(rows, dtype=torch.long)
+            block = x[index] / p.temperature
+            vals = block.topk(p.top_k or block.shape[1], dim=-1).values
+            keep = _keep_counts(vals, [p] * len(rows))
             # Every logit equal to the last kept one is kept too (transformers' top-k).
-            x[i] = torch.where(row[0] >= vals[0, keep - 1], row[0], float("-inf"))
+            cut = vals.gather(1, (keep - 1).unsqueeze(1))
+            x[index] = torch.where(block >= cut, block, float("-inf"))
         return x
 
 
@@ -268,12 +333,13 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
     """
     vocab = logits.shape[1]
     num_rows = logits.shape[0]
+    dev = logits.device
     outputs = output_token_ids if output_token_ids is not None else [()] * num_rows
     prompts = prompt_token_ids if prompt_token_ids is not None else [()] * num_rows
     saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     save_mask = None
     if save_rows:
-        save_mask = torch.zeros(num_rows, dtype=torch.bool)
+        save_mask = torch.zeros(num_rows, dtype=torch.bool, device=dev)
         save_mask[list(save_rows)] = True
 
     def remember(r: torch.Tensor, c: torch.Tensor) -> None:
@@ -291,9 +357,10 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
                     cols.append(token_id)
                     values.append(bias)
     if rows:
-        r, c = torch.tensor(rows), torch.tensor(cols)
+        r, c = torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)
         remember(r, c)
-        logits.index_put_((r, c), torch.tensor(values, dtype=logits.dtype), accumulate=True)
+        logits.index_put_((r, c), torch.tensor(values, dtype=logits.dtype, device=dev),
+                          accumulate=True)
 
     rows, cols = [], []
     for i, p in enumerate(params):
@@ -305,18 +372,19 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
             rows += [i] * len(banned)
             cols += banned
     if rows:
-        r, c = torch.tensor(rows), torch.tensor(cols)
+        r, c = torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)
         remember(r, c)
         logits[r, c] = float("-inf")
 
     rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if rep:
         r, c = _distinct_pairs([itertools.chain(prompts[i], outputs[i]) for i in rep],
-                               [len(prompts[i]) + len(outputs[i]) for i in rep], rep, vocab)
+                               [len(prompts[i]) + len(outputs[i]) for i in rep], rep, vocab,
+                               dev)
         if r.numel():
             pen = torch.tensor([params[i].repetition_penalty for i in rep],
-                               dtype=logits.dtype)
-            pen = pen[torch.searchsorted(torch.tensor(rep), r)]
+                               dtype=logits.dtype, device=dev)
+            pen = pen[torch.searchsorted(torch.tensor(rep, device=dev), r)]
             remember(r, c)
             v = logits[r, c]
             logits[r, c] = torch.where(v > 0, v / pen, v * pen)
@@ -325,29 +393,31 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
             if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
     if freq:
         r, c, counts = _distinct_pairs([outputs[i] for i in freq],
-                                       [len(outputs[i]) for i in freq], freq, vocab,
+                                       [len(outputs[i]) for i in freq], freq, vocab, dev,
                                        return_counts=True)
         if r.numel():
-            index = torch.searchsorted(torch.tensor(freq), r)
+            index = torch.searchsorted(torch.tensor(freq, device=dev), r)
             f = torch.tensor([params[i].frequency_penalty for i in freq],
-                             dtype=logits.dtype)[index]
+                             dtype=logits.dtype, device=dev)[index]
             pres = torch.tensor([params[i].presence_penalty for i in freq],
-                                dtype=logits.dtype)[index]
+                                dtype=logits.dtype, device=dev)[index]
             remember(r, c)
             logits[r, c] -= f * counts.to(logits.dtype) + pres
     return saved
 
 
 def _distinct_pairs(token_lists, lengths: list[int], rows: list[int], vocab: int,
-                    return_counts: bool = False):
-    """Distinct (row, token) pairs of each row's tokens, sorted by row (and counts)."""
+                    device: torch.device, return_counts: bool = False):
+    """Distinct (row, token) pairs of each row's tokens, sorted by row (and counts), on
+    `device`."""
     total = sum(lengths)
-    tokens = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long)
+    tokens = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long,
+                          device=device)
     if total == 0:
-        empty = torch.empty(0, dtype=torch.long)
+        empty = torch.empty(0, dtype=torch.long, device=device)
         return (empty, empty, empty) if return_counts else (empty, empty)
-    row_of = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long),
-                                     torch.tensor(lengths, dtype=torch.long))
+    row_of = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long, device=device),
+                                     torch.tensor(lengths, dtype=torch.long, device=device))
     keys = row_of * vocab + tokens
     if return_counts:
         keys, counts = torch.unique(keys, return_counts=True)
@@ -360,17 +430,19 @@ def _sample_random(w: torch.Tensor, params: Sequence[SamplingParams], kinds: lis
                    draw) -> torch.Tensor:
     """One token per row of adjusted logits w [rows, vocab] (temperature > 0, rows in
     group order), computed in place. draw(rows) gives fresh uniforms for those rows."""
-    num_rows = w.shape[0]
-    inv_t = torch.tensor([1.0 / p.temperature for p in params], dtype=w.dtype).unsqueeze(1)
+    num_rows, dev = w.shape[0], w.device
+    inv_t = torch.tensor([1.0 / p.temperature for p in params], dtype=w.dtype,
+                         device=dev).unsqueeze(1)
     u = draw(list(range(num_rows)))
-    tokens = torch.empty(num_rows, dtype=torch.long)
+    tokens = torch.empty(num_rows, dtype=torch.long, device=dev)
     k_end = kinds.count(_TOP_K)
     if k_end:  # top-k commutes with temperature: only the candidates are scaled
         kparams = params[:k_end]
         vals, idx = w[:k_end].topk(max(p.top_k for p in kparams), dim=-1)
         vals = (vals - vals[:, :1]) * inv_t[:k_end]
         keep = _keep_counts(vals, kparams)
-        vals.exp_().masked_fill_(torch.arange(vals.shape[1]) >= keep.unsqueeze(1), 0.0)
+        vals.exp_().masked_fill_(torch.arange(vals.shape[1], device=dev) >= keep.unsqueeze(1),
+                                 0.0)
         pick = _inverse_cdf(vals, u[:k_end])[0].minimum(keep - 1)
         tokens[:k_end] = idx.gather(1, pick.unsqueeze(1)).squeeze(1)
     if k_end == num_rows:
@@ -379,7 +451,8 @@ def _sample_random(w: torch.Tensor, params: Sequence[SamplingParams], kinds: lis
     row_max = rest.amax(dim=-1, keepdim=True)
     torch.addcmul(-row_max * inv_t[k_end:], rest, inv_t[k_end:], out=rest)
     rest.exp_()  # weights: the most likely token of each row weighs 1
-    min_p = torch.tensor([p.min_p for p in params[k_end:]], dtype=w.dtype).unsqueeze(1)
+    min_p = torch.tensor([p.min_p for p in params[k_end:]], dtype=w.dtype,
+                         device=dev).unsqueeze(1)
     first_min_p = next((i for i, p in enumerate(params[k_end:]) if p.min_p > 0), None)
     n_end = kinds.count(_TOP_P)
     totals = None
@@ -392,7 +465,7 @@ def _sample_random(w: torch.Tensor, params: Sequence[SamplingParams], kinds: lis
     pick, mass = _block_inverse_cdf(rest, u[k_end:])
     if n_end:
         nucleus = torch.tensor([p.top_p for p in params[k_end:k_end + n_end]],
-                               dtype=torch.float64)
+                               dtype=torch.float64, device=dev)
         z = mass[:n_end] if totals is None else totals
         pick[:n_end] = _reject_outside_nucleus(
             rest[:n_end], pick[:n_end], nucleus * z,
@@ -453,18 +526,17 @@ def _block_inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, 
     cdf = sums.cumsum(dim=-1)
     total = cdf[:, -1]
     target = (u * total).unsqueeze(1)
-    block = torch.searchsorted(cdf, target, right=True).clamp_(max=sums.shape[1] - 1)
+    # A target rounded up to the total lands in the last block with any weight.
+    blocks = torch.arange(sums.shape[1], device=w.device)
+    last = torch.where(sums > 0, blocks, 0).amax(dim=1, keepdim=True)
+    block = torch.searchsorted(cdf, target, right=True).minimum(last)
     before = torch.where(block > 0, cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
-    cols = block * _BLOCK + torch.arange(_BLOCK)
+    cols = block * _BLOCK + torch.arange(_BLOCK, device=w.device)
     inside = cols < vocab
     weights = w.gather(1, cols.clamp(max=vocab - 1)).double() * inside
     j = torch.searchsorted(weights.cumsum(dim=-1), target - before, right=True)
-    pick = (block * _BLOCK + j.clamp_(max=_BLOCK - 1)).squeeze(1).clamp_(max=vocab - 1)
-    bad = (w.gather(1, pick.unsqueeze(1)).squeeze(1) <= 0).nonzero().flatten()
-    for r in bad.tolist():  # rounding at the end of a block or row: a kept token near it
-        kept = (w[r] > 0).nonzero().flatten()
-        before_pick = kept[kept <= pick[r]]
-        pick[r] = before_pick[-1] if len(before_pick) else kept[0]
+    j = _nearest_kept(weights, j.clamp_(max=_BLOCK - 1))  # the block's sums round too
+    pick = (block * _BLOCK + j).squeeze(1).clamp_(max=vocab - 1)
     return pick, total
 
 
@@ -474,12 +546,20 @@ def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.
     row, total weight per row as float64)."""
     cdf = w.double().cumsum(dim=-1)
     total = cdf[:, -1]
-    pick = torch.searchsorted(cdf, (u * total).unsqueeze(1), right=True).squeeze(1)
-    pick.clamp_(max=w.shape[1] - 1)
-    bad = (w.gather(1, pick.unsqueeze(1)).squeeze(1) <= 0).nonzero().flatten()
-    for row in bad.tolist():  # u * total rounded up to the total: take the last kept entry
-        pick[row] = int((w[row] > 0).nonzero().max())
-    return pick, total
+    pick = torch.searchsorted(cdf, (u * total).unsqueeze(1), right=True)
+    pick = _nearest_kept(w, pick.clamp_(max=w.shape[1] - 1))  # u * total rounded up
+    return pick.squeeze(1), total
+
+
+def _nearest_kept(w: torch.Tensor, pick: torch.Tensor) -> torch.Tensor:
+    """pick [rows, 1] moved, where rounding put it on a zero-weight entry of w [rows, n],
+    to the last kept entry before it (the first kept one if there is none): elementwise
+    over the rows' n entries, so the device never waits for the host."""
+    kept = w > 0
+    index = torch.arange(w.shape[1], device=w.device).expand_as(kept)
+    before = torch.where(kept & (index <= pick), index, -1).amax(dim=1, keepdim=True)
+    first = torch.where(kept, index, w.shape[1]).amin(dim=1, keepdim=True)
+    return torch.where(before >= 0, before, first)
 
 
 def _keep_counts(vals: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -488,11 +568,11 @@ def _keep_counts(vals: torch.Tensor, params: list[SamplingParams]) -> torch.Tens
     transformers' TopK, TopP and MinP warpers: top-p renormalizes over the top-k set and
     keeps a token while the mass of the tokens ranked above it is below top_p; min-p
     keeps tokens at least min_p times as likely as the best."""
-    width = vals.shape[1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else width for p in params])
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
-    min_p = torch.tensor([p.min_p for p in params], dtype=vals.dtype)
-    in_k = torch.arange(width) < top_k.unsqueeze(1)
+    width, dev = vals.shape[1], vals.device
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else width for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=dev)
+    min_p = torch.tensor([p.min_p for p in params], dtype=vals.dtype, device=dev)
+    in_k = torch.arange(width, device=dev) < top_k.unsqueeze(1)
     probs = (vals - vals[:, :1]).exp().double().masked_fill(~in_k, 0.0)
     cum = probs.cumsum(dim=-1)
     before = (cum - probs) / cum[:, -1:]
@@ -533,7 +613,7 @@ def prompt_logprobs(logits: torch.Tensor, next_token_ids: list[int], num_top: in
     """Logprobs of each next prompt token given logits [rows, vocab] of the positions
     before it (overwritten), in slices of `max_rows` rows."""
     out = []
-    targets = torch.tensor(next_token_ids, dtype=torch.long)
+    targets = torch.tensor(next_token_ids, dtype=torch.long, device=logits.device)
     for start in range(0, logits.shape[0], max_rows):
         chunk = logits[start:start + max_rows].float()
         out += logprob_entries(chunk, targets[start:start + max_rows],

@@ -4,9 +4,13 @@ cache.
 Owns everything the engine core must not know: the platform, its place among the ranks
 (worker/parallel_state.py: joining the process group, the cores it is bound to), loading
 its shard of the model, the C kernels and which of them run (linear, elementwise,
-attention, sampling), the attention backend, the KV-cache and swap tensors, the
-start-up cost probes, the LoRA manager (worker/lora/) when adapters are served, and the
-model runner.
+attention, sampling), the attention backend, the KV-cache and swap tensors (on a GPU
+sized by a profiling step, worker/profile_step.py), the start-up cost probes, the LoRA
+manager (worker/lora/) when adapters are served, the model runner and, on a GPU, its
+decode CUDA graphs (worker/decode_graphs.py; off for steps with adapter rows), and on the
+output rank the speculative proposer (worker/spec: with `draft`, the draft model and its
+KV cache, counted in the blocks that fit; with an adaptive policy, the measured step
+costs in WorkerInfo; it proposes without adapters, docs/lora.md).
 Its life has three calls, made by an executor (treadle/executor): `load()` (model,
 kernels, probes -> a WorkerInfo), `initialize_cache(num_kv_blocks, num_swap_blocks)`
 (the core decides the block counts from what every worker reported), then
@@ -30,6 +34,9 @@ from treadle.models.loader import build_model, read_config
 from treadle.models.registry import resolve_model_class
 from treadle.worker.attention import make_attention_backend
 from treadle.worker.attention.cpu_native import CpuNativeBackend
+from treadle.worker.attention.triton_backend import TritonBackend
+from treadle.worker.cuda_support import default_cuda_graph_sizes
+from treadle.worker.decode_graphs import DecodeGraphs
 from treadle.worker.grammar import GrammarState
 from treadle.worker.cpu_isa import describe_kernels
 from treadle.worker.cost_probe import measure_copy_bytes_per_s, measure_matmul_flops_per_s
@@ -39,7 +46,9 @@ from treadle.worker.model_runner import ModelRunner
 from treadle.worker.native_linear import NativeLayerOps
 from treadle.worker.parallel_state import ParallelContext, init_parallel
 from treadle.worker.platform import get_platform
+from treadle.worker.profile_step import profile_lengths, profile_steps
 from treadle.worker.sampler import Sampler
+from treadle.worker.spec.base import Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +85,8 @@ class Worker:
         self.rank = rank
         self.platform = get_platform(config.model.device, rank)
         self.runner: ModelRunner | None = None
+        self.draft_model = None
+        """The draft checkpoint's model (speculative method draft, output rank)."""
         if cores:
             os.sched_setaffinity(0, cores)
             torch.set_num_threads(len(cores))
@@ -99,14 +110,16 @@ class Worker:
         """Load the model and kernels, probe the machine; report what the core needs."""
         config = self.config
         dtype = self.platform.resolve_dtype(config.model.dtype, config.model.kernel_isa)
+        self.platform.check_memory_at_start(config.cache.gpu_memory_utilization)
         self.model, self.hf_config, self.num_bytes_loaded = build_model(
             self.model_dir, dtype, self.platform.device, self.parallel)
         self.dtype = dtype
         self.native = self._load_native()
         self.layer_ops = (NativeLayerOps.load(self.native.lib)
                           if self.native is not None and dtype == torch.bfloat16 else None)
-        num_kernels = self.model.set_kernels(dense_kernel_factory(dtype, self.layer_ops),
-                                             self.layer_ops)
+        factory = (dense_kernel_factory(dtype, self.layer_ops)
+                   if self.platform.uses_native_kernels else None)  # oneDNN packs host weights
+        num_kernels = self.model.set_kernels(factory, self.layer_ops)
         if num_kernels:
             logger.info("linear layers: %d kernels attached (oneDNN prepacked bf16%s)",
                         num_kernels, ", C kernels at <= %d rows" % self.layer_ops.max_rows
@@ -120,8 +133,15 @@ class Worker:
         cache = config.cache
         self.kv_spec = KVCacheSpec(self.model.num_local_layers, self.model.num_kv_heads,
                                    self.model.head_dim, dtype, self.attention.kv_layout)
+        self._load_draft()
+        # A draft model's KV rides along with every target block (worker/spec/draft.py).
+        bytes_per_token = self.kv_spec.bytes_per_token + self._draft_bytes_per_token
+        block_bytes = bytes_per_token * cache.block_size
         num_swap_blocks = (0 if config.scheduler.preemption_mode == "recompute" else
-                           self.kv_spec.num_blocks_for_memory(cache.swap_space, cache.block_size))
+                           cache.swap_space // block_bytes)
+        num_kv_blocks = self.platform.kv_cache_bytes(
+            cache.kv_cache_memory, self._profile_step,
+            cache.gpu_memory_utilization) // block_bytes
         kernels = f"attention backend {self.attention.name}"
         if self.platform.uses_native_kernels:
             kernels += "; " + describe_kernels(
@@ -133,14 +153,13 @@ class Worker:
             model_dir=str(self.model_dir), dtype=str(dtype).replace("torch.", ""),
             vocab_size=self.model.vocab_size, eos_token_id=self.eos_token_id,
             max_model_len=self.max_model_len, num_parameters=self._whole_model_parameters(),
-            kv_bytes_per_token=self.kv_spec.bytes_per_token,
-            num_kv_blocks=self.kv_spec.num_blocks_for_memory(cache.kv_cache_memory,
-                                                             cache.block_size),
+            kv_bytes_per_token=bytes_per_token, num_kv_blocks=num_kv_blocks,
             num_swap_blocks=num_swap_blocks, preemption_costs=self._preemption_costs(),
             attention_backend=self.attention.name, kernels=kernels,
             num_lora_slots=0 if self.lora is None else self.lora.num_slots,
             lora_module_shapes=self.model.lora_module_shapes(),
-            num_layers=self.model.num_layers)
+            num_layers=self.model.num_layers,
+            spec_costs=self._spec_costs(num_kv_blocks))
 
     def _make_lora_manager(self, dtype: torch.dtype):
         """The LoRA manager (it wraps the adapted layers' kernels), or None without LoRA."""
@@ -162,6 +181,10 @@ class Worker:
 
     def initialize_cache(self, num_kv_blocks: int, num_swap_blocks: int) -> None:
         """Allocate the KV cache and swap space the core decided on; make the runner."""
+        self.runner = self._make_runner(num_kv_blocks, num_swap_blocks)
+        self._enable_default_graphs()
+
+    def _make_runner(self, num_kv_blocks: int, num_swap_blocks: int) -> ModelRunner:
         block_size = self.config.cache.block_size
         device = self.platform.device
         kv_caches = allocate_kv_caches(self.kv_spec, num_kv_blocks, block_size, device)
@@ -169,12 +192,141 @@ class Worker:
                                            self.platform.pin_swap_memory)
                        if num_swap_blocks else None)
         sampler = Sampler(self.config.model.seed, self._sampler_kernels(), device)
-        self.runner = ModelRunner(self.model, kv_caches, self.attention, block_size,
-                                  num_kv_blocks, self.max_model_len, sampler, device,
-                                  swap_caches, self.kv_spec.block_dim, self.eos_token_id,
-                                  self.parallel,
-                                  GrammarState(self.model_dir, self.model.vocab_size,
-                                               self.eos_token_id), lora=self.lora)
+        proposer = self._make_proposer(kv_caches, num_kv_blocks, num_swap_blocks, sampler)
+        return ModelRunner(self.model, kv_caches, self.attention, block_size,
+                           num_kv_blocks, self.max_model_len, sampler, device,
+                           swap_caches, self.kv_spec.block_dim, self.eos_token_id,
+                           self.parallel,
+                           GrammarState(self.model_dir, self.model.vocab_size,
+                                        self.eos_token_id),
+                           start_copies=self.platform.start_copies, proposer=proposer,
+                           lora=self.lora)
+
+
+    # ----- speculative decoding --------------------------------------------------------------
+
+    def _load_draft(self) -> None:
+        """The draft checkpoint of method draft, whole on the output rank (it runs there
+        alone, so tensor and pipeline parallelism leave it unsplit), with its kernels,
+        its attention backend and its KV layout."""
+        self._draft_bytes_per_token = 0
+        spec = self.config.speculative
+        if spec.method == "self":
+            layers = self.model.num_layers
+            if spec.draft_layers > layers:
+                raise ValueError(f"speculative_config: draft_layers ({spec.draft_layers}) "
+                                 f"exceeds the model's {layers} layers")
+        if spec.method != "draft" or not self.parallel.is_output_rank:
+            return
+        if not (Path(spec.model) / "config.json").is_file():
+            raise ValueError(f"speculative_config: model {spec.model!r} is not a checkpoint "
+                             "directory (no config.json)")
+        draft, draft_config, _ = build_model(spec.model, self.dtype, self.platform.device)
+        if draft.vocab_size != self.model.vocab_size:
+            raise ValueError(f"speculative_config: the draft model {spec.model!r} has a "
+                             f"vocabulary of {draft.vocab_size} tokens, the target "
+                             f"{self.model.vocab_size}: they must share the tokenizer")
+        draft.set_kernels(dense_kernel_factory(self.dtype, self.layer_ops), self.layer_ops)
+        self.draft_model = draft
+        self.draft_attention = make_attention_backend(
+            self.config.model.attention_backend, self.platform, draft.num_kv_heads,
+            draft.head_dim, self.dtype, kernels=self.native, layer_ops=self.layer_ops)
+        self.draft_kv_spec = KVCacheSpec(draft.num_local_layers, draft.num_kv_heads,
+                                         draft.head_dim, self.dtype,
+                                         self.draft_attention.kv_layout)
+        self._draft_bytes_per_token = self.draft_kv_spec.bytes_per_token
+        logger.info("draft model %s: %d layers, %d parameters", spec.model,
+                    draft.num_layers, draft.num_parameters)
+
+    def _make_proposer(self, kv_caches: list[torch.Tensor], num_kv_blocks: int,
+                       num_swap_blocks: int, sampler: Sampler) -> Proposer | None:
+        """The configured proposer over these caches (output rank only)."""
+        spec = self.config.speculative
+        if not spec.enabled or not self.parallel.is_output_rank:
+            return None
+        if spec.method == "ngram":
+            from treadle.worker.spec.ngram import NgramProposer
+            return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        from treadle.worker.spec.draft import ModelProposer, separate_draft, truncated_target
+        block_size = self.config.cache.block_size
+        device = self.platform.device
+        if spec.method == "self":
+            draft = truncated_target(self.model, spec.draft_layers, kv_caches, self.attention,
+                                     num_kv_blocks)
+            return ModelProposer("self", draft, sampler, block_size, device,
+                                 self.eos_token_id, catches_up=False,
+                                 seed=self.config.model.seed)
+        caches = allocate_kv_caches(self.draft_kv_spec, num_kv_blocks, block_size, device)
+        swap = (allocate_swap_space(self.draft_kv_spec, num_swap_blocks, block_size,
+                                    self.platform.pin_swap_memory) if num_swap_blocks else None)
+        draft = separate_draft(self.draft_model, caches, self.draft_attention, num_kv_blocks)
+        return ModelProposer("draft", draft, sampler, block_size, device, self.eos_token_id,
+                             catches_up=True, seed=self.config.model.seed, swap_caches=swap,
+                             block_dim=self.draft_kv_spec.block_dim,
+                             kv_bytes_per_token=self._draft_bytes_per_token)
+
+    def _spec_costs(self, num_kv_blocks: int):
+        """The step-cost model of the adaptive speculation policy, measured now on a
+        scratch runner (worker/spec/cost_probe.py); None without one. Every rank runs
+        the probe's steps (they take part in each other's collectives); the output
+        rank's timings are the ones reported."""
+        spec = self.config.speculative
+        if not spec.enabled or not spec.adaptive:
+            return None
+        from treadle.worker.spec.cost_probe import blocks_per_row, measure_spec_costs
+        sched, cache = self.config.scheduler, self.config.cache
+        k = spec.num_speculative_tokens
+        context = min(128, self.max_model_len - 2 * k - 2)
+        per_row = blocks_per_row(k, context, cache.block_size)
+        blocks = min(num_kv_blocks, self.config.cache.num_kv_blocks or num_kv_blocks)
+        max_rows = min(sched.max_num_seqs, 64, blocks // per_row)
+        if max_rows < 1 or context < 2:
+            raise ValueError(f"speculative_config: the KV cache ({blocks} blocks) cannot hold "
+                             "one request of the start-up cost probe; give more "
+                             "kv_cache_memory or set adaptive false")
+        runner = self._make_runner(max_rows * per_row, 0)
+        costs = measure_spec_costs(runner, runner.proposer, self.model.vocab_size, max_rows,
+                                   k, sched.max_num_batched_tokens, cache.block_size,
+                                   context=context, seed=self.config.model.seed)
+        return costs if self.parallel.is_output_rank else None
+
+    def _enable_default_graphs(self) -> None:
+        """Decode CUDA graphs where they apply (a GPU, the triton backend, one rank, not
+        enforce_eager)."""
+        model = self.config.model
+        if (self.platform.supports_cuda_graphs and not model.enforce_eager
+                and isinstance(self.attention, TritonBackend)
+                and self.parallel.world_size == 1):
+            self.enable_decode_graphs(model.cuda_graph_sizes or default_cuda_graph_sizes(
+                self.config.scheduler.max_num_seqs))
+
+    def enable_decode_graphs(self, sizes, capture=None) -> None:
+        """Capture the decode steps at `sizes` (worker/decode_graphs.py); `capture` is the
+        graph capture (CUDA's by default; tests pass cuda_graphs.ReplayByCall)."""
+        graphs = DecodeGraphs(self.model, self.runner.kv_caches, self.attention, sizes,
+                              self.max_model_len, self.config.cache.block_size,
+                              self.platform.device, capture)
+        graphs.capture()
+        self.runner.decode_graphs = graphs
+        logger.info("decode steps of up to %d rows replay CUDA graphs (sizes %s)",
+                    graphs.graphs.max_size, ",".join(map(str, graphs.graphs.sizes)))
+
+    def _profile_step(self) -> None:
+        """The largest step the scheduler can make, on a KV cache of its own
+        (worker/profile_step.py): the peak its activations reach sizes the GPU's KV cache."""
+        sched, cache = self.config.scheduler, self.config.cache
+        lengths = profile_lengths(sched.max_num_batched_tokens, sched.max_num_seqs,
+                                  self.max_model_len)
+        step, finish, num_blocks = profile_steps(lengths, cache.block_size,
+                                                 self.model.vocab_size)
+        device = self.platform.device
+        runner = ModelRunner(self.model, allocate_kv_caches(self.kv_spec, num_blocks,
+                                                            cache.block_size, device),
+                             self.attention, cache.block_size, num_blocks, self.max_model_len,
+                             Sampler(0, self._sampler_kernels(), device), device,
+                             block_dim=self.kv_spec.block_dim, parallel=self.parallel)
+        runner.execute(step)
+        runner.execute(finish)
 
     def _load_native(self):
         """The compiled C kernels (worker.native.NativeKernels), or None when they cannot

@@ -15,6 +15,9 @@
  *      choose a block, a scan of that block the token.
  * The logits are not modified.
  *
+ * probs_rows: the same filtering, then each row's whole distribution written out (the
+ * probabilities speculative decoding's rejection sampler compares).
+ *
  * logprob_rows: per chosen row of raw logits, the log-sum-exp, the rank of a token (how
  * many tokens are at least as likely) and the num_top most likely tokens.
  *
@@ -457,12 +460,28 @@ static int64_t draw_blocks(const float *restrict x, const float *restrict w, int
     return last >= 0 ? last : fallback; /* rounding at the end of the block: its last kept */
 }
 
-static int64_t sample_row(const float *restrict x, int64_t vocab, float inv_t, int64_t top_k,
-                          double top_p, float min_p, double u, Scratch *s) {
-    float m, lo;
+/* What filter_row found for one row: the kept tokens are those with x >= cut and
+   w >= min_p among s->cand[:listed] (listed >= 0: only their weights are computed) or
+   among all tokens (listed < 0: w holds every weight; `sums` their block sums when
+   have_sums). A greedy row (or one without finite logits) keeps only `arg`. */
+typedef struct {
+    int greedy;
     int64_t arg;
-    row_max(x, vocab, &m, &arg, &lo);
-    if (inv_t <= 0.0f || !(m > -INFINITY) || m == INFINITY) return arg; /* greedy */
+    float cut;
+    int64_t listed;
+    int have_sums;
+} RowFilter;
+
+/* Steps 1-4 of the file comment: the max, the weights, the top-k / top-p cut, min-p. */
+static void filter_row(const float *restrict x, int64_t vocab, float inv_t, int64_t top_k,
+                       double top_p, float min_p, Scratch *s, RowFilter *f) {
+    float m, lo;
+    row_max(x, vocab, &m, &f->arg, &lo);
+    f->greedy = inv_t <= 0.0f || !(m > -INFINITY) || m == INFINITY;
+    f->cut = -INFINITY;
+    f->listed = -1;
+    f->have_sums = 0;
+    if (f->greedy) return;
 
     const int use_k = top_k > 0 && top_k < vocab, use_p = top_p < 1.0;
     float *restrict w = s->w;
@@ -483,7 +502,9 @@ static int64_t sample_row(const float *restrict x, int64_t vocab, float inv_t, i
                 const float c = select_kept(s->slots, s->capacity, 0, n, 0.0, top_p * z_k, 0, NAN);
                 cut = c > cut ? c : cut;
             }
-            return draw_listed(x, w, s->cand, listed, cut, min_p, u, arg, s->slots);
+            f->cut = cut;
+            f->listed = listed;
+            return;
         }
     }
 
@@ -504,7 +525,10 @@ static int64_t sample_row(const float *restrict x, int64_t vocab, float inv_t, i
         sums[b0 / BLOCK] = bs;
         z += bs;
     }
-    if (!use_k && !use_p) return draw_blocks(x, w, vocab, -INFINITY, 0.0f, u, sums, 1, arg);
+    if (!use_k && !use_p) {
+        f->have_sums = 1;
+        return;
+    }
     if (use_p && use_k) { /* a large k: top-p over the top-k set, by histogram */
         double z_k = 0.0;
         #pragma omp simd reduction(+:z_k)
@@ -517,8 +541,57 @@ static int64_t sample_row(const float *restrict x, int64_t vocab, float inv_t, i
     } else if (use_p) {
         cut = top_p_cut(x, w, vocab, m, span, z, top_p, s, &listed);
     }
-    if (listed >= 0) return draw_listed(x, w, s->cand, listed, cut, min_p, u, arg, s->slots);
-    return draw_blocks(x, w, vocab, cut, min_p, u, sums, 0, arg);
+    f->cut = cut;
+    f->listed = listed;
+}
+
+static int64_t sample_row(const float *restrict x, int64_t vocab, float inv_t, int64_t top_k,
+                          double top_p, float min_p, double u, Scratch *s) {
+    RowFilter f;
+    filter_row(x, vocab, inv_t, top_k, top_p, min_p, s, &f);
+    if (f.greedy) return f.arg;
+    if (f.have_sums) /* min-p is already in the weights */
+        return draw_blocks(x, s->w, vocab, -INFINITY, 0.0f, u, s->block_sums, 1, f.arg);
+    if (f.listed >= 0)
+        return draw_listed(x, s->w, s->cand, f.listed, f.cut, min_p, u, f.arg, s->slots);
+    return draw_blocks(x, s->w, vocab, f.cut, min_p, u, s->block_sums, 0, f.arg);
+}
+
+/* The distribution sample_row draws from, written densely into out[vocab]: each kept
+   token's weight over the kept total (float32), 0 elsewhere; a greedy row is one-hot at
+   its first argmax. */
+static void probs_row(const float *restrict x, int64_t vocab, float inv_t, int64_t top_k,
+                      double top_p, float min_p, Scratch *s, float *restrict out) {
+    RowFilter f;
+    filter_row(x, vocab, inv_t, top_k, top_p, min_p, s, &f);
+    memset(out, 0, sizeof(float) * vocab);
+    const float *w = s->w;
+    const float floor_ = f.have_sums ? 0.0f : min_p;
+    double total = 0.0;
+    if (!f.greedy && f.listed >= 0) {
+        for (int64_t j = 0; j < f.listed; j++) {
+            const int32_t i = s->cand[j];
+            const float kept = (x[i] >= f.cut && w[i] >= floor_) ? w[i] : 0.0f;
+            out[i] = kept;
+            total += kept;
+        }
+    } else if (!f.greedy) {
+        const float cut = f.cut;
+        #pragma omp simd reduction(+:total)
+        for (int64_t i = 0; i < vocab; i++) {
+            const float kept = (x[i] >= cut && w[i] >= floor_) ? w[i] : 0.0f;
+            out[i] = kept;
+            total += kept;
+        }
+    }
+    if (!(total > 0.0)) {
+        if (!f.greedy) memset(out, 0, sizeof(float) * vocab);
+        out[f.arg] = 1.0f;
+        return;
+    }
+    const float inv = (float)(1.0 / total);
+    #pragma omp simd
+    for (int64_t i = 0; i < vocab; i++) out[i] *= inv;
 }
 
 /* logits [num_rows, row_stride]; per row: inv_temperature (0: greedy), top_k (0: all),
@@ -534,6 +607,22 @@ int sample_rows(const float *logits, int64_t num_rows, int64_t vocab, int64_t ro
         if (s == NULL) { failed = 1; continue; }
         tokens[r] = sample_row(logits + r * row_stride, vocab, inv_temperature[r], top_k[r],
                                top_p[r], min_p[r], u[r], s);
+    }
+    return failed;
+}
+
+/* probs_row for every row into out [num_rows, out_stride]; the same per-row parameters
+   as sample_rows. Returns 0, or 1 when the buffers could not be allocated. */
+int probs_rows(const float *logits, int64_t num_rows, int64_t vocab, int64_t row_stride,
+               const float *inv_temperature, const int64_t *top_k, const double *top_p,
+               const float *min_p, float *out, int64_t out_stride) {
+    int failed = 0;
+    #pragma omp parallel for schedule(dynamic, 1) if(num_rows > 1) reduction(|:failed)
+    for (int64_t r = 0; r < num_rows; r++) {
+        Scratch *s = scratch_for(vocab);
+        if (s == NULL) { failed = 1; continue; }
+        probs_row(logits + r * row_stride, vocab, inv_temperature[r], top_k[r], top_p[r],
+                  min_p[r], s, out + r * out_stride);
     }
     return failed;
 }

@@ -1,0 +1,178 @@
+"""Validate the simulator against real runs on this machine (docs/simulator.md).
+
+    python benchmarks/sim_validate.py real --out DIR      # the two real runs, back to back
+    python benchmarks/sim_validate.py real-concurrent --out DIR   # the two at once
+    python benchmarks/sim_validate.py compare --out DIR   # fit each, simulate the other
+
+`real` runs, with the same model options (`--model demo`: the SmolLM2-135M shape with
+random weights, as benchmarks/compare_azure.yaml; bf16,
+--num-threads 1, max_model_len 2048, 1 GiB of KV) and each with a per-step trace:
+  1. the azure-conv replay of benchmarks/compare_azure.yaml (first 100 requests, tokens
+     x0.25, arrival gaps x2) over HTTP: `treadle bench serve --launch "... --trace ..."`;
+  2. the mixed-priority workload of treadle.bench.scheduling (priority policy, budget 256,
+     32 sequences) over HTTP too, by bench.serve's load generator at the workload's own
+     arrival times and priorities (the same serving path, so one fit can carry over).
+It records the load average before and after each. `real-concurrent` runs the two at
+the same time (the mixed one `--mixed-delay` seconds later), so that both see the same
+machine: on a shared machine the speed of a step drifts by 1.3-2x from one minute to the
+next, more than any model error. `compare` fits a step-time model on
+each run's trace and simulates the other run's workload with it (and its own, for
+reference), with the other run's scheduler settings, and prints TTFT / TPOT p50 and p99
+and throughput: measured, simulated, error. Every figure is measured in the runs it
+reports; the machine is shared, so the load is printed beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MODEL_OPTIONS = {"model": "demo", "dtype": "bfloat16", "num_threads": 1, "max_model_len": 2048,
+                 "kv_cache_memory": "1GiB", "swap_space": "256MiB"}
+AZURE = {"num_requests": 100, "token_scale": 0.25, "time_scale": 0.5, "max_model_len": 2048}
+MIXED_SCHEDULER = {"scheduling_policy": "priority", "max_num_batched_tokens": 256,
+                   "max_num_seqs": 32}
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def real_azure(out: Path) -> dict:
+    import shlex
+
+    launch = shlex.join(_launch_args(out / "azure.trace.jsonl"))
+    cmd = [sys.executable, "-m", "treadle.cli", "--log-level", "WARNING", "bench", "serve",
+           "--launch", launch, "--workload", "azure-conv",
+           "--num-requests", str(AZURE["num_requests"]),
+           "--token-scale", str(AZURE["token_scale"]), "--time-scale", str(AZURE["time_scale"]),
+           "--max-model-len", str(AZURE["max_model_len"]), "--output", str(out / "azure.json")]
+    before = _load()
+    started = time.time()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return {"load_before": before, "load_after": _load(), "wall_s": time.time() - started}
+
+
+def _launch_args(trace: Path, scheduler: dict | None = None) -> list[str]:
+    options = MODEL_OPTIONS | (scheduler or {})
+    args = ["--trace", str(trace)]
+    for k, v in options.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    return args
+
+
+def real_mixed(out: Path) -> dict:
+    """The mixed-priority workload over HTTP (bench.serve's load generator at the
+    workload's own arrival times and priorities), against a server with a trace."""
+    import asyncio
+
+    from treadle.bench.launch import launched_server
+    from treadle.bench.report import write_json
+    from treadle.bench.scheduling import mixed_priority_workload
+    from treadle.bench.serve import request_records, run_load, served_model, summarize
+    from treadle.bench.workloads import Workload, WorkloadRequest
+
+    replay = mixed_priority_workload()
+    workload = Workload("mixed-priority", [WorkloadRequest(r.prompt_token_ids, r.max_tokens,
+                                                           r.arrival_time) for r in replay])
+    priorities = [r.priority for r in replay]
+    with launched_server(_launch_args(out / "mixed.trace.jsonl", MIXED_SCHEDULER)) as (url, _):
+        model = served_model(url)["id"]  # served_model returns the whole model card
+        before = _load()
+        results, duration = asyncio.run(run_load(url, workload, model, priorities=priorities,
+                                                 use_trace_times=True, progress=False))
+        after = _load()
+    summary = summarize(results, duration)
+    for level in (0, 1):
+        summary[f"priority_{level}"] = summarize([r for r in results if r.priority == level],
+                                                 duration)
+    summary["requests"] = request_records(results)
+    write_json(out / "mixed.json", summary)
+    return {"load_before": before, "load_after": after, "wall_s": duration}
+
+
+def simulate_run(fit_trace: Path, target: str, out: Path) -> dict:
+    """Simulate run `target` ('azure' or 'mixed') with a model fitted on `fit_trace`, with
+    the target run's own scheduler settings and memory (its trace header)."""
+    from treadle.config import SimConfig
+    from treadle.engine.trace import read_trace
+    from treadle.sim.simulate import simulate
+
+    header = read_trace(out / f"{target}.trace.jsonl").engine
+    options = {k: v for k, v in header["scheduler"].items() if k != "trace"}
+    options |= {"num_kv_blocks": header["num_kv_blocks"], "block_size": header["block_size"]}
+    if target == "azure":
+        config = SimConfig(step_model=f"fit:{fit_trace}", num_requests=AZURE["num_requests"],
+                           token_scale=AZURE["token_scale"], time_scale=AZURE["time_scale"],
+                           max_model_len=AZURE["max_model_len"])
+    else:
+        config = SimConfig(step_model=f"fit:{fit_trace}", workload="mixed-priority",
+                           max_model_len=MODEL_OPTIONS["max_model_len"])
+    return simulate(config, options)
+
+
+def compare(out: Path) -> dict:
+    from treadle.bench.report import format_table, write_json
+    from treadle.sim.results import compare as compare_results
+
+    report = {"real": json.loads((out / "real.json").read_text())
+              if (out / "real.json").exists() else {}}
+    rows = []
+    for fit_on in ("azure", "mixed"):
+        for target in ("azure", "mixed"):
+            sim = simulate_run(out / f"{fit_on}.trace.jsonl", target, out)
+            measured = json.loads((out / f"{target}.json").read_text())
+            fit = sim["simulation"]["step_model"]["fit"]
+            for row in compare_results(sim, measured):
+                rows.append({"fit on": fit_on, "run": target, **row})
+            report[f"fit_{fit_on}_sim_{target}"] = {
+                "fit": {k: fit[k] for k in ("num_steps", "mean_abs_pct_error",
+                                            "weighted_abs_pct_error", "r2", "step_time_ratio",
+                                            "busy_time_ratio") if k in fit},
+                "simulated": {k: sim[k] for k in ("ttft_ms", "tpot_ms", "e2e_ms",
+                                                  "output_tokens_per_s", "total_tokens_per_s",
+                                                  "duration_s")}}
+    report["rows"] = rows
+    print(format_table([r for r in rows if not r["figure"].startswith("e2e")],
+                       ["fit on", "run", "figure", "measured", "simulated", "error"]))
+    write_json(out / "validation.json", report)
+    return report
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=["real", "real-concurrent", "compare"])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--mixed-delay", type=float, default=20.0,
+                        help="real-concurrent: seconds after the azure run's start")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.what == "real":
+        real = {"azure": real_azure(out)}
+        real["mixed"] = real_mixed(out)
+    elif args.what == "real-concurrent":
+        import threading
+
+        real = {}
+        azure = threading.Thread(target=lambda: real.update(azure=real_azure(out)))
+        azure.start()
+        time.sleep(args.mixed_delay)
+        real["mixed"] = real_mixed(out)
+        azure.join()
+        real["concurrent"] = {"mixed_delay_s": args.mixed_delay}
+    if args.what != "compare":
+        (out / "real.json").write_text(json.dumps(real, indent=2))
+        print(json.dumps(real, indent=2))
+    else:
+        compare(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""Step-time models: the fit recovers known coefficients from a synthetic trace (through
+the trace file format), evaluation reports its errors, and the roofline is sane."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from treadle.engine.trace import FEATURE_NAMES, read_trace
+from treadle.sim.fit import evaluate, fit_trace, nonnegative_lstsq
+from treadle.sim.hardware import (Hardware, ModelShape, load_hardware, load_model_shape,
+                                  model_shape_from_hf_config)
+from treadle.sim.roofline import RooflineStepModel, kv_transfer_seconds, num_kv_blocks
+from treadle.sim.step_model import LinearStepModel, make_step_model
+
+TRUE = {"intercept": 0.004, "prefill_tokens": 3e-5, "prefill_rows": 2e-4,
+        "decode_tokens": 1.5e-4, "decode_context_tokens": 2e-8,
+        "prefill_attention_pairs": 4e-10, "swap": 1e-10}
+GAP = (0.0015, 2e-5)
+
+
+def synthetic_trace(path, num_steps=600, noise=0.01, seed=0):
+    """A version-2 trace whose step durations are TRUE's linear function of its features
+    (times `1 + noise * N(0, 1)`), with busy gaps of GAP[0] + GAP[1] per row."""
+    rng = random.Random(seed)
+    lines = [{"type": "header", "version": 2, "policy": "fcfs",
+              "engine": {"block_size": 16, "num_kv_blocks": 100, "kv_bytes_per_token": 64,
+                         "max_model_len": 2048}},
+             {"type": "arrival", "request_id": "r", "t": 0.0, "num_prompt_tokens": 10,
+              "max_tokens": 10}]
+    t = 0.0
+    for step in range(num_steps):
+        rows = rng.randrange(0, 40)
+        prefill = rng.choice([0, 0, rng.randrange(1, 512)])
+        prefill_rows = 0 if not prefill else rng.randrange(1, 3)
+        context = rows * rng.randrange(10, 2000)
+        f = {"prefill_tokens": prefill, "prefill_rows": prefill_rows, "decode_rows": rows,
+             "decode_tokens": rows, "decode_context_tokens": context,
+             "prefill_context_tokens": prefill,
+             "prefill_attention_pairs": prefill * rng.randrange(0, 2000) + prefill ** 2 // 2,
+             "swap_out_bytes": rng.choice([0] * 9 + [2 ** 20]), "swap_in_bytes": 0}
+        assert set(f) == set(FEATURE_NAMES)
+        y = (TRUE["intercept"] + TRUE["prefill_tokens"] * prefill
+             + TRUE["prefill_rows"] * prefill_rows + TRUE["decode_tokens"] * rows
+             + TRUE["decode_context_tokens"] * context
+             + TRUE["prefill_attention_pairs"] * f["prefill_attention_pairs"]
+             + TRUE["swap"] * f["swap_out_bytes"])
+        y *= 1 + noise * rng.gauss(0, 1)
+        lines.append({"type": "step", "step": step, "t_start": t, "t_end": t + y,
+                      "scheduled": [], "preempted": [], "finished": [], "features": f})
+        t += y + GAP[0] + GAP[1] * (rows + prefill_rows)
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+def test_fit_recovers_known_coefficients(tmp_path):
+    trace = read_trace(synthetic_trace(tmp_path / "t.jsonl"))
+    model = fit_trace(trace, "t.jsonl")
+    assert model.intercept == pytest.approx(TRUE["intercept"], rel=0.05)
+    c = model.coefficients
+    for name in ("prefill_tokens", "prefill_rows", "decode_tokens", "decode_context_tokens",
+                 "prefill_attention_pairs"):
+        assert c[name] == pytest.approx(TRUE[name], rel=0.1), name
+    assert c["swap_out_bytes"] == c["swap_in_bytes"] == pytest.approx(TRUE["swap"], rel=0.1)
+    assert model.gap_intercept == pytest.approx(GAP[0], rel=0.02)
+    assert model.gap_per_row == pytest.approx(GAP[1], rel=0.02)
+    report = model.fit_report
+    assert report["mean_abs_pct_error"] < 0.02 and report["r2"] > 0.99
+    assert report["busy_time_ratio"] == pytest.approx(1.0, abs=0.01)
+    assert report["engine"]["num_kv_blocks"] == 100
+    # a held-out trace of the same machine: the same small error
+    other = evaluate(model, read_trace(synthetic_trace(tmp_path / "u.jsonl", seed=1)))
+    assert other["weighted_abs_pct_error"] < 0.02
+    # saved and loaded, the model predicts the same
+    saved = LinearStepModel.load(model.save(tmp_path / "m.json"))
+    f = trace.steps[3].features
+    assert saved.step_seconds(f) == pytest.approx(model.step_seconds(f))
+    assert make_step_model(f"linear:{tmp_path / 'm.json'}").step_seconds(f) == \
+        pytest.approx(model.step_seconds(f))
+
+
+def test_nonnegative_fit_drops_what_noise_makes_negative():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = np.column_stack([np.ones(200), rng.uniform(0, 100, 200), rng.uniform(0, 1, 200)])
+    y = 2.0 + 0.5 * x[:, 1] - 0.3 * x[:, 2]  # a negative cost is not physics
+    coef = nonnegative_lstsq(x, y)
+    assert (coef >= 0).all() and coef[2] == 0.0
+    assert coef[1] == pytest.approx(0.5, rel=0.05)
+
+
+def _features(prefill=0, prefill_rows=0, decode=0, context=0, pairs=0, swap=0):
+    return {"prefill_tokens": prefill, "prefill_rows": prefill_rows, "decode_rows": decode,
+            "decode_tokens": decode, "decode_context_tokens": context,
+            "prefill_context_tokens": prefill, "prefill_attention_pairs": pairs,
+            "swap_out_bytes": swap, "swap_in_bytes": 0}
+
+
+def test_roofline_sanity():
+    h200, a100 = load_hardware("h200"), load_hardware("a100")
+    llama = load_model_shape("llama-3-8b")
+    assert llama.num_parameters == pytest.approx(8.03e9, rel=0.01)
+    assert llama.kv_bytes_per_token == 131072
+    m1 = RooflineStepModel(h200, llama, 1)
+    # a decode step of one short request is the weights read once at the bandwidth
+    weights_s = (llama.num_parameters - llama.vocab_size * llama.hidden_size) * 2 / (
+        h200.memory_bandwidth * h200.bandwidth_efficiency)
+    one = m1.step_seconds(_features(decode=1, context=100))
+    assert one == pytest.approx(weights_s + h200.step_overhead, rel=0.02)
+    # decode is memory-bound: 32 rows cost far less than 32 times one row
+    assert m1.step_seconds(_features(decode=32, context=3200)) < 1.5 * one
+    # long prefill is compute-bound: doubling tokens nearly doubles the time
+    p = lambda n: m1.step_seconds(_features(prefill=n, prefill_rows=1, pairs=n * n // 2))  # noqa: E731
+    assert 1.8 < (p(8192) - h200.step_overhead) / (p(4096) - h200.step_overhead) < 2.3
+    expected = 2 * llama.num_parameters * 8192 / (h200.peak_flops * h200.flops_efficiency)
+    assert p(8192) == pytest.approx(expected, rel=0.25)
+    # tensor parallelism: faster, but less than linearly (all-reduces per layer)
+    m2 = RooflineStepModel(h200, llama, 2)
+    assert 0.5 * p(4096) < RooflineStepModel(h200, llama, 2).step_seconds(
+        _features(prefill=4096, prefill_rows=1, pairs=4096 ** 2 // 2)) < p(4096)
+    assert m2.step_seconds(_features(decode=1, context=100)) < one
+    # the older GPU is slower at both
+    ma = RooflineStepModel(a100, llama, 1)
+    assert ma.step_seconds(_features(decode=8, context=800)) > m1.step_seconds(
+        _features(decode=8, context=800))
+    # KV capacity: memory less weights, over 128 KiB per token
+    blocks = num_kv_blocks(h200, llama, 1, 16)
+    usable = h200.memory_bytes * h200.memory_utilization - llama.weight_bytes \
+        - h200.activation_reserve_bytes
+    assert blocks == int(usable // (131072 * 16))
+    assert num_kv_blocks(h200, llama, 2, 16) > 2 * blocks
+    assert kv_transfer_seconds(h200, llama, 1000) == pytest.approx(
+        h200.network_latency + 1000 * 131072 / h200.network_bandwidth)
+    with pytest.raises(ValueError, match="does not fit"):
+        num_kv_blocks(Hardware("tiny", 1e12, 1e11, 8e9), llama, 1, 16)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3"):
+        RooflineStepModel(h200, llama, 3)
+
+
+def test_presets_and_files(tmp_path):
+    for name in ("cpu-here", "h200", "a100"):
+        hw = load_hardware(name)
+        assert hw.peak_flops > 0 and hw.memory_bandwidth > 0
+    path = tmp_path / "gpu.yaml"
+    path.write_text("name: x\npeak_flops: 1.0e14\nmemory_bandwidth: 1.0e12\n"
+                    "memory_bytes: 4.0e10\n")
+    assert load_hardware(str(path)).peak_flops == 1e14
+    path.write_text("name: x\npeak_flop: 1\n")
+    with pytest.raises(ValueError, match="unknown field"):
+        load_hardware(str(path))
+    cfg = {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9,
+           "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152,
+           "max_position_embeddings": 8192, "tie_word_embeddings": True}
+    shape = model_shape_from_hf_config(cfg, "smol")
+    assert shape == ModelShape(**{**load_model_shape("smollm2-135m").__dict__, "name": "smol"})
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(cfg))
+    assert load_model_shape(str(tmp_path / "ckpt")).num_layers == 30
+
+
+def test_version_1_trace_fits_on_what_it_has(tmp_path):
+    lines = [{"type": "header", "version": 1, "policy": "fcfs"}]
+    rng = random.Random(2)
+    t = 0.0
+    for step in range(200):
+        p, d = rng.choice([0, rng.randrange(1, 300)]), rng.randrange(0, 20)
+        y = 0.01 + 1e-4 * p + 5e-4 * d
+        sched = ([["a", p, "prefill"]] if p else []) + [[f"d{i}", 1, "decode"] for i in range(d)]
+        lines.append({"type": "step", "step": step, "t_start": t, "t_end": t + y,
+                      "scheduled": sched, "preempted": [], "finished": []})
+        t += y
+    path = tmp_path / "v1.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    model = fit_trace(read_trace(path))
+    assert model.intercept == pytest.approx(0.01, rel=0.01)
+    assert model.coefficients["prefill_tokens"] == pytest.approx(1e-4, rel=0.01)
+    assert model.coefficients["decode_tokens"] == pytest.approx(5e-4, rel=0.01)
+    assert model.coefficients["decode_context_tokens"] == 0.0
+
+
+def test_arrivals_of_a_trace_replay(tmp_path):
+    from treadle.engine.trace import TraceRecorder
+    from treadle.request import Request
+    from treadle.sampling_params import SamplingParams
+    from treadle.sim.workload import from_engine_trace
+
+    now = [100.0]
+    rec = TraceRecorder(tmp_path / "t.jsonl", clock=lambda: now[0])
+    for i, (t, p, o, prio) in enumerate([(100.5, 30, 4, 1), (101.0, 12, 9, 0)]):
+        rec.record_arrival(Request(str(i), [5] * p, SamplingParams(max_tokens=o),
+                                   arrival_time=t, priority=prio))
+    rec.close()
+    reqs = from_engine_trace(read_trace(tmp_path / "t.jsonl"))
+    assert [(r.arrival, r.prompt_len, r.output_len, r.priority) for r in reqs] == \
+        [(0.0, 30, 4, 1), (0.5, 12, 9, 0)]

@@ -1,0 +1,186 @@
+"""`treadle simulate`: the command line of the capacity simulator.
+
+    treadle simulate [options]            one simulation: JSON result + plots in --output
+    treadle simulate size [options]       the smallest fleet meeting an SLO
+    treadle simulate fit TRACE.jsonl      fit a step-time model on a real run's trace
+    treadle simulate measure-hardware     measure this machine's roofline preset (YAML)
+    treadle simulate compare SIM.json MEASURED.json   figure by figure, with errors
+
+Flags are generated from SimConfig, SizingConfig and the engine's SchedulerConfig and
+CacheConfig (treadle/config.py), so a replica takes the same options `treadle serve`
+does. This module parses and prints; the work is in treadle.sim's other modules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+from pathlib import Path
+
+from treadle.config import (CacheConfig, SchedulerConfig, SimConfig, SizingConfig,
+                            add_dataclass_arguments, dataclass_from_args)
+
+_ENGINE_TYPES = (SchedulerConfig, CacheConfig)
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    add_dataclass_arguments(parser, SimConfig, "simulation options")
+    add_dataclass_arguments(parser, SchedulerConfig, "scheduler options (every replica)",
+                            skip=("trace",))
+    add_dataclass_arguments(parser, CacheConfig, "cache options (every replica)")
+    parser.add_argument("--no-request-records", action="store_true",
+                        help="leave the per-request records out of the JSON result")
+
+
+def _engine_options(args: argparse.Namespace) -> dict:
+    import dataclasses
+
+    names = {f.name for t in _ENGINE_TYPES for f in dataclasses.fields(t)} - {"trace"}
+    return {k: v for k, v in vars(args).items() if k in names and v is not None}
+
+
+def environment() -> dict:
+    """What a simulation's speed depends on (no torch, no host name)."""
+    from treadle.bench.report import _cpu_info
+
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {"python": platform.python_version(), "platform": platform.platform(),
+            "cpu_model": _cpu_info()[0], "cpu_count": os.cpu_count(),
+            "load_average": list(load) if load else None}
+
+
+def _print_summary(summary: dict) -> None:
+    from treadle.bench.report import format_table
+
+    sim = summary["simulation"]
+    rows = [{"figure": name, "mean": summary[key]["mean"], "median": summary[key]["median"],
+             "p90": summary[key]["p90"], "p99": summary[key]["p99"]}
+            for name, key in (("TTFT ms", "ttft_ms"), ("TPOT ms", "tpot_ms"),
+                              ("ITL ms", "itl_ms"), ("E2E ms", "e2e_ms"))]
+    print(format_table(rows, ["figure", "mean", "median", "p90", "p99"]))
+    print(f"{summary['num_ok']}/{summary['num_requests']} requests ok over "
+          f"{summary['duration_s']:.1f} simulated s: {summary['output_tokens_per_s']:.1f} "
+          f"output tok/s, {summary['total_tokens_per_s']:.1f} total tok/s, goodput "
+          f"{summary['goodput_requests_per_s']:.3f} req/s")
+    print(f"{sim['mode']}, {sim['num_replicas']} replicas, step model "
+          f"{sim['step_model']['name']}: {sim['num_steps']} steps simulated in "
+          f"{sim['wall_s']:.1f} s wall")
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from treadle.bench.report import write_json
+    from treadle.sim.results import plot
+    from treadle.sim.simulate import simulate
+
+    config = dataclass_from_args(SimConfig, args)
+    summary = simulate(config, _engine_options(args), not args.no_request_records)
+    summary["environment"] = environment()
+    out_dir = Path(config.output or Path("results") / "simulate")
+    _print_summary(summary)
+    print("wrote", write_json(out_dir / "simulate.json", summary))
+    if summary.get("requests"):
+        for path in plot(summary, out_dir, summary["simulation"]["step_model"]["name"]):
+            print("wrote", path)
+    return 0
+
+
+def _cmd_size(args: argparse.Namespace) -> int:
+    from treadle.bench.report import write_json
+    from treadle.sim.sizing import plot_search, search, table
+
+    config = dataclass_from_args(SimConfig, args)
+    sizing = dataclass_from_args(SizingConfig, args)
+    result = search(sizing, config, _engine_options(args), progress=True)
+    result["environment"] = environment()
+    print(table(result))
+    out_dir = Path(config.output or Path("results") / "simulate-size")
+    print("wrote", write_json(out_dir / "size.json", result))
+    print("wrote", plot_search(result, out_dir))
+    return 0
+
+
+def _cmd_fit(args: argparse.Namespace) -> int:
+    from treadle.engine.trace import read_trace
+    from treadle.sim.fit import evaluate, fit_trace
+
+    model = fit_trace(read_trace(args.trace), args.trace)
+    report = {"model": model.describe()}
+    if args.check:
+        report["check"] = {path: evaluate(model, read_trace(path)) for path in args.check}
+    fit = model.fit_report
+    print(f"fit on {fit['num_steps']} steps of {args.trace}: intercept "
+          f"{model.intercept * 1e3:.3f} ms; " + ", ".join(
+              f"{k} {v * 1e6:.4g} us" for k, v in model.coefficients.items() if v))
+    for name, errors in [("fit", fit)] + list(report.get("check", {}).items()):
+        print(f"  {name}: mean |error| {errors['mean_abs_pct_error']:.1%}, weighted "
+              f"{errors['weighted_abs_pct_error']:.1%}, R^2 {errors['r2']:.3f}, predicted/"
+              f"measured step time {errors['step_time_ratio']:.3f}, busy time "
+              f"{errors.get('busy_time_ratio', float('nan')):.3f}")
+    if fit.get("num_outliers"):
+        clean = fit["without_outliers"]
+        print(f"  {fit['num_outliers']} outlier steps ({fit['outlier_seconds']:.2f} s) left "
+              f"out of the fit; without them: mean |error| {clean['mean_abs_pct_error']:.1%}, "
+              f"weighted {clean['weighted_abs_pct_error']:.1%}, R^2 {clean['r2']:.3f}")
+    if args.save:
+        print("wrote", model.save(args.save))
+    if args.json:
+        print(json.dumps(report, indent=1, default=str))
+    return 0
+
+
+def _cmd_measure(args: argparse.Namespace) -> int:
+    import yaml
+
+    from treadle.sim.hardware import measure_cpu_here
+
+    preset = measure_cpu_here(repeats=args.repeats)
+    preset["description"] += f"; load average {environment()['load_average']}"
+    text = yaml.safe_dump(preset, sort_keys=False)
+    if args.out:
+        Path(args.out).write_text(text)
+        print("wrote", args.out)
+    print(text, end="")
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from treadle.bench.report import format_table
+    from treadle.sim.results import compare
+
+    simulated = json.loads(Path(args.simulated).read_text())
+    measured = json.loads(Path(args.measured).read_text())
+    print(format_table(compare(simulated, measured),
+                       ["figure", "measured", "simulated", "error"]))
+    return 0
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `treadle simulate` and its subcommands on the top-level CLI."""
+    sim = subparsers.add_parser("simulate", help="capacity simulator: the real scheduler on a "
+                                                 "step-time model (docs/simulator.md)")
+    _add_run_arguments(sim)
+    sim.set_defaults(func=_cmd_run)
+    sub = sim.add_subparsers(dest="simulate_command")
+    size = sub.add_parser("size", help="the smallest fleet that meets an SLO")
+    _add_run_arguments(size)
+    add_dataclass_arguments(size, SizingConfig, "sizing options")
+    size.set_defaults(func=_cmd_size)
+    fit = sub.add_parser("fit", help="fit a step-time model on a --trace file of a real run")
+    fit.add_argument("trace")
+    fit.add_argument("--check", action="append", default=[],
+                     help="also report the fit's errors on this trace (repeatable)")
+    fit.add_argument("--save", default=None, help="write the model as JSON (linear:FILE)")
+    fit.add_argument("--json", action="store_true", help="print the whole report as JSON")
+    fit.set_defaults(func=_cmd_fit)
+    hw = sub.add_parser("measure-hardware", help="measure this CPU's roofline preset (YAML)")
+    hw.add_argument("--out", default=None, help="YAML file to write")
+    hw.add_argument("--repeats", type=int, default=10)
+    hw.set_defaults(func=_cmd_measure)
+    cmp_ = sub.add_parser("compare", help="a simulated result against a measured one "
+                                          "(both bench-serve-shaped JSON)")
+    cmp_.add_argument("simulated")
+    cmp_.add_argument("measured")
+    cmp_.set_defaults(func=_cmd_compare)
+    return sim

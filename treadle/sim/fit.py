@@ -1,0 +1,180 @@
+"""Fit a linear step-time model on a real run's per-step trace, and say how wrong it is.
+
+Owns the least-squares fit of `LinearStepModel` on a `--trace` file
+(treadle/engine/trace.py): each step's duration (t_end - t_start: schedule, forward,
+sample, update) against its features (prefill tokens and rows, decode tokens, decode
+context tokens read, prefill (query, key) pairs attended, swap bytes), with
+non-negative coefficients (a feature whose coefficient comes out negative is dropped and
+the rest refitted: a negative cost per token is noise, not physics); and of the time
+between a step's end and the next one's start while requests are in flight (output
+processing), against the step's rows. `evaluate` reports the errors of any step-time
+model on any trace: mean and weighted absolute percentage error, R^2, and the ratio of
+predicted to measured busy time (the bias behind simulated throughput). Version-1 traces
+have no context or swap features; their fit uses prefill and decode tokens only.
+Nothing here runs the scheduler.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from treadle.engine.trace import FEATURE_NAMES, Trace, TraceStep, read_trace
+from treadle.sim.step_model import LinearStepModel
+
+FIT_COLUMNS = ("prefill_tokens", "prefill_rows", "decode_tokens", "decode_context_tokens",
+               "prefill_attention_pairs", "swap_bytes")
+"""What the fit regresses on (swap_bytes: swap_out_bytes + swap_in_bytes, one rate)."""
+
+
+def step_features(step: TraceStep) -> dict:
+    """A step's features: recorded (version 2), or what `scheduled` gives (version 1)."""
+    if step.features is not None:
+        return {name: step.features.get(name, 0) for name in FEATURE_NAMES}
+    f = dict.fromkeys(FEATURE_NAMES, 0)
+    for _, num_tokens, kind in step.scheduled:
+        if kind == "decode":
+            f["decode_rows"] += 1
+            f["decode_tokens"] += num_tokens
+        else:
+            f["prefill_rows"] += 1
+            f["prefill_tokens"] += num_tokens
+    return f
+
+
+def _column(f: dict, name: str) -> float:
+    if name == "swap_bytes":
+        return f["swap_out_bytes"] + f["swap_in_bytes"]
+    return f[name]
+
+
+def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0: fit, drop the most negative column,
+    refit, until none is negative (columns of zeros never enter)."""
+    scale = np.abs(x).max(axis=0)
+    active = [j for j in range(x.shape[1]) if scale[j] > 0]
+    coef = np.zeros(x.shape[1])
+    while active:
+        xs = x[:, active] / scale[active]
+        solution, *_ = np.linalg.lstsq(xs, y, rcond=None)
+        solution = solution / scale[active]
+        worst = int(np.argmin(solution))
+        if solution[worst] >= 0:
+            coef[active] = solution
+            return coef
+        del active[worst]
+    return coef
+
+
+OUTLIER_MADS = 8.0
+"""A step whose residual after a first fit is more than this many (scaled) median
+absolute deviations from the median residual is left out of the final fit: on a shared
+machine a step can stall for seconds (the process descheduled, memory reclaimed), which
+is the machine's noise, not the step's cost. The report counts them."""
+
+
+def robust_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """nonnegative_lstsq, refitted without outliers (OUTLIER_MADS); returns the
+    coefficients and the mask of the points kept."""
+    keep = np.ones(len(y), dtype=bool)
+    coef = nonnegative_lstsq(x, y)
+    for _ in range(3):
+        residual = y - x @ coef
+        center = np.median(residual[keep])
+        spread = 1.4826 * np.median(np.abs(residual[keep] - center))
+        new_keep = np.abs(residual - center) <= OUTLIER_MADS * max(spread, 1e-12)
+        if new_keep.sum() < max(x.shape[1] + 1, len(y) // 2) or (new_keep == keep).all():
+            break
+        keep = new_keep
+        coef = nonnegative_lstsq(x[keep], y[keep])
+    return coef, keep
+
+
+def busy_gaps(trace: Trace) -> list[tuple[TraceStep, float]]:
+    """(step, seconds until the next step started) for every step after which requests
+    were still in flight (so the engine went straight on: the gap is its own overhead)."""
+    steps = sorted(trace.steps, key=lambda s: s.step)
+    arrivals = sorted(a.t for a in trace.arrivals.values())
+    ends = sorted(t for t, _ in trace.ends.values())
+    gaps = []
+    num_finished = 0
+    a = e = 0
+    for step, nxt in zip(steps, steps[1:]):
+        num_finished += len(step.finished)
+        while a < len(arrivals) and arrivals[a] <= step.t_end:
+            a += 1
+        while e < len(ends) and ends[e] <= step.t_end:
+            e += 1
+        if a - num_finished - e > 0:
+            gaps.append((step, max(0.0, nxt.t_start - step.t_end)))
+    return gaps
+
+
+def evaluate(model, trace: Trace) -> dict:
+    """How well `model` predicts the trace's step durations (and busy gaps)."""
+    measured = np.array([s.t_end - s.t_start for s in trace.steps])
+    predicted = np.array([model.step_seconds(step_features(s)) for s in trace.steps])
+    report = _errors(predicted, measured)
+    gaps = busy_gaps(trace)
+    if gaps:
+        g_measured = np.array([g for _, g in gaps])
+        g_predicted = np.array([model.gap_seconds(step_features(s)) for s, _ in gaps])
+        report["gap"] = {"num_gaps": len(gaps), "measured_mean_s": float(g_measured.mean()),
+                         "predicted_mean_s": float(g_predicted.mean())}
+        busy = measured.sum() + g_measured.sum()
+        report["busy_time_ratio"] = float((predicted.sum() + g_predicted.sum()) / busy)
+    return report
+
+
+def _errors(predicted: np.ndarray, measured: np.ndarray) -> dict:
+    if measured.size == 0:
+        raise ValueError("the trace has no steps to fit or evaluate")
+    err = predicted - measured
+    rel = np.abs(err) / np.maximum(measured, 1e-9)
+    total = float(((measured - measured.mean()) ** 2).sum())
+    return {
+        "num_steps": int(measured.size),
+        "measured_mean_s": float(measured.mean()), "predicted_mean_s": float(predicted.mean()),
+        "mean_abs_pct_error": float(rel.mean()),
+        "median_abs_pct_error": float(np.median(rel)),
+        "p90_abs_pct_error": float(np.percentile(rel, 90)),
+        "weighted_abs_pct_error": float(np.abs(err).sum() / measured.sum()),
+        "r2": float(1.0 - (err ** 2).sum() / total) if total > 0 else float("nan"),
+        "step_time_ratio": float(predicted.sum() / measured.sum()),
+    }
+
+
+def fit_trace(trace: Trace, source: str = "") -> LinearStepModel:
+    """Least-squares LinearStepModel of the trace's steps (and busy gaps); the fit's own
+    errors on the trace are in `fit_report`."""
+    if not trace.steps:
+        raise ValueError(f"trace {source or ''} has no steps to fit")
+    feats = [step_features(s) for s in trace.steps]
+    x = np.array([[1.0] + [_column(f, c) for c in FIT_COLUMNS] for f in feats])
+    y = np.array([s.t_end - s.t_start for s in trace.steps])
+    coef, keep = robust_lstsq(x, y)
+    coefficients = {c: float(v) for c, v in zip(FIT_COLUMNS, coef[1:]) if c != "swap_bytes"}
+    coefficients["swap_out_bytes"] = coefficients["swap_in_bytes"] = float(coef[-1])
+    gaps = busy_gaps(trace)
+    gap_intercept = gap_per_row = 0.0
+    if len(gaps) >= 2:
+        gx = np.array([[1.0, s.features["decode_rows"] + s.features["prefill_rows"]
+                        if s.features else len(s.scheduled)] for s, _ in gaps])
+        gap_coef, _ = robust_lstsq(gx, np.array([g for _, g in gaps]))
+        gap_intercept, gap_per_row = (float(v) for v in gap_coef)
+    model = LinearStepModel(float(coef[0]), coefficients, gap_intercept, gap_per_row,
+                            name=f"fit({Path(source).name or 'trace'})", source=source)
+    outliers = [trace.steps[i] for i in np.flatnonzero(~keep)]
+    kept = Trace(trace.policy, trace.arrivals, [s for s, k in zip(trace.steps, keep) if k],
+                 trace.ends, trace.version, trace.engine)
+    model.fit_report = evaluate(model, trace) | {
+        "trace_version": trace.version, "engine": trace.engine,
+        "num_outliers": len(outliers),
+        "outlier_seconds": float(sum(s.t_end - s.t_start for s in outliers)),
+        "without_outliers": evaluate(model, kept)}
+    return model
+
+
+def fit_trace_file(path: str | Path) -> LinearStepModel:
+    return fit_trace(read_trace(path), str(path))

@@ -1,0 +1,115 @@
+"""Step-time models: how long the simulated model runner takes for one SchedulerOutput.
+
+Owns the `StepTimeModel` protocol (seconds of a step from its features, the features of
+treadle.engine.trace.step_features, so that a model fitted on a real trace and the
+simulator read a step the same way), the `LinearStepModel` that `fit` produces, and
+`make_step_model`, which turns a `--step-model` spec into a model:
+
+    fit:TRACE.jsonl   least squares on a real run's trace (treadle/sim/fit.py)
+    linear:FILE.json  a linear model saved by `treadle simulate fit --save`
+    roofline          peak FLOP/s and bandwidth of a `--hardware` preset (treadle/sim/roofline.py)
+
+A model also says how long the engine spends between steps (`gap_seconds`: output
+processing, streaming), during which the next step has not started. Nothing here runs
+the scheduler or knows requests.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from treadle.engine.trace import FEATURE_NAMES
+
+
+class StepTimeModel(Protocol):
+    """Seconds of one engine step, from what the step computes."""
+
+    name: str
+
+    def step_seconds(self, features: dict) -> float: ...
+
+    def gap_seconds(self, features: dict) -> float: ...
+
+    def describe(self) -> dict: ...
+
+
+@dataclass
+class LinearStepModel:
+    """step = intercept + sum of coefficient x feature; gap = gap_intercept + gap per row.
+
+    Coefficients are seconds per unit of their feature (a token, a row, a context token
+    read, an attended (query, key) pair, a swapped byte)."""
+
+    intercept: float
+    coefficients: dict[str, float]
+    gap_intercept: float = 0.0
+    gap_per_row: float = 0.0
+    """Seconds between steps per scheduled row (output processing of each request)."""
+    name: str = "linear"
+    source: str = ""
+    fit_report: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.coefficients) - set(FEATURE_NAMES))
+        if unknown:
+            raise ValueError(f"unknown step feature(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(FEATURE_NAMES)}")
+        self._terms = [(k, v) for k, v in self.coefficients.items() if v]
+
+    def step_seconds(self, features: dict) -> float:
+        t = self.intercept
+        for name, coefficient in self._terms:
+            t += coefficient * features[name]
+        return t
+
+    def gap_seconds(self, features: dict) -> float:
+        return self.gap_intercept + self.gap_per_row * (features["decode_rows"]
+                                                        + features["prefill_rows"])
+
+    def describe(self) -> dict:
+        return {"kind": "linear", "name": self.name, "source": self.source,
+                "intercept_s": self.intercept, "coefficients_s": dict(self.coefficients),
+                "gap_intercept_s": self.gap_intercept, "gap_per_row_s": self.gap_per_row,
+                "fit": self.fit_report}
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.describe(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "LinearStepModel":
+        try:
+            data = json.loads(Path(path).read_text())
+            return cls(float(data["intercept_s"]), dict(data["coefficients_s"]),
+                       float(data.get("gap_intercept_s", 0.0)),
+                       float(data.get("gap_per_row_s", 0.0)),
+                       data.get("name", "linear"), str(path), data.get("fit", {}))
+        except (KeyError, TypeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: not a saved linear step model ({exc!r})") from None
+
+
+def make_step_model(spec: str, hardware=None, shape=None, tensor_parallel_size: int = 1):
+    """The model a `--step-model` spec names (see the module docstring)."""
+    kind, _, arg = spec.partition(":")
+    if kind == "fit":
+        from treadle.sim.fit import fit_trace_file
+
+        if not arg:
+            raise ValueError("--step-model fit:TRACE.jsonl needs the trace file")
+        return fit_trace_file(arg)
+    if kind == "linear":
+        if not arg:
+            raise ValueError("--step-model linear:FILE.json needs the file")
+        return LinearStepModel.load(arg)
+    if kind == "roofline":
+        from treadle.sim.roofline import RooflineStepModel
+
+        if hardware is None or shape is None:
+            raise ValueError("--step-model roofline needs --hardware and --model-shape")
+        return RooflineStepModel(hardware, shape, tensor_parallel_size)
+    raise ValueError(f"--step-model must be fit:TRACE.jsonl, linear:FILE.json or roofline, "
+                     f"got {spec!r}")
