@@ -37,7 +37,7 @@ _SSE_EVENT = {  # OpenAPI 3.1: the schema of one event of the stream
 _DESCRIPTIONS = {
     400: "Invalid request: the message names the field and the limit",
     401: "Missing or invalid API key",
-    404: "Unknown model",
+    404: "Unknown model, or no timeline of that request id for this tenant",
     413: "Body larger than max_request_body_bytes",
     429: "Overloaded or over the tenant's quota: retry after Retry-After seconds",
     500: "The engine failed while serving the request",
@@ -50,6 +50,7 @@ _ROUTE_ERRORS = {
     ("/tokenize", "post"): (400, 413),
     ("/detokenize", "post"): (400, 413),
     ("/v1/models", "get"): (503,),
+    ("/v1/requests/{request_id}", "get"): (404, 503),
     ("/health", "get"): (503,),
 }
 _STREAMING = {"/v1/completions", "/v1/chat/completions"}
