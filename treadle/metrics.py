@@ -187,14 +187,18 @@ class EngineMetrics:
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
-    def num_finished_requests(self) -> float:
-        """Finished requests over every finish reason (request_success_total summed)."""
-        return sum(sample.value for metric in self._success.collect()
-                   for sample in metric.samples if sample.name.endswith("_total"))
-
-    def value(self, name: str, **labels: str) -> float:
-        """A sample's current value as /metrics shows it (`name` without the `treadle:`
-        prefix, e.g. "generation_tokens_total"); 0 when it has none yet."""
-        found = self.registry.get_sample_value(f"treadle:{name}",
-                                               {"model_name": self._model, **labels})
-        return 0.0 if found is None else found
+    def snapshot(self) -> dict[str, float]:
+        """Every `treadle:` sample as /metrics shows it, in one pass over the registry:
+        {name without the prefix (e.g. "generation_tokens_total"): value}, samples of
+        one name summed over their labels (request_success_total: every finish reason);
+        histogram buckets left out."""
+        out: dict[str, float] = {}
+        for metric in self.registry.collect():
+            if not metric.name.startswith("treadle:"):
+                continue
+            for sample in metric.samples:
+                if "le" in sample.labels:
+                    continue
+                name = sample.name[len("treadle:"):]
+                out[name] = out.get(name, 0.0) + sample.value
+        return out

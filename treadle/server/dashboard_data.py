@@ -122,7 +122,11 @@ def build_event(viewer: Viewer, recorder, metrics, weights: dict[str, float],
         viewer.last_seq = steps[-1].seq
     else:
         viewer.last_seq = max(viewer.last_seq, 0)
-    value = metrics.value
+    snapshot = metrics.snapshot()
+
+    def value(name: str) -> float:
+        return snapshot.get(name, 0.0)
+
     queried = value("prefix_cache_queries_total")
     hits = value("prefix_cache_hits_total")
     samples = recorder.samples()
@@ -140,7 +144,7 @@ def build_event(viewer: Viewer, recorder, metrics, weights: dict[str, float],
                    "swapped": value("num_requests_swapped"),
                    "kv_usage": value("kv_cache_usage_perc"),
                    "batch_slot_efficiency": value("batch_slot_efficiency")},
-        "totals": {"requests_finished": metrics.num_finished_requests(),
+        "totals": {"requests_finished": value("request_success_total"),
                    "prompt_tokens": value("prompt_tokens_total"),
                    "generation_tokens": value("generation_tokens_total"),
                    "preemptions": value("num_preemptions_total"),
