@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from treadle.worker.cpu_isa import KERNEL_ISA_CHOICES
+
 _SIZE_UNITS = {
     "": 1, "b": 1,
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -74,7 +76,8 @@ class ModelConfig:
         "Hugging Face ids: cache folder to download into and read from (huggingface_hub's "
         "default cache when not given)"))
     dtype: str = field(default="auto", metadata=_help(
-        "float32, bfloat16 or auto (bfloat16 where the CPU supports it, else float32)"))
+        "float32, bfloat16 or auto (bfloat16 where the CPU has bf16 math or the C kernels "
+        "build for AVX-512 or AVX2, else float32)"))
     max_model_len: int | None = field(default=None, metadata=_help(
         "Longest prompt + output in tokens; the checkpoint's max_position_embeddings when not given"))
     seed: int = field(default=0, metadata=_help(
@@ -85,18 +88,25 @@ class ModelConfig:
     device: str = field(default="auto", metadata=_help(
         "cpu, cuda, or auto (cuda when torch sees a GPU, else cpu)"))
     attention_backend: str = field(default="auto", metadata=_help(
-        "cpu-native (C kernels built on first use; 'native' is the same), torch, "
-        "reference (the slow oracle), or auto (the device's best that builds)"))
+        "cpu-native (C kernels built on first use; 'native' is the same), triton (GPU "
+        "kernels), torch, reference (the slow oracle), or auto (the device's best that "
+        "builds)"))
+    kernel_isa: str = field(default="auto", metadata=_help(
+        "Instruction set of the C kernels: auto (the best this CPU runs), avx512bf16, "
+        "avx512, avx2, or native (gcc -march=native)"))
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, got {self.dtype!r}")
-        backends = ("auto", "cpu-native", "native", "torch", "reference")
+        backends = ("auto", "cpu-native", "native", "triton", "torch", "reference")
         if self.attention_backend not in backends:
             raise ValueError(f"attention_backend must be one of {', '.join(backends)}, "
                              f"got {self.attention_backend!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be one of auto, cpu, cuda, got {self.device!r}")
+        if self.kernel_isa not in KERNEL_ISA_CHOICES:
+            raise ValueError(f"kernel_isa must be one of {', '.join(KERNEL_ISA_CHOICES)}, "
+                             f"got {self.kernel_isa!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
@@ -150,6 +160,10 @@ class SchedulerConfig:
         "Order of waiting requests: fcfs, priority, srpt or fair (docs/scheduling.md)"))
     priority_aging_rate: float = field(default=0.01, metadata=_help(
         "priority policy: priority levels a request gains per second in the engine (0: none)"))
+    priority_aging: float = field(default=4.0, metadata=_help(
+        "priority policy: the bound on waiting, as a multiple of the mean wait of recent "
+        "requests: a request that has waited that long outranks every priority class "
+        "(docs/scheduling.md; 0: off)"))
     srpt_aging_rate: float = field(default=10.0, metadata=_help(
         "srpt policy: tokens of remaining work a request sheds per second in the engine (0: none)"))
     tenant_weights: str = field(default="", metadata=_help(
@@ -166,6 +180,16 @@ class SchedulerConfig:
         "A step that finishes a prompt carries no partial chunk of another prompt (it "
         "would delay that first token; it starts next step with the budget first), and "
         "the last chunk of a prompt split across steps runs with decodes only"))
+    kv_watermark: float = field(default=0.01, metadata=_help(
+        "Fraction of the KV blocks an admission leaves free (with the expected growth of "
+        "the running requests: admission_lookahead_tokens)"))
+    admission_lookahead_tokens: int = field(default=256, metadata=_help(
+        "Tokens of growth (up to max_tokens) per running request, and the admitted one, "
+        "that an admission must leave room for, so that admitting rarely forces a "
+        "preemption (0: admit on free blocks alone)"))
+    tenant_kv_share: bool = field(default=False, metadata=_help(
+        "While tenants compete, each holds at most its weighted share of the KV cache "
+        "(unused share is lent), and memory victims come from tenants over their share"))
     max_head_bypasses: int = field(default=16, metadata=_help(
         "Times smaller requests may pass a waiting request that does not fit before it gets "
         "the next opening (0: strict order)"))
@@ -176,13 +200,18 @@ class SchedulerConfig:
         if self.scheduling_policy not in ("fcfs", "priority", "srpt", "fair"):
             raise ValueError("scheduling_policy must be one of fcfs, priority, srpt, fair, "
                              f"got {self.scheduling_policy!r}")
-        for name in ("priority_aging_rate", "srpt_aging_rate"):
+        for name in ("priority_aging_rate", "srpt_aging_rate", "priority_aging"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if (self.admission_preemption_threshold is not None
                 and not self.admission_preemption_threshold > 0):
             raise ValueError("admission_preemption_threshold must be > 0, "
                              f"got {self.admission_preemption_threshold}")
+        if not 0.0 <= self.kv_watermark < 1.0:
+            raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
+        if self.admission_lookahead_tokens < 0:
+            raise ValueError("admission_lookahead_tokens must be >= 0, "
+                             f"got {self.admission_lookahead_tokens}")
         if self.max_head_bypasses < 0:
             raise ValueError(f"max_head_bypasses must be >= 0, got {self.max_head_bypasses}")
         parse_tenant_weights(self.tenant_weights)
@@ -365,6 +394,10 @@ class ServerConfig:
         "Prompt tokens waiting beyond which new requests get 429"))
     tenant_max_concurrent_requests: int = field(default=256, metadata=_help(
         "Requests in flight per tenant beyond which new ones get 429"))
+    max_queue_delay: float = field(default=0.0, metadata=_help(
+        "Refuse (429, Retry-After from the measured drain rate) a request whose predicted "
+        "wait to start exceeds this many seconds; per priority under the priority policy "
+        "(0: no bound)"))
     tenant_tokens_per_minute: int = field(default=0, metadata=_help(
         "Prompt + max_tokens per tenant per minute (0: unlimited)"))
     max_request_body_bytes: int = field(default=8 * 1024**2, metadata=_help(
@@ -396,6 +429,8 @@ class ServerConfig:
                      "responses_store_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queue_delay < 0:
+            raise ValueError(f"max_queue_delay must be >= 0 seconds, got {self.max_queue_delay}")
         if self.tenant_tokens_per_minute < 0:
             raise ValueError("tenant_tokens_per_minute must be >= 0")
         if not 0.1 <= self.dashboard_interval <= 60:

@@ -80,6 +80,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        self.max_num_computed_tokens = 0
+        """The most tokens it ever had in the KV cache (a recompute preemption loses them:
+        computing them again is work done twice)."""
         self.num_cached_tokens = 0
         """Prompt tokens found in the prefix cache when the request was first admitted
         (the scheduler sets it; the API reports it as usage.prompt_tokens_details)."""

@@ -1,9 +1,10 @@
 """Schemathesis hooks for treadle's API: the one rule its JSON Schema cannot state.
 
 Every bound of a single field is in /openapi.json (server/openapi.py), so a schema-valid
-request is accepted. Two rules join fields, and JSON Schema has no arithmetic: prompt
+request is accepted. Three rules join fields, and JSON Schema has no arithmetic: prompt
 tokens + max_tokens <= the request limit (the context, or the KV cache if smaller; the
-schema's description of max_tokens says so), and min_tokens <= max_tokens. This hook drops
+schema's description of max_tokens says so), min_tokens <= max_tokens, and max_tokens 0
+only with echo or prompt_logprobs (scoring a prompt). This hook drops
 generated cases that break them, counting a text prompt's tokens with the server's own
 /tokenize, so that `positive_data_acceptance` tests everything else.
 
@@ -20,7 +21,11 @@ import os
 import httpx
 import schemathesis
 
-_GENERATION = {"/v1/completions": False, "/v1/chat/completions": True}
+_GENERATION = {"/v1/completions": False, "/v1/chat/completions": True, "/v1/responses": None}
+_COMPILED = ("structured_outputs", "response_format", "tools", "tool_choice", "text")
+"""Fields whose contents a compiler judges (a JSON schema, a grammar, a regex, tool
+definitions), not the OpenAPI schema: random values of them are left to the tests that
+send real ones (test_openai_api.py, test_structured_*.py)."""
 _limits: dict[str, int] = {}
 
 
@@ -117,15 +122,43 @@ def filter_case(context, case) -> bool:
     if (operation is None or operation.method.lower() != "post"
             or operation.path not in _GENERATION or not isinstance(body, dict)):
         return True
+    if any(body.get(name) is not None for name in _COMPILED):
+        return False
     chat = _GENERATION[operation.path]
+    if chat is None:
+        body = _responses_as_chat(body)
+        if body is None:
+            return False
+        chat = True
     return _decide(operation, body, chat)
+
+
+def _responses_as_chat(body: dict) -> dict | None:
+    """A Responses body with a text input as the chat body the server makes of it (so
+    that its tokens are counted the same way); None for item lists, whose contents the
+    server judges item by item (test_openai_api.py sends real ones)."""
+    text = body.get("input")
+    if not isinstance(text, str) or body.get("previous_response_id") is not None:
+        return None
+    instructions = body.get("instructions")
+    messages = ([{"role": "system", "content": instructions}]
+                if isinstance(instructions, str) and instructions else [])
+    chat = {k: v for k, v in body.items() if k not in ("input", "instructions",
+                                                        "max_output_tokens")}
+    if body.get("max_output_tokens") is not None:
+        chat["max_tokens"] = body["max_output_tokens"]
+    return {**chat, "messages": messages + [{"role": "user", "content": text}]}
 
 
 def _decide(operation, body, chat):
     base = operation.schema.get_base_url().rstrip("/")
     limit = _request_limit(base)
-    requested = (body.get("max_completion_tokens") or body.get("max_tokens") if chat
-                 else body.get("max_tokens"))
+    requested = body.get("max_tokens")
+    if chat and body.get("max_completion_tokens") is not None:
+        requested = body["max_completion_tokens"]
+    scoring = body.get("prompt_logprobs") is not None or (not chat and body.get("echo") is True)
+    if _integer(requested) == 0 and not scoring:  # max_tokens 0 only scores a prompt
+        return False
     if requested is None:  # the server's default fits the prompt; only min_tokens may not
         num_prompt = _prompt_tokens(base, body, chat, limit, 1)
         if num_prompt is None:

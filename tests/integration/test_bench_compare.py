@@ -128,6 +128,25 @@ def test_a_failing_offline_runner_is_an_error_with_its_log(tmp_path):
         compare(load_config(config_path))
 
 
+def test_missing_plot_dependency_stops_before_any_system_runs(tmp_path, monkeypatch):
+    """Without matplotlib (the `bench` extra) a comparison says so at once, instead of
+    after every system has run."""
+    import importlib.util
+
+    import treadle.bench.compare as compare_module
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
+    ran = []
+    monkeypatch.setattr(compare_module, "run_system", lambda *args: ran.append(args) or [])
+    config = {"systems": [{"name": "s", "kind": "static"}], "workload": {"name": "synthetic"},
+              "load": {}, "repeats": 1}
+    with pytest.raises(SystemExit, match=r"matplotlib \(for the plots\).*treadle\[bench\]"):
+        compare(config)
+    assert ran == []
+
+
 def test_workload_file_round_trip(tmp_path):
     original = make_workload({"name": "synthetic", "num_requests": 7, "seed": 5})
     loaded = load_workload(save_workload(original, tmp_path / "w.json"))

@@ -132,7 +132,7 @@ def test_prefix_cache_and_preemption_do_not_change_outputs(llama_dir):
 
     # A cache a few blocks larger than the largest request (110 + 20 tokens = 9 blocks).
     tight = LLM(model=llama_dir, dtype="float32", num_kv_blocks=12, block_size=16,
-                max_num_batched_tokens=64)
+                max_num_batched_tokens=64, admission_lookahead_tokens=0, kv_watermark=0.0)
     assert greedy(tight, batch) == reference
     assert tight.get_stats()["num_preemptions"] > 0
     assert tight.engine.scheduler.kv.pool.num_free_blocks == 12
@@ -162,7 +162,7 @@ def test_heavy_preemption_keeps_outputs_in_every_mode(llama_dir, mode):
     # The largest request needs ceil((100 + 24) / 16) = 8 blocks; the cache has 10.
     tight = LLM(model=llama_dir, dtype="float32", num_kv_blocks=10, block_size=16,
                 max_num_batched_tokens=64, preemption_mode=mode, swap_space="8MiB",
-                preemption_cooldown_steps=2)
+                preemption_cooldown_steps=2, admission_lookahead_tokens=0, kv_watermark=0.0)
     assert greedy(tight, batch, max_tokens=24) == reference
     stats = tight.get_stats()
     assert stats["num_preemptions"] > 0

@@ -1,16 +1,20 @@
-"""The C decode-attention kernel against a plain softmax(QK^T)V over each request's blocks."""
+"""The C decode-attention kernel against a plain softmax(QK^T)V over each request's blocks,
+once per kernel ISA level this CPU executes (worker/cpu_isa.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from treadle.worker.cpu_isa import executable_levels
 from treadle.worker.native import load_kernels
 
+LEVELS = executable_levels() or ["native"]
 
-@pytest.fixture(scope="module")
-def kernels():
-    k = load_kernels()
+
+@pytest.fixture(scope="module", params=LEVELS)
+def kernels(request):
+    k = load_kernels(request.param)
     assert k is not None, "the C kernels must build on the test machine (gcc is required)"
     return k
 
@@ -33,8 +37,8 @@ def reference(q, kc, vc, block_table, ctx_lens, scale):
 
 # (num_reqs, num_heads, num_kv_heads, head_dim, block_size, max_context, scale). The kernel
 # has a fast path specialised for head_dim 64 and 128 with 1..8 query heads per KV head
-# (on AVX-512 machines), which walks keys in chunks of 16 tokens and splits long contexts
-# of small batches across threads; every other shape takes the generic loops.
+# (AVX-512 or AVX2 builds), which walks keys in chunks of 16 (8) tokens and splits long
+# contexts of small batches across threads; every other shape takes the generic loops.
 SHAPES = [
     (5, 9, 3, 64, 16, 300, 0.125),     # the benchmark model's layout (group 3)
     (64, 9, 3, 64, 16, 500, 0.125),    # a large batch

@@ -1,7 +1,9 @@
 """The small-batch bf16 C kernels (worker/native_linear.py) against torch: the linear layer
 against F.linear in float32 rounded to bf16, the fused residual-add + RMSNorm and
 silu * mul against the model's torch code, the fallbacks, and an engine whose bf16 model
-runs them against the same engine on torch alone."""
+runs them against the same engine on torch alone. Every test runs once per kernel ISA level
+this CPU executes (avx512bf16, avx512, avx2: worker/cpu_isa.py), so the widening kernels of
+CPUs without AVX-512 BF16 are tested on a machine that has it."""
 
 from __future__ import annotations
 
@@ -10,18 +12,28 @@ import torch
 import torch.nn.functional as F
 
 from treadle.models.llama import rms_norm
+from treadle.worker.cpu_isa import executable_levels
 from treadle.worker.linear_kernels import DenseLinearKernel, dense_kernel_factory
 from treadle.worker.native import load_kernels
-from treadle.worker.native_linear import NativeLayerOps
+from treadle.worker.native_linear import MAX_ROWS, WIDENING_MAX_ROWS, NativeLayerOps
+
+LEVELS = executable_levels() or ["native"]
+
+
+@pytest.fixture(scope="module", params=LEVELS)
+def level(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def ops():
-    kernels = load_kernels()
+def ops(level):
+    kernels = load_kernels(level)
     assert kernels is not None, "the C kernels must build on the test machine (gcc is required)"
-    layer_ops = NativeLayerOps.load(kernels.lib)
+    # The tests below sweep every row count up to max_rows: the first 16 at every level
+    # (test_linear_any_row_count covers the widening levels' larger default).
+    layer_ops = NativeLayerOps.load(kernels.lib, max_rows=MAX_ROWS)
     if layer_ops is None:
-        pytest.skip("the build machine has no AVX512-BF16")
+        pytest.skip(f"the {level} build has no vector unit (neither AVX-512 nor AVX2)")
     return layer_ops
 
 
@@ -49,6 +61,25 @@ def test_linear_matches_float32_reference(ops, n, k, bias):
         assert_bf16_close(got, ref)
         # fp32 accumulation and round-to-nearest-even: almost every output is the
         # correctly rounded float32 result.
+        assert (got != ref.to(torch.bfloat16)).float().mean() < 0.01
+
+
+def test_linear_any_row_count(level):
+    """Without vdpbf16ps the kernel takes every row count by default (torch's bf16 linear
+    is the slow path there), with the same accuracy at prefill-sized batches."""
+    kernels = load_kernels(level)
+    ops = NativeLayerOps.load(kernels.lib)
+    if ops is None:
+        pytest.skip(f"the {level} build has no vector unit (neither AVX-512 nor AVX2)")
+    assert ops.max_rows == (MAX_ROWS if kernels.has_dpbf16 else WIDENING_MAX_ROWS)
+    ops = NativeLayerOps.load(kernels.lib, max_rows=WIDENING_MAX_ROWS)
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(203, 577, generator=gen).to(torch.bfloat16)
+    b = torch.randn(203, generator=gen).to(torch.bfloat16)
+    for m in (17, 64, 333, 1030):
+        x = torch.randn(m, 577, generator=gen).to(torch.bfloat16)
+        got, ref = ops.linear(x, w, b), reference(x, w, b)
+        assert_bf16_close(got, ref)
         assert (got != ref.to(torch.bfloat16)).float().mean() < 0.01
 
 
@@ -140,7 +171,7 @@ def test_rope_kv_matches_torch_bit_for_bit(ops, m, heads, kv_heads, head_dim):
     assert ops.rope_kv(qk.float(), value.float(), cos.float(), sin.float(), cache, slots) is None
 
 
-def test_engine_bf16_decode_matches_torch_path(ops, tmp_path_factory):
+def test_engine_bf16_decode_matches_torch_path(ops, level, tmp_path_factory):
     """A bf16 engine runs the kernels in every layer and decodes as with torch alone: the
     same greedy tokens and log-probabilities, up to bf16 rounding. (The tiny model's bf16
     logits tie often; a near-tie may flip, after which the continuations differ.)"""
@@ -153,7 +184,7 @@ def test_engine_bf16_decode_matches_torch_path(ops, tmp_path_factory):
 
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("native-linear"), "qwen2")
     core = EngineCore(EngineConfig.from_options(model=path, dtype="bfloat16",
-                                                kv_cache_memory="64MiB"))
+                                                kv_cache_memory="64MiB", kernel_isa=level))
     worker = core.executor.worker
     assert worker.layer_ops is not None
     prompts = [[5 + 7 * i + j for j in range(9 + 4 * i)] for i in range(5)]

@@ -1,6 +1,6 @@
 """The C prefill-attention kernel (worker/kernels/paged_prefill.c) against a plain causal
 softmax(QK^T)V over each span's blocks, and the engine's prefill logprobs with it against
-the torch attention path."""
+the torch attention path; once per kernel ISA level this CPU executes (worker/cpu_isa.py)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,19 @@ import math
 import pytest
 import torch
 
+from treadle.worker.cpu_isa import executable_levels
 from treadle.worker.native import load_kernels
 
+LEVELS = executable_levels() or ["native"]
 
-@pytest.fixture(scope="module")
-def kernels():
-    k = load_kernels()
+
+@pytest.fixture(scope="module", params=LEVELS)
+def kernels(request):
+    k = load_kernels(request.param)
     assert k is not None, "the C kernels must build on the test machine (gcc is required)"
     if not k.supports_prefill(torch.bfloat16, 64):
-        pytest.skip("this CPU has no AVX-512 BF16: prefills use torch's attention")
+        pytest.skip(f"the {request.param} build has no vector unit: prefills use torch's "
+                    "attention")
     return k
 
 
@@ -149,7 +153,8 @@ def test_engine_prefill_logprobs_native_vs_torch(kernels, tmp_path):
 
     def prompt_logprobs(backend):
         llm = LLM(model=str(tmp_path), dtype="bfloat16", max_num_batched_tokens=128,
-                  attention_backend=backend, enable_prefix_caching=False)
+                  attention_backend=backend, enable_prefix_caching=False,
+                  kernel_isa=kernels.isa)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [torch.tensor([next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]])
                 for o in outs]

@@ -69,7 +69,7 @@ def test_echo_logprobs_max_tokens_zero_equal_transformers(client, server, tiny_d
     choice = out.choices[0]
     assert choice.text == prompt and choice.finish_reason == "length"
     assert out.usage.completion_tokens == 0
-    ids = httpx.post(server + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+    ids = httpx.post(server + "/tokenize", headers=KEY, json={"prompt": prompt}).json()["tokens"]
     assert out.usage.prompt_tokens == len(ids)
     lp = choice.logprobs
     assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None
@@ -435,7 +435,8 @@ def _readme_blocks(language: str) -> list[str]:
 
 
 def _as_served(code: str, server: str) -> str:
-    return (code.replace("http://127.0.0.1:8000", server).replace("demo-model-v1", "tiny")
+    return (code.replace("http://127.0.0.1:8000", server)
+            .replace('"SmolLM2-135M-Instruct"', '"tiny"')
             .replace('api_key="unused"', 'api_key="alpha-key"'))
 
 
@@ -448,7 +449,8 @@ def test_readme_python_client_example_runs(server, capsys):
 
 def test_readme_curl_examples_are_valid_requests(server):
     import shlex
-    block = next(b for b in _readme_blocks("bash") if "curl" in b and "/v1/chat" in b)
+    block = next(b for b in _readme_blocks("bash")
+                 if "/v1/completions" in b and "/v1/chat" in b)
     commands = ["curl" + c for c in block.replace("\\\n", " ").split("curl")[1:]]
     assert len(commands) == 2
     for command in commands:

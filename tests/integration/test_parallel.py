@@ -28,7 +28,8 @@ from treadle.worker.parallel_state import ParallelContext, layer_partition
 PROMPTS = [{"prompt_token_ids": [3 + (7 * i + 11 * j) % 500 for j in range(5 + 3 * i)]}
            for i in range(16)]
 OPTIONS = dict(dtype="float32", block_size=4, num_kv_blocks=40, max_num_batched_tokens=32,
-               max_num_seqs=6, preemption_mode="recompute")
+               max_num_seqs=6, preemption_mode="recompute", admission_lookahead_tokens=0,
+               kv_watermark=0.0)
 """40 blocks of 4 tokens for 16 prompts of up to 50 + 12 tokens: preemption happens."""
 
 

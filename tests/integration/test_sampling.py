@@ -89,7 +89,8 @@ def test_seeded_sampling_survives_batching_and_preemption(llama_dir):
     for mode in ("recompute", "swap"):
         tight = LLM(model=llama_dir, dtype="float32", num_kv_blocks=9, block_size=16,
                     max_num_batched_tokens=48, preemption_mode=mode, swap_space="4MiB",
-                    preemption_cooldown_steps=1)
+                    preemption_cooldown_steps=1, admission_lookahead_tokens=0,
+                    kv_watermark=0.0)
         outs = tight.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         assert tight.get_stats()["num_preemptions"] > 0
         assert [o.outputs[0].token_ids for o in outs[:5]] == alone, mode

@@ -28,7 +28,8 @@ def make_scheduler(num_blocks=64, block_size=4, max_tokens=32, max_seqs=4,
                    preemption_mode="recompute", num_swap_blocks=0, policy="fcfs"):
     return Scheduler(
         SchedulerConfig(max_num_batched_tokens=max_tokens, max_num_seqs=max_seqs,
-                        preemption_mode=preemption_mode, scheduling_policy=policy),
+                        preemption_mode=preemption_mode, scheduling_policy=policy,
+                        admission_lookahead_tokens=0, kv_watermark=0.0),
         CacheConfig(block_size=block_size, enable_prefix_caching=True),
         num_kv_blocks=num_blocks, max_model_len=4096, num_swap_blocks=num_swap_blocks)
 

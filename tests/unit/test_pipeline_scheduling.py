@@ -57,6 +57,7 @@ def make_core(stages: int) -> tuple[EngineCore, FakePipelineExecutor]:
     executor = FakePipelineExecutor(stages)
     config = EngineConfig.from_options(model="/fake", block_size=4, max_num_batched_tokens=24,
                                        max_num_seqs=6, preemption_mode="recompute",
+                                       admission_lookahead_tokens=0, kv_watermark=0.0,
                                        distributed_executor_backend="uni")
     return EngineCore(config, executor=executor), executor
 

@@ -15,16 +15,17 @@ from transformers.generation.logits_process import (MinPLogitsWarper,
                                                     TopPLogitsWarper)
 
 from treadle.sampling_params import SamplingParams
+from treadle.worker.cpu_isa import executable_levels
 from treadle.worker.native import load_kernels
 from treadle.worker.sampler import Sampler, prompt_logprobs
 
 
-@pytest.fixture(params=["torch", "native"])
+@pytest.fixture(params=["torch", *(executable_levels() or ["native"])])
 def kernels(request):
-    """None (the torch path) or the C kernels."""
+    """None (the torch path) or the C kernels of one ISA level this CPU executes."""
     if request.param == "torch":
         return None
-    k = load_kernels()
+    k = load_kernels(request.param)
     assert k is not None, "the C kernels must build on the test machine (gcc is required)"
     return k
 

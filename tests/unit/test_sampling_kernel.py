@@ -10,7 +10,10 @@ import torch
 from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
+from treadle.worker.cpu_isa import executable_levels
 from treadle.worker.native import load_kernels
+
+LEVELS = executable_levels() or ["native"]  # every kernel ISA level this CPU executes
 
 # (temperature, top_k, top_p, min_p)
 CONFIGS = [(1.0, 0, 1.0, 0.0), (0.7, 50, 1.0, 0.0), (0.8, 0, 0.9, 0.0), (1.0, 0, 1.0, 0.05),
@@ -18,9 +21,9 @@ CONFIGS = [(1.0, 0, 1.0, 0.0), (0.7, 50, 1.0, 0.0), (0.8, 0, 0.9, 0.0), (1.0, 0,
            (1.0, 7000, 0.99, 0.0), (0.5, 0, 0.3, 0.1), (1.0, 20000, 0.9, 0.0)]
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    k = load_kernels()
+@pytest.fixture(scope="module", params=LEVELS)
+def kernels(request):
+    k = load_kernels(request.param)
     assert k is not None, "the C kernels must build on the test machine (gcc is required)"
     return k
 

@@ -13,6 +13,10 @@ from treadle.request import FinishReason, Request, RequestStatus
 from treadle.sampling_params import SamplingParams
 
 
+NO_LOOKAHEAD = dict(admission_lookahead_tokens=0, kv_watermark=0.0)
+"""Preemption is what these tests exercise: admit on free blocks alone."""
+
+
 def make_scheduler(max_tokens=64, max_seqs=4, num_blocks=64, block_size=4,
                    prefix_caching=True, chunked=True, max_model_len=4096,
                    preemption_mode="recompute", num_swap_blocks=0, cooldown=8,
@@ -21,7 +25,7 @@ def make_scheduler(max_tokens=64, max_seqs=4, num_blocks=64, block_size=4,
         SchedulerConfig(max_num_batched_tokens=max_tokens, max_num_seqs=max_seqs,
                         enable_chunked_prefill=chunked, preemption_mode=preemption_mode,
                         preemption_cooldown_steps=cooldown, victim_wait_weight=wait_weight,
-                        finish_prompts_first=finish_first),
+                        finish_prompts_first=finish_first, **NO_LOOKAHEAD),
         CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
         num_kv_blocks=num_blocks, max_model_len=max_model_len, num_swap_blocks=num_swap_blocks)
 

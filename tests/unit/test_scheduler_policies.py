@@ -35,7 +35,8 @@ def make_scheduler(policy="priority", max_tokens=64, max_seqs=4, num_blocks=256,
                    prefix_caching=False, **options) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_batched_tokens=max_tokens, max_num_seqs=max_seqs,
-                        preemption_mode=mode, scheduling_policy=policy, **options),
+                        preemption_mode=mode, scheduling_policy=policy,
+                        **{"admission_lookahead_tokens": 0, "kv_watermark": 0.0, **options}),
         CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
         num_kv_blocks=num_blocks, max_model_len=4096, num_swap_blocks=num_swap_blocks,
         clock=clock or FakeClock())
@@ -274,7 +275,8 @@ def test_without_aging_a_low_priority_request_starves_behind_a_stream():
     with 0.5 levels/s it starts after about 2 levels / 0.5 = 4 s plus the work ahead."""
     def low_wait(rate):
         clock = FakeClock()
-        sched = make_scheduler("priority", max_seqs=2, clock=clock, priority_aging_rate=rate)
+        sched = make_scheduler("priority", max_seqs=2, clock=clock, priority_aging_rate=rate,
+                               priority_aging=0.0)  # the linear aging alone
         low = make_request("low", 4, 4, priority=2, arrival=9.0)
         stream = [make_request(f"h{i}", 4, 6, priority=0, arrival=float(i * 2))
                   for i in range(150)]

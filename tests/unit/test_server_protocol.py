@@ -54,16 +54,17 @@ def test_types_are_strict_as_the_schema_says():
 
 def test_bounds_live_in_the_types():
     long_stop = "s" * (protocol.MAX_STOP_STRING_CHARS + 1)
-    for body in ({"prompt": ""}, {"prompt": []}, {"prompt": ["a", "b"]},
+    for body in ({"prompt": ""}, {"prompt": []}, {"prompt": ["a", ""]},
+                 {"prompt": ["a"] * (protocol.MAX_PROMPTS + 1)},
                  {"prompt": "x", "stop": ""}, {"prompt": "x", "stop": [long_stop]},
                  {"prompt": "x", "stop": ["a"] * (protocol.MAX_STOP_STRINGS + 1)},
                  {"prompt": "x", "logit_bias": {"07": 1}}, {"prompt": "x", "logit_bias": {"a": 1}},
                  {"prompt": "x", "logit_bias": {"5": 101}}, {"prompt": [-1]}):
         assert errors_of(protocol.CompletionRequest, body), body
-    assert protocol.CompletionRequest.model_validate({"prompt": [[4, 5]]}).prompt == [4, 5]
-    assert protocol.CompletionRequest.model_validate({"prompt": ["hi"]}).prompt == "hi"
-    (error,) = errors_of(protocol.CompletionRequest, {"prompt": ["a", "b"]})
-    assert "batched prompts are not supported" in error["msg"]
+    # Batched prompts (issue 21): a list of texts or of token-id lists, one choice each.
+    assert protocol.CompletionRequest.model_validate({"prompt": [[4, 5]]}).prompts() == [[4, 5]]
+    assert protocol.CompletionRequest.model_validate({"prompt": ["hi", "yo"]}).prompts() == [
+        "hi", "yo"]
 
 
 def test_content_parts_and_tokenize_needs_one_input():

@@ -17,11 +17,19 @@ each request are scattered at random in its cache, as after a while of serving.
     python -m treadle.bench.attention_kernel --sequential     # blocks in order in memory
     python -m treadle.bench.attention_kernel --so old.so      # another build of the kernel
     python -m treadle.bench.attention_kernel --prefill 0x512 512x512 1536x512
+    python -m treadle.bench.attention_kernel --isa all        # every ISA level, side by side
 
 --prefill takes POSITIONS_BEFORExNEW_TOKENS pairs: one prefill chunk of NEW_TOKENS after
 POSITIONS_BEFORE cached positions, per layer, timed in the C kernel and in torch's
 scaled_dot_product_attention with the causal mask the torch path builds (same tensors;
 the torch time leaves out the gather of the context, which the C time includes).
+
+--isa picks the kernel builds (worker/cpu_isa.py): `auto` (the best this CPU runs), `all`
+(every level it runs) or a comma list such as avx512bf16,avx2. With several, each shape's
+rounds alternate between the levels (and SDPA), so background load hits all alike; the
+rows then hold one `<field>_<level>` entry per level. `fp32` (decode only) adds the
+float32 KV cache of the same shape, on the first level's f32 kernel: what a CPU whose
+dtype falls back to float32 reads.
 """
 
 from __future__ import annotations
@@ -59,20 +67,25 @@ class SharedObjectKernel:
             raise ValueError(f"paged_decode failed with status {status}")
 
 
-def _kernels(so: str | None):
+def _kernels(so: str | None, isa: str = "auto") -> dict:
+    """level name -> kernels (one entry for --so or a single level)."""
     if so:
-        return SharedObjectKernel(so)
+        return {"so": SharedObjectKernel(so)}
+    from treadle.worker.cpu_isa import executable_levels
     from treadle.worker.native import load_kernels
-    kernels = load_kernels()
-    if kernels is None:
-        raise SystemExit("the C kernels could not be built")
-    return kernels
+    levels = (executable_levels() or ["native"]) if isa == "all" else isa.split(",")
+    found = {}
+    for level in levels:
+        kernels = load_kernels(level)
+        if kernels is None:
+            raise SystemExit(f"the C kernels could not be built for {level}")
+        found[kernels.isa] = kernels
+    return found
 
 
-def bench_shape(kernels, batch: int, context: int, *, num_heads: int = 9, num_kv_heads: int = 3,
-                head_dim: int = 64, block_size: int = 16, dtype: torch.dtype = torch.bfloat16,
-                min_cache_bytes: int = 256 << 20, max_layers: int = 30, rounds: int = 7,
-                min_round_s: float = 0.05, scattered: bool = True, seed: int = 0) -> dict:
+def _decode_case(batch: int, context: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 block_size: int, dtype: torch.dtype, min_cache_bytes: int, max_layers: int,
+                 scattered: bool, seed: int):
     gen = torch.Generator().manual_seed(seed)
     blocks_per_req = (context + block_size - 1) // block_size
     num_blocks = batch * blocks_per_req + 1
@@ -85,31 +98,72 @@ def bench_shape(kernels, batch: int, context: int, *, num_heads: int = 9, num_kv
     table = table.view(batch, blocks_per_req).contiguous()
     ctx = torch.full((batch,), context, dtype=torch.long)
     q = torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype)
-    out = torch.empty_like(q)
+    return caches, table, ctx, q
+
+
+def bench_shape_levels(kernels: dict, batch: int, context: int, *, num_heads: int = 9,
+                       num_kv_heads: int = 3, head_dim: int = 64, block_size: int = 16,
+                       dtype: torch.dtype = torch.bfloat16, fp32: bool = False,
+                       min_cache_bytes: int = 256 << 20, max_layers: int = 30, rounds: int = 7,
+                       min_round_s: float = 0.05, scattered: bool = True, seed: int = 0) -> dict:
+    """Decode attention of one (batch, context) shape with each of `kernels` (name ->
+    kernels), rounds alternating; fp32: also the float32 cache on the first one's kernel."""
+    args = (batch, context, num_heads, num_kv_heads, head_dim, block_size)
+    cases = {dtype: _decode_case(*args, dtype, min_cache_bytes, max_layers, scattered, seed)}
+    if fp32 and dtype != torch.float32:
+        cases[torch.float32] = _decode_case(*args, torch.float32, min_cache_bytes, max_layers,
+                                            scattered, seed)
     scale = head_dim ** -0.5
+    variants = {name: (k, dtype) for name, k in kernels.items()}
+    if len(cases) > 1:
+        variants["fp32"] = (next(iter(kernels.values())), torch.float32)
 
-    def one_pass():
+    def one_pass(k, dt):
+        caches, table, ctx, q = cases[dt]
+        out = torch.empty_like(q)
         for c in caches:
-            kernels.paged_decode(q, c[0], c[1], table, ctx, out, scale)
+            k.paged_decode(q, c[0], c[1], table, ctx, out, scale)
 
-    one_pass()  # warm up (page faults, thread pool)
-    passes = max(1, math.ceil(min_round_s / max(_timed(one_pass)[0], 1e-6)))
-    best = best_cpu = math.inf
+    passes = {}
+    for name, (k, dt) in variants.items():
+        one_pass(k, dt)  # warm up (page faults, thread pool)
+        passes[name] = max(1, math.ceil(min_round_s / max(_timed(lambda: one_pass(k, dt))[0],
+                                                           1e-6)))
+    best = dict.fromkeys(variants, math.inf)
+    best_cpu = dict.fromkeys(variants, math.inf)
     for _ in range(rounds):
-        elapsed, cpu = _timed(lambda: [one_pass() for _ in range(passes)])
-        best = min(best, elapsed / (passes * layers))
-        best_cpu = min(best_cpu, cpu / (passes * layers))
-    kv_bytes = 2 * batch * context * num_kv_heads * head_dim * dtype.itemsize
-    return {"batch": batch, "context": context, "layers_cycled": layers,
-            "ms_per_call": round(best * 1e3, 4), "cpu_ms_per_call": round(best_cpu * 1e3, 4),
-            "kv_bytes_per_call": kv_bytes,
-            "gb_per_s": round(kv_bytes / best / 1e9, 2)}
+        for name, (k, dt) in variants.items():
+            layers = len(cases[dt][0])
+            elapsed, cpu = _timed(lambda: [one_pass(k, dt) for _ in range(passes[name])])
+            best[name] = min(best[name], elapsed / (passes[name] * layers))
+            best_cpu[name] = min(best_cpu[name], cpu / (passes[name] * layers))
+    row = {"batch": batch, "context": context, "layers_cycled": len(cases[dtype][0])}
+    for name, (_, dt) in variants.items():
+        kv_bytes = 2 * batch * context * num_kv_heads * head_dim * dt.itemsize
+        suffix = "" if len(variants) == 1 else f"_{name}"
+        row[f"ms_per_call{suffix}"] = round(best[name] * 1e3, 4)
+        row[f"cpu_ms_per_call{suffix}"] = round(best_cpu[name] * 1e3, 4)
+        row[f"kv_bytes_per_call{suffix}"] = kv_bytes
+        row[f"gb_per_s{suffix}"] = round(kv_bytes / best[name] / 1e9, 2)
+    return row
 
 
-def bench_prefill(kernels, start: int, new: int, *, num_heads: int = 9, num_kv_heads: int = 3,
-                  head_dim: int = 64, block_size: int = 16, rounds: int = 7,
-                  seed: int = 0) -> dict:
+def bench_shape(kernels, batch: int, context: int, **options) -> dict:
+    """Decode attention of one (batch, context) shape with one build of the kernels."""
+    return bench_shape_levels({"kernels": kernels}, batch, context, **options)
+
+
+def bench_prefill(kernels, start: int, new: int, **options) -> dict:
     """ms per layer of one prefill chunk: the C kernel and torch's SDPA."""
+    return bench_prefill_levels({"native": kernels}, start, new, **options)
+
+
+def bench_prefill_levels(kernels: dict, start: int, new: int, *, num_heads: int = 9,
+                         num_kv_heads: int = 3, head_dim: int = 64, block_size: int = 16,
+                         rounds: int = 7, seed: int = 0) -> dict:
+    """ms per layer of one prefill chunk with each of `kernels` (name -> kernels; one
+    entry named `native` gives the plain native_ms/speedup fields) and torch's SDPA,
+    rounds alternating."""
     import torch.nn.functional as F
 
     gen = torch.Generator().manual_seed(seed)
@@ -121,7 +175,7 @@ def bench_prefill(kernels, start: int, new: int, *, num_heads: int = 9, num_kv_h
     spans = torch.tensor([[0, new, start]], dtype=torch.int64)
     table = torch.randperm(num_blocks, generator=gen).view(1, -1).contiguous()
     out = torch.empty(new, num_heads * head_dim, dtype=torch.bfloat16)
-    workspace = kernels.prefill_workspace(spans, num_kv_heads, head_dim)
+    workspace = next(iter(kernels.values())).prefill_workspace(spans, num_kv_heads, head_dim)
     scale = head_dim ** -0.5
     # The torch path's operands: the context gathered in order, and the causal mask.
     k = cache[0][:, table[0]].reshape(num_kv_heads, -1, head_dim)[:, :ctx].unsqueeze(0)
@@ -129,24 +183,34 @@ def bench_prefill(kernels, start: int, new: int, *, num_heads: int = 9, num_kv_h
     allowed = torch.arange(ctx)[None, :] <= (start + torch.arange(new))[:, None]
     qt = q.transpose(0, 1).unsqueeze(0)
 
-    def native():
-        kernels.paged_prefill(q, cache[0], cache[1], spans, table, out, workspace, scale)
-
     def sdpa():
         F.scaled_dot_product_attention(qt, k, v, attn_mask=allowed, scale=scale,
                                        enable_gqa=True)
 
-    times = {}
-    for name, fn in (("native", native), ("sdpa", sdpa)):
+    runs = {name: (lambda kn=kn: kn.paged_prefill(q, cache[0], cache[1], spans, table, out,
+                                                  workspace, scale))
+            for name, kn in kernels.items()}
+    runs["sdpa"] = sdpa
+    for fn in runs.values():
         fn()
-        times[name] = min(_timed(lambda: [fn() for _ in range(5)])[0] / 5
-                          for _ in range(rounds))
+    times = dict.fromkeys(runs, math.inf)
+    cpu_times = dict.fromkeys(runs, math.inf)
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            elapsed, cpu = _timed(lambda: [fn() for _ in range(5)])
+            times[name] = min(times[name], elapsed / 5)
+            cpu_times[name] = min(cpu_times[name], cpu / 5)
     useful_flops = 4 * head_dim * num_heads * (new * start + new * (new + 1) / 2)
-    return {"positions_before": start, "new_tokens": new,
-            "native_ms": round(times["native"] * 1e3, 3),
-            "sdpa_ms": round(times["sdpa"] * 1e3, 3),
-            "speedup": round(times["sdpa"] / times["native"], 2),
-            "native_useful_gflop_s": round(useful_flops / times["native"] / 1e9, 1)}
+    row = {"positions_before": start, "new_tokens": new,
+           "sdpa_ms": round(times["sdpa"] * 1e3, 3),
+           "sdpa_cpu_ms": round(cpu_times["sdpa"] * 1e3, 3)}
+    for name in kernels:
+        suffix = "" if name == "native" else f"_{name}"
+        row[f"native_ms{suffix}"] = round(times[name] * 1e3, 3)
+        row[f"native_cpu_ms{suffix}"] = round(cpu_times[name] * 1e3, 3)
+        row[f"speedup{suffix}"] = float(f"{times['sdpa'] / times[name]:.3g}")
+        row[f"native_useful_gflop_s{suffix}"] = round(useful_flops / times[name] / 1e9, 1)
+    return row
 
 
 def _timed(fn) -> tuple[float, float]:
@@ -168,28 +232,37 @@ def main(argv: list[str] | None = None) -> None:
                         "kernels that treadle builds")
     parser.add_argument("--prefill", nargs="+", default=None, metavar="STARTxNEW",
                         help="time the prefill kernel against SDPA for these chunks instead")
+    parser.add_argument("--isa", default="auto", help="kernel ISA levels: auto, all, or a "
+                        "comma list such as avx512bf16,avx512,avx2 (default: %(default)s)")
+    parser.add_argument("--fp32", action="store_true", help="decode: also time the float32 "
+                        "cache of each shape (what a CPU on the float32 fallback reads)")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    kernels = _kernels(args.so)
+    kernels = _kernels(args.so, args.isa)
+    single = len(kernels) == 1
+    levels = {"levels": {name: getattr(k, "march", None) for name, k in kernels.items()}}
     if args.prefill:
-        if not kernels.supports_prefill(torch.bfloat16, 64):
-            raise SystemExit("this CPU has no AVX-512 BF16: the prefill kernel does not run")
-        rows = [bench_prefill(kernels, *(int(x) for x in spec.lower().split("x")),
-                              rounds=args.rounds) for spec in args.prefill]
+        for name, k in kernels.items():
+            if not k.supports_prefill(torch.bfloat16, 64):
+                raise SystemExit(f"the {name} build has no prefill kernel (no AVX-512 or AVX2)")
+        named = {"native": next(iter(kernels.values()))} if single else kernels
+        rows = [bench_prefill_levels(named, *(int(x) for x in spec.lower().split("x")),
+                                     rounds=args.rounds) for spec in args.prefill]
         print(json.dumps({"layout": {"num_heads": 9, "num_kv_heads": 3, "head_dim": 64,
-                                     "block_size": 16, "dtype": "bfloat16"},
+                                     "block_size": 16, "dtype": "bfloat16"}, **levels,
                           "threads": torch.get_num_threads(), "prefill": rows}, indent=2))
         return
     results = []
     for spec in args.shapes:
         batch, context = (int(x) for x in spec.lower().split("x"))
-        results.append(bench_shape(kernels, batch, context, rounds=args.rounds,
-                                   scattered=not args.sequential))
+        results.append(bench_shape_levels(kernels, batch, context, rounds=args.rounds,
+                                          scattered=not args.sequential, fp32=args.fp32))
     print(json.dumps({"layout": {"num_heads": 9, "num_kv_heads": 3, "head_dim": 64,
                                  "block_size": 16, "dtype": "bfloat16",
                                  "blocks": "sequential" if args.sequential else "scattered"},
-                      "threads": torch.get_num_threads(), "results": results}, indent=2))
+                      **levels, "threads": torch.get_num_threads(), "results": results},
+                     indent=2))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """`treadle bench compare CONFIG.yaml`: several systems, one workload, one run, side by side.
 
-Owns reading the comparison config, running each system on the same workload in turn
-(alternating over repeats, so drift on a shared machine hits every system alike), the
-table of figures with ratios against the first entry, and the plots. A system is one of:
+Owns reading the comparison config, checking the optional dependencies before anything
+runs (matplotlib, from the `bench` extra: a run takes many minutes, and only then come the
+plots), running each system on the same workload in turn (alternating over repeats, so
+drift on a shared machine hits every system alike), the table of figures with ratios
+against the first entry, and the plots. A system is one of:
 
 - `treadle`: `treadle serve <options>` launched on 127.0.0.1, loaded over HTTP;
 - `server`: any OpenAI-compatible server started by a shell `command` (`{port}` and
@@ -31,6 +33,7 @@ Example (benchmarks/compare_cpu.yaml):
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import itertools
 import json
 import os
@@ -52,6 +55,18 @@ from treadle.bench.serve import request_records, run_load, summarize
 
 _KINDS = ("treadle", "server", "static", "treadle-offline", "offline")
 _NEEDS_COMMAND = ("server", "offline")
+_OPTIONAL_MODULES = {"matplotlib": "the plots"}
+"""Modules of the `bench` extra that a comparison needs, and what for."""
+
+
+def check_dependencies() -> None:
+    """SystemExit naming what is missing and how to install it, before any system runs."""
+    missing = [f"{name} (for {use})" for name, use in _OPTIONAL_MODULES.items()
+               if importlib.util.find_spec(name) is None]
+    if missing:
+        raise SystemExit(f"treadle bench compare needs {', '.join(missing)}, which the "
+                         f"`bench` extra installs: pip install 'treadle[bench]' (or "
+                         f"pip install -e '.[bench]' in a checkout). Nothing was run.")
 
 
 def load_config(path: str | Path) -> dict:
@@ -205,7 +220,9 @@ def run_system(system: dict, model: str, workload, load: dict) -> list[dict]:
 
 
 def compare(config: dict) -> dict:
-    """Run every system `repeats` times, alternating; keep every point of every run."""
+    """Run every system `repeats` times, alternating; keep every point of every run.
+    Checks the optional dependencies first (`check_dependencies`)."""
+    check_dependencies()
     from treadle.models.resolve import resolve_model
 
     # Every system loads the same checkpoint folder: a folder given is passed as is; demo

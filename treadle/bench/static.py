@@ -27,12 +27,12 @@ def _dtype_kwarg() -> str:
     return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
 
 
-def load_model(model_path: str, dtype: str = "bfloat16"):
-    """The checkpoint as a transformers AutoModelForCausalLM in eval mode, on CPU."""
+def load_model(model_path: str, dtype: str = "bfloat16", device: str = "cpu"):
+    """The checkpoint as a transformers AutoModelForCausalLM in eval mode, on `device`."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, **{_dtype_kwarg(): torch_dtype(dtype)})
-    return model.eval()
+    return model.to(device).eval()
 
 
 def pad_token_id(model) -> int:
@@ -63,6 +63,7 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int,
     returns the new tokens, shape (len(prompts), max_new_tokens)."""
     pad_id = pad_token_id(model) if pad_id is None else pad_id
     ids, mask = left_pad(prompts, pad_id)
+    ids, mask = ids.to(model.device), mask.to(model.device)
     out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
                          max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                          pad_token_id=pad_id)
@@ -70,7 +71,7 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int,
     if tuple(new.shape) != (len(prompts), max_new_tokens):
         raise RuntimeError(f"generate returned {tuple(new.shape)} new tokens, expected "
                            f"{(len(prompts), max_new_tokens)}: EOS was not ignored")
-    return new
+    return new.cpu()  # on a GPU, waits for the batch to finish
 
 
 def batches_in_order(requests: list[WorkloadRequest], batch_size: int) -> list[list[WorkloadRequest]]:
@@ -85,7 +86,8 @@ def _rate(count: float, seconds: float) -> float:
 
 
 def run_static(model_path: str, workload: Workload, batch_size: int = 16, dtype: str = "bfloat16",
-               num_threads: int | None = None, progress: bool = True, warmup: bool = True) -> dict:
+               num_threads: int | None = None, progress: bool = True, warmup: bool = True,
+               device: str = "cpu") -> dict:
     """Run `workload` through transformers `generate` in fixed, padded batches.
 
     Arrival times are ignored (all requests are available at once: an offline run). A
@@ -103,7 +105,7 @@ def run_static(model_path: str, workload: Workload, batch_size: int = 16, dtype:
         torch.set_num_threads(num_threads)
     try:
         start = time.perf_counter()
-        model = load_model(model_path, dtype)
+        model = load_model(model_path, dtype, device)
         load_s = time.perf_counter() - start
         check_token_ids(workload, model.get_input_embeddings().num_embeddings)
         pad_id = pad_token_id(model)
@@ -140,7 +142,7 @@ def run_static(model_path: str, workload: Workload, batch_size: int = 16, dtype:
     padded_prompt = sum(b["padded_prompt_tokens"] for b in per_batch)
     return {
         "system": "transformers-static",
-        "model_path": str(model_path), "dtype": dtype, "batch_size": batch_size,
+        "model_path": str(model_path), "dtype": dtype, "batch_size": batch_size, "device": device,
         "num_threads": threads_used, "num_params": num_params, "pad_token_id": pad_id,
         "workload": workload.name, "workload_description": workload.description,
         "num_requests": len(workload.requests), "num_batches": len(per_batch),

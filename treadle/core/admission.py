@@ -1,10 +1,13 @@
 """Admission planning: whether a waiting or swapped-out request fits the step now, and which
 running requests to preempt so that a more urgent one does.
 
-Owns the two questions the scheduler asks before it admits a request: `fit` (is there a
-request slot, budget and KV memory for it in this step, and with how many tokens) and
-`plan_admission_victims` (the least urgent running requests whose memory and budget
-would make it fit, under `policy.choose_admission_victim`). Block arithmetic is the KV
+Owns the questions the scheduler asks before it admits a request: `fit` (is there a
+request slot, budget and KV memory for it in this step, and with how many tokens — the
+memory with headroom: a watermark plus the growth the running requests and this one can
+be expected to need soon, `kv_growth`, so that admitting it rarely forces preempting
+another; and within its tenant's share of the cache when tenants compete,
+`tenant_share_blocks`) and `plan_admission_victims` (the least urgent running requests
+whose memory and budget would make it fit, under `policy.choose_admission_victim`). Block arithmetic is the KV
 manager's (`KVCacheManager.num_new_blocks_needed`, `num_held_blocks`,
 `num_swapped_blocks`); this module only adds up what it answers. It changes no state:
 the scheduler carries out the plan.
@@ -41,6 +44,13 @@ class StepRoom:
     """Tokens left in the step's budget."""
     num_running: int
     max_num_seqs: int
+    kv_reserve: int = 0
+    """Free blocks an admission must leave (watermark + expected growth of the running
+    requests); 0 with nothing running, so that something always runs."""
+    lookahead_tokens: int = 0
+    """Tokens of its own growth an admitted request must also find room for."""
+    tenant_room: int | None = None
+    """Blocks the request's tenant may still take (its share, when tenants compete)."""
 
     @property
     def full(self) -> bool:
@@ -57,7 +67,10 @@ def fit(kv: KVCacheManager, request: Request, swapped: bool, num_hit_tokens: int
     if room.full:
         return Admission.FULL, 0
     if swapped:
-        if kv.num_swapped_blocks(request.request_id) > kv.pool.num_free_blocks:
+        blocks = kv.num_swapped_blocks(request.request_id)
+        growth = kv_growth(kv, request, blocks * kv.block_size, room.lookahead_tokens)
+        if (blocks + growth + room.kv_reserve > kv.pool.num_free_blocks
+                or (room.tenant_room is not None and blocks > room.tenant_room)):
             return Admission.NO_FIT, 0
         return Admission.ADMITTED, 0
     num_tokens = request.num_uncomputed_tokens - num_hit_tokens
@@ -68,7 +81,33 @@ def fit(kv: KVCacheManager, request: Request, swapped: bool, num_hit_tokens: int
     num_tokens = min(num_tokens, room.budget)
     if not kv.can_allocate(request, num_tokens, computed_blocks):
         return Admission.NO_FIT, 0
+    if room.kv_reserve or room.lookahead_tokens or room.tenant_room is not None:
+        needed = kv.num_new_blocks_needed(request, num_hit_tokens, num_tokens)
+        slots = (request.num_computed_tokens + num_hit_tokens + num_tokens)
+        growth = kv_growth(kv, request, kv.num_blocks_for(slots) * kv.block_size,
+                           room.lookahead_tokens)
+        if room.kv_reserve and needed + growth + room.kv_reserve > kv.pool.num_free_blocks:
+            return Admission.NO_FIT, 0
+        if room.tenant_room is not None and needed > room.tenant_room:
+            return Admission.NO_FIT, 0
     return Admission.ADMITTED, num_tokens
+
+
+def kv_growth(kv: KVCacheManager, request: Request, num_slots: int, lookahead: int) -> int:
+    """Blocks beyond `num_slots` held token slots that the request can be expected to
+    need soon: its tokens so far plus what it may still generate, at most `lookahead`
+    tokens past what it holds (max_tokens is an upper bound, so the horizon is too)."""
+    if lookahead <= 0:
+        return 0
+    remaining = max(0, request.sampling_params.max_tokens - request.num_output_tokens)
+    future = min(request.num_tokens + remaining, num_slots + lookahead)
+    return max(0, kv.num_blocks_for(future) - num_slots // kv.block_size)
+
+
+def tenant_share_blocks(num_blocks: int, weight: float, active_weights: float) -> int:
+    """A tenant's share of the cache's blocks while the tenants of `active_weights`
+    (their summed weights, its own included) compete for it."""
+    return int(num_blocks * weight / active_weights)
 
 
 def plan_admission_victims(kv: KVCacheManager, request: Request, swapped: bool,

@@ -101,6 +101,8 @@ class SchedulerOutput:
     """(device block, swap block) copies to make before the forward pass."""
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     """(swap block, device block) copies to make after swap_out, before the forward pass."""
+    num_recomputed_tokens: int = 0
+    """Scheduled tokens whose KV a recompute preemption threw away: work done again."""
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -142,6 +144,8 @@ class StepTimings:
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
+    swap_s: float = 0.0
+    """Copying swapped-out and swapped-in blocks."""
     comm_s: float = 0.0
     """In collectives: all-reduces, logit gathers, activations between stages."""
     swap_bytes_out: int = 0

@@ -169,6 +169,19 @@ def priority_urgency(request: Request, now: float, aging_rate: float) -> float:
     return request.priority - aging_rate * max(0.0, now - request.arrival_time)
 
 
+def bounded_wait_boost(waited: float, priority: int, most_urgent_priority: int,
+                       bound: float, mean_wait: float) -> float:
+    """Levels of priority a waiting request gains so that its wait stays within `bound`
+    times the mean wait: growing linearly with its wait, it reaches one level beyond the
+    most urgent class present exactly when the request has waited bound x mean_wait, from
+    when on it outranks every fresh request (and the ones aged less than it). 0 when the
+    bound is off (bound <= 0) or nothing has waited yet (mean_wait <= 0)."""
+    if bound <= 0 or mean_wait <= 0:
+        return 0.0
+    span = max(0, priority - most_urgent_priority) + 1
+    return span * waited / (bound * mean_wait)
+
+
 def srpt_urgency(request: Request, now: float, aging_rate: float) -> float:
     """Shortest remaining work first, aged: `remaining_work - aging_rate * seconds_in_engine`.
 

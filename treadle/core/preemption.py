@@ -43,14 +43,21 @@ class Preemptor:
                                             config.victim_wait_weight)
 
     def choose_memory_victim(self, request: Request, running: Sequence[Request],
-                             admitted: Container[str], now: float, step: int) -> Request:
+                             admitted: Container[str], now: float, step: int,
+                             over_share: Container[str] = ()) -> Request:
         """Who is preempted so that `request` gets a block: any other running request,
         even one already scheduled in this step (its tokens go back to the budget),
         otherwise the request that happens to come last would always preempt itself; but
         not one admitted in this step (it came first in the policy's order). `request`
-        itself when there is nobody else."""
+        itself when there is nobody else. With tenant KV shares, a tenant over its share
+        gives up memory before any other (`over_share`), its own request included."""
         candidates = [r for r in running
                       if r is not request and r.request_id not in admitted]
+        if over_share:
+            greedy = [r for r in candidates if policy.tenant_of(r) in over_share]
+            if policy.tenant_of(request) in over_share and not greedy:
+                return request
+            candidates = greedy or candidates
         if not candidates:
             return request
         return policy.choose_victim(candidates, now, step, self.weights,

@@ -47,7 +47,8 @@ from typing import Callable, Iterable
 
 from treadle.config import CacheConfig, SchedulerConfig, parse_tenant_weights
 from treadle.core import policy
-from treadle.core.admission import Admission, StepRoom, fit, plan_admission_victims
+from treadle.core.admission import (Admission, StepRoom, fit, kv_growth,
+                                    plan_admission_victims, tenant_share_blocks)
 from treadle.core.fair_share import FairShareLedger
 from treadle.core.kv_cache_manager import KVCacheManager
 from treadle.core.outputs import (EngineCoreOutput, ModelRunnerOutput, NewRequestData,
@@ -236,6 +237,9 @@ class Scheduler:
         self._num_new: dict[str, int] = {}
         self._spec: dict[str, list[int]] = {}
         """Proposed tokens scheduled per request (counted in _num_new)."""
+        self._num_recomputed = 0
+        self._kv_reserve: int | None = None
+        """This step's KV headroom for admissions (StepRoom.kv_reserve), made on first use."""
         self._preempted: list[Request] = []
         self._memory_victims: list[Request] = []
         self._admitted: set[str] = set()
@@ -243,6 +247,7 @@ class Scheduler:
         self._swap_in: list[tuple[int, int]] = []
         self._finishes_prompt = False
         self._finishes_chunked_prompt = False
+        self.policy.prepare_step(self.requests.values())
         if self.policy.orders_by_urgency:
             self._schedule_by_urgency()
         else:
@@ -366,7 +371,8 @@ class Scheduler:
             return
         while not self.kv.allocate_slots(request, num_tokens):
             victim = self.preemptor.choose_memory_victim(request, self._idle_running(),
-                                                         self._admitted, self._now, self._step)
+                                                         self._admitted, self._now, self._step,
+                                                         self._over_share())
             self._preempt_now(victim)
             self._memory_victims.append(victim)
             if victim is request:
@@ -412,13 +418,18 @@ class Scheduler:
                 self._finishes_chunked_prompt = True
                 self._chunked_prompts.discard(rid)
         self._num_new[rid] = num_tokens
+        self._num_recomputed += max(0, min(num_tokens, request.max_num_computed_tokens
+                                           - request.num_computed_tokens))
         if spec:
             self._spec[rid] = spec
         self._budget -= num_tokens
         self.fair_share.charge(request, num_tokens)
 
     def _unschedule(self, request: Request) -> None:
-        num_tokens = self._num_new.pop(request.request_id, 0)
+        num_tokens = self._num_new.get(request.request_id, 0)
+        self._num_recomputed -= max(0, min(num_tokens, request.max_num_computed_tokens
+                                           - request.num_computed_tokens))
+        self._num_new.pop(request.request_id, None)
         self._spec.pop(request.request_id, None)
         if num_tokens:
             self._budget += num_tokens
@@ -459,6 +470,7 @@ class Scheduler:
             self._admit_waiting(request, num_tokens, num_hit_tokens, computed_blocks)
         self._admitted.add(request.request_id)
         self._num_bypasses.pop(request.request_id, None)
+        self._kv_reserve = None  # one more running request to leave room for
         return Admission.ADMITTED
 
     def _may_chunk(self, request: Request) -> bool:
@@ -470,13 +482,62 @@ class Scheduler:
         """
         return self.config.enable_chunked_prefill or request.num_output_tokens > 0
 
-    def _room(self) -> StepRoom:
-        return StepRoom(self._budget, len(self.running), self.config.max_num_seqs)
+    def _room(self, request: Request | None = None) -> StepRoom:
+        """What is left of the step for admitting `request`: slots, budget, and the KV
+        headroom (watermark + growth of the running requests) and tenant share it must
+        respect."""
+        cfg = self.config
+        if self._kv_reserve is None:
+            reserve = 0
+            if self.running and (cfg.kv_watermark or cfg.admission_lookahead_tokens):
+                reserve = int(cfg.kv_watermark * self.kv.num_blocks + 0.999999)
+                for r in self.running:
+                    reserve += kv_growth(self.kv, r, self.kv.num_allocated_slots(r.request_id),
+                                         cfg.admission_lookahead_tokens)
+            self._kv_reserve = reserve
+        tenant_room = None
+        if cfg.tenant_kv_share and request is not None:
+            tenant_room = self._tenant_room(request)
+        return StepRoom(self._budget, len(self.running), cfg.max_num_seqs, self._kv_reserve,
+                        cfg.admission_lookahead_tokens if self.running else 0, tenant_room)
+
+    def _tenant_blocks(self) -> dict[str, int]:
+        held: dict[str, int] = {}
+        for r in self.running:
+            tenant = policy.tenant_of(r)
+            held[tenant] = held.get(tenant, 0) + self.kv.num_held_blocks(r.request_id)
+        return held
+
+    def _active_tenants(self) -> set[str]:
+        active = {policy.tenant_of(r) for r in self.running}
+        return active | set(self.fair_share.num_queued)
+
+    def _tenant_room(self, request: Request) -> int | None:
+        """Blocks the request's tenant may still take, or None when no other tenant
+        wants memory (its share is lent: it may take everything)."""
+        tenant = policy.tenant_of(request)
+        active = self._active_tenants() | {tenant}
+        if len(active) < 2:
+            return None
+        share = tenant_share_blocks(self.kv.num_blocks, self.fair_share.weight(tenant),
+                                    sum(self.fair_share.weight(t) for t in active))
+        return share - self._tenant_blocks().get(tenant, 0)
+
+    def _over_share(self) -> set[str]:
+        """Tenants holding more than their share of the blocks while others compete."""
+        active = self._active_tenants()
+        if not self.config.tenant_kv_share or len(active) < 2:
+            return set()
+        total = sum(self.fair_share.weight(t) for t in active)
+        return {t for t, held in self._tenant_blocks().items()
+                if held > tenant_share_blocks(self.kv.num_blocks, self.fair_share.weight(t),
+                                              total)}
 
     def _fit(self, request: Request, swapped: bool, num_hit_tokens: int,
              computed_blocks: list) -> tuple[Admission, int]:
         """Whether the request fits in this step now, and with how many tokens."""
-        return fit(self.kv, request, swapped, num_hit_tokens, computed_blocks, self._room(),
+        return fit(self.kv, request, swapped, num_hit_tokens, computed_blocks,
+                   self._room(request),
                    self._may_chunk(request), lambda partial: self._holds_back(request, partial))
 
     def _plan_admission_victims(self, request: Request, swapped: bool,
@@ -503,6 +564,7 @@ class Scheduler:
             request.num_cached_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             request.first_scheduled_time = self._now
+            self.policy.observe_wait(self._now - request.arrival_time)
             self.running.append(request)
         self._schedule_tokens(request, num_tokens)
 
@@ -540,7 +602,8 @@ class Scheduler:
                     request.request_id, 0)
         return SchedulerOutput(scheduled=scheduled, finished_request_ids=finished,
                                preempted_request_ids=[r.request_id for r in preempted],
-                               swap_out=self._swap_out, swap_in=self._swap_in)
+                               swap_out=self._swap_out, swap_in=self._swap_in,
+                               num_recomputed_tokens=self._num_recomputed)
 
     def _scheduled_request(self, request: Request, num_tokens: int) -> ScheduledRequest:
         """The request's entry of the step message: what the worker does not know yet
@@ -635,6 +698,8 @@ class Scheduler:
                     break
             # Stopped early: proposals after the stop were computed but are not its tokens.
             request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+            request.max_num_computed_tokens = max(request.max_num_computed_tokens,
+                                                  request.num_computed_tokens)
             if num_rejected and self.kv.trim(request):
                 self._table_changed(request)
             self.kv.cache_full_blocks(request)  # only blocks full of its own tokens

@@ -44,6 +44,13 @@ class SchedulingPolicy(Protocol):
 
     def order(self, requests: Iterable[Request], now: float) -> Iterator[Request]: ...
 
+    def observe_wait(self, seconds: float) -> None:
+        """A request was admitted after waiting `seconds` (policies that age by the mean
+        wait use it)."""
+
+    def prepare_step(self, requests: Iterable[Request]) -> None:
+        """Called as a step starts, with every request in the scheduler."""
+
 
 class _UrgencyPolicy:
     """Shared by the four: urgency from `policy.urgency`, order by `policy.order_key`."""
@@ -72,6 +79,12 @@ class _UrgencyPolicy:
     def order(self, requests: Iterable[Request], now: float) -> Iterator[Request]:
         return iter(sorted(requests, key=lambda r: self.order_key(r, now)))
 
+    def observe_wait(self, seconds: float) -> None:
+        pass
+
+    def prepare_step(self, requests: Iterable[Request]) -> None:
+        pass
+
 
 class FCFSPolicy(_UrgencyPolicy):
     name = "fcfs"
@@ -82,13 +95,49 @@ class FCFSPolicy(_UrgencyPolicy):
 
 
 class PriorityPolicy(_UrgencyPolicy):
+    """Lower priority values first, aged: linearly (`priority_aging_rate` levels per
+    second), and so that no request waits more than `priority_aging` times the mean wait
+    of recent requests (policy.bounded_wait_boost; the mean over the last admissions, fed
+    by the scheduler with each admitted request's wait, `observe_wait`)."""
+
     name = "priority"
+    _MEAN_WAIT_WINDOW = 512
+    """Admissions the mean wait is taken over: long enough to be the workload's mean, not a
+    burst's (a short average would follow the backlog of a burst and loosen the bound
+    exactly when it matters)."""
 
     def __init__(self, params: policy.OrderParams, ledger: FairShareLedger,
                  admission_preemption: bool, threshold: float | None,
-                 isolate_urgent_prefill: bool) -> None:
+                 isolate_urgent_prefill: bool, wait_bound: float = 0.0) -> None:
         super().__init__(params, ledger, admission_preemption, threshold)
         self.isolates_urgent_prefill = isolate_urgent_prefill
+        self.wait_bound = wait_bound
+        self.mean_wait = 0.0
+        self._waits: deque[float] = deque()
+        self._waits_sum = 0.0
+        self.most_urgent_priority = 0
+        """The most urgent priority value among the requests (the scheduler sets it)."""
+
+    def observe_wait(self, seconds: float) -> None:
+        """A request was admitted after waiting this long."""
+        self._waits.append(seconds)
+        self._waits_sum += seconds
+        if len(self._waits) > self._MEAN_WAIT_WINDOW:
+            self._waits_sum -= self._waits.popleft()
+        self.mean_wait = max(self._waits_sum, 0.0) / len(self._waits)
+
+    def prepare_step(self, requests: Iterable[Request]) -> None:
+        if self.wait_bound > 0:
+            self.most_urgent_priority = min((r.priority for r in requests), default=0)
+
+    def urgency(self, request: Request, now: float) -> float:
+        waited = max(0.0, now - request.arrival_time)
+        return (policy.priority_urgency(request, now, self.params.priority_aging_rate)
+                - policy.bounded_wait_boost(waited, request.priority, self.most_urgent_priority,
+                                            self.wait_bound, self.mean_wait))
+
+    def order_key(self, request: Request, now: float) -> tuple:
+        return (self.urgency(request, now), request.arrival_time, request.request_id)
 
 
 class SRPTPolicy(_UrgencyPolicy):
@@ -120,6 +169,6 @@ def make_policy(config, ledger: FairShareLedger) -> SchedulingPolicy:
     params = policy.OrderParams(name, config.priority_aging_rate, config.srpt_aging_rate)
     args = (params, ledger, config.admission_preemption, config.admission_preemption_threshold)
     if name == "priority":
-        return PriorityPolicy(*args, config.isolate_urgent_prefill)
+        return PriorityPolicy(*args, config.isolate_urgent_prefill, config.priority_aging)
     classes = {"fcfs": FCFSPolicy, "srpt": SRPTPolicy, "fair": FairPolicy}
     return classes[name](*args)

@@ -73,6 +73,8 @@ class EngineCore:
         treadle.engine.timeline); falsy when nothing watches."""
         self.timings = StepTimings()
         """The workers' step costs, summed over steps."""
+        self.time_recompute_s = 0.0
+        """Forward time spent recomputing what recompute preemptions threw away."""
         self._in_flight: deque[tuple] = deque()
         """Submitted steps not answered yet: (SchedulerOutput, step number, start time)."""
 
@@ -205,7 +207,7 @@ class EngineCore:
         scheduler_output, step, t_start = self._in_flight.popleft()
         runner_output = self.executor.receive()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        self._add_timings(runner_output.timings)
+        self._add_timings(runner_output.timings, scheduler_output)
         if self.trace and (scheduler_output.scheduled
                                        or scheduler_output.preempted_request_ids):
             self.trace.record_step(step, t_start, time.monotonic(), scheduler_output, outputs)
@@ -215,12 +217,18 @@ class EngineCore:
     def num_steps_in_flight(self) -> int:
         return len(self._in_flight)
 
-    def _add_timings(self, t: StepTimings) -> None:
+    def _add_timings(self, t: StepTimings, scheduler_output) -> None:
         total = self.timings
         total.prepare_s += t.prepare_s
         total.forward_s += t.forward_s
         total.sample_s += t.sample_s
+        total.swap_s += t.swap_s
         total.comm_s += t.comm_s
+        num_tokens = scheduler_output.num_scheduled_tokens
+        if num_tokens and scheduler_output.num_recomputed_tokens:
+            # The step's forward time, in the share of its tokens that were work redone.
+            self.time_recompute_s += (t.forward_s * scheduler_output.num_recomputed_tokens
+                                      / num_tokens)
         total.swap_bytes_out += t.swap_bytes_out
         total.swap_bytes_in += t.swap_bytes_in
 
@@ -255,4 +263,6 @@ class EngineCore:
             "time_forward_s": t.forward_s,
             "time_sample_s": t.sample_s,
             "time_comm_s": t.comm_s,
+            "time_swap_s": t.swap_s,
+            "time_recompute_s": self.time_recompute_s,
         }

@@ -1,15 +1,17 @@
 """Loading a Hugging Face checkpoint directory into a treadle model.
 
-Owns reading config.json, choosing the dtype (`resolve_dtype`), finding the safetensors
-files (single file or sharded index) and handing them to the model's `load_weights` as a
+Owns reading config.json, choosing the dtype (`resolve_dtype`; for `auto` it may build
+the C kernels to learn whether bf16 runs fast here), finding the safetensors files
+(single file or sharded index) and handing them to the model's `load_weights` as a
 WeightSource (models/weights.py: tensors read whole or by slices, cast to the dtype as
-they are read). It never downloads anything, never
-touches the tokenizer and never allocates the KV cache.
+they are read). It never downloads anything, never touches the tokenizer and never
+allocates the KV cache.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import platform
 from pathlib import Path
 from typing import Any, Iterator
@@ -19,6 +21,9 @@ from safetensors import safe_open
 
 from treadle.models.registry import resolve_model_class
 from treadle.models.weights import SafetensorsSource
+from treadle.worker.cpu_isa import cpu_flags
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 flags in /proc/cpuinfo
@@ -31,24 +36,38 @@ def cpu_supports_bf16() -> bool:
 
     False whenever this cannot be established (non-Linux, unreadable /proc/cpuinfo).
     """
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    words = set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip().lower() in ("flags", "features"):
-            words.update(value.split())
+    words = cpu_flags()
     if platform.machine().lower() in ("aarch64", "arm64"):
         return "bf16" in words
     return any(flag in words for flag in _BF16_CPU_FLAGS)
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    """`float32`, `bfloat16`, or `auto` (bfloat16 where the CPU supports it, else float32)."""
+def auto_dtype(kernel_isa: str = "auto") -> tuple[torch.dtype, str]:
+    """What `dtype=auto` means on this machine, and why (for the log).
+
+    bfloat16 where the CPU does bf16 math natively, or where the C kernels build for an
+    AVX-512 or AVX2 level (kernel_isa: ModelConfig.kernel_isa): they keep bf16 weights and
+    KV in memory and widen them to fp32 in registers, so a decode step reads half the
+    bytes of float32. float32 only where neither holds.
+    """
+    if cpu_supports_bf16():
+        return torch.bfloat16, "the CPU has bf16 instructions"
+    from treadle.worker.native import load_kernels
+
+    kernels = load_kernels(kernel_isa)
+    if kernels is not None and kernels.simd_width:
+        return torch.bfloat16, (f"no bf16 instructions, but the {kernels.isa} C kernels "
+                                f"widen bf16 to fp32 in registers")
+    return torch.float32, "no bf16 instructions and no AVX-512 or AVX2 C kernels"
+
+
+def resolve_dtype(name: str, kernel_isa: str = "auto") -> torch.dtype:
+    """`float32`, `bfloat16`, or `auto` (`auto_dtype`: bfloat16 unless neither bf16
+    instructions nor the AVX-512/AVX2 kernels are there; the choice is logged)."""
     if name == "auto":
-        return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+        dtype, why = auto_dtype(kernel_isa)
+        logger.info("dtype auto -> %s: %s", str(dtype).replace("torch.", ""), why)
+        return dtype
     if name not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, float32, bfloat16, got {name!r}")
     return _DTYPES[name]
@@ -94,18 +113,19 @@ def iterate_weights(files: list[Path], dtype: torch.dtype) -> Iterator[tuple[str
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype,
-               device: torch.device | str = "cpu", parallel=None
+               device: torch.device | str = "cpu", parallel=None, kernel_isa: str = "auto"
                ) -> tuple[torch.nn.Module, dict[str, Any]]:
     """Build the checkpoint's model with its weights on `device`, in eval mode and without
-    gradients. `dtype` is a torch dtype or a name for `resolve_dtype`; `parallel` (a
+    gradients. `dtype` is a torch dtype or a name for `resolve_dtype` (with `kernel_isa`,
+    ModelConfig.kernel_isa, which matters for `auto` only); `parallel` (a
     worker.parallel_state.ParallelContext) makes it this rank's shard, reading only its
     slices of the files. Returns (model, config dict)."""
-    model, config, _ = build_model(model_dir, dtype, device, parallel)
+    model, config, _ = build_model(model_dir, dtype, device, parallel, kernel_isa)
     return model, config
 
 
 def build_model(model_dir: str | Path, dtype: str | torch.dtype,
-                device: torch.device | str = "cpu", parallel=None
+                device: torch.device | str = "cpu", parallel=None, kernel_isa: str = "auto"
                 ) -> tuple[torch.nn.Module, dict[str, Any], int]:
     """`load_model`, also returning the bytes read from the checkpoint files.
 
@@ -113,7 +133,7 @@ def build_model(model_dir: str | Path, dtype: str | torch.dtype,
     empty) since every one of them is overwritten."""
     config = read_config(model_dir)
     model_class = resolve_model_class(config.get("architectures"))
-    torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype)
+    torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, kernel_isa)
     files = safetensors_files(model_dir)
     with torch.device("meta"):
         model = (model_class(config, torch_dtype) if parallel is None

@@ -1,8 +1,12 @@
 """Overload control: the bounds a request must pass before it touches the engine.
 
 Owns the counts of requests the server has accepted and not yet started (waiting
-requests and their prompt tokens), each tenant's in-flight requests, and each tenant's
-tokens in the last minute. A request beyond a bound is refused at once with the seconds
+requests and their prompt tokens, by priority), each tenant's in-flight requests, each
+tenant's tokens in the last minute, and the measured rate at which waiting requests
+start. With a queue-delay bound (`max_queue_delay_s`) a request whose predicted wait —
+the requests waiting ahead of it (under the priority policy, those at least as urgent)
+over the measured start rate — exceeds the bound is refused at once: work that would
+finish after its client gave up is never started. A request beyond a bound is refused at once with the seconds
 after which a retry may pass (HTTP 429 with Retry-After); one that no wait could ever
 admit (it costs more than a tenant's whole quota) is `NeverAdmissible` (HTTP 400), checked
 before anything is counted. Pure bookkeeping: no engine, no I/O, time passed in.
@@ -22,6 +26,11 @@ class AdmissionLimits:
     tenant_max_concurrent_requests: int
     tenant_tokens_per_minute: int
     """0 means unlimited."""
+    max_queue_delay_s: float = 0.0
+    """Refuse a request whose predicted wait exceeds this (0: no bound)."""
+    priority_ordered: bool = False
+    """Waiting requests start most urgent first (the priority policy): a request waits only
+    behind those at least as urgent."""
 
 
 class Overloaded(Exception):
@@ -44,19 +53,46 @@ class Ticket:
 
     tenant: str
     num_prompt_tokens: int
+    priority: int = 0
     started: bool = False
     released: bool = False
 
 
 class AdmissionControl:
     _WINDOW_S = 60.0
+    _MIN_STARTS = 8
+    """Starts seen before the start rate is trusted to predict waits."""
 
     def __init__(self, limits: AdmissionLimits) -> None:
         self.limits = limits
         self.num_waiting = 0
         self.num_waiting_tokens = 0
+        self._waiting_by_priority: dict[int, int] = defaultdict(int)
+        self._starts: deque[float] = deque()
         self._in_flight: dict[str, int] = defaultdict(int)
         self._recent_tokens: dict[str, deque[tuple[float, int]]] = defaultdict(deque)
+
+    def start_rate(self, now: float) -> float | None:
+        """Waiting requests started per second over the last minute; None until enough
+        have started to tell."""
+        starts = self._starts
+        while starts and starts[0] <= now - self._WINDOW_S:
+            starts.popleft()
+        if len(starts) < self._MIN_STARTS:
+            return None
+        span = max(now - starts[0], 1.0)
+        return len(starts) / span
+
+    def predicted_wait(self, priority: int, now: float) -> float | None:
+        """Seconds a request of this priority would wait to start, if it came now."""
+        rate = self.start_rate(now)
+        if rate is None:
+            return None
+        if self.limits.priority_ordered:
+            ahead = sum(n for p, n in self._waiting_by_priority.items() if p <= priority)
+        else:
+            ahead = self.num_waiting
+        return (ahead + 1) / rate
 
     def _tokens_last_minute(self, tenant: str, now: float) -> int:
         window = self._recent_tokens[tenant]
@@ -78,11 +114,20 @@ class AdmissionControl:
                 f"({max_tokens}) = {cost} tokens, more than the tenant's whole quota of "
                 f"{quota} tokens per minute (tenant_tokens_per_minute)", "max_tokens")
 
-    def admit(self, tenant: str, num_prompt_tokens: int, max_tokens: int, now: float) -> Ticket:
+    def admit(self, tenant: str, num_prompt_tokens: int, max_tokens: int, now: float,
+              priority: int = 0) -> Ticket:
         """Count the request in, or raise Overloaded naming the bound it hit
         (NeverAdmissible first, if it can never pass)."""
         self.check_admissible(num_prompt_tokens, max_tokens)
         lim = self.limits
+        if lim.max_queue_delay_s > 0:
+            wait = self.predicted_wait(priority, now)
+            if wait is not None and wait > lim.max_queue_delay_s:
+                rate = self.start_rate(now)
+                raise Overloaded(
+                    f"server overloaded: a request of priority {priority} would wait about "
+                    f"{wait:.1f} s to start (max_queue_delay={lim.max_queue_delay_s:g} s)",
+                    wait - lim.max_queue_delay_s + 1.0 / rate)
         if self.num_waiting + 1 > lim.max_waiting_requests:
             raise Overloaded(f"server overloaded: {self.num_waiting} requests waiting "
                              f"(max_waiting_requests={lim.max_waiting_requests})", 1)
@@ -110,15 +155,20 @@ class AdmissionControl:
             self._recent_tokens[tenant].append((now, cost))
         self.num_waiting += 1
         self.num_waiting_tokens += num_prompt_tokens
+        self._waiting_by_priority[priority] += 1
         self._in_flight[tenant] += 1
-        return Ticket(tenant, num_prompt_tokens)
+        return Ticket(tenant, num_prompt_tokens, priority)
 
-    def started(self, ticket: Ticket) -> None:
-        """The request produced its first output: it no longer waits."""
+    def started(self, ticket: Ticket, now: float | None = None) -> None:
+        """The request produced its first output (at `now`): it no longer waits. A
+        request that ends without starting is not a start (see `release`)."""
         if not ticket.started and not ticket.released:
             ticket.started = True
             self.num_waiting -= 1
             self.num_waiting_tokens -= ticket.num_prompt_tokens
+            self._waiting_by_priority[ticket.priority] -= 1
+            if now is not None:
+                self._starts.append(now)
 
     def release(self, ticket: Ticket) -> None:
         """The request ended (any way): drop it from every count, once."""

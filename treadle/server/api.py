@@ -81,7 +81,9 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
                   description="OpenAI-compatible LLM serving with continuous batching")
     admission = AdmissionControl(AdmissionLimits(
         server_config.max_waiting_requests, server_config.max_waiting_tokens,
-        server_config.tenant_max_concurrent_requests, server_config.tenant_tokens_per_minute))
+        server_config.tenant_max_concurrent_requests, server_config.tenant_tokens_per_minute,
+        server_config.max_queue_delay,
+        engine.config.scheduler.scheduling_policy == "priority"))
     app.state.engine, app.state.admission, app.state.shutting_down = engine, admission, False
     limits = engine.limits
     max_model_len = limits.max_model_len
@@ -118,6 +120,9 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
     @app.post("/tokenize")
     async def tokenize(body: protocol.TokenizeRequest):
         if body.messages is not None:
+            refused = check_message_fields(body.messages)
+            if refused is not None:
+                raise APIError(400, refused[1], refused[0])
             ids = await run_in_threadpool(_chat_token_ids, body.messages, True)
         elif body.prompt is not None:
             ids = await run_in_threadpool(_encode, body.prompt, body.add_special_tokens)
@@ -218,10 +223,10 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
                            f"({max_tokens}) = {num_prompt + max_tokens} tokens, more than the "
                            f"whole KV cache holds ({capacity} tokens)", field)
 
-    def admit(tenant: str, prompt_ids: list[int], params: SamplingParams):
+    def admit(tenant: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0):
         try:
             return admission.admit(tenant, len(prompt_ids), params.max_tokens * params.n,
-                                   time.monotonic())
+                                   time.monotonic(), priority)
         except NeverAdmissible as exc:
             raise APIError(400, str(exc), exc.param) from None
         except Overloaded as exc:
@@ -236,7 +241,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
         try:
             async for output in engine.generate(request_id, prompt, prompt_ids, params,
                                                 priority, tenant):
-                admission.started(ticket)
+                admission.started(ticket, time.monotonic())
                 yield output
         except EngineFailedError as exc:
             raise APIError(500, str(exc), kind="server_error") from None
@@ -391,7 +396,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
         tickets = []
         try:
             for ids, params in zip(id_lists, params_list):
-                tickets.append(admit(tenant, ids, params))
+                tickets.append(admit(tenant, ids, params, body.priority or 0))
         except APIError:
             for ticket in tickets:
                 admission.release(ticket)

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,17 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
     return error_response(400, f"{field or 'body'}: {message}", field)
 
 
+def allowed_methods(app: FastAPI, request: Request) -> list[str]:
+    """Every method some route of the app answers at the request's path."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        match, _ = route.matches(request.scope)
+        probe = getattr(route, "methods", None)
+        if match != Match.NONE and probe:
+            methods.update(probe)
+    return sorted(methods)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every failure answers with an OpenAI error body."""
 
@@ -110,7 +122,10 @@ def install_error_handlers(app: FastAPI) -> None:
         return validation_error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException):
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 405:  # Starlette names only the first matching route's methods
+            return error_response(405, str(exc.detail),
+                                  headers={"Allow": ", ".join(allowed_methods(app, request))})
         if exc.status_code == 400 and isinstance(exc.__cause__, (UnicodeDecodeError, ValueError)):
             message = "body is not valid UTF-8 JSON"  # FastAPI's "error parsing the body"
         elif exc.status_code == 400 and isinstance(exc.__cause__, RecursionError):

@@ -65,19 +65,17 @@ UNSUPPORTED: dict[str, str] = {
 """Field -> why it is refused (a 400), when it is given a value that matters."""
 
 
+NEUTRAL_VALUES: dict[str, list[Any]] = {
+    "modalities": [["text"]], "best_of": [1], "suffix": [""], "include": [[]]}
+"""Refused field -> the values besides null that ask for nothing (what clients send by
+default); best_of equal to the request's n is neutral too."""
+
+
 def _harmless(name: str, value: Any, body: Any) -> bool:
     """A refused field given its neutral value (what a client sends by default)."""
-    if value is None:
+    if value is None or value in NEUTRAL_VALUES.get(name, ()):
         return True
-    if name == "modalities":
-        return value == ["text"]
-    if name == "best_of":
-        return value in (1, getattr(body, "n", 1))
-    if name == "suffix":
-        return value == ""
-    if name == "include":
-        return value == []
-    return False
+    return name == "best_of" and value == getattr(body, "n", 1)
 
 
 def check_fields(body: Any, endpoint: str) -> tuple[str, str] | None:
@@ -106,7 +104,7 @@ def check_message_fields(messages: list, allowed: tuple[str, ...] = ()) -> tuple
         for name, value in (getattr(message, "model_extra", None) or {}).items():
             if name in allowed or value is None:
                 continue
-            if name == "refusal":
+            if name == "refusal" and isinstance(value, str):
                 continue  # an assistant's refusal text, echoed back by clients
             return (f"messages[{i}].{name}",
                     f"messages[{i}].{name}: not supported in a chat message")

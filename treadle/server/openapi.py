@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from treadle.engine.limits import EngineLimits
+from treadle.server.fields import ACCEPTED_IGNORED, NEUTRAL_VALUES, UNSUPPORTED
 from treadle.server.middleware import OPEN_PATHS
 
 _ERROR_SCHEMA = {
@@ -37,7 +38,8 @@ _SSE_EVENT = {  # OpenAPI 3.1: the schema of one event of the stream
 _DESCRIPTIONS = {
     400: "Invalid request: the message names the field and the limit",
     401: "Missing or invalid API key",
-    404: "Unknown model, or no timeline of that request id for this tenant",
+    404: "Unknown model, no stored response of that id, or no timeline of that request id "
+         "for this tenant",
     413: "Body larger than max_request_body_bytes",
     429: "Overloaded or over the tenant's quota: retry after Retry-After seconds",
     500: "The engine failed while serving the request",
@@ -49,11 +51,14 @@ _ROUTE_ERRORS = {
     ("/v1/chat/completions", "post"): _GENERATION,
     ("/tokenize", "post"): (400, 413),
     ("/detokenize", "post"): (400, 413),
+    ("/v1/responses", "post"): _GENERATION,
+    ("/v1/responses/{response_id}", "get"): (404,),
+    ("/v1/responses/{response_id}", "delete"): (404,),
     ("/v1/models", "get"): (503,),
     ("/v1/requests/{request_id}", "get"): (404, 503),
     ("/health", "get"): (503,),
 }
-_STREAMING = {"/v1/completions", "/v1/chat/completions"}
+_STREAMING = {"/v1/completions", "/v1/chat/completions", "/v1/responses"}
 
 
 def token_id_pattern(vocab_size: int) -> str:
@@ -81,7 +86,8 @@ def _set_limits(schemas: dict, limits: EngineLimits) -> None:
     top_id = limits.vocab_size - 1
     joint = (f"prompt tokens + max_tokens must not exceed {limits.max_request_tokens} "
              f"(the context of {limits.max_model_len} tokens, or the whole KV cache of "
-             f"{limits.num_kv_tokens} tokens if smaller); min_tokens <= max_tokens")
+             f"{limits.num_kv_tokens} tokens if smaller); min_tokens <= max_tokens; "
+             "0 only with echo or prompt_logprobs (scoring a prompt)")
 
     def bound_ints(schema: dict, maximum: int) -> None:
         for branch in schema.get("anyOf", [schema]):
@@ -118,6 +124,36 @@ def _set_limits(schemas: dict, limits: EngineLimits) -> None:
     tokens = schemas.get("DetokenizeRequest", {}).get("properties", {}).get("tokens")
     if tokens is not None:
         tokens.setdefault("items", {})["maximum"] = top_id
+
+
+_REQUEST_SCHEMAS = {"CompletionRequest": "completions", "ChatCompletionRequest": "chat",
+                    "ResponsesRequest": "responses"}
+
+
+def _close_request_schemas(schemas: dict) -> None:
+    """The bodies keep unknown keys only so that server/fields.py can refuse them: the
+    schema lists the accepted-and-ignored fields and the refused ones (with the values
+    that ask for nothing) and closes every other key; a chat message's unknown keys pass
+    only as null."""
+    for name, endpoint in _REQUEST_SCHEMAS.items():
+        schema = schemas.get(name)
+        if schema is None:
+            continue
+        props = schema.setdefault("properties", {})
+        for field, why in ACCEPTED_IGNORED[endpoint].items():
+            props.setdefault(field, {"description": f"accepted and ignored: {why}"})
+        for field, why in UNSUPPORTED.items():
+            neutral = [{"const": value} for value in NEUTRAL_VALUES.get(field, ())]
+            props.setdefault(field, {"anyOf": [{"type": "null"}, *neutral],
+                                     "description": f"refused unless neutral: {why}"})
+        schema["additionalProperties"] = False
+    message = schemas.get("ChatMessage")
+    if message is not None:
+        message.setdefault("properties", {}).setdefault(
+            "refusal", {"anyOf": [{"type": "string"}, {"type": "null"}]})
+        message["additionalProperties"] = {"type": "null"}
+    if "StreamOptions" in schemas:
+        schemas["StreamOptions"]["additionalProperties"] = False
 
 
 def _document_responses(paths: dict, auth: bool) -> None:
@@ -162,6 +198,7 @@ def install_openapi(app: FastAPI, limits: EngineLimits, auth: bool) -> None:
             schemas.pop(unused, None)
         schemas["Error"] = _ERROR_SCHEMA
         _set_limits(schemas, limits)
+        _close_request_schemas(schemas)
         if auth:
             components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         _document_responses(schema.get("paths", {}), auth)

@@ -164,14 +164,6 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _no_batches(cls, value):
-        if (isinstance(value, list) and len(value) > 1
-                and all(isinstance(p, (str, list)) for p in value)):
-            raise ValueError("batched prompts are not supported: send one prompt per request")
-        return value
-
     @field_validator("prompt")
     @classmethod
     def _bounded_prompts(cls, value):
@@ -201,12 +193,26 @@ class TextPart(OpenAIModel):
     text: str
 
 
+class ToolCallFunction(OpenAIModel):
+    name: str = Field(max_length=256)
+    arguments: Union[str, dict[str, Any]] = "{}"
+    """JSON text, as OpenAI sends it (an object is taken as it is)."""
+
+
+class ToolCall(OpenAIModel):
+    """One call of an assistant message, as the chat completion answered it."""
+
+    id: Optional[str] = Field(default=None, max_length=256)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = Field(default=None, max_length=256)
-    tool_calls: Optional[list[dict[str, Any]]] = Field(default=None, max_length=MAX_TOOLS)
-    """An assistant message's calls: [{id, type: 'function', function: {name, arguments}}]."""
+    tool_calls: Optional[list[ToolCall]] = Field(default=None, max_length=MAX_TOOLS)
+    """An assistant message's calls."""
     tool_call_id: Optional[str] = Field(default=None, max_length=256)
     """A tool message: the id of the call it answers."""
 

@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from typing import Any, AsyncIterator, Optional, Union
+from typing import Annotated, Any, AsyncIterator, Optional, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -33,7 +33,8 @@ MAX_INPUT_ITEMS = 1024
 
 
 class ResponsesRequest(protocol.SamplingFields):
-    input: Union[str, list[dict[str, Any]]] = Field(description="text, or a list of items")
+    input: Union[str, Annotated[list[dict[str, Any]], Field(
+        min_length=1, max_length=MAX_INPUT_ITEMS)]] = Field(description="text, or a list of items")
     instructions: Optional[str] = None
     max_output_tokens: Optional[int] = Field(default=None, ge=1, le=1_000_000)
     tools: Optional[list[dict[str, Any]]] = Field(default=None, max_length=protocol.MAX_TOOLS)

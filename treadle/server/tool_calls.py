@@ -162,18 +162,15 @@ def template_message(message) -> dict:
         out["tool_call_id"] = message.tool_call_id
     if message.tool_calls:
         calls = []
-        for i, call in enumerate(message.tool_calls):
-            function = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-                raise ValueError(f"tool_calls[{i}] needs function.name")
-            arguments = function.get("arguments", "{}")
+        for call in message.tool_calls:
+            arguments = call.function.arguments
             if isinstance(arguments, str):
                 try:
                     arguments = json.loads(arguments)
                 except ValueError:
                     pass  # the template gets the text as the model wrote it
-            calls.append({"id": call.get("id"), "type": "function",
-                          "function": {"name": function["name"], "arguments": arguments}})
+            calls.append({"id": call.id, "type": "function",
+                          "function": {"name": call.function.name, "arguments": arguments}})
         out["tool_calls"] = calls
     return out
 

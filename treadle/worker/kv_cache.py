@@ -9,6 +9,9 @@ named by the backend that uses it:
   The head dimension outermost makes a gather of a request's blocks yield [kv_heads,
   tokens, head_dim] directly, the operand layout of a batched matmul (worker/attention/
   torch_backend.py), and is what the C kernels read.
+- `blocks_first`: per layer [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]:
+  a block contiguous across heads (one run per swap copy), one row per token for the
+  K/V write, FlashAttention's paged layout; the Triton kernels read it (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-KV_LAYOUTS = {"heads_first": 2}
+KV_LAYOUTS = {"heads_first": 2, "blocks_first": 1}
 """Layout name -> the dimension that indexes blocks."""
 
 
@@ -50,6 +53,8 @@ class KVCacheSpec:
 
     def shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """One layer's tensor shape."""
+        if self.layout == "blocks_first":
+            return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
         return (2, self.num_kv_heads, num_blocks, block_size, self.head_dim)
 
 

@@ -156,12 +156,14 @@ class ModelRunner:
             self.grammar.drop(scheduler_output.finished_request_ids)
         timings = StepTimings()
         # Swap-outs first: a block freed by a swap-out may be the target of a swap-in.
+        t_swap = time.perf_counter()
         if scheduler_output.swap_out:
             timings.swap_bytes_out = copy_blocks(self.kv_caches, self.swap_caches,
                                                  scheduler_output.swap_out, self.block_dim)
         if scheduler_output.swap_in:
             timings.swap_bytes_in = copy_blocks(self.swap_caches, self.kv_caches,
                                                 scheduler_output.swap_in, self.block_dim)
+        timings.swap_s = time.perf_counter() - t_swap
         par = self.parallel
         if not scheduler_output.scheduled:
             self.batch.update(scheduler_output)

@@ -1,12 +1,16 @@
-"""C kernels for the CPU attention path and the sampler, compiled on first use and called
-through ctypes.
+"""C kernels for the CPU attention path, the bf16 layers and the sampler, compiled on first
+use and called through ctypes.
 
 Owns building (gcc: every `kernels/*.c`, which may include the shared `kernels/*.h`,
-compiled with `-O3 -march=native -fopenmp` plus its own flags, linked into one shared
-object without fast-math; into `<cache>/kernels/`, keyed by a hash of all sources,
-headers and flags, written atomically) and the typed call
-wrappers. The shared object links `libgomp.so.1` by soname, so inside a process where
-torch already loaded its own libgomp there is one OpenMP runtime and one thread pool.
+compiled with `-O3 -fopenmp`, the ISA level's target flags (worker/cpu_isa.py) and its
+own flags, linked into one shared object without fast-math; into `<cache>/kernels/`,
+keyed by a hash of all sources, headers, flags and the CPU's features, written
+atomically; the sources compile in parallel) and the typed call wrappers. One library
+per ISA level: `load_kernels(isa)` builds the best level this CPU executes (`auto`) or the
+one asked for, so a machine with AVX-512 BF16 can build and test the `avx512` and `avx2`
+kernels too. The shared object links `libgomp.so.1` by soname, so inside a process where
+torch already loaded its own libgomp there is one OpenMP runtime and one thread pool; it
+binds its own symbols (-Bsymbolic), so libraries of several levels can be loaded at once.
 
 When no compiler is available or the build fails, `load_kernels()` returns None and the
 torch implementations (worker/attention.py, worker/sampler.py) are used instead: slower,
@@ -23,17 +27,19 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from treadle.paths import cache_dir
+from treadle.worker import cpu_isa
 
 logger = logging.getLogger(__name__)
 
 _KERNEL_DIR = Path(__file__).with_name("kernels")
-_COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-c"]
+_COMPILE_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-c"]
 # -ffast-math lets gcc vectorize expf and the reductions of the attention kernel (it has
 # no inf/NaN inputs by construction: only real context positions are visited). The
 # sampling kernel needs infinities (masked tokens), so it does without; -fno-trapping-math
@@ -44,7 +50,7 @@ _COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-c"]
 # test caught it; tests/integration/test_native_attention.py guards it).
 _FILE_FLAGS = {"paged_decode.c": ["-ffast-math"], "paged_prefill.c": ["-ffast-math"],
                "sampling.c": ["-fno-trapping-math", "-fno-math-errno"]}
-_LINK_FLAGS = ["-shared", "-fopenmp"]
+_LINK_FLAGS = ["-shared", "-fopenmp", "-Wl,-Bsymbolic"]
 _ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float]
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _SAMPLE_ARGTYPES = [_P, _I64, _I64, _I64] + [_P] * 6
@@ -69,9 +75,21 @@ class RowLogprobs:
 class NativeKernels:
     """Typed wrappers around the compiled kernels."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, isa: str = "native") -> None:
         self.lib = lib
         """The loaded library; worker/native_linear.py wraps its bf16 layer kernels."""
+        self.isa = isa
+        """The ISA level it was built for (worker/cpu_isa.py)."""
+        self.march = cpu_isa.compile_flags(isa)
+        """gcc's target flags of that level."""
+        lib.kernels_simd_width.restype = ctypes.c_int
+        lib.kernels_have_dpbf16.restype = ctypes.c_int
+        self.simd_width = int(lib.kernels_simd_width())
+        """fp32 lanes of the vector paths: 16 (AVX-512), 8 (AVX2), 0 (none: generic loops)."""
+        self.has_dpbf16 = bool(lib.kernels_have_dpbf16())
+        """Whether bf16 dot products use vdpbf16ps (else bf16 is widened to fp32)."""
+        lib.paged_decode_fast_path.argtypes = [_I64, _I64]
+        lib.paged_decode_fast_path.restype = ctypes.c_int
         self._decode = {torch.bfloat16: lib.paged_decode_bf16, torch.float32: lib.paged_decode_f32}
         for fn in self._decode.values():
             fn.argtypes = _ARGTYPES
@@ -93,6 +111,11 @@ class NativeKernels:
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in self._decode
+
+    def supports_fast_decode(self, head_dim: int, group: int = 1) -> bool:
+        """Whether `paged_decode` takes its vector path for this head size and number of
+        query heads per KV head (else it runs the generic loops: right, slower)."""
+        return bool(self.lib.paged_decode_fast_path(head_dim, group))
 
     def paged_decode(self, query: torch.Tensor, key_cache: torch.Tensor,
                      value_cache: torch.Tensor, block_table: torch.Tensor,
@@ -118,8 +141,8 @@ class NativeKernels:
 
 
     def supports_prefill(self, dtype: torch.dtype, head_dim: int) -> bool:
-        """Whether `paged_prefill` runs for this dtype and head size on this CPU (bf16,
-        head_dim 64 or 128, AVX-512 BF16); otherwise torch's attention does prefills."""
+        """Whether `paged_prefill` runs for this dtype and head size in this build (bf16,
+        head_dim 64 or 128, AVX-512 or AVX2); otherwise torch's attention does prefills."""
         return dtype == torch.bfloat16 and bool(self.lib.paged_prefill_available(head_dim))
 
     def prefill_workspace(self, spans: torch.Tensor, num_kv_heads: int,
@@ -211,27 +234,32 @@ def _headers() -> list[Path]:
     return sorted(_KERNEL_DIR.glob("*.h"))
 
 
-def _compile_flags(source: Path) -> list[str]:
-    return _COMPILE_FLAGS + _FILE_FLAGS.get(source.name, [])
+def _compile_flags(source: Path, isa: str) -> list[str]:
+    return _COMPILE_FLAGS + cpu_isa.compile_flags(isa) + _FILE_FLAGS.get(source.name, [])
 
 
-def _build(compiler: str, sources: list[Path], target: Path) -> None:
+def _build(compiler: str, sources: list[Path], target: Path, isa: str) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        partial, objects = Path(tmp) / target.name, []
-        for source in sources:
-            objects.append(Path(tmp) / (source.stem + ".o"))
-            subprocess.run([compiler, *_compile_flags(source), str(source),
-                            "-o", str(objects[-1])],
+        partial = Path(tmp) / target.name
+        objects = [Path(tmp) / (source.stem + ".o") for source in sources]
+
+        def compile_one(pair: tuple[Path, Path]) -> None:
+            source, obj = pair
+            subprocess.run([compiler, *_compile_flags(source, isa), str(source), "-o", str(obj)],
                            check=True, capture_output=True, text=True, timeout=300)
+
+        with ThreadPoolExecutor(max_workers=max(1, min(len(sources), os.cpu_count() or 1))) as pool:
+            list(pool.map(compile_one, zip(sources, objects)))
         subprocess.run([compiler, *_LINK_FLAGS, *map(str, objects), "-o", str(partial), "-lm"],
                        check=True, capture_output=True, text=True, timeout=300)
         os.replace(partial, target)
 
 
 def _cpu_features() -> bytes:
-    """The CPU's feature flags: `-march=native` builds for this CPU, so a cache folder
-    shared with another machine must not hand it a library built for other features."""
+    """The CPU's feature flags: the builds are tuned for (and -march=native built for) this
+    CPU, so a cache folder shared with another machine must not hand it a library built for
+    other features."""
     try:
         with open("/proc/cpuinfo", "rb") as f:
             for line in f:
@@ -242,30 +270,45 @@ def _cpu_features() -> bytes:
     return platform.processor().encode()
 
 
-def load_kernels() -> NativeKernels | None:
-    """The compiled kernels, building them if needed; None when they cannot be had."""
+def library_path(isa: str, compiler: str | None = None) -> Path:
+    """Where the library of this ISA level lives in the cache (built or not)."""
+    compiler = compiler or _compiler() or ""
+    digest = hashlib.sha256()
+    for source in _sources():
+        digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0"
+                      + " ".join(_compile_flags(source, isa)).encode() + b"\0")
+    for header in _headers():
+        digest.update(header.name.encode() + b"\0" + header.read_bytes() + b"\0")
+    digest.update(" ".join(_LINK_FLAGS).encode() + platform.machine().encode()
+                  + compiler.encode() + _cpu_features())
+    return cache_dir() / "kernels" / f"kernels-{isa}-{digest.hexdigest()[:16]}.so"
+
+
+def load_kernels(isa: str = "auto") -> NativeKernels | None:
+    """The compiled kernels, building them if needed; None when they cannot be had.
+
+    isa (ModelConfig.kernel_isa): `auto` builds the best level this CPU executes and falls
+    back to the next when a build fails (an old gcc without -mavx512bf16, say), then to
+    -march=native; a level by name (avx512bf16, avx512, avx2, native) builds only that
+    one, and a level this CPU cannot execute is a ValueError.
+    """
     if platform.system() != "Linux":
         return None
+    levels = cpu_isa.candidate_levels(isa)
     compiler = _compiler()
     if compiler is None:
         logger.warning("no C compiler found: using the slower torch attention and sampler")
         return None
     sources = _sources()
-    digest = hashlib.sha256()
-    for source in sources:
-        digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0"
-                      + " ".join(_compile_flags(source)).encode() + b"\0")
-    for header in _headers():
-        digest.update(header.name.encode() + b"\0" + header.read_bytes() + b"\0")
-    digest.update(" ".join(_LINK_FLAGS).encode() + platform.machine().encode()
-                  + compiler.encode() + _cpu_features())
-    target = cache_dir() / "kernels" / f"kernels-{digest.hexdigest()[:16]}.so"
-    try:
-        if not target.exists():
-            _build(compiler, sources, target)
-            logger.info("built the CPU kernels at %s", target)
-        return NativeKernels(ctypes.CDLL(str(target)))
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", "") or exc
-        logger.warning("could not build the CPU kernels (%s): using the torch paths", detail)
-        return None
+    for level in levels:
+        target = library_path(level, compiler)
+        try:
+            if not target.exists():
+                _build(compiler, sources, target, level)
+                logger.info("built the CPU kernels for %s at %s", level, target)
+            return NativeKernels(ctypes.CDLL(str(target)), level)
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", "") or exc
+            logger.warning("could not build the CPU kernels for %s (%s)", level, detail)
+    logger.warning("no CPU kernels could be built: using the torch paths")
+    return None

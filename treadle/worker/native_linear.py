@@ -8,7 +8,8 @@ takes the library that `treadle.worker.native.load_kernels` built (all kernels l
 shared object) and is handed by the worker to the model's layers (`LlamaForCausalLM.
 set_kernels`, worker/linear_kernels.py) and to the cpu-native attention backend
 (`rope_kv`); each method returns None where it does not apply (dtype, rows, layout)
-so that the caller runs its torch path instead.
+so that the caller runs its torch path instead. How many rows the linear kernel takes
+depends on the library's ISA level (`MAX_ROWS`, `WIDENING_MAX_ROWS`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,16 @@ import ctypes
 import torch
 
 MAX_ROWS = 16
-"""Rows up to which the C linear kernel is used: up to here it reads each weight once and
-beats oneDNN's packed kernel (python -m treadle.bench.linear_kernel); above, compute
-dominates and oneDNN's register blocking wins."""
+"""Rows up to which the C linear kernel is used where it has vdpbf16ps (AVX-512 BF16): up
+to here it reads each weight once and beats oneDNN's packed kernel (python -m
+treadle.bench.linear_kernel); above, compute dominates and oneDNN's register blocking (or
+AMX) wins."""
+WIDENING_MAX_ROWS = 65536
+"""Rows up to which the widening kernel (AVX-512F or AVX2, no bf16 instructions) is used:
+every step's rows in practice. Without bf16 instructions torch's bf16 linear was 2-6x slower
+than fp32 at 16-512 rows and 1.5-4.7x slower than this kernel at every row count
+(docs/benchmarks.md, "Every CPU"), so the torch path would be the slow one at any row
+count."""
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -44,14 +52,18 @@ class NativeLayerOps:
         self._rope_kv.restype = ctypes.c_int
 
     @classmethod
-    def load(cls, lib: ctypes.CDLL | None, max_rows: int = MAX_ROWS) -> NativeLayerOps | None:
-        """The kernels of `lib`, or None when it lacks them or was built without
-        AVX512-BF16."""
+    def load(cls, lib: ctypes.CDLL | None, max_rows: int | None = None) -> NativeLayerOps | None:
+        """The kernels of `lib`, or None when it lacks them or was built without a vector
+        unit (neither AVX-512 nor AVX2). max_rows: None for the level's default (MAX_ROWS
+        with vdpbf16ps, else WIDENING_MAX_ROWS)."""
         if lib is None or not hasattr(lib, "gemv_bf16_available"):
             return None
         lib.gemv_bf16_available.restype = ctypes.c_int
         if not lib.gemv_bf16_available():
             return None
+        if max_rows is None:
+            lib.kernels_have_dpbf16.restype = ctypes.c_int
+            max_rows = MAX_ROWS if lib.kernels_have_dpbf16() else WIDENING_MAX_ROWS
         return cls(lib, max_rows)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -38,11 +38,12 @@ class Platform:
     pin_swap_memory: bool
     """Swap space in pinned host memory, for asynchronous device <-> host copies."""
 
-    def resolve_dtype(self, name: str) -> torch.dtype:
-        """The model dtype for `--dtype` (`auto` is the platform's choice)."""
+    def resolve_dtype(self, name: str, kernel_isa: str = "auto") -> torch.dtype:
+        """The model dtype for `--dtype` (`auto` is the platform's choice: on the CPU, by
+        what the C kernels of `kernel_isa` run fast)."""
         if name == "auto" and self.name == "cuda":
             return torch.bfloat16
-        return resolve_dtype(name)
+        return resolve_dtype(name, kernel_isa)
 
     def generator(self, seed: int) -> torch.Generator:
         """A random generator on the device (samplers draw there, without a host sync)."""
@@ -52,6 +53,13 @@ class Platform:
         if self.name == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def num_multiprocessors(self) -> int:
+        """Streaming multiprocessors of the GPU (what a kernel's grid must fill); 1 on the
+        CPU."""
+        if self.name == "cuda":
+            return torch.cuda.get_device_properties(self.device).multi_processor_count
+        return 1
+
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """Move a host tensor built for a step onto the device (once per step)."""
         if tensor.device == self.device:
@@ -60,13 +68,14 @@ class Platform:
 
 
 CPU = Platform(name="cpu", device=torch.device("cpu"), dist_backend="gloo",
-               attention_backends=("cpu-native", "torch", "reference"),
+               attention_backends=("cpu-native", "torch", "reference", "triton"),
                uses_native_kernels=True, pin_swap_memory=False)
 
 
 def cuda_platform(index: int = 0) -> Platform:
     return Platform(name="cuda", device=torch.device("cuda", index), dist_backend="nccl",
-                    attention_backends=("torch", "reference"), uses_native_kernels=False,
+                    attention_backends=("triton", "torch", "reference"),
+                    uses_native_kernels=False,
                     pin_swap_memory=True)
 
 

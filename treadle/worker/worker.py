@@ -30,6 +30,7 @@ from treadle.models.registry import resolve_model_class
 from treadle.worker.attention import make_attention_backend
 from treadle.worker.attention.cpu_native import CpuNativeBackend
 from treadle.worker.grammar import GrammarState
+from treadle.worker.cpu_isa import describe_kernels
 from treadle.worker.cost_probe import measure_copy_bytes_per_s, measure_matmul_flops_per_s
 from treadle.worker.kv_cache import KVCacheSpec, allocate_kv_caches, allocate_swap_space
 from treadle.worker.linear_kernels import DenseLinearKernel, dense_kernel_factory
@@ -96,7 +97,7 @@ class Worker:
     def load(self) -> WorkerInfo:
         """Load the model and kernels, probe the machine; report what the core needs."""
         config = self.config
-        dtype = self.platform.resolve_dtype(config.model.dtype)
+        dtype = self.platform.resolve_dtype(config.model.dtype, config.model.kernel_isa)
         self.model, self.hf_config, self.num_bytes_loaded = build_model(
             self.model_dir, dtype, self.platform.device, self.parallel)
         self.dtype = dtype
@@ -119,9 +120,11 @@ class Worker:
                                    self.model.head_dim, dtype, self.attention.kv_layout)
         num_swap_blocks = (0 if config.scheduler.preemption_mode == "recompute" else
                            self.kv_spec.num_blocks_for_memory(cache.swap_space, cache.block_size))
-        kernels = (f"attention {self.attention.name}, sampling "
-                   f"{'C' if self._sampler_kernels() is not None else 'torch'}, linear "
-                   f"{'C + oneDNN' if self.layer_ops is not None else 'torch'}")
+        kernels = f"attention backend {self.attention.name}"
+        if self.platform.uses_native_kernels:
+            kernels += "; " + describe_kernels(
+                self.native, dtype, self.model.head_dim, self.layer_ops,
+                native_attention=self.attention.name == "cpu-native")
         return WorkerInfo(
             model_dir=str(self.model_dir), dtype=str(dtype).replace("torch.", ""),
             vocab_size=self.model.vocab_size, eos_token_id=self.eos_token_id,
@@ -168,7 +171,7 @@ class Worker:
         if backend in ("torch", "reference") and self.dtype != torch.bfloat16:
             return None
         from treadle.worker.native import load_kernels
-        return load_kernels()
+        return load_kernels(self.config.model.kernel_isa)
 
     def _sampler_kernels(self):
         """The C sampling kernel runs with the cpu-native attention backend; the other
@@ -218,15 +221,23 @@ class Worker:
     def set_layer_kernels(self, enabled: bool) -> None:
         """Switch the small-batch C layer kernels (linear, norms, rope + K/V write) on or
         off, for side-by-side benchmarks and tests; the results agree up to rounding."""
-        ops = self.layer_ops if enabled else None
+        self.use_native_kernels(self.native, self.layer_ops if enabled else None)
+
+    def use_native_kernels(self, kernels, layer_ops) -> None:
+        """Run on another build of the C kernels (`kernels`: worker.native.NativeKernels of
+        some ISA level, for attention and sampling; `layer_ops`: its NativeLayerOps, or None
+        for torch's layers) — for benchmarks comparing builds in one engine."""
         for module in self.model.modules():
             if isinstance(getattr(module, "kernel", None), DenseLinearKernel):
-                module.kernel.native = ops
+                module.kernel.native = layer_ops
         if isinstance(self.model.lm_head_kernel, DenseLinearKernel):
-            self.model.lm_head_kernel.native = ops
-        self.model.ops = ops
+            self.model.lm_head_kernel.native = layer_ops
+        self.model.ops = layer_ops
         for module in self.model.modules():
             if hasattr(module, "ops"):
-                module.ops = ops
+                module.ops = layer_ops
         if isinstance(self.attention, CpuNativeBackend):
-            self.attention.layer_ops = ops
+            self.attention.kernels = kernels
+            self.attention.layer_ops = layer_ops
+        if self.runner is not None and self.runner.sampler.kernels is not None:
+            self.runner.sampler.kernels = kernels

@@ -1,6 +1,7 @@
 """Attention backends behind one interface (base.py), and the choice among them.
 
-Backends: `cpu-native` (the C kernels, CPU), `torch` (plain torch ops, any device) and
+Backends: `cpu-native` (the C kernels, CPU), `triton` (the Triton kernels: GPU, or the CPU
+under TRITON_INTERPRET=1 for tests), `torch` (plain torch ops, any device) and
 `reference` (the oracle, any device). `make_attention_backend` picks the one
 `--attention-backend` names, or for `auto` the platform's first that can be built here.
 Models import `AttentionLayer` from here and nothing else of this package.
@@ -21,7 +22,7 @@ __all__ = ["AttentionBackend", "AttentionLayer", "AttentionStep", "Rotary",
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAMES = ("auto", "cpu-native", "torch", "reference")
+BACKEND_NAMES = ("auto", "cpu-native", "triton", "torch", "reference")
 ALIASES = {"native": "cpu-native"}
 """Earlier names still accepted."""
 
@@ -43,22 +44,28 @@ def make_attention_backend(name: str, platform: Any, num_kv_heads: int, head_dim
         if candidate not in platform.attention_backends:
             raise ValueError(f"attention backend {candidate!r} does not run on "
                              f"{platform.name}; it has {', '.join(platform.attention_backends)}")
-        backend = _build(candidate, num_kv_heads, head_dim, dtype, kernels, layer_ops)
+        backend = _build(candidate, platform, num_kv_heads, head_dim, dtype, kernels,
+                         layer_ops)
         if backend is not None:
             return backend
         if name != "auto":
-            raise ValueError(f"attention backend {candidate!r} cannot run here: the C kernels "
-                             f"could not be built or do not support {dtype}")
+            raise ValueError(f"attention backend {candidate!r} cannot run here: "
+                             + ("triton is not installed, or this CPU run is not under "
+                                "TRITON_INTERPRET=1" if candidate == "triton" else
+                                f"the C kernels could not be built or do not support {dtype}"))
     raise ValueError(f"no attention backend of {platform.name} runs here")
 
 
-def _build(name: str, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kernels: Any,
-           layer_ops: Any) -> AttentionBackend | None:
+def _build(name: str, platform: Any, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+           kernels: Any, layer_ops: Any) -> AttentionBackend | None:
     if name == "cpu-native":
         if kernels is None or not kernels.supports(dtype):
             return None
         from treadle.worker.attention.cpu_native import CpuNativeBackend
         return CpuNativeBackend(kernels, layer_ops, num_kv_heads, head_dim, dtype)
+    if name == "triton":
+        from treadle.worker.attention.triton_backend import build_triton_backend
+        return build_triton_backend(platform, num_kv_heads)
     if name == "torch":
         from treadle.worker.attention.torch_backend import TorchBackend
         return TorchBackend(num_kv_heads)

@@ -14,8 +14,11 @@
  *    slot: one call for what took a dozen torch ops and two index copies.
  *
  * Results can differ from torch in the last float bit (summation order, exp) and so,
- * rarely, by one bf16 ulp. Compiled where the build machine has AVX512-BF16; elsewhere
- * the functions return -1 and callers use torch.
+ * rarely, by one bf16 ulp; rope_kv is bit-exact (each value is one product or sum of
+ * exact products, rounded to nearest even as torch rounds). Written once on the vectors
+ * of simd.h: 16 lanes with AVX-512, 8 with AVX2 (bf16 widened to fp32 in registers, no
+ * bf16 instruction needed); where neither exists the functions return -1 and callers
+ * use torch.
  */
 
 #include <math.h>
@@ -24,50 +27,42 @@
 #include <omp.h>
 #endif
 
+#include "simd.h"
+
 /* Rows per call above which the rows are split over threads. */
 #define PARALLEL_ROWS 64
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
+#if SIMD_WIDTH
+#define W SIMD_WIDTH
 
 typedef uint16_t bf16_t;
 
-static inline __m512 load_bf16(const bf16_t *p, __mmask16 mask) {
-    __m256i v = _mm256_maskz_loadu_epi16(mask, p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+/* The W (or, at a row's end, fewer) bf16 at p as fp32; zero beyond. */
+static inline vf load_bf16(const bf16_t *p, int64_t remaining) {
+    return remaining >= W ? vf_bf16_load(p) : vf_bf16_load_n(p, remaining);
 }
 
-static inline __m512 round_bf16(__m512 v) {
-    __m256i b = (__m256i)_mm512_cvtneps_pbh(v);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-}
-
-static inline void store_bf16(bf16_t *p, __m512 v, __mmask16 mask) {
-    _mm256_mask_storeu_epi16(p, mask, (__m256i)_mm512_cvtneps_pbh(v));
-}
-
-static inline __mmask16 tail_mask(int64_t remaining) {
-    return remaining >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << remaining) - 1);
+static inline void store_bf16(bf16_t *p, vf v, int64_t remaining) {
+    if (remaining >= W) vf_bf16_store(p, v);
+    else vf_bf16_store_n(p, v, remaining);
 }
 
 static void add_rms_norm_row(bf16_t *h, const bf16_t *d, const bf16_t *w, bf16_t *out,
                              int64_t H, float eps) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t j = 0; j < H; j += 16) {
-        __mmask16 mask = tail_mask(H - j);
-        __m512 v = load_bf16(h + j, mask);
+    vf acc = vf_zero();
+    for (int64_t j = 0; j < H; j += W) {
+        vf v = load_bf16(h + j, H - j);
         if (d) {
-            v = round_bf16(_mm512_add_ps(v, load_bf16(d + j, mask)));
-            store_bf16(h + j, v, mask);
+            v = vf_bf16_round(vf_add(v, load_bf16(d + j, H - j)));
+            store_bf16(h + j, v, H - j);
         }
-        acc = _mm512_fmadd_ps(v, v, acc);
+        acc = vf_fmadd(v, v, acc);
     }
-    float variance = _mm512_reduce_add_ps(acc) / (float)H;
-    __m512 inv = _mm512_set1_ps(1.0f / sqrtf(variance + eps));
-    for (int64_t j = 0; j < H; j += 16) {
-        __mmask16 mask = tail_mask(H - j);
-        __m512 v = round_bf16(_mm512_mul_ps(load_bf16(h + j, mask), inv));
-        store_bf16(out + j, _mm512_mul_ps(v, load_bf16(w + j, mask)), mask);
+    float variance = vf_reduce_add(acc) / (float)H;
+    vf inv = vf_set1(1.0f / sqrtf(variance + eps));
+    for (int64_t j = 0; j < H; j += W) {
+        vf v = vf_bf16_round(vf_mul(load_bf16(h + j, H - j), inv));
+        store_bf16(out + j, vf_mul(v, load_bf16(w + j, H - j)), H - j);
     }
 }
 
@@ -79,34 +74,16 @@ int add_rms_norm_bf16(bf16_t *hidden, const bf16_t *delta, const bf16_t *weight,
     return 0;
 }
 
-/* exp(x), within a few float ulps (Cephes' polynomial, range-reduced by ln 2). */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(89.0f)), _mm512_set1_ps(-104.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);  /* p * 2^n; overflows to inf, underflows to 0 */
-}
-
 int silu_mul_bf16(const bf16_t *gate_up, bf16_t *out, int64_t M, int64_t I) {
     #pragma omp parallel for schedule(static) if(M >= PARALLEL_ROWS)
     for (int64_t m = 0; m < M; m++) {
         const bf16_t *g = gate_up + m * 2 * I, *u = g + I;
         bf16_t *o = out + m * I;
-        for (int64_t j = 0; j < I; j += 16) {
-            __mmask16 mask = tail_mask(I - j);
-            __m512 x = load_bf16(g + j, mask);
-            __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));
-            __m512 s = round_bf16(_mm512_div_ps(x, _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
-            store_bf16(o + j, _mm512_mul_ps(s, load_bf16(u + j, mask)), mask);
+        for (int64_t j = 0; j < I; j += W) {
+            vf x = load_bf16(g + j, I - j);
+            vf e = vf_exp(vf_sub(vf_zero(), x));
+            vf s = vf_bf16_round(vf_div(x, vf_add(e, vf_set1(1.0f))));
+            store_bf16(o + j, vf_mul(s, load_bf16(u + j, I - j)), I - j);
         }
     }
     return 0;
@@ -119,14 +96,14 @@ static inline void rotate_heads(const bf16_t *src, bf16_t *dst, int64_t dst_stri
     for (int64_t h = 0; h < heads; h++) {
         const bf16_t *x = src + h * D;
         bf16_t *o = dst + h * dst_stride;
-        for (int64_t j = 0; j < half; j += 16) {
-            __mmask16 mask = tail_mask(half - j);
-            __m512 x1 = load_bf16(x + j, mask), x2 = load_bf16(x + half + j, mask);
-            __m512 cv = load_bf16(c + j, mask), sv = load_bf16(s + j, mask);
-            store_bf16(o + j, _mm512_sub_ps(round_bf16(_mm512_mul_ps(x1, cv)),
-                                            round_bf16(_mm512_mul_ps(x2, sv))), mask);
-            store_bf16(o + half + j, _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, cv)),
-                                                   round_bf16(_mm512_mul_ps(x1, sv))), mask);
+        for (int64_t j = 0; j < half; j += W) {
+            const int64_t n = half - j;
+            vf x1 = load_bf16(x + j, n), x2 = load_bf16(x + half + j, n);
+            vf cv = load_bf16(c + j, n), sv = load_bf16(s + j, n);
+            store_bf16(o + j, vf_sub(vf_bf16_round(vf_mul(x1, cv)),
+                                     vf_bf16_round(vf_mul(x2, sv))), n);
+            store_bf16(o + half + j, vf_add(vf_bf16_round(vf_mul(x2, cv)),
+                                            vf_bf16_round(vf_mul(x1, sv))), n);
         }
     }
 }

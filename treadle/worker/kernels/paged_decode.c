@@ -12,14 +12,15 @@
  * Built at run time by treadle/worker/native.py; T is float or bfloat16 (uint16_t).
  *
  * Two implementations:
- *  - fast path (AVX-512, compiled when the build machine has it, -march=native): head_dim
- *    64 or 128 and 1..8 query heads per KV head, specialised at compile time (constant
- *    trip counts, accumulators in registers). Keys are walked in chunks of 16 tokens (any
- *    block_size): the 16 scores of a chunk come from vector dot products (bf16 pairs with
- *    vdpbf16ps when available, exact products, fp32 sums) folded by one transpose-reduce,
- *    one online-softmax update per chunk with a vectorised exp2, values accumulated in
- *    fp32; the next block is prefetched when it does not follow the current one in
- *    memory. Work is split over (request, KV head) and, when there are too few of those to
+ *  - fast path (the vectors of simd.h: 16 lanes with AVX-512, 8 with AVX2; compiled when
+ *    the ISA level has one of them): head_dim 64 or 128 and 1..8 query heads per KV head,
+ *    specialised at compile time (constant trip counts, accumulators in registers where
+ *    they fit). Keys are walked in chunks of one vector's width of tokens (any
+ *    block_size): the scores of a chunk come from vector dot products (bf16 pairs with
+ *    vdpbf16ps on AVX-512 BF16, exact products, fp32 sums; elsewhere bf16 widened to fp32
+ *    in registers) folded by one transpose-reduce, one online-softmax update per chunk
+ *    with a vectorised exp2, values accumulated in fp32; the next block is prefetched when
+ *    it does not follow the current one in memory. Work is split over (request, KV head) and, when there are too few of those to
  *    keep every thread busy (small batches, long contexts), over context ranges too, whose
  *    partial softmaxes are merged at the end (flash-decoding).
  *  - generic path (any shape, any CPU): the plain loops below, auto-vectorised by gcc.
@@ -31,6 +32,8 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+
+#include "simd.h"
 
 #define MAX_GROUP_DIM 4096   /* query heads per KV head x head_dim */
 #define MAX_GROUP_TOKENS 8192 /* query heads per KV head x block_size */
@@ -133,14 +136,15 @@ DEFINE_GENERIC_DECODE(generic_decode_bf16, uint16_t, bf16_load, bf16_store)
 DEFINE_GENERIC_DECODE(generic_decode_f32, float, f32_load, f32_store)
 
 /* ------------------------------------------------------------------------------------ */
-/* Fast path (AVX-512)                                                                   */
+/* Fast path (AVX-512 or AVX2)                                                           */
 /* ------------------------------------------------------------------------------------ */
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
+#if SIMD_WIDTH
 
 #define FAST_GROUP_MAX 8
-#define CHUNK 16                 /* tokens scored together: one zmm of scores */
+#define CHUNK SIMD_WIDTH         /* tokens scored together: one vector of scores */
+#define VW SIMD_WIDTH            /* floats per vector */
+#define MAX_HDV (128 / VW)       /* vectors per head, at most */
 #define NEG_BIG (-1e30f)         /* "minus infinity" without inf (compiled with fast-math) */
 /* Below this many K/V bytes in a call, one thread does it all: a parallel region's
    barrier costs more than the work, and on an oversubscribed machine it can wait out a
@@ -149,7 +153,7 @@ DEFINE_GENERIC_DECODE(generic_decode_f32, float, f32_load, f32_store)
 /* Fewer (request, KV head) pairs than this many per thread: split the contexts too. */
 #define UNITS_PER_THREAD 8
 #define MIN_SPLIT_TOKENS 128     /* no context range shorter than this */
-/* Tokens per iteration of the value loop: unrolling all 16 compiles twice as slowly
+/* Tokens per iteration of the value loop: unrolling all of a chunk compiles twice as slowly
    (every shape is instantiated) for no measurable gain. */
 #define V_UNROLL 4
 
@@ -169,53 +173,21 @@ typedef struct {
    to out (part < 0) or its partial softmax to partials slot part. */
 typedef struct { int64_t r, b0, b1, part; } work_item;
 
-/* 16 consecutive elements as fp32. */
-ALWAYS_INLINE __m512 load16(const void *base, int64_t i, const int bf16) {
-    if (bf16) {
-        __m256i x = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
-    }
-    return _mm512_loadu_ps((const float *)base + i);
+/* VW consecutive elements as fp32 (bf16 widened). */
+ALWAYS_INLINE vf load_vec(const void *base, int64_t i, const int bf16) {
+    return bf16 ? vf_bf16_load((const uint16_t *)base + i) : vf_loadu((const float *)base + i);
 }
 
-/* fp32 -> bf16, round to nearest even (inputs are finite). */
-ALWAYS_INLINE __m256i to_bf16(__m512 x) {
-    __m512i u = _mm512_castps_si512(x);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+ALWAYS_INLINE void store_vec(void *base, int64_t i, vf x, const int bf16) {
+    if (bf16) vf_bf16_store((uint16_t *)base + i, x);
+    else vf_storeu((float *)base + i, x);
 }
 
-ALWAYS_INLINE void store16(void *base, int64_t i, __m512 x, const int bf16) {
-    if (bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)base + i), to_bf16(x));
-    else _mm512_storeu_ps((float *)base + i, x);
-}
-
-#include "simd_exp2.h"
-
-/* a[t] holds 16 partial sums of token t's score; returns the 16 scores, token t in lane t. */
-ALWAYS_INLINE __m512 transpose_reduce16(const __m512 *a) {
-    __m512 l1[8], l2[4], l3[2];
-    #pragma GCC unroll 64
-    for (int i = 0; i < 8; i++)  /* per 128-bit lane: [t0 t1 t0 t1] */
-        l1[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                              _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    #pragma GCC unroll 64
-    for (int i = 0; i < 4; i++)  /* per 128-bit lane: [t0 t1 t2 t3] */
-        l2[i] = _mm512_add_ps(_mm512_shuffle_ps(l1[2 * i], l1[2 * i + 1], 0x44),
-                              _mm512_shuffle_ps(l1[2 * i], l1[2 * i + 1], 0xEE));
-    #pragma GCC unroll 64
-    for (int i = 0; i < 2; i++)  /* 128-bit lanes: [t0-3 t0-3 t4-7 t4-7] */
-        l3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(l2[2 * i], l2[2 * i + 1], 0x88),
-                              _mm512_shuffle_f32x4(l2[2 * i], l2[2 * i + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(l3[0], l3[1], 0x88),
-                         _mm512_shuffle_f32x4(l3[0], l3[1], 0xDD));
-}
-
-/* Raw scores (q . k, unscaled) of the 16 tokens at k for query head qg. */
-ALWAYS_INLINE __m512 chunk_scores(const void *qg, const void *k, const int HD, const int bf16) {
-    __m512 a[CHUNK];
-#if defined(__AVX512BF16__)
+/* Raw scores (q . k, unscaled) of the CHUNK tokens at k for query head qg, token t in
+   lane t. */
+ALWAYS_INLINE vf chunk_scores(const void *qg, const void *k, const int HD, const int bf16) {
+    vf a[CHUNK];
+#if defined(__AVX512BF16__) && SIMD_WIDTH == 16
     if (bf16) {  /* bf16 pairs: exact products, fp32 sums */
         __m512i qv[HD / 32];
         #pragma GCC unroll 64
@@ -230,57 +202,56 @@ ALWAYS_INLINE __m512 chunk_scores(const void *qg, const void *k, const int HD, c
                 a[t] = _mm512_dpbf16_ps(a[t], (__m512bh)_mm512_loadu_si512(kt + 32 * j),
                                         (__m512bh)qv[j]);
         }
-        return transpose_reduce16(a);
+        return vf_transpose_reduce(a);
     }
 #endif
-    __m512 qv[HD / 16];
+    vf qv[HD / VW];
     #pragma GCC unroll 64
-    for (int j = 0; j < HD / 16; j++) qv[j] = load16(qg, 16 * j, bf16);
+    for (int j = 0; j < HD / VW; j++) qv[j] = load_vec(qg, VW * j, bf16);
     #pragma GCC unroll 64
     for (int t = 0; t < CHUNK; t++) {
-        a[t] = _mm512_mul_ps(load16(k, (int64_t)t * HD, bf16), qv[0]);
+        a[t] = vf_mul(load_vec(k, (int64_t)t * HD, bf16), qv[0]);
         #pragma GCC unroll 64
-        for (int j = 1; j < HD / 16; j++)
-            a[t] = _mm512_fmadd_ps(load16(k, (int64_t)t * HD + 16 * j, bf16), qv[j], a[t]);
+        for (int j = 1; j < HD / VW; j++)
+            a[t] = vf_fmadd(load_vec(k, (int64_t)t * HD + VW * j, bf16), qv[j], a[t]);
     }
-    return transpose_reduce16(a);
+    return vf_transpose_reduce(a);
 }
 
-/* Fold the first n of the 16 tokens at k (keys) and v (values) into the group's online
-   softmax. All 16 rows are read: the caller pads a short chunk with zeros. */
+/* Fold the first n of the CHUNK tokens at k (keys) and v (values) into the group's online
+   softmax. All CHUNK rows are read: the caller pads a short chunk with zeros. */
 ALWAYS_INLINE void fold_chunk(const void *q, const void *k, const void *v, int64_t n, float c,
-                              float *m, __m512 *l, __m512 *acc, const int HD, const int G,
+                              float *m, vf *l, vf *acc, const int HD, const int G,
                               const int bf16) {
-    const __mmask16 valid = (__mmask16)((1u << n) - 1u);
     float p_buf[FAST_GROUP_MAX * CHUNK] __attribute__((aligned(64)));
     const int esz = bf16 ? 2 : 4;
     #pragma GCC unroll 64
     for (int g = 0; g < G; g++) {
-        __m512 x = _mm512_mul_ps(chunk_scores((const char *)q + (int64_t)g * HD * esz, k, HD,
-                                              bf16), _mm512_set1_ps(c));
-        x = _mm512_mask_mov_ps(_mm512_set1_ps(NEG_BIG), valid, x);
-        const float cmax = _mm512_reduce_max_ps(x);
+        vf x = vf_mul(chunk_scores((const char *)q + (int64_t)g * HD * esz, k, HD, bf16),
+                      vf_set1(c));
+        x = vf_first(x, n, NEG_BIG);
+        const float cmax = vf_reduce_max(x);
         const float new_max = cmax > m[g] ? cmax : m[g];
-        const __m512 corr = exp2_ps(_mm512_set1_ps(m[g] - new_max));
-        const __m512 p = _mm512_maskz_mov_ps(valid, exp2_ps(_mm512_sub_ps(x, _mm512_set1_ps(new_max))));
+        const vf corr = vf_exp2(vf_set1(m[g] - new_max));
+        const vf p = vf_first(vf_exp2(vf_sub(x, vf_set1(new_max))), n, 0.f);
         m[g] = new_max;
-        l[g] = _mm512_fmadd_ps(l[g], corr, p);
+        l[g] = vf_fmadd(l[g], corr, p);
         #pragma GCC unroll 64
-        for (int j = 0; j < HD / 16; j++)
-            acc[g * (HD / 16) + j] = _mm512_mul_ps(acc[g * (HD / 16) + j], corr);
-        _mm512_store_ps(p_buf + g * CHUNK, p);
+        for (int j = 0; j < HD / VW; j++)
+            acc[g * (HD / VW) + j] = vf_mul(acc[g * (HD / VW) + j], corr);
+        vf_store(p_buf + g * CHUNK, p);
     }
     UNROLL(V_UNROLL)
     for (int t = 0; t < CHUNK; t++) {
-        __m512 vt[HD / 16];
+        vf vt[HD / VW];
         #pragma GCC unroll 64
-        for (int j = 0; j < HD / 16; j++) vt[j] = load16(v, (int64_t)t * HD + 16 * j, bf16);
+        for (int j = 0; j < HD / VW; j++) vt[j] = load_vec(v, (int64_t)t * HD + VW * j, bf16);
         #pragma GCC unroll 64
         for (int g = 0; g < G; g++) {
-            const __m512 pt = _mm512_set1_ps(p_buf[g * CHUNK + t]);
+            const vf pt = vf_set1(p_buf[g * CHUNK + t]);
             #pragma GCC unroll 64
-            for (int j = 0; j < HD / 16; j++)
-                acc[g * (HD / 16) + j] = _mm512_fmadd_ps(pt, vt[j], acc[g * (HD / 16) + j]);
+            for (int j = 0; j < HD / VW; j++)
+                acc[g * (HD / VW) + j] = vf_fmadd(pt, vt[j], acc[g * (HD / VW) + j]);
         }
     }
 }
@@ -301,11 +272,11 @@ ALWAYS_INLINE void run_item(const decode_args *a, int64_t h, const work_item *w,
     const char *vh = (const char *)a->v_cache + h * a->num_blocks * bs * row;
     const int64_t *table = a->block_table + w->r * a->max_blocks;
     float m[FAST_GROUP_MAX];
-    __m512 l[FAST_GROUP_MAX], acc[FAST_GROUP_MAX * 8];
+    vf l[FAST_GROUP_MAX], acc[FAST_GROUP_MAX * MAX_HDV];
     #pragma GCC unroll 64
-    for (int g = 0; g < G; g++) { m[g] = NEG_BIG; l[g] = _mm512_setzero_ps(); }
+    for (int g = 0; g < G; g++) { m[g] = NEG_BIG; l[g] = vf_zero(); }
     #pragma GCC unroll 64
-    for (int j = 0; j < G * (HD / 16); j++) acc[j] = _mm512_setzero_ps();
+    for (int j = 0; j < G * (HD / VW); j++) acc[j] = vf_zero();
 
     char kpad[CHUNK * 128 * 4] __attribute__((aligned(64)));
     char vpad[CHUNK * 128 * 4] __attribute__((aligned(64)));
@@ -338,12 +309,11 @@ ALWAYS_INLINE void run_item(const decode_args *a, int64_t h, const work_item *w,
         char *o = (char *)a->out + head0 * HD * esz;
         #pragma GCC unroll 64
         for (int g = 0; g < G; g++) {
-            const float sum = _mm512_reduce_add_ps(l[g]);
-            const __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
+            const float sum = vf_reduce_add(l[g]);
+            const vf inv = vf_set1(sum > 0.f ? 1.f / sum : 0.f);
             #pragma GCC unroll 64
-            for (int j = 0; j < HD / 16; j++)
-                store16(o, (int64_t)g * HD + 16 * j, _mm512_mul_ps(acc[g * (HD / 16) + j], inv),
-                        bf16);
+            for (int j = 0; j < HD / VW; j++)
+                store_vec(o, (int64_t)g * HD + VW * j, vf_mul(acc[g * (HD / VW) + j], inv), bf16);
         }
     } else {
         /* partial layout per (part, h): G x [max, sum, acc[HD]] */
@@ -351,9 +321,9 @@ ALWAYS_INLINE void run_item(const decode_args *a, int64_t h, const work_item *w,
         #pragma GCC unroll 64
         for (int g = 0; g < G; g++, p += HD + 2) {
             p[0] = m[g];
-            p[1] = _mm512_reduce_add_ps(l[g]);
+            p[1] = vf_reduce_add(l[g]);
             #pragma GCC unroll 64
-            for (int j = 0; j < HD / 16; j++) _mm512_storeu_ps(p + 2 + 16 * j, acc[g * (HD / 16) + j]);
+            for (int j = 0; j < HD / VW; j++) vf_storeu(p + 2 + VW * j, acc[g * (HD / VW) + j]);
         }
     }
 }
@@ -375,10 +345,14 @@ ITEM_FNS(1, 128)
 static const item_fn ITEM_FNS_TABLE[2][2][FAST_GROUP_MAX] = {
     {ITEM_ROW(0, 64), ITEM_ROW(0, 128)}, {ITEM_ROW(1, 64), ITEM_ROW(1, 128)}};
 
+static int has_fast_path(int64_t head_dim, int64_t group) {
+    return (head_dim == 64 || head_dim == 128) && group >= 1 && group <= FAST_GROUP_MAX;
+}
+
 /* Returns -1 when the shape has no fast path, else the kernel's status. */
 static int fast_decode(const decode_args *a, int64_t num_reqs, int64_t head_dim, int bf16) {
     const int64_t group = a->num_heads / a->num_kv_heads;
-    if ((head_dim != 64 && head_dim != 128) || group < 1 || group > FAST_GROUP_MAX) return -1;
+    if (!has_fast_path(head_dim, group)) return -1;
     const item_fn fn = ITEM_FNS_TABLE[bf16][head_dim == 128][group - 1];
     const int64_t bs = a->block_size, kvh = a->num_kv_heads;
 
@@ -451,20 +425,19 @@ static int fast_decode(const decode_args *a, int64_t num_reqs, int64_t head_dim,
                     for (int64_t s = 0; s < mg->b1; s++)
                         mx = p0[s * stride] > mx ? p0[s * stride] : mx;
                     float sum = 0.f;
-                    __m512 o[8];
-                    for (int j = 0; j < head_dim / 16; j++) o[j] = _mm512_setzero_ps();
+                    vf o[MAX_HDV];
+                    for (int j = 0; j < head_dim / VW; j++) o[j] = vf_zero();
                     for (int64_t s = 0; s < mg->b1; s++) {
                         const float *ps = p0 + s * stride;
                         const float ws = exp2f(ps[0] - mx);
                         sum += ws * ps[1];
-                        for (int j = 0; j < head_dim / 16; j++)
-                            o[j] = _mm512_fmadd_ps(_mm512_set1_ps(ws),
-                                                   _mm512_loadu_ps(ps + 2 + 16 * j), o[j]);
+                        for (int j = 0; j < head_dim / VW; j++)
+                            o[j] = vf_fmadd(vf_set1(ws), vf_loadu(ps + 2 + VW * j), o[j]);
                     }
-                    const __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
+                    const vf inv = vf_set1(sum > 0.f ? 1.f / sum : 0.f);
                     const int64_t base = (mg->r * a->num_heads + h * group + g) * head_dim;
-                    for (int j = 0; j < head_dim / 16; j++)
-                        store16(a->out, base + 16 * j, _mm512_mul_ps(o[j], inv), bf16);
+                    for (int j = 0; j < head_dim / VW; j++)
+                        store_vec(a->out, base + VW * j, vf_mul(o[j], inv), bf16);
                 }
             }
         }
@@ -473,7 +446,7 @@ static int fast_decode(const decode_args *a, int64_t num_reqs, int64_t head_dim,
     free(items);
     return 0;
 }
-#endif /* __AVX512F__ */
+#endif /* SIMD_WIDTH */
 
 /* ------------------------------------------------------------------------------------ */
 /* Exported entry points                                                                 */
@@ -493,7 +466,7 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *block_ta
                    num_kv_heads, head_dim, num_blocks, block_size, max_blocks, scale);      \
 }
 
-#if defined(__AVX512F__)
+#if SIMD_WIDTH
 #define FAST_PATH(BF16)                                                                     \
     {                                                                                       \
         const decode_args a = {q, k_cache, v_cache, block_table, ctx_lens, out, num_heads,  \
@@ -508,3 +481,13 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *block_ta
 
 DEFINE_PAGED_DECODE(paged_decode_bf16, uint16_t, generic_decode_bf16, 1)
 DEFINE_PAGED_DECODE(paged_decode_f32, float, generic_decode_f32, 0)
+
+/* Whether a head_dim and query heads per KV head take the fast path in this build. */
+int paged_decode_fast_path(int64_t head_dim, int64_t group) {
+#if SIMD_WIDTH
+    return has_fast_path(head_dim, group);
+#else
+    (void)head_dim; (void)group;
+    return 0;
+#endif
+}

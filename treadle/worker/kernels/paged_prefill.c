@@ -1,5 +1,5 @@
 /* Causal attention for prefill chunks (several new tokens of one request) over the paged
- * KV cache, on CPU with AVX-512 BF16: a flash-attention loop written for two cores.
+ * KV cache, on CPU: a flash-attention loop written for two cores.
  *
  * Why our own: torch's CPU scaled_dot_product_attention reached ~55 GFLOP/s of useful
  * (causal) work on a 512-token chunk and ~120 GFLOP/s on long contexts (bf16, 2 Zen 4
@@ -16,11 +16,17 @@
  *     Positions past the context are zero. Packing reads each K/V byte once per call
  *     (O(context x head_dim)); the compute phase reuses it for every query row.
  *  2. compute, in parallel over (span, query head, block of 16 rows): a micro-kernel of
- *     R query rows (4 at head_dim 64, 2 at 128) walks the key tiles up to the last row's
- *     position: 32 scores per row from bf16 pairs (exact products, fp32 sums), causal
- *     mask only on tiles that cross the diagonal, online softmax in the exp2 domain,
- *     probabilities rounded to bf16 and multiplied into fp32 accumulators held in
- *     registers. Tiles wholly above the diagonal are never visited.
+ *     R query rows walks the key tiles up to the last row's position: 32 scores per row
+ *     from bf16 pairs (exact products, fp32 sums), causal mask only on tiles that cross
+ *     the diagonal, online softmax in the exp2 domain. Tiles wholly above the diagonal
+ *     are never visited. Two micro-kernels read the same packed layout:
+ *      - AVX-512 BF16 (R = 4 at head_dim 64, 2 at 128): vdpbf16ps on broadcast query
+ *        pairs, probabilities rounded to bf16 and multiplied into fp32 accumulators held
+ *        in registers;
+ *      - AVX-512F or AVX2 without it (simd.h, 16 or 8 lanes, R = 4): each packed word
+ *        split into its two fp32 halves (a shift and an and) and two FMAs against
+ *        broadcast fp32 query values; probabilities stay fp32; the accumulators live in
+ *        L1 and are walked one vector of dims at a time over a tile's 32 keys.
  *
  * Layouts: q [tokens, q_row_stride] bf16 with head h of row t at q + t * q_row_stride +
  * h * head_dim; out [tokens, num_heads * head_dim]; k_cache, v_cache [num_kv_heads,
@@ -28,14 +34,17 @@
  * tokens, positions before the chunk); block_tables [num_spans, max_blocks] int64.
  * workspace: paged_prefill_workspace_bytes() bytes, 64-byte aligned.
  *
- * Only the fast path exists: without AVX-512 BF16, or for another head_dim, the entry
- * points report it and the caller uses torch's attention.
+ * Only these fast paths exist: without AVX-512 or AVX2, or for another head_dim, the
+ * entry points report it and the caller uses torch's attention.
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+
+#include "simd.h"
 
 #define KT 32          /* keys per tile */
 #define ROWS_PER_ITEM 16 /* query rows per unit of parallel work */
@@ -59,15 +68,22 @@ int64_t paged_prefill_workspace_bytes(const int64_t *spans, int64_t num_spans,
     return words * (int64_t)sizeof(uint32_t);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if SIMD_WIDTH
 #define HAVE_PREFILL_KERNEL 1
 #else
 #define HAVE_PREFILL_KERNEL 0
 #endif
+#if defined(__AVX512BF16__) && SIMD_WIDTH == 16
+#define PREFILL_DPBF16 1
+#define R64 4   /* query rows per micro-kernel call at head_dim 64 */
+#define R128 2  /* and at 128 */
+#else
+#define PREFILL_DPBF16 0
+#define R64 4
+#define R128 4
+#endif
 
 #if HAVE_PREFILL_KERNEL
-#include <immintrin.h>
-#include "simd_exp2.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define NEG_BIG (-1e30f)
@@ -116,6 +132,8 @@ static void pack_tile(const prefill_args *a, int64_t s, int64_t h, int64_t t, in
             vtile[jp * hd + d] = (v0 ? v0[d] : 0u) | ((uint32_t)(v1 ? v1[d] : 0u) << 16);
     }
 }
+
+#if PREFILL_DPBF16
 
 /* R query rows of one head (rows i0.. of the chunk, `valid` of them real; the others
    repeat the last real row and are not stored) against the packed context. */
@@ -171,15 +189,15 @@ ALWAYS_INLINE void rows_kernel(const prefill_args *a, const uint16_t *q0, uint16
             const float tmax = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
             if (tmax > m[r]) {
                 const float alpha = _mm_cvtss_f32(_mm512_castps512_ps128(
-                    exp2_ps(_mm512_set1_ps(m[r] - tmax))));
+                    vf_exp2(_mm512_set1_ps(m[r] - tmax))));
                 const __m512 av = _mm512_set1_ps(alpha);
                 l[r] = _mm512_mul_ps(l[r], av);
                 for (int c = 0; c < HD / 16; c++) acc[r][c] = _mm512_mul_ps(acc[r][c], av);
                 m[r] = tmax;
             }
             const __m512 mv = _mm512_set1_ps(m[r]);
-            const __m512 p0 = _mm512_maskz_mov_ps(v0, exp2_ps(_mm512_sub_ps(x0, mv)));
-            const __m512 p1 = _mm512_maskz_mov_ps(v1, exp2_ps(_mm512_sub_ps(x1, mv)));
+            const __m512 p0 = _mm512_maskz_mov_ps(v0, vf_exp2(_mm512_sub_ps(x0, mv)));
+            const __m512 p1 = _mm512_maskz_mov_ps(v1, vf_exp2(_mm512_sub_ps(x1, mv)));
             l[r] = _mm512_add_ps(l[r], _mm512_add_ps(p0, p1));
             _mm512_store_si512(pbuf[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
         }
@@ -202,6 +220,103 @@ ALWAYS_INLINE void rows_kernel(const prefill_args *a, const uint16_t *q0, uint16
     }
 }
 
+#else /* widening */
+
+#define VW SIMD_WIDTH
+
+/* R query rows of one head (rows i0.. of the chunk, `valid` of them real; the others
+   repeat the last real row and are not stored) against the packed context. */
+ALWAYS_INLINE void rows_kernel(const prefill_args *a, const uint16_t *q0, uint16_t *o0,
+                               int64_t valid, int64_t first_pos, const uint32_t *kp,
+                               const uint32_t *vp, const int HD, const int R) {
+    const int64_t q_stride = a->q_row_stride, o_stride = a->num_heads * HD;
+    float qf[R][HD] __attribute__((aligned(64)));   /* the queries, widened */
+    float acc[R][HD] __attribute__((aligned(64)));
+    float sbuf[R][KT] __attribute__((aligned(64)));  /* a tile's raw scores, then probabilities */
+    int64_t limit[R];
+    float m[R];
+    vf l[R];  /* per-lane partial sums of the probabilities, reduced at the end */
+    for (int r = 0; r < R; r++) {
+        const int64_t rr = r < valid ? r : valid - 1;
+        const uint16_t *qr = q0 + rr * q_stride;
+        for (int d = 0; d < HD; d += VW) {
+            vf_store(qf[r] + d, vf_bf16_load(qr + d));
+            vf_store(acc[r] + d, vf_zero());
+        }
+        limit[r] = first_pos + rr;
+        m[r] = NEG_BIG;
+        l[r] = vf_zero();
+    }
+    const vf cv = vf_set1(a->c);
+    const int64_t num_tiles = (first_pos + valid + KT - 1) / KT;
+    for (int64_t t = 0; t < num_tiles; t++) {
+        const uint32_t *kt = kp + t * KT * (HD / 2);
+        for (int v = 0; v < KT / VW; v++) {  /* VW keys' scores for every row */
+            vf s[R];
+            for (int r = 0; r < R; r++) s[r] = vf_zero();
+            #pragma GCC unroll 4
+            for (int dp = 0; dp < HD / 2; dp++) {
+                const vi w = vi_load(kt + dp * KT + v * VW);
+                const vf k0 = vf_pair_lo(w), k1 = vf_pair_hi(w);
+                for (int r = 0; r < R; r++) {
+                    s[r] = vf_fmadd(vf_set1(qf[r][2 * dp]), k0, s[r]);
+                    s[r] = vf_fmadd(vf_set1(qf[r][2 * dp + 1]), k1, s[r]);
+                }
+            }
+            for (int r = 0; r < R; r++) vf_store(sbuf[r] + v * VW, vf_mul(s[r], cv));
+        }
+        const int64_t key0 = t * KT;
+        const int diagonal = key0 + KT - 1 > first_pos;
+        for (int r = 0; r < R; r++) {
+            const int64_t n = limit[r] - key0 + 1;  /* keys of the tile this row sees */
+            vf x[KT / VW];
+            vf mx = vf_set1(NEG_BIG);
+            for (int v = 0; v < KT / VW; v++) {
+                x[v] = vf_load(sbuf[r] + v * VW);
+                if (diagonal) x[v] = vf_first(x[v], n - v * VW, NEG_BIG);
+                mx = vf_max(mx, x[v]);
+            }
+            const float tmax = vf_reduce_max(mx);
+            if (tmax > m[r]) {
+                const float alpha = exp2f(m[r] - tmax);
+                const vf av = vf_set1(alpha);
+                l[r] = vf_mul(l[r], av);
+                for (int d = 0; d < HD; d += VW) vf_store(acc[r] + d, vf_mul(vf_load(acc[r] + d), av));
+                m[r] = tmax;
+            }
+            const vf mv = vf_set1(m[r]);
+            for (int v = 0; v < KT / VW; v++) {
+                vf p = vf_exp2(vf_sub(x[v], mv));
+                if (diagonal) p = vf_first(p, n - v * VW, 0.f);
+                l[r] = vf_add(l[r], p);
+                vf_store(sbuf[r] + v * VW, p);
+            }
+        }
+        const uint32_t *vt = vp + t * (KT / 2) * HD;
+        for (int d = 0; d < HD; d += VW) {  /* one vector of dims over the tile's keys */
+            vf o[R];
+            for (int r = 0; r < R; r++) o[r] = vf_load(acc[r] + d);
+            #pragma GCC unroll 4
+            for (int jp = 0; jp < KT / 2; jp++) {
+                const vi w = vi_load(vt + jp * HD + d);
+                const vf v0 = vf_pair_lo(w), v1 = vf_pair_hi(w);
+                for (int r = 0; r < R; r++) {
+                    o[r] = vf_fmadd(vf_set1(sbuf[r][2 * jp]), v0, o[r]);
+                    o[r] = vf_fmadd(vf_set1(sbuf[r][2 * jp + 1]), v1, o[r]);
+                }
+            }
+            for (int r = 0; r < R; r++) vf_store(acc[r] + d, o[r]);
+        }
+    }
+    for (int r = 0; r < valid && r < R; r++) {
+        const vf inv = vf_set1(1.f / vf_reduce_add(l[r]));
+        for (int d = 0; d < HD; d += VW)
+            vf_bf16_store(o0 + r * o_stride + d, vf_mul(vf_load(acc[r] + d), inv));
+    }
+}
+
+#endif /* PREFILL_DPBF16 */
+
 /* Rows [i0, i1) of span s, query head h. */
 ALWAYS_INLINE void item(const prefill_args *a, int64_t s, int64_t h, int64_t i0, int64_t i1,
                         const int HD, const int R) {
@@ -219,10 +334,10 @@ ALWAYS_INLINE void item(const prefill_args *a, int64_t s, int64_t h, int64_t i0,
 }
 
 static void item_64(const prefill_args *a, int64_t s, int64_t h, int64_t i0, int64_t i1) {
-    item(a, s, h, i0, i1, 64, 4);
+    item(a, s, h, i0, i1, 64, R64);
 }
 static void item_128(const prefill_args *a, int64_t s, int64_t h, int64_t i0, int64_t i1) {
-    item(a, s, h, i0, i1, 128, 2);
+    item(a, s, h, i0, i1, 128, R128);
 }
 
 #endif /* HAVE_PREFILL_KERNEL */

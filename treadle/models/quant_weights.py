@@ -1,0 +1,249 @@
+"""`QuantizedLinear`: a linear layer's weight kept quantized in memory (GGUF Q8_0, Q4_0,
+Q4_1, Q4_K blocks, or INT8 made at load), with `apply(x) -> x @ W.T + b` and
+`dequantize()`.
+
+Owns which kernel path runs for how many rows, per what the CPU has (`choose_path`; the
+figures behind it: `python -m treadle.bench.quant_kernel`, summarized in the report of
+the commit that set them). Measured on one core of a Xeon with AVX-512 BF16, VNNI and
+AMX, each ISA level's build run there:
+- AMX: `dot` (int8 dot products, kernels/quant_dot.c) below 4 rows (8 for the 4-bit
+  formats, whose unpacking costs the AMX path more), then `amx_dot` (AMX-INT8 tiles on
+  per-chunk int8 activations) to 32 rows, `amx` (dequantized bf16 tiles, AMX-BF16) to
+  128: from 16 rows these are 2-3x faster than `dot`, whose per-chunk scaling is paid
+  per row, while AMX pays it per 16 rows.
+- AVX-512 or AVX2 with VNNI: `dot` up to 16 rows; it beat the dequantize-in-register
+  paths (`deq`, `deq_buffered`) by 1.5-2x at every row count there: vpdpbusd does 4
+  products per lane, the bf16 / fp32 paths 2 / 1 after paying the widening.
+- no VNNI (pmaddubsw): `dot` up to 2 rows (2x faster than `deq` at 1 row, even at 4),
+  then `deq_buffered` (each block of 16 weight rows dequantized once into an L1 buffer,
+  then FMA tiles) to 16 rows, 15-25% faster than `dot` at 16.
+- above those: `prefill`, tiles of `tile_rows` weight rows dequantized into a bf16
+  (fp32 for fp32 activations) buffer and multiplied by oneDNN (`F.linear`), so the
+  dense copy is never larger than one tile; 1024-row tiles cost about what dequantizing
+  the whole weight per call costs (smaller tiles pay oneDNN's per-call overhead).
+The in-register `deq` path is never chosen (it lost or tied everywhere measured); it
+stays callable for measurements. Paths round differently (int8 activations on the dot
+paths, bf16 weights on the bf16 ones), so a row's output depends slightly on how many
+rows share the call, as the bf16 kernels' already does.
+Without the C kernels (`kernels=None`) a dense copy in the activations' dtype is made on
+first use and `F.linear` runs on it: slower to load and larger, same results to rounding.
+
+It does not parse GGUF files (treadle/models/gguf*.py) nor decide the model's dtype.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from treadle.models.quant_formats import QuantFormat, dequantize_torch, format_of, quantize_int8
+
+AMX_DOT_MIN_ROWS = {"Q8_0": 4, "INT8": 4, "Q4_0": 8, "Q4_1": 8, "Q4_K": 8}
+"""With AMX: rows from which `amx_dot` replaces `dot`."""
+AMX_DOT_MAX_ROWS = 32
+"""With AMX: rows up to which `amx_dot` runs, then `amx`."""
+AMX_MAX_ROWS = 128
+"""With AMX: rows up to which an AMX path runs, then `prefill`."""
+VNNI_DOT_MAX_ROWS = 16
+"""With VNNI, no AMX: rows up to which `dot` runs, then `prefill`."""
+PLAIN_DOT_MAX_ROWS = 2
+"""Without VNNI: rows up to which `dot` runs, then `deq_buffered`."""
+GEMV_MAX_ROWS = 16
+"""Without AMX: rows up to which a GEMV path runs, then `prefill`."""
+TILE_ROWS = 1024
+"""Weight rows per dequantized tile of the prefill path."""
+
+
+def choose_path(kernels, fmt: str, rows: int, dtype: torch.dtype = torch.bfloat16) -> str:
+    """The kernel path for `rows` rows of `dtype` activations and a `fmt` weight on
+    `kernels` (see the module docstring): dot, deq_buffered, amx_dot, amx, prefill, or
+    torch (no kernels). The bf16 AMX tiles take bf16 activations only: fp32 ones stay on
+    amx_dot there."""
+    if kernels is None:
+        return "torch"
+    if kernels.has_amx:
+        if rows < AMX_DOT_MIN_ROWS[fmt]:
+            return "dot"
+        if rows <= AMX_DOT_MAX_ROWS:
+            return "amx_dot"
+        if rows > AMX_MAX_ROWS:
+            return "prefill"
+        return "amx" if dtype == torch.bfloat16 else "amx_dot"
+    if rows > GEMV_MAX_ROWS:
+        return "prefill"
+    if kernels.has_vnni:
+        return "dot" if rows <= VNNI_DOT_MAX_ROWS else "prefill"
+    return "dot" if rows <= PLAIN_DOT_MAX_ROWS else "deq_buffered"
+
+
+class QuantizedLinear:
+    """y = x @ W.T + bias with W [out_features, in_features] kept quantized.
+
+    `kernels`: treadle.worker.native_quant.QuantKernels (None: the torch fallback).
+    """
+
+    def __init__(self, fmt: QuantFormat | str, blocks: torch.Tensor, in_features: int,
+                 scales: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                 kernels=None, tile_rows: int = TILE_ROWS) -> None:
+        self.format = fmt if isinstance(fmt, QuantFormat) else format_of(fmt)
+        row_bytes = self.format.row_bytes(in_features)
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes:
+            raise ValueError(f"{self.format.name} weight with in_features {in_features} needs "
+                             f"uint8 blocks [out_features, {row_bytes}], got "
+                             f"{blocks.dtype} {tuple(blocks.shape)}")
+        if (self.format.name == "INT8") != (scales is not None):
+            raise ValueError("scales are given for INT8 weights and only for them")
+        self.blocks = blocks.contiguous()
+        self.in_features = in_features
+        self.out_features = blocks.shape[0]
+        self.scales = None if scales is None else scales.float().contiguous()
+        if bias is not None and bias.shape != (self.out_features,):
+            raise ValueError(f"bias must have shape ({self.out_features},), got "
+                             f"{tuple(bias.shape)}")
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.kernels = kernels
+        self.tile_rows = max(1, tile_rows)
+        self._dense: torch.Tensor | None = None  # the fallback's copy
+        self._bias_as: dict[torch.dtype, torch.Tensor] = {}
+
+    @classmethod
+    def from_gguf(cls, ggml_type: int | str, data, shape: tuple[int, int],
+                  bias: torch.Tensor | None = None, kernels=None, copy: bool = True,
+                  tile_rows: int = TILE_ROWS) -> QuantizedLinear:
+        """A weight from a GGUF tensor's raw blocks: `ggml_type` its GGMLQuantizationType
+        (or name), `data` its bytes (numpy array, torch uint8 tensor or bytes; any shape
+        of N * row_bytes bytes), `shape` (out_features, in_features) in torch order (GGUF
+        lists dimensions the other way round). copy=False keeps a numpy memory map as the
+        storage (no second copy in memory; never written to)."""
+        fmt = format_of(ggml_type)
+        if fmt.name == "INT8":
+            raise ValueError("INT8 is not a GGUF type: use QuantizedLinear.quantize_int8")
+        n, k = shape
+        row_bytes = fmt.row_bytes(k)
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            data = np.frombuffer(data, dtype=np.uint8)
+        if isinstance(data, np.ndarray):
+            array = data.view(np.uint8).reshape(-1)
+            with warnings.catch_warnings():  # read-only memory maps: never written
+                warnings.simplefilter("ignore", UserWarning)
+                blocks = torch.from_numpy(array.copy() if copy else array)
+        else:
+            blocks = data.reshape(-1).view(torch.uint8)
+            blocks = blocks.clone() if copy else blocks
+        if blocks.numel() != n * row_bytes:
+            raise ValueError(f"{fmt.name} tensor of shape {shape} needs {n * row_bytes} bytes, "
+                             f"got {blocks.numel()}")
+        return cls(fmt, blocks.reshape(n, row_bytes), k, bias=bias, kernels=kernels,
+                   tile_rows=tile_rows)
+
+    @classmethod
+    def quantize_int8(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      kernels=None, tile_rows: int = TILE_ROWS) -> QuantizedLinear:
+        """INT8 weight-only quantization of a float [out, in] weight (per output row
+        symmetric scale, made here)."""
+        blocks, scales = quantize_int8(weight)
+        return cls("INT8", blocks, weight.shape[1], scales=scales, bias=bias, kernels=kernels,
+                   tile_rows=tile_rows)
+
+    @classmethod
+    def concat_rows(cls, weights: list[QuantizedLinear]) -> QuantizedLinear:
+        """One weight whose output rows are those of `weights` in order (fused QKV or
+        gate/up projections); they must share format and in_features."""
+        first = weights[0]
+        for w in weights[1:]:
+            if w.format != first.format or w.in_features != first.in_features:
+                raise ValueError(f"cannot fuse a {w.format.name} [{w.out_features}, "
+                                 f"{w.in_features}] weight with a {first.format.name} [..., "
+                                 f"{first.in_features}] one: dequantize or keep them apart")
+        biased = [w.bias is not None for w in weights]
+        if any(biased) and not all(biased):
+            raise ValueError("cannot fuse weights where only some have a bias")
+        scales = None if first.scales is None else torch.cat([w.scales for w in weights])
+        bias = torch.cat([w.bias for w in weights]) if all(biased) else None
+        return cls(first.format, torch.cat([w.blocks for w in weights]), first.in_features,
+                   scales=scales, bias=bias, kernels=first.kernels, tile_rows=first.tile_rows)
+
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `ids` (int64, any shape) dequantized: [*ids.shape, in_features] of dtype,
+        for a quantized token-embedding table (GGUF's token_embd, tied to the LM head)."""
+        flat = ids.reshape(-1)
+        blocks = self.blocks[flat]
+        scales = None if self.scales is None else self.scales[flat]
+        if self.kernels is None:
+            rows = dequantize_torch(self.format, blocks, self.in_features, scales).to(dtype)
+        else:
+            out_dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+            rows = self.kernels.dequantize(self.format.name, blocks, scales, self.in_features,
+                                           dtype=out_dtype).to(dtype)
+        return rows.reshape(*ids.shape, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the weight holds in memory (blocks and scales; not the bias)."""
+        extra = 0 if self.scales is None else self.scales.numel() * 4
+        return self.blocks.numel() + extra
+
+    def path(self, rows: int, dtype: torch.dtype = torch.bfloat16) -> str:
+        """The path `apply` takes for this many rows of `dtype` (`choose_path`)."""
+        return choose_path(self.kernels, self.format.name, rows, dtype)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] (bfloat16 or float32) @ W.T + bias, in x's dtype."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input has {x.shape[-1]} features, the weight takes "
+                             f"{self.in_features}")
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"quantized linear takes bfloat16 or float32 input, not {x.dtype}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        path = self.path(x2.shape[0], x2.dtype)
+        if path == "torch":
+            y = F.linear(x2, self._dense_copy(x.dtype), self._bias_in(x.dtype))
+        elif path == "prefill":
+            y = self._prefill(x2)
+        else:
+            y = self.kernels.gemv(self.format.name, self.blocks, self.scales, self.in_features,
+                                  x2, self.bias, path)
+        return y.reshape(*lead, self.out_features)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight as a dense [out_features, in_features] tensor (for the logits-level
+        comparison against a dequantized model, and for the fallback)."""
+        if self.kernels is None:
+            return dequantize_torch(self.format, self.blocks, self.in_features,
+                                    self.scales).to(dtype)
+        out_dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+        w = self.kernels.dequantize(self.format.name, self.blocks, self.scales,
+                                    self.in_features, dtype=out_dtype)
+        return w.to(dtype)
+
+    def _prefill(self, x: torch.Tensor) -> torch.Tensor:
+        """Many rows: dequantize tiles of weight rows and let oneDNN multiply each."""
+        n, k = self.out_features, self.in_features
+        y = torch.empty(x.shape[0], n, dtype=x.dtype)
+        tile = torch.empty(min(self.tile_rows, n), k, dtype=x.dtype)
+        bias = self._bias_in(x.dtype)
+        for n0 in range(0, n, self.tile_rows):
+            n1 = min(n, n0 + self.tile_rows)
+            w = self.kernels.dequantize(self.format.name, self.blocks, self.scales, k,
+                                        rows=(n0, n1), out=tile[:n1 - n0])
+            y[:, n0:n1] = F.linear(x, w, None if bias is None else bias[n0:n1])
+        return y
+
+    def _bias_in(self, dtype: torch.dtype) -> torch.Tensor | None:
+        if self.bias is None:
+            return None
+        if dtype not in self._bias_as:
+            self._bias_as[dtype] = self.bias.to(dtype)
+        return self._bias_as[dtype]
+
+    def _dense_copy(self, dtype: torch.dtype) -> torch.Tensor:
+        if self._dense is None or self._dense.dtype != dtype:
+            self._dense = dequantize_torch(self.format, self.blocks, self.in_features,
+                                           self.scales).to(dtype)
+        return self._dense

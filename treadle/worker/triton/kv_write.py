@@ -1,0 +1,79 @@
+"""The K/V cache write in Triton: scatter the new tokens' K and V into their slots.
+
+Owns one kernel: a program per new token copies its [num_kv_heads, head_dim] K and V rows
+to slot_mapping[token] (block = slot // block_size, offset = slot % block_size) of the
+cache layout in common.py, casting to the cache's dtype. A token whose slot is negative
+is skipped: that is how the rows that pad a CUDA graph's batch are marked, the same
+convention as the cache-write kernels of FlashAttention and FlashInfer users, so a padded
+batch is valid for any of them. It does not decide slots (core/kv_cache_manager does).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from treadle.worker.triton.common import check_kv_cache, next_pow2
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ckb, stride_cks, stride_ckh, stride_cvb, stride_cvs, stride_cvh,
+    num_kv_heads,
+    HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    heads = tl.arange(0, HEADS_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    # the slot test as a block, not a scalar: triton 3.9's interpreter rejects the mask a
+    # scalar bool broadcasts into
+    slot_ok = (heads[:, None] * 0 + dims[None, :] * 0 + slot) >= 0
+    mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < HEAD_DIM) & slot_ok
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    k = tl.load(key_ptr + tok * stride_kt + heads[:, None] * stride_kh + dims[None, :],
+                mask=mask)
+    tl.store(k_cache_ptr + block * stride_ckb + offset * stride_cks
+             + heads[:, None] * stride_ckh + dims[None, :],
+             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(value_ptr + tok * stride_vt + heads[:, None] * stride_vh + dims[None, :],
+                mask=mask)
+    tl.store(v_cache_ptr + block * stride_cvb + offset * stride_cvs
+             + heads[:, None] * stride_cvh + dims[None, :],
+             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+             value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store key/value [num_tokens, num_kv_heads, head_dim] at slot_mapping [num_tokens].
+
+    slot_mapping: int32 or int64 slots (block_id * block_size + offset); negative: skip.
+    Slots past the cache's end are the caller's bug and are not checked here (checking
+    would read the device); the scheduler only hands out slots of allocated blocks.
+    """
+    block_size, num_kv_heads, head_dim = check_kv_cache(key_cache, value_cache)
+    expected = (key.shape[0], num_kv_heads, head_dim)
+    if key.shape != expected or value.shape != expected:
+        raise ValueError(f"key and value must be {expected}, got {tuple(key.shape)} and "
+                         f"{tuple(value.shape)}")
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError("key and value must have a contiguous head_dim")
+    if slot_mapping.shape != (key.shape[0],) or slot_mapping.dtype not in (torch.int32,
+                                                                           torch.int64):
+        raise ValueError(f"slot_mapping must be [{key.shape[0]}] int32/int64, got "
+                         f"{tuple(slot_mapping.shape)} {slot_mapping.dtype}")
+    if key.shape[0] == 0:
+        return
+    _write_kv_kernel[(key.shape[0],)](
+        key, value, key_cache, value_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        num_kv_heads, HEAD_DIM=head_dim, HEADS_PAD=next_pow2(num_kv_heads),
+        HEAD_DIM_PAD=next_pow2(head_dim), BLOCK_SIZE=block_size,
+        num_warps=1 if num_kv_heads * head_dim <= 1024 else 4)
