@@ -1,6 +1,6 @@
 """The dashboard, request timelines and their keys, served by `treadle serve` under load:
 two tenants (weights 1 and 3, the fair policy), a KV cache small enough that requests
-are swapped out, and a --trace file of the same run. A headless Chromium (Debian's
+are swapped out (admission without lookahead), and a --trace file of the same run. A headless Chromium (Debian's
 package) loads /dashboard as one tenant, waits for the charts to move, compares the
 numbers on the page with /metrics and saves a screenshot."""
 
@@ -46,6 +46,8 @@ def served(tmp_path_factory):
     trace = folder / "trace.jsonl"
     with running_server(model, "--num-kv-blocks", "28", "--max-num-seqs", "8",
                         "--preemption-mode", "swap", "--scheduling-policy", "fair",
+                        # admit on free blocks alone, so that requests are swapped out
+                        "--admission-lookahead-tokens", "0",
                         "--api-keys-file", str(keys), "--trace", str(trace),
                         "--dashboard-interval", "0.5") as (base, _):
         yield base, trace, {t: [] for t in KEYS}
