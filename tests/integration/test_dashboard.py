@@ -1,8 +1,8 @@
 """The dashboard, request timelines and their keys, served by `treadle serve` under load:
 two tenants (weights 1 and 3, the fair policy), a KV cache small enough that requests
-are swapped out (admission without lookahead), and a --trace file of the same run. A headless Chromium (Debian's
-package) loads /dashboard as one tenant, waits for the charts to move, compares the
-numbers on the page with /metrics and saves a screenshot."""
+are swapped out (admission without lookahead), and a --trace file of the same run. A
+headless Chromium (Debian's package) loads /dashboard as one tenant, waits for the
+charts to move, compares the numbers on the page with /metrics and saves a screenshot."""
 
 from __future__ import annotations
 
@@ -190,9 +190,21 @@ def test_served_timelines_match_the_trace_and_each_tenant_sees_its_own(served):
 def test_the_schema_documents_request_timelines(served):
     base, _, _ = served
     spec = httpx.get(base + "/openapi.json", headers=bearer("alpha")).json()
-    op = spec["paths"]["/v1/requests/{request_id}"]["get"]
-    assert {"200", "401", "404", "503"} <= set(op["responses"])
-    assert "/dashboard/events" not in spec["paths"]  # an endless stream, not an API
+    for path in ("/v1/requests/{request_id}", "/dashboard/requests/{request_id}"):
+        op = spec["paths"][path]["get"]
+        assert {"200", "401", "404", "503"} <= set(op["responses"]) and "422" not in op["responses"]
+        assert op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"] \
+            .endswith("/RequestTimelines")
+    # Basic (the key as a password) is declared on the dashboard's routes only.
+    assert spec["paths"]["/v1/requests/{request_id}"]["get"]["security"] == [{"bearer": []}]
+    assert spec["components"]["securitySchemes"]["basic"]["scheme"] == "basic"
+    for path, content in (("/dashboard", "text/html"),
+                          ("/dashboard/events", "text/event-stream"),
+                          ("/dashboard/requests/{request_id}", "application/json")):
+        op = spec["paths"][path]["get"]
+        assert op["security"] == [{"bearer": []}, {"basic": []}]
+        assert list(op["responses"]["200"]["content"]) == [content]
+        assert "401" in op["responses"]
 
 
 _TILES = {"m-running": "num_requests_running", "m-waiting": "num_requests_waiting",

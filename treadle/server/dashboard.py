@@ -116,18 +116,23 @@ def observability_router(engine, server_config, recorder, authenticate, keyed: b
     if not server_config.dashboard:
         return router
 
-    @router.get("/dashboard/requests/{request_id}", include_in_schema=False)
+    @router.get("/dashboard/requests/{request_id}", response_model=RequestTimelines)
     async def dashboard_request_timeline(request_id: str, request: Request):
+        """GET /v1/requests/{id} for the page (the key as Bearer or as a Basic password)."""
         return timelines(request, request_id)
 
-    @router.get("/dashboard", include_in_schema=False)
+    @router.get("/dashboard", response_class=HTMLResponse)
     async def dashboard(request: Request):
+        """The live dashboard: one static HTML page, no library, no network beyond this
+        server (docs/dashboard.md)."""
         authenticate(request)
         return HTMLResponse(_PAGE.read_text(encoding="utf-8"),
                             headers={"Cache-Control": "no-cache"})
 
-    @router.get("/dashboard/events", include_in_schema=False)
+    @router.get("/dashboard/events", response_class=StreamingResponse)
     async def dashboard_events(request: Request):
+        """Server-sent events, one JSON object every dashboard_interval seconds until the
+        client leaves or the server shuts down (the format: docs/dashboard.md)."""
         tenant = authenticate(request)
         viewer = Viewer(tenant if keyed else None)
 
