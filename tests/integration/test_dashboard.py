@@ -224,7 +224,7 @@ def test_the_page_in_a_browser_under_load_matches_the_metrics(served, tmp_path):
     with HeadlessChromium(chromium, width=1400, height=1100) as browser:
         browser.set_headers(bearer("alpha"))  # EventSource and fetch send it too
         browser.navigate(base + "/dashboard")
-        with Load(base, sent, threads_per_tenant=5, per_thread=12 if keep else 3):
+        with Load(base, sent, threads_per_tenant=5, per_thread=30 if keep else 3):
             browser.wait_for("window.dashboard && dashboard.events >= 2", 60)
             browser.wait_for("dashboard.steps.length >= 20 && dashboard.rows.size >= 3", 120)
             first = browser.evaluate("[document.getElementById('c-tokens').toDataURL(),"
@@ -272,6 +272,19 @@ def test_the_page_in_a_browser_under_load_matches_the_metrics(served, tmp_path):
         tenants = browser.evaluate("[...document.querySelectorAll('#tenants tbody tr')]"
                                    ".map(r => r.firstChild.textContent)")
         assert tenants[0] in ("alpha", "others") and set(tenants) <= {"alpha", "others"}
+        # A narrow timeline (15 columns): the requests it no longer shows give their rows
+        # back, so that the rows in use are the drawn requests' (the top rows were left
+        # empty by requests scrolled out of view).
+        held = browser.evaluate("""(() => {
+            document.getElementById('c-timeline').style.width = '60px';
+            window.dispatchEvent(new Event('resize'));
+            const shown = document.getElementById('c-timeline')._shown;
+            const drawn = new Set(shown.flatMap(s => s.cells.map(c => c[1])));
+            return [[...dashboard.rows.keys()].filter(r => !drawn.has(r)
+                                                        && !dashboard.carry.has(r)).length,
+                    shown.length, dashboard.rows.size, dashboard.nextRow];
+        })()""")
+        assert held[0] == 0 and held[1] == 15 and held[2] < held[3], held
         assert not browser.console_errors()
     assert shot.stat().st_size > 20_000 and shot.read_bytes()[:4] == b"\x89PNG"
     if keep:  # how docs/dashboard.png is made
