@@ -323,7 +323,7 @@ def _cmd_bench_dashboard(args: argparse.Namespace) -> int:
         if not any(a == "--model" or a.startswith("--model=") for a in options):
             options = ["--model", "demo", *options]
         served = served_cost(options, args.num_requests, args.repeats, args.viewer,
-                             args.workload_seed)
+                             args.workload_seed, args.max_model_len)
         result["served"] = served
         print(format_table([{"system": name, "median output tok/s": tps,
                              "ratio to off": served["ratio_to_off"][name]}
@@ -554,6 +554,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="what keeps the dashboard open: an events client, or headless "
                            "Chromium")
     dash.add_argument("--workload-seed", type=int, default=0)
+    dash.add_argument("--max-model-len", type=int, default=2048,
+                      help="cap each request's prompt + output to this many tokens (prompt "
+                           "first; a shorter run of the same workload on a busy machine)")
     dash.add_argument("--output", default=None)
     dash.set_defaults(func=_cmd_bench_dashboard)
 
