@@ -323,7 +323,8 @@ def _cmd_bench_dashboard(args: argparse.Namespace) -> int:
         if not any(a == "--model" or a.startswith("--model=") for a in options):
             options = ["--model", "demo", *options]
         served = served_cost(options, args.num_requests, args.repeats, args.viewer,
-                             args.workload_seed, args.max_model_len)
+                             args.workload_seed, args.max_model_len,
+                             on_first=args.launch_on_first)
         result["served"] = served
         print(format_table([{"system": name, "median output tok/s": tps,
                              "ratio to off": served["ratio_to_off"][name]}
@@ -557,6 +558,9 @@ def build_parser() -> argparse.ArgumentParser:
     dash.add_argument("--max-model-len", type=int, default=2048,
                       help="cap each request's prompt + output to this many tokens (prompt "
                            "first; a shorter run of the same workload on a busy machine)")
+    dash.add_argument("--launch-on-first", action="store_true",
+                      help="launch the server with the recorder before the one without "
+                           "(default: the other way round)")
     dash.add_argument("--output", default=None)
     dash.set_defaults(func=_cmd_bench_dashboard)
 

@@ -141,9 +141,11 @@ class BrowserViewer:
 
 def served_cost(serve_options: list[str], num_requests: int = 64, repeats: int = 3,
                 viewer: str = "sse", seed: int = 0, max_model_len: int = 2048,
-                progress: bool = False) -> dict:
+                progress: bool = False, on_first: bool = False) -> dict:
     """Throughput of the engine-core workload served with the recorder off, on, and on
-    with a dashboard open; see the module docstring."""
+    with a dashboard open; see the module docstring. `on_first` launches the server with
+    the recorder before the one without (to tell a launch-order effect from the
+    recorder's)."""
     import contextlib
 
     from treadle.bench import workloads
@@ -153,9 +155,11 @@ def served_cost(serve_options: list[str], num_requests: int = 64, repeats: int =
     viewer_type = {"sse": SSEViewer, "browser": BrowserViewer}[viewer]
     runs: dict[str, list[dict]] = {name: [] for name in SYSTEMS}
     with contextlib.ExitStack() as stack:
-        off_url, _ = stack.enter_context(launched_server(
-            [*serve_options, "--no-dashboard", "--request-timelines", "0"]))
-        on_url, _ = stack.enter_context(launched_server(serve_options))
+        launches = {"off": [*serve_options, "--no-dashboard", "--request-timelines", "0"],
+                    "on": serve_options}
+        urls = {name: stack.enter_context(launched_server(launches[name]))[0]
+                for name in (("on", "off") if on_first else ("off", "on"))}
+        off_url, on_url = urls["off"], urls["on"]
         card = served_model(on_url)
         workload = workloads.synthetic(num_requests=num_requests, seed=seed,
                                        max_model_len=max_model_len,
@@ -186,6 +190,7 @@ def served_cost(serve_options: list[str], num_requests: int = 64, repeats: int =
     tps = {name: [r["output_tokens_per_s"] for r in rs] for name, rs in runs.items()}
     return {"workload": workload.description | {"name": workload.name},
             "serve_options": serve_options, "viewer": viewer, "repeats": repeats,
+            "launched_first": "on" if on_first else "off",
             "runs": runs, "median_output_tokens_per_s": medians,
             "ratio_to_off": {name: medians[name] / medians["off"] for name in SYSTEMS},
             "ratio_open_to_on": medians["open"] / medians["on"],
