@@ -5,7 +5,8 @@ first (server/middleware.py), validation (server/protocol.py, then the engine's 
 vocabulary, context, KV cache), tokenization and chat templating in worker threads,
 overload control (server/admission.py), server-sent events, and aborting a request the
 moment its client goes away. Error bodies: server/errors.py; the published schema:
-server/openapi.py. Scheduling and generation stay in the engine.
+server/openapi.py; the dashboard, request timelines and OTLP spans:
+server/dashboard.py. Scheduling and generation stay in the engine.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from treadle.server import protocol
 from treadle.server.admission import (AdmissionControl, AdmissionLimits, NeverAdmissible,
                                       Overloaded)
 from treadle.server.auth import KeyRing
+from treadle.server.dashboard import install_observability
 from treadle.server.errors import APIError, error_body, error_response, install_error_handlers
 from treadle.server.fields import check_fields, check_message_fields
 from treadle.server.middleware import AuthFirst, BodySizeLimit
@@ -234,6 +236,8 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
     async def run(request: Request, request_id: str, prompt: str | None, prompt_ids: list[int],
                   params: SamplingParams, priority: int, tenant: str, ticket):
         """The request's outputs; the ticket is released however it ends."""
+        if app.state.request_spans is not None:  # its span joins the caller's trace
+            app.state.request_spans.note_parent(request_id, request.headers)
         try:
             async for output in engine.generate(request_id, prompt, prompt_ids, params,
                                                 priority, tenant):
@@ -433,6 +437,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
         run_in_threadpool=run_in_threadpool, check_lengths=check_lengths,
         structured_spec=structured_spec, sampling_params=sampling_params, admit=admit,
         run=run, final_output=final_output)))
+    install_observability(app, engine, server_config, keyring, authenticate)
     app.add_middleware(BodySizeLimit, max_bytes=server_config.max_request_body_bytes)
     app.add_middleware(AuthFirst, keyring=keyring)  # added last: runs first
     return app
