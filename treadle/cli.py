@@ -317,6 +317,33 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     return _failed("serve", summary["num_failed"], summary["num_requests"], summary["errors"])
 
 
+def _cmd_bench_dashboard(args: argparse.Namespace) -> int:
+    import shlex
+
+    from treadle.bench.dashboard import recorder_cost, served_cost
+    from treadle.bench.report import format_table
+
+    result: dict = {"recorder": recorder_cost()}
+    print(format_table(result["recorder"], ["scheduled_requests", "recorder_us_per_step",
+                                            "event_ms_per_second_of_steps"]))
+    if args.repeats:
+        options = shlex.split(args.launch)
+        if not any(a == "--model" or a.startswith("--model=") for a in options):
+            options = ["--model", "demo", *options]
+        served = served_cost(options, args.num_requests, args.repeats, args.viewer,
+                             args.workload_seed, args.max_model_len,
+                             on_first=args.launch_on_first)
+        result["served"] = served
+        print(format_table([{"system": name, "median output tok/s": tps,
+                             "ratio to off": served["ratio_to_off"][name]}
+                            for name, tps in served["median_output_tokens_per_s"].items()],
+                           ["system", "median output tok/s", "ratio to off"]))
+        print("open / on per repeat:", ", ".join(f"{r:.4f}"
+                                                  for r in served["per_repeat_open_to_on"]))
+    print("wrote", _write_result(result, args.output, "dashboard.json"))
+    return 0
+
+
 def _cmd_bench_soak(args: argparse.Namespace) -> int:
     import asyncio
     import contextlib
@@ -528,6 +555,28 @@ def build_parser() -> argparse.ArgumentParser:
                       help="token ids below this (default: the server's /v1/models vocab_size)")
     soak.add_argument("--output", default=None)
     soak.set_defaults(func=_cmd_bench_soak)
+
+    dash = bench_sub.add_parser(
+        "dashboard", help="what watching costs: the step recorder per step, and served "
+                          "throughput with the recorder off, on, and a dashboard open")
+    dash.add_argument("--launch", default="--dtype bfloat16",
+                      help="`treadle serve` options of both servers (the demo model unless "
+                           "--model is among them)")
+    dash.add_argument("--num-requests", type=int, default=64)
+    dash.add_argument("--repeats", type=int, default=3,
+                      help="alternating repeats of the served runs (0: the recorder only)")
+    dash.add_argument("--viewer", choices=["sse", "browser"], default="sse",
+                      help="what keeps the dashboard open: an events client, or headless "
+                           "Chromium")
+    dash.add_argument("--workload-seed", type=int, default=0)
+    dash.add_argument("--max-model-len", type=int, default=2048,
+                      help="cap each request's prompt + output to this many tokens (prompt "
+                           "first; a shorter run of the same workload on a busy machine)")
+    dash.add_argument("--launch-on-first", action="store_true",
+                      help="launch the server with the recorder before the one without "
+                           "(default: the other way round)")
+    dash.add_argument("--output", default=None)
+    dash.set_defaults(func=_cmd_bench_dashboard)
 
     sched = bench_sub.add_parser(
         "scheduling", help="mixed-priority and azure-conv replays under several policies "

@@ -622,6 +622,17 @@ class ServerConfig:
         "Allow tool_choice 'auto' (the model decides; needs --tool-call-parser)"))
     responses_store_size: int = field(default=1000, metadata=_help(
         "Responses API: stored responses kept per tenant for previous_response_id (LRU)"))
+    dashboard: bool = field(default=True, metadata=_help(
+        "Serve the live dashboard at /dashboard, updated over server-sent events"))
+    dashboard_interval: float = field(default=1.0, metadata=_help(
+        "Seconds between two dashboard updates (0.1 to 60)"))
+    request_timelines: int = field(default=1000, metadata=_help(
+        "Finished requests whose timeline GET /v1/requests/{id} keeps (0: live ones only)"))
+    recorded_steps: int = field(default=2048, metadata=_help(
+        "Recent engine steps kept in memory for the dashboard's step timeline"))
+    otlp_traces_endpoint: str | None = field(default=None, metadata=_help(
+        "Send one OpenTelemetry span per request to this OTLP/HTTP URL (e.g. "
+        "http://127.0.0.1:4318/v1/traces; needs pip install 'treadle[otel]')"))
 
     def __post_init__(self) -> None:
         for name in ("max_waiting_requests", "max_waiting_tokens",
@@ -633,6 +644,17 @@ class ServerConfig:
             raise ValueError(f"max_queue_delay must be >= 0 seconds, got {self.max_queue_delay}")
         if self.tenant_tokens_per_minute < 0:
             raise ValueError("tenant_tokens_per_minute must be >= 0")
+        if not 0.1 <= self.dashboard_interval <= 60:
+            raise ValueError(f"dashboard_interval must be in [0.1, 60] seconds, got "
+                             f"{self.dashboard_interval}")
+        if self.request_timelines < 0:
+            raise ValueError(f"request_timelines must be >= 0, got {self.request_timelines}")
+        if self.recorded_steps < 1:
+            raise ValueError(f"recorded_steps must be >= 1, got {self.recorded_steps}")
+        endpoint = self.otlp_traces_endpoint
+        if endpoint is not None and not re.match(r"https?://[^/\s]+", endpoint):
+            raise ValueError("otlp_traces_endpoint must be an http:// or https:// URL (OTLP "
+                             f"over HTTP), got {endpoint!r}")
         if self.shutdown_timeout < 0:
             raise ValueError("shutdown_timeout must be >= 0")
         parsers = ("hermes", "llama3_json", "mistral", "qwen")  # server/tool_parsers

@@ -1,11 +1,16 @@
 """Prometheus metrics of a serving engine, named as vLLM names them with a `treadle:` prefix.
 
-Owns one CollectorRegistry per engine (no module-level state) and the conversions from
+Owns one CollectorRegistry per engine (no module-level state), the conversions from
 engine stats and request timings to gauges, counters and histograms, so dashboards and
-routers built for vLLM read treadle unchanged. It never decides anything.
+routers built for vLLM read treadle unchanged, and the last minute of TTFT / TPOT
+observations for treadle's own dashboard (`LatencyWindow`). It never decides anything.
 """
 
 from __future__ import annotations
+
+import threading
+import time
+from collections import deque
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
                                generate_latest)
@@ -35,6 +40,30 @@ _COUNTER_STATS = {
 # Exposed once the engine's stats carry these keys (seconds, cumulative); until then the
 # metric is absent rather than a zero nobody measured.
 _PREEMPTION_TAX_STATS = {"time_swap_s": "swap", "time_recompute_s": "recompute"}
+
+
+class LatencyWindow:
+    """The latency observations of the last `window_s` seconds (the same ones the
+    histograms get), for percentiles over the last minute (the dashboard). Bounded; the
+    engine thread appends, readers copy under a lock held for the copy."""
+
+    def __init__(self, window_s: float = 60.0, max_samples: int = 100_000,
+                 clock=time.monotonic) -> None:
+        self.window_s, self._clock = window_s, clock
+        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)
+        self._lock = threading.Lock()
+
+    def add(self, value: float) -> None:
+        with self._lock:
+            self._samples.append((self._clock(), value))
+
+    def values(self) -> list[float]:
+        """The observations of the last window_s seconds, oldest first."""
+        cutoff = self._clock() - self.window_s
+        with self._lock:
+            while self._samples and self._samples[0][0] < cutoff:
+                self._samples.popleft()
+            return [v for _, v in self._samples]
 
 
 class EngineMetrics:
@@ -93,6 +122,10 @@ class EngineMetrics:
                                       "First scheduled to first token", _LATENCY_BUCKETS)
         self.decode_time = histogram("request_decode_time_seconds", "First token to finish",
                                      _LATENCY_BUCKETS)
+        self.recent_ttft = LatencyWindow()
+        """The TTFT observations of the last minute (also in the histogram)."""
+        self.recent_tpot = LatencyWindow()
+        """The TPOT observations of the last minute (also in the histogram)."""
 
     def record_step(self, stats: dict, num_running: int, num_waiting: int, num_swapped: int,
                     num_scheduled: int, max_num_seqs: int) -> None:
@@ -147,6 +180,7 @@ class EngineMetrics:
         self.generation_tokens.inc(num_tokens)
         if ttft is not None:
             self.ttft.observe(ttft)
+            self.recent_ttft.add(ttft)
         elif gap is not None:
             self.itl.observe(gap)
 
@@ -164,7 +198,25 @@ class EngineMetrics:
                 self.prefill_time.observe(first_token - first_scheduled)
             self.decode_time.observe(finished - first_token)
             if num_output_tokens > 1:
-                self.tpot.observe((finished - first_token) / (num_output_tokens - 1))
+                tpot = (finished - first_token) / (num_output_tokens - 1)
+                self.tpot.observe(tpot)
+                self.recent_tpot.add(tpot)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+    def snapshot(self) -> dict[str, float]:
+        """Every `treadle:` sample as /metrics shows it, in one pass over the registry:
+        {name without the prefix (e.g. "generation_tokens_total"): value}, samples of
+        one name summed over their labels (request_success_total: every finish reason);
+        histogram buckets left out."""
+        out: dict[str, float] = {}
+        for metric in self.registry.collect():
+            if not metric.name.startswith("treadle:"):
+                continue
+            for sample in metric.samples:
+                if "le" in sample.labels:
+                    continue
+                name = sample.name[len("treadle:"):]
+                out[name] = out.get(name, 0.0) + sample.value
+        return out

@@ -4,7 +4,7 @@ Owns the thread that steps the engine (EngineCore through the EngineDriver that 
 offline LLM uses too), the command queue into it (add, abort), the delivery of each
 request's outputs to the event loop of its caller, the per-request timings behind the
 latency metrics, and the engine's limits and controls the server may read or set
-(`limits`, `set_tenant_weight`). Tokenization happens in the caller's worker threads
+(`limits`, `set_tenant_weight`, `record_steps`). Tokenization happens in the caller's worker threads
 (see server/api.py), never on the engine thread or the event loop. While idle the loop
 still checks, every 0.1 s, that the workers are alive: a dead worker fails every stream
 and turns `is_alive` (and so /health) false.
@@ -145,6 +145,20 @@ class AsyncEngine:
         return self.core.list_loras()
 
     @property
+    def tenant_weights(self) -> dict[str, float]:
+        """The tenants' weights as the scheduler has them (a copy)."""
+        return dict(self.core.scheduler.tenant_weights)
+
+    def record_steps(self, max_steps: int = 2048, max_finished: int = 1000):
+        """A StepRecorder (treadle.engine.timeline) of the recent steps and the request
+        timelines, fed by the engine thread from its next step on; read it from any thread."""
+        from treadle.engine.timeline import StepRecorder
+
+        recorder = StepRecorder(self.core.scheduler, max_steps, max_finished)
+        self._send(("observe", recorder))
+        return recorder
+
+    @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.error is None and not self._stop.is_set()
 
@@ -246,6 +260,8 @@ class AsyncEngine:
             elif kind == "abort_all":
                 for request_id in list(self._streams):
                     self._abort(request_id, error=command[1])
+            elif kind == "observe":
+                self.core.trace.add(command[1])
 
     def _add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
              params: SamplingParams, priority: int, tenant: str | None, arrival: float,

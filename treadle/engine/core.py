@@ -23,6 +23,7 @@ from treadle.config import EngineConfig
 from treadle.core.outputs import EngineCoreOutput, StepTimings, WorkerInfo
 from treadle.core.scheduler import Scheduler
 from treadle.engine.lora_registry import LoRARegistry
+from treadle.engine.step_observers import StepObservers
 from treadle.engine.trace import TraceRecorder, engine_facts
 from treadle.executor import make_executor
 from treadle.lora import AdapterSpec, LoRARequest
@@ -74,11 +75,14 @@ class EngineCore:
                                    config.lora.max_lora_rank)
                       if config.lora.enable_lora else None)
         """The adapters this engine knows (None: LoRA is off)."""
-        self.trace = (TraceRecorder(config.scheduler.trace, config.scheduler.scheduling_policy,
-                                    engine=engine_facts(config, info, self.num_kv_blocks,
-                                                        self.num_swap_blocks))
-                      if config.scheduler.trace else None)
-        """Per-step trace (treadle.engine.trace), when `scheduler.trace` names a file."""
+        self.trace = StepObservers(
+            [TraceRecorder(config.scheduler.trace, config.scheduler.scheduling_policy,
+                           engine=engine_facts(config, info, self.num_kv_blocks,
+                                               self.num_swap_blocks))]
+            if config.scheduler.trace else [])
+        """What watches each step (treadle.engine.step_observers): the per-step trace file
+        when `scheduler.trace` names one, in-memory recorders added later (the server's
+        treadle.engine.timeline); falsy when nothing watches."""
         self.timings = StepTimings()
         """The workers' step costs, summed over steps."""
         self.time_recompute_s = 0.0
@@ -161,7 +165,7 @@ class EngineCore:
             family = request.parent_id or request.request_id
             request.cache_salt = f"{request.cache_salt or ''}\x00prompt-logprobs:{family}"
         self.scheduler.add_request(request)
-        if self.trace is not None:
+        if self.trace:
             self.trace.record_arrival(request)
         return None
 
@@ -183,7 +187,7 @@ class EngineCore:
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         if request is None:
             return None
-        if self.trace is not None:
+        if self.trace:
             self.trace.record_end(request_id, FinishReason.ABORT.value)
         return EngineCoreOutput(request_id, [], FinishReason.ABORT)
 
@@ -191,7 +195,7 @@ class EngineCore:
         """End a request that the output processor found finished (a stop string matched):
         its blocks are freed at once and it is not scheduled again."""
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
-        if request is not None and self.trace is not None:
+        if request is not None and self.trace:
             self.trace.record_end(request_id, FinishReason.STOP.value)
 
     def has_unfinished_requests(self) -> bool:
@@ -210,8 +214,7 @@ class EngineCore:
         except Exception:  # noqa: BLE001 - a dead worker: stop the rest anyway
             pass
         self.executor.shutdown()
-        if self.trace is not None:
-            self.trace.close()
+        self.trace.close()
 
     # ----- one step ------------------------------------------------------------------------
 
@@ -226,6 +229,8 @@ class EngineCore:
             if scheduler_output.is_empty and not (scheduler_output.finished_request_ids
                                                   or scheduler_output.preempted_request_ids):
                 break  # nothing to run or to tell the workers
+            if self.trace:
+                self.trace.record_scheduled(step, scheduler_output)
             self.executor.submit(scheduler_output)
             self._in_flight.append((scheduler_output, step, t_start))
             if not scheduler_output.scheduled:
@@ -236,7 +241,7 @@ class EngineCore:
         runner_output = self.executor.receive()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._add_timings(runner_output.timings, scheduler_output)
-        if self.trace is not None and (scheduler_output.scheduled
+        if self.trace and (scheduler_output.scheduled
                                        or scheduler_output.preempted_request_ids):
             spec = self.scheduler.spec
             self.trace.record_step(step, t_start, time.monotonic(), scheduler_output, outputs,

@@ -6,8 +6,9 @@ server/lora_routes.py, which also has the runtime adapter routes), validation
 (server/protocol.py, then the engine's limits: vocabulary, context, KV cache),
 tokenization and chat templating in worker threads, overload control
 (server/admission.py), server-sent events, and aborting a request the moment its client
-goes away. Error bodies: server/errors.py; the published schema: server/openapi.py.
-Scheduling and generation stay in the engine.
+goes away. Error bodies: server/errors.py; the published schema: server/openapi.py; the
+dashboard, request timelines and OTLP spans: server/dashboard.py. Scheduling and
+generation stay in the engine.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from treadle.server import protocol
 from treadle.server.admission import (AdmissionControl, AdmissionLimits, NeverAdmissible,
                                       Overloaded)
 from treadle.server.auth import KeyRing, Tenant
+from treadle.server.dashboard import install_observability
 from treadle.server.errors import APIError, error_body, error_response, install_error_handlers
 from treadle.server.fields import check_fields, check_message_fields
 from treadle.server.lora_routes import UnknownModel, lora_router, model_cards, resolve_model
@@ -243,6 +245,8 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
                   params: SamplingParams, priority: int, tenant: str, ticket, lora=None):
         """The request's outputs (with the LoRA adapter `lora`, None: the base model); the
         ticket is released however it ends."""
+        if app.state.request_spans is not None:  # its span joins the caller's trace
+            app.state.request_spans.note_parent(request_id, request.headers)
         try:
             async for output in engine.generate(request_id, prompt, prompt_ids, params,
                                                 priority, tenant, lora):
@@ -448,6 +452,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
         run=run, final_output=final_output)))
     if server_config.enable_lora_runtime_updates:
         app.include_router(lora_router(engine, authorize))
+    install_observability(app, engine, server_config, keyring, authenticate)
     app.add_middleware(BodySizeLimit, max_bytes=server_config.max_request_body_bytes)
     app.add_middleware(AuthFirst, keyring=keyring)  # added last: runs first
     return app

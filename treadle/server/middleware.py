@@ -5,11 +5,17 @@ every path but /health and /metrics, before the body is even read, so a keyless 
 learns nothing about validation), then the body size (a 413 whether the size was
 declared in Content-Length or only found while reading a chunked body). The tenant of
 the key is left in `request.state.tenant` for the routes, the key's Tenant (with the
-models it may use) in `request.state.key`. Pure ASGI: no engine.
+models it may use) in `request.state.key`. GETs under /dashboard also take the key as
+the password of HTTP Basic auth, and their 401 asks for it, so that a browser prompts
+once and its page's EventSource is let in; Basic is accepted nowhere else (a browser
+sends cached Basic credentials on its own, which must never authorize a cross-site POST
+to /v1). Pure ASGI: no engine.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 
 from treadle.server.auth import AuthError, KeyRing
@@ -17,6 +23,25 @@ from treadle.server.errors import error_body
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 """Paths served without a key (probes and scrapers)."""
+DASHBOARD_PREFIX = "/dashboard"
+_BASIC_CHALLENGE = b'Basic realm="treadle dashboard", charset="UTF-8"'
+
+
+def _is_dashboard(scope) -> bool:
+    path = scope.get("path") or ""
+    return path == DASHBOARD_PREFIX or path.startswith(DASHBOARD_PREFIX + "/")
+
+
+def _basic_as_bearer(header: str) -> str:
+    """'Basic base64(user:key)' -> 'Bearer key' (the user name is ignored)."""
+    try:
+        decoded = base64.b64decode(header[len("Basic "):].strip(), validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        raise AuthError("malformed Basic credentials") from None
+    _, sep, key = decoded.partition(":")
+    if not sep:
+        raise AuthError("malformed Basic credentials: expected user:key")
+    return f"Bearer {key}"
 
 
 async def _send_error(send, status: int, message: str, kind: str | None = None,
@@ -42,12 +67,17 @@ class AuthFirst:
             state["tenant"] = state["key"] = None
             return await self.app(scope, receive, send)
         header = dict(scope.get("headers") or {}).get(b"authorization")
+        dashboard = _is_dashboard(scope) and scope.get("method") in ("GET", "HEAD")
         try:
-            tenant = self.keyring.authenticate(
-                header.decode("latin-1") if header is not None else None)
+            text = header.decode("latin-1") if header is not None else None
+            if dashboard and text is not None and text.startswith("Basic "):
+                text = _basic_as_bearer(text)
+            tenant = self.keyring.authenticate(text)
         except AuthError as exc:
-            return await _send_error(send, 401, str(exc), "authentication_error",
-                                     [(b"www-authenticate", b"Bearer")])
+            challenges = [(b"www-authenticate", b"Bearer")]
+            if dashboard:
+                challenges.append((b"www-authenticate", _BASIC_CHALLENGE))
+            return await _send_error(send, 401, str(exc), "authentication_error", challenges)
         state["tenant"], state["key"] = tenant.name, tenant
         return await self.app(scope, receive, send)
 

@@ -3,10 +3,11 @@
 Owns the schema's truth: every route lists the statuses it can return (400, 401, 403,
 404, 409, 413, 429, 500, 503, each with the OpenAI error body, 429 with its Retry-After header)
 and its content types (JSON, or server-sent events when streaming; Prometheus text for
-/metrics); the bounds that depend on the loaded model (token ids below the vocabulary,
-max_tokens and prompt lengths within the context and the KV cache) are written into the
-request schemas from the same EngineLimits the validators use; with API keys configured
-every route but /health and /metrics declares Bearer auth. The one rule JSON Schema
+/metrics; HTML and an endless event stream for the dashboard); the bounds that depend on
+the loaded model (token ids below the vocabulary, max_tokens and prompt lengths within
+the context and the KV cache) are written into the request schemas from the same
+EngineLimits the validators use; with API keys configured every route but /health and
+/metrics declares Bearer auth (the dashboard's Basic too). The one rule JSON Schema
 cannot state, prompt tokens + max_tokens <= the request limit, is in the description of
 max_tokens. It validates nothing itself (protocol.py and api.py do).
 """
@@ -21,7 +22,7 @@ from fastapi.openapi.utils import get_openapi
 from treadle.engine.limits import EngineLimits
 from treadle.server.fields import ACCEPTED_IGNORED, NEUTRAL_VALUES, UNSUPPORTED
 from treadle.server.lora_routes import ROUTE_ERRORS as _LORA_ROUTE_ERRORS
-from treadle.server.middleware import OPEN_PATHS
+from treadle.server.middleware import DASHBOARD_PREFIX, OPEN_PATHS
 
 _ERROR_SCHEMA = {
     "type": "object", "required": ["error"],
@@ -40,7 +41,8 @@ _DESCRIPTIONS = {
     400: "Invalid request: the message names the field and the limit",
     401: "Missing or invalid API key",
     403: "This API key is limited to some models and may not load or unload adapters",
-    404: "Unknown model, no stored response of that id, or no such LoRA adapter",
+    404: "Unknown model, no stored response of that id, no such LoRA adapter, or no "
+         "timeline of that request id for this tenant",
     409: "A LoRA adapter of that name is already loaded (or it is the base model's)",
     413: "Body larger than max_request_body_bytes",
     429: "Overloaded or over the tenant's quota: retry after Retry-After seconds",
@@ -57,10 +59,26 @@ _ROUTE_ERRORS = {
     ("/v1/responses/{response_id}", "get"): (404,),
     ("/v1/responses/{response_id}", "delete"): (404,),
     ("/v1/models", "get"): (503,),
+    ("/v1/requests/{request_id}", "get"): (404, 503),
+    ("/dashboard/requests/{request_id}", "get"): (404, 503),
     ("/health", "get"): (503,),
     **_LORA_ROUTE_ERRORS,
 }
 _STREAMING = {"/v1/completions", "/v1/chat/completions", "/v1/responses"}
+_DASHBOARD_EVENT = {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "one JSON object: gauges, "
+                            "totals, latency percentiles, tenant shares, the steps since "
+                            "the last event (docs/dashboard.md)"}},
+}
+_OTHER_CONTENT = {
+    "/dashboard": {"text/html": {"schema": {"type": "string"}}},
+    "/dashboard/events": {"text/event-stream": {
+        "schema": _DASHBOARD_EVENT, "description": "endless: an event every "
+        "dashboard_interval seconds until the client leaves or the server shuts down"}},
+    "/metrics": {"text/plain": {"schema": {"type": "string"}}},
+}
+"""Routes whose answer is not JSON."""
 
 
 def token_id_pattern(vocab_size: int) -> str:
@@ -172,6 +190,8 @@ def _document_responses(paths: dict, auth: bool) -> None:
             if auth and path not in OPEN_PATHS:
                 codes.append(401)
                 operation["security"] = [{"bearer": []}]
+                if path == DASHBOARD_PREFIX or path.startswith(DASHBOARD_PREFIX + "/"):
+                    operation["security"].append({"basic": []})  # the key as the password
             for code in sorted(codes):
                 entry = {"description": _DESCRIPTIONS[code],
                          "content": {"application/json": {
@@ -187,8 +207,8 @@ def _document_responses(paths: dict, auth: bool) -> None:
                     "application/json": {"schema": {"type": "object"}},
                     "text/event-stream": {"schema": _SSE_EVENT,
                                           "description": "with stream: true"}}
-            elif path == "/metrics":
-                ok["content"] = {"text/plain": {"schema": {"type": "string"}}}
+            elif path in _OTHER_CONTENT:
+                ok["content"] = _OTHER_CONTENT[path]
 
 
 def install_openapi(app: FastAPI, limits: EngineLimits, auth: bool) -> None:
@@ -207,7 +227,8 @@ def install_openapi(app: FastAPI, limits: EngineLimits, auth: bool) -> None:
         _set_limits(schemas, limits)
         _close_request_schemas(schemas)
         if auth:
-            components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+            components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"},
+                                             "basic": {"type": "http", "scheme": "basic"}}
         _document_responses(schema.get("paths", {}), auth)
         app.openapi_schema = schema
         return schema

@@ -1,0 +1,291 @@
+"""The dashboard, request timelines and their keys, served by `treadle serve` under load:
+two tenants (weights 1 and 3, the fair policy), a KV cache small enough that requests
+are swapped out (admission without lookahead), and a --trace file of the same run. A
+headless Chromium (Debian's package) loads /dashboard as one tenant, waits for the
+charts to move, compares the numbers on the page with /metrics and saves a screenshot."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import threading
+import time
+
+import httpx
+import pytest
+
+from server_fixtures import running_server
+from treadle.bench.headless_browser import HeadlessChromium, find_chromium
+from treadle.engine.trace import read_trace
+from treadle.models.demo import write_demo_model
+
+TINY_DEMO = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                 initializer_range=0.2)
+KEYS = {"alpha": "key-alpha", "beta": "key-beta"}
+WEIGHTS = {"alpha": 1, "beta": 3}
+
+
+def bearer(tenant):
+    return {"Authorization": f"Bearer {KEYS[tenant]}"}
+
+
+def basic(key, user="me"):
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{key}".encode()).decode()}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("dash")
+    model = str(write_demo_model(folder / "m", seed=5, config_overrides=TINY_DEMO))
+    keys = folder / "keys.yaml"
+    keys.write_text("".join(f"- {{key: {KEYS[t]}, tenant: {t}, weight: {WEIGHTS[t]}}}\n"
+                            for t in KEYS))
+    trace = folder / "trace.jsonl"
+    with running_server(model, "--num-kv-blocks", "28", "--max-num-seqs", "8",
+                        "--preemption-mode", "swap", "--scheduling-policy", "fair",
+                        # admit on free blocks alone, so that requests are swapped out
+                        "--admission-lookahead-tokens", "0",
+                        "--api-keys-file", str(keys), "--trace", str(trace),
+                        "--dashboard-interval", "0.5") as (base, _):
+        yield base, trace, {t: [] for t in KEYS}
+
+
+def complete(base, tenant, k, j, max_tokens=40):
+    """Thread k's j-th request: the j-th requests of one tenant share a 32-token prefix."""
+    r = httpx.post(base + "/v1/completions", headers=bearer(tenant), timeout=300,
+                   json={"prompt": [5 + j] * 32 + [100 + k] * (1 + k), "max_tokens": max_tokens,
+                         "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["id"]
+
+
+class Load:
+    """Bounded background traffic from both tenants: `per_thread` requests per thread."""
+
+    def __init__(self, base, sent, threads_per_tenant=5, per_thread=4):
+        self.errors: list = []
+        self.threads = [threading.Thread(target=self._run, args=(base, sent, t, k, per_thread))
+                        for t in KEYS for k in range(threads_per_tenant)]
+
+    def _run(self, base, sent, tenant, k, per_thread):
+        try:
+            for j in range(per_thread):
+                sent[tenant].append(complete(base, tenant, k, j))
+        except Exception as exc:  # noqa: BLE001
+            self.errors.append(exc)
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        for t in self.threads:
+            t.join(timeout=600)
+        assert not self.errors, self.errors
+
+
+def metrics(base) -> dict[str, float]:
+    """/metrics as {name{labels}: value}, and request_success summed as 'finished'."""
+    out: dict[str, float] = {"finished": 0.0}
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        if line.startswith("treadle:"):
+            key, value = line.rsplit(" ", 1)
+            name = key.split("{")[0][len("treadle:"):]
+            out[name] = out.get(name, 0.0) + float(value)
+            if name == "request_success_total":
+                out["finished"] += float(value)
+    return out
+
+
+def events(base, headers, count, timeout=60):
+    got = []
+    with httpx.stream("GET", base + "/dashboard/events", headers=headers,
+                      timeout=timeout) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                got.append(json.loads(line[len("data: "):]))
+                if len(got) == count:
+                    break
+    return got
+
+
+def test_the_dashboard_needs_a_key_and_takes_it_as_a_basic_password(served):
+    base, _, _ = served
+    r = httpx.get(base + "/dashboard")
+    assert r.status_code == 401
+    challenges = r.headers.get_list("www-authenticate")
+    assert "Bearer" in challenges and any(c.startswith("Basic ") for c in challenges)
+    assert httpx.get(base + "/dashboard", headers=basic("wrong")).status_code == 401
+    for headers in (bearer("alpha"), basic(KEYS["alpha"])):
+        page = httpx.get(base + "/dashboard", headers=headers)
+        assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+        assert "EventSource" in page.text
+        assert "http://" not in page.text and "https://" not in page.text  # works offline
+    assert len(events(base, basic(KEYS["beta"]), 1)) == 1
+    # Basic is for the dashboard's GETs only: never for the API.
+    assert httpx.get(base + "/v1/requests/x", headers=basic(KEYS["alpha"])).status_code == 401
+    assert httpx.get(base + "/v1/models", headers=basic(KEYS["alpha"])).status_code == 401
+    assert httpx.get(base + "/v1/requests/x").status_code == 401
+    assert httpx.get(base + "/dashboard/events").status_code == 401
+
+
+def test_served_timelines_match_the_trace_and_each_tenant_sees_its_own(served):
+    base, trace_path, sent = served
+    seen_rows: dict[str, set] = {"alpha": set()}
+    tenants_seen = []
+
+    def watch():
+        for ev in events(base, bearer("alpha"), 12, timeout=120):
+            for step in ev["steps"]:
+                seen_rows["alpha"].update(cell[0] for cell in step[12])
+            tenants_seen.append([t["tenant"] for t in ev["tenants"]])
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    with Load(base, sent):
+        pass
+    watcher.join(timeout=120)
+    trace = read_trace(trace_path)
+    swaps = 0
+    for tenant, ids in sent.items():
+        other = next(t for t in KEYS if t != tenant)
+        for rid in ids:
+            r = httpx.get(f"{base}/v1/requests/{rid}", headers=bearer(tenant))
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["id"] == rid and body["object"] == "request.timeline"
+            (t,) = body["requests"]
+            assert t["tenant"] == tenant and t["status"] == "finished"
+            assert t["num_output_tokens"] == 40 and t["finish_reason"] == "length"
+            from_trace = [(s.step, n, kind) for s in trace.steps
+                          for r2, n, kind in s.scheduled if r2 == rid]
+            from_timeline = []
+            for c in t["chunks"]:
+                from_timeline += ([(c["first_step"], c["num_tokens"], "prefill")]
+                                  if c["kind"] == "prefill" else
+                                  [(s, 1, "decode") for s in range(c["first_step"],
+                                                                   c["last_step"] + 1)])
+            assert from_timeline == from_trace, rid
+            assert [p["step"] for p in t["preemptions"]] == [
+                s.step for s in trace.steps if rid in s.preempted]
+            swaps += sum(p["kind"] == "swap" for p in t["preemptions"])
+            hidden = httpx.get(f"{base}/v1/requests/{rid}", headers=bearer(other))
+            unknown = httpx.get(f"{base}/v1/requests/cmpl-unknown", headers=bearer(other))
+            assert hidden.status_code == unknown.status_code == 404
+            assert hidden.json()["error"]["type"] == "not_found_error"
+    m = metrics(base)
+    assert swaps == m["num_preemptions_swap_total"] > 0  # every request of the run is here
+    assert seen_rows["alpha"] and seen_rows["alpha"] <= set(sent["alpha"])
+    assert not seen_rows["alpha"] & set(sent["beta"])
+    assert any(names == ["alpha", "others"] for names in tenants_seen), tenants_seen
+    assert all(set(names) <= {"alpha", "others"} for names in tenants_seen)
+
+
+def test_the_schema_documents_request_timelines(served):
+    base, _, _ = served
+    spec = httpx.get(base + "/openapi.json", headers=bearer("alpha")).json()
+    for path in ("/v1/requests/{request_id}", "/dashboard/requests/{request_id}"):
+        op = spec["paths"][path]["get"]
+        assert {"200", "401", "404", "503"} <= set(op["responses"]) and "422" not in op["responses"]
+        assert op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"] \
+            .endswith("/RequestTimelines")
+    # Basic (the key as a password) is declared on the dashboard's routes only.
+    assert spec["paths"]["/v1/requests/{request_id}"]["get"]["security"] == [{"bearer": []}]
+    assert spec["components"]["securitySchemes"]["basic"]["scheme"] == "basic"
+    for path, content in (("/dashboard", "text/html"),
+                          ("/dashboard/events", "text/event-stream"),
+                          ("/dashboard/requests/{request_id}", "application/json")):
+        op = spec["paths"][path]["get"]
+        assert op["security"] == [{"bearer": []}, {"basic": []}]
+        assert list(op["responses"]["200"]["content"]) == [content]
+        assert "401" in op["responses"]
+
+
+_TILES = {"m-running": "num_requests_running", "m-waiting": "num_requests_waiting",
+          "m-swapped": "num_requests_swapped", "m-kv": "kv_cache_usage_perc",
+          "m-finished": "finished", "m-gen": "generation_tokens_total",
+          "m-preempt": "num_preemptions_total"}
+
+
+def test_the_page_in_a_browser_under_load_matches_the_metrics(served, tmp_path):
+    chromium = find_chromium()
+    if chromium is None:
+        pytest.skip("chromium is not installed (apt-get install -y chromium; .ci/run does)")
+    base, _, sent = served
+    keep = os.environ.get("TREADLE_DASHBOARD_SCREENSHOT")  # docs/dashboard.png: more history
+    read_tiles = ("Object.fromEntries([...document.querySelectorAll('.tile .v')]"
+                  ".map(e => [e.id, e.dataset.value === '' ? null : Number(e.dataset.value)]))")
+    with HeadlessChromium(chromium, width=1400, height=1100) as browser:
+        browser.set_headers(bearer("alpha"))  # EventSource and fetch send it too
+        browser.navigate(base + "/dashboard")
+        with Load(base, sent, threads_per_tenant=5, per_thread=30 if keep else 3):
+            browser.wait_for("window.dashboard && dashboard.events >= 2", 60)
+            browser.wait_for("dashboard.steps.length >= 20 && dashboard.rows.size >= 3", 120)
+            first = browser.evaluate("[document.getElementById('c-tokens').toDataURL(),"
+                                     " document.getElementById('c-timeline').toDataURL(),"
+                                     " dashboard.events]")
+            browser.wait_for(f"dashboard.events >= {first[2] + 2}", 30)
+            second = browser.evaluate("[document.getElementById('c-tokens').toDataURL(),"
+                                      " document.getElementById('c-timeline').toDataURL()]")
+            assert first[0] != second[0] and first[1] != second[1]  # the charts moved
+            before = browser.evaluate(read_tiles)
+            after = metrics(base)  # counters only grow: the page (older) shows no more
+            for tile in ("m-finished", "m-gen", "m-preempt"):
+                assert before[tile] <= after[_TILES[tile]]
+            rows = browser.evaluate("dashboard.steps.flatMap(s => s.cells.map(c => c[1]))")
+            if keep:
+                browser.wait_for("dashboard.events >= 150", 300)
+            shot = browser.screenshot(tmp_path / "dashboard.png")
+            # A click on a row shows that request's timeline (GET /dashboard/requests/...).
+            browser.evaluate("""(() => {
+                const c = document.getElementById('c-timeline'), r = c.getBoundingClientRect();
+                const s = dashboard.steps[dashboard.steps.length - 1], cell = s.cells[0];
+                c.dispatchEvent(new MouseEvent('click', {clientX: r.right - 2,
+                                clientY: r.top + cell[0] * 8 + 3}));
+            })()""")
+            detail = browser.wait_for("(t => t.includes('prefill chunks') && t)"
+                                      "(document.getElementById('detail').textContent)", 30)
+        assert set(rows) <= set(sent["alpha"]) and rows  # its own rows only
+        assert "tenant alpha" in detail
+        deadline = time.monotonic() + 120
+        while True:  # idle: the page must now show exactly what /metrics shows
+            m = metrics(base)
+            if m["num_requests_running"] == m["num_requests_waiting"] == 0:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        n = browser.evaluate("dashboard.events")
+        browser.wait_for(f"dashboard.events >= {n + 2}", 30)
+        tiles = browser.evaluate(read_tiles)
+        m = metrics(base)
+        for tile, name in _TILES.items():
+            assert tiles[tile] == pytest.approx(m[name]), (tile, tiles[tile], m[name])
+        hits, queries = m["prefix_cache_hits_total"], m["prefix_cache_queries_total"]
+        assert hits > 0 and tiles["m-hit"] == pytest.approx(hits / queries)
+        assert tiles["m-ttft"] is not None and tiles["m-ttft"] > 0
+        tenants = browser.evaluate("[...document.querySelectorAll('#tenants tbody tr')]"
+                                   ".map(r => r.firstChild.textContent)")
+        assert tenants[0] in ("alpha", "others") and set(tenants) <= {"alpha", "others"}
+        # A narrow timeline (15 columns): the requests it no longer shows give their rows
+        # back, so that the rows in use are the drawn requests' (the top rows were left
+        # empty by requests scrolled out of view).
+        held = browser.evaluate("""(() => {
+            document.getElementById('c-timeline').style.width = '60px';
+            window.dispatchEvent(new Event('resize'));
+            const shown = document.getElementById('c-timeline')._shown;
+            const drawn = new Set(shown.flatMap(s => s.cells.map(c => c[1])));
+            return [[...dashboard.rows.keys()].filter(r => !drawn.has(r)
+                                                        && !dashboard.carry.has(r)).length,
+                    shown.length, dashboard.rows.size, dashboard.nextRow];
+        })()""")
+        assert held[0] == 0 and held[1] == 15 and held[2] < held[3], held
+        assert not browser.console_errors()
+    assert shot.stat().st_size > 20_000 and shot.read_bytes()[:4] == b"\x89PNG"
+    if keep:  # how docs/dashboard.png is made
+        shutil.copy(shot, keep)
