@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from lora_adapters import MODULES, make_adapter
 from treadle import LLM, LoRARequest, SamplingParams
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTERS = [  # (rank, lora_alpha, use_rslora, target modules)
     (2, 5.0, False, MODULES),
     (4, 6.0, True, MODULES),
@@ -27,29 +27,13 @@ ADAPTERS = [  # (rank, lora_alpha, use_rslora, target modules)
 MAX_TOKENS = 12
 
 
-def make_adapter(base_dir: str, path: Path, rank: int, alpha: float, rslora: bool,
-                 modules: list[str], seed: int) -> str:
-    """A PEFT adapter with random A and B, large enough to change greedy tokens."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    torch.manual_seed(seed)
-    peft_model = peft.get_peft_model(model, peft.LoraConfig(
-        r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=modules,
-        init_lora_weights=False))
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_" in name:
-                param.mul_(3.0)
-    peft_model.save_pretrained(str(path))
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """(base dir, adapter dirs, prompts, reference tokens per adapter index or None)."""
     from conftest import make_tiny_checkpoint
     root = tmp_path_factory.mktemp("lora")
     base_dir = make_tiny_checkpoint(root / "base", "llama")
-    paths = [make_adapter(base_dir, root / f"a{i}", *spec, seed=20 + i)
+    paths = [make_adapter(base_dir, root / f"a{i}", spec[0], 20 + i, *spec[1:])
              for i, spec in enumerate(ADAPTERS)]
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(2, 70))] for _ in range(12)]

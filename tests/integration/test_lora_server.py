@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
+from lora_adapters import make_adapter
 from server_fixtures import running_server
 from treadle import LLM, LoRARequest, SamplingParams
 from treadle.models.demo import write_demo_model
@@ -29,21 +29,6 @@ ADMIN, LIMITED = "key-admin", "key-limited"
 H_ADMIN = {"Authorization": f"Bearer {ADMIN}"}
 H_LIMITED = {"Authorization": f"Bearer {LIMITED}"}
 PROMPT = [5, 17, 230, 41, 99, 7, 301, 12]
-
-
-def make_adapter(base_dir: str, path: Path, rank: int, seed: int) -> str:
-    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    torch.manual_seed(seed)
-    peft_model = peft.get_peft_model(model, peft.LoraConfig(
-        r=rank, lora_alpha=2 * rank, init_lora_weights=False,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                        "down_proj"]))
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_" in name:
-                param.mul_(3.0)
-    peft_model.save_pretrained(str(path))
-    return str(path)
 
 
 @pytest.fixture(scope="module")
