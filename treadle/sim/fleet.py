@@ -191,13 +191,18 @@ class Fleet:
         max_tokens = 1 if self.disaggregated else sim.output_len
         request = replica.make_request(rid, prompt, max_tokens, sim.arrival, sim.priority,
                                        sim.tenant)
+        self._submit(replica, rid, record, request)
+        return record
+
+    def _submit(self, replica: Replica, rid, record, request) -> None:
+        """Hand a request to a replica: a refusal finishes its record with the error; an
+        idle replica starts stepping."""
         error = replica.add(request)
         if error is not None:
             record.error = error
             self._finish(rid, record)
         elif not replica.active:
             self._start(replica)
-        return record
 
     def _start(self, replica: Replica) -> None:
         t_end = replica.start_step()
@@ -248,12 +253,7 @@ class Fleet:
         request = replica.make_request(rid, prompt, sim.output_len - 1, sim.arrival,
                                        sim.priority, sim.tenant)
         replica.receive_kv(request, sim.prompt_len)
-        error = replica.add(request)
-        if error is not None:
-            record.error = error
-            self._finish(rid, record)
-        elif not replica.active:
-            self._start(replica)
+        self._submit(replica, rid, record, request)
 
     def _finish(self, rid: str, record: RequestRecord) -> None:
         record.done = True
