@@ -107,6 +107,8 @@ class TorchrunExecutor(Executor):
                 self._channel.broadcast(("shutdown", ()))
             except RuntimeError:
                 pass
+            from treadle.worker.parallel_state import leave_parallel
+            leave_parallel()
 
 
 def run_worker(config: EngineConfig) -> int:
@@ -122,6 +124,8 @@ def run_worker(config: EngineConfig) -> int:
     while True:
         method, args = channel.broadcast()
         if method == "shutdown":
+            from treadle.worker.parallel_state import leave_parallel
+            leave_parallel()
             return 0
         result = getattr(worker, method)(*args)
         if method == "execute_model":

@@ -132,6 +132,14 @@ class ParallelContext:
         return seconds
 
 
+def leave_parallel() -> None:
+    """Leave the process group, if this process joined one. A rank that exits with its
+    gloo group still alive can abort in the group's destructor ("terminate called
+    without an active exception") while its peer closes the connections."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def init_parallel(tp_size: int, pp_size: int, rank: int, init_method: str, backend: str,
                   num_layers: int | None = None, partition: list[int] | None = None,
                   timeout_s: float = 1800.0) -> ParallelContext:
