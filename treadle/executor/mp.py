@@ -156,8 +156,27 @@ class MPExecutor(Executor):
         self.shutdown()
         raise WorkerDiedError(reason)
 
+    def _exited_rank(self, besides: int, grace_s: float) -> tuple[int, int] | None:
+        """(rank, exit code) of a worker process other than `besides` that has exited,
+        waiting up to grace_s for one to; None if none did."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for index, proc in enumerate(self._procs):
+                if index != besides and proc.poll() is not None:
+                    return index, proc.returncode
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
     def _fail_with(self, rank: int, payload) -> None:
         exc, text = payload
+        # A rank whose collective broke may answer before the dead peer's pipe closes:
+        # name the rank that died, not the survivor's connection error.
+        exited = self._exited_rank(rank, grace_s=1.0) if self.world_size > 1 else None
+        if exited is not None:
+            index, code = exited
+            self._fail(f"worker rank {index} (pid {self._procs[index].pid}) exited with code "
+                       f"{code}; rank {rank} then failed: {exc if exc is not None else text}")
         self._dead = f"worker rank {rank} failed"
         self._stop_state["grace"] = 0.0
         self.shutdown()
