@@ -35,6 +35,10 @@ class ParsedText:
     calls: list[ToolCallText] = field(default_factory=list)
 
 
+NOT_A_CALL = object()
+"""What a block reader returns for a block that is not a call (ToolParser.parse_blocks)."""
+
+
 class ToolParser:
     """Base class: `parse(text, final)`; `needs_special_tokens` when its markers are
     special tokens that detokenization would otherwise drop."""
@@ -49,6 +53,32 @@ class ToolParser:
 
     def parse(self, text: str, final: bool) -> ParsedText:
         raise NotImplementedError
+
+    def parse_blocks(self, text: str, final: bool, read_call) -> ParsedText:
+        """Content around `start` ... `end` blocks, one call each (the tagged formats).
+        read_call(text, i) reads the call that starts at text[i] (just after `start`):
+        (call, index after its `end`); the index is None while the block runs to the
+        text's end; call None while nothing of it is readable yet, NOT_A_CALL when the
+        block is not a call after all (it and the rest are content)."""
+        content, calls, pos = [], [], 0
+        while True:
+            k = text.find(self.start, pos)
+            if k < 0:
+                tail = text[pos:].lstrip() if calls else text[pos:]
+                content.append(self.held_content(tail, final))
+                break
+            content.append((text[pos:k].lstrip() if calls else text[pos:k]).rstrip())
+            call, end = read_call(text, k + len(self.start))
+            if call is NOT_A_CALL:
+                content.append(self.held_content(text[k:], final))
+                break
+            if call is None:
+                break
+            calls.append(call)
+            if end is None:
+                break
+            pos = end
+        return ParsedText("".join(content), calls)
 
     def held_content(self, text: str, final: bool) -> str:
         """`text` as content: all of it when final, else without a trailing partial

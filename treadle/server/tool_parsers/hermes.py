@@ -4,8 +4,8 @@ ordinary content around them."""
 
 from __future__ import annotations
 
-from treadle.server.tool_parsers.base import (ParsedText, ToolParser, call_from_object,
-                                              scan_call_object, skip_ws)
+from treadle.server.tool_parsers.base import (NOT_A_CALL, ParsedText, ToolParser,
+                                              call_from_object, scan_call_object, skip_ws)
 
 
 class HermesToolParser(ToolParser):
@@ -14,23 +14,14 @@ class HermesToolParser(ToolParser):
     markers = ("<tool_call>",)
 
     def parse(self, text: str, final: bool) -> ParsedText:
-        content, calls, pos = [], [], 0
-        while True:
-            k = text.find(self.start, pos)
-            if k < 0:
-                tail = text[pos:].lstrip() if calls else text[pos:]
-                content.append(self.held_content(tail, final))
-                break
-            content.append((text[pos:k].lstrip() if calls else text[pos:k]).rstrip())
-            obj = scan_call_object(text, skip_ws(text, k + len(self.start)))
-            if not obj.valid:  # not a call after all: the rest is content
-                content.append(self.held_content(text[k:], final))
-                break
-            calls.append(call_from_object(obj))
-            if obj.end is None:
-                break
-            close = text.find(self.end, obj.end)
-            if close < 0:
-                break  # the closing tag is still to come
-            pos = close + len(self.end)
-        return ParsedText("".join(content), calls)
+        return self.parse_blocks(text, final, self._call)
+
+    def _call(self, text: str, i: int):
+        obj = scan_call_object(text, skip_ws(text, i))
+        if not obj.valid:
+            return NOT_A_CALL, None
+        call = call_from_object(obj)
+        if obj.end is None:
+            return call, None
+        close = text.find(self.end, obj.end)
+        return call, (None if close < 0 else close + len(self.end))  # the tag may be to come

@@ -21,22 +21,7 @@ class QwenToolParser(ToolParser):
     markers = ("<tool_call>",)
 
     def parse(self, text: str, final: bool) -> ParsedText:
-        content, calls, pos = [], [], 0
-        while True:
-            k = text.find(self.start, pos)
-            if k < 0:
-                tail = text[pos:].lstrip() if calls else text[pos:]
-                content.append(self.held_content(tail, final))
-                break
-            content.append((text[pos:k].lstrip() if calls else text[pos:k]).rstrip())
-            call, end = self._call(text, k + len(self.start))
-            if call is None:
-                break
-            calls.append(call)
-            if end is None:
-                break
-            pos = end
-        return ParsedText("".join(content), calls)
+        return self.parse_blocks(text, final, self._call)
 
     def _call(self, text: str, i: int):
         """(the call, index after </tool_call>) from text[i:]; None values while
