@@ -11,7 +11,8 @@ from safetensors.numpy import load_file
 
 from treadle.models.demo import CHAT_TEMPLATE, SPECIAL_TOKENS, _build_merges, _byte_alphabet
 
-ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+        "gemma3": "gemma3"}
 
 # HF parameter stem -> GGUF stem (llama.cpp's names), written out independently of
 # treadle/models/gguf_arch.py so that a wrong table there fails the tests.
@@ -23,6 +24,10 @@ _NAMES = {
     "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
 }
+# Gemma 3's own names where they differ from the table above (llama.cpp's gemma3 layout).
+_GEMMA3_NAMES = {"post_attention_layernorm": "post_attention_norm",
+                 "pre_feedforward_layernorm": "ffn_norm",
+                 "post_feedforward_layernorm": "post_ffw_norm"}
 # Byte offsets of the float16 scales in each K-quant block (gguf-py's block layouts).
 _K_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
                     "Q6_K": (208,)}
@@ -55,11 +60,12 @@ def llama_cpp_rope_freqs(base: float, dim: int, scaling: dict) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     stem, suffix = hf_name.rsplit(".", 1)
     if stem.startswith("model.layers."):
         _, _, bid, rest = stem.split(".", 3)
-        return f"blk.{bid}.{_NAMES[rest]}.{suffix}"
+        names = {**_NAMES, **_GEMMA3_NAMES} if arch == "gemma3" else _NAMES
+        return f"blk.{bid}.{names[rest]}.{suffix}"
     return f"{_NAMES[stem]}.{suffix}"
 
 
@@ -107,13 +113,16 @@ def write_tiny_gguf(checkpoint_dir: str | Path, out_path: str | Path, family: st
     writer.add_head_count(n_head)
     writer.add_head_count_kv(n_kv)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config.get("rope_theta")
-                              or (config.get("rope_parameters") or {}).get("rope_theta", 1e4))
+    rope_params = config.get("rope_parameters") or {}
+    rope_params = rope_params.get("full_attention", rope_params)  # gemma3: per layer kind
+    writer.add_rope_freq_base(config.get("rope_theta") or rope_params.get("rope_theta", 1e4))
     writer.add_rope_dimension_count(head_dim)
     if config.get("head_dim"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_vocab_size(config["vocab_size"])
+    if arch == "gemma3":
+        writer.add_sliding_window(config["sliding_window"])
     tokens, merges = tokenizer_vocab(config["vocab_size"])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
@@ -135,6 +144,8 @@ def write_tiny_gguf(checkpoint_dir: str | Path, out_path: str | Path, family: st
             value = llama_cpp_permute(value, n_head)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             value = llama_cpp_permute(value, n_kv)
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            value = value + 1.0  # llama.cpp stores Gemma's norms as 1 + w
         qtype = next((t for key, t in (types or {}).items() if key in name), "F32")
         if value.ndim == 1:
             qtype = "F32"  # llama.cpp keeps norms and biases in F32
@@ -143,7 +154,7 @@ def write_tiny_gguf(checkpoint_dir: str | Path, out_path: str | Path, family: st
         else:
             data = quantize(value, GGMLQuantizationType[qtype])
         raw_dtype = None if qtype in ("F32", "F16") else GGMLQuantizationType[qtype]
-        writer.add_tensor(gguf_name(name), data, raw_dtype=raw_dtype)
+        writer.add_tensor(gguf_name(name, arch), data, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -218,7 +218,8 @@ def test_unsupported_architecture(checkpoints, tmp_path):
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
         load_model(tmp_path, "float32")
     assert set(SUPPORTED_ARCHITECTURES) == {"LlamaForCausalLM", "MistralForCausalLM",
-                                            "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+                                            "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                            "Gemma3ForCausalLM"}
     assert resolve_model_class(["Foo", "Qwen3ForCausalLM"]) is LlamaForCausalLM
 
 

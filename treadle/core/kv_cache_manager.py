@@ -8,6 +8,11 @@ Prefix hash of full block i: BLAKE2b-128 over (hash of block i-1, the block's to
 as little-endian int64). The chain starts from a hash of the request's `cache_salt` and its
 LoRA adapter's id, so requests with different salts (tenants) or different adapters (or
 one with an adapter and one without) never share a block. No torch here.
+
+With a sliding-window layer group (`sliding`, core/kv_sliding.py) every request also has
+a second table, for the sliding layers, whose blocks are freed as they leave the window;
+allocation succeeds only when both groups have room, and prefix hits are shortened to
+what the sliding group still holds.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from array import array
 from dataclasses import dataclass
 
 from treadle.core.block_pool import BlockPool, KVBlock
+from treadle.core.kv_sliding import SlidingWindowGroup
 from treadle.request import Request
 
 _HASH_BYTES = 16
@@ -54,8 +60,10 @@ class KVCacheManager:
     """Block tables of the requests that hold KV, on top of a BlockPool."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 num_swap_blocks: int = 0) -> None:
+                 num_swap_blocks: int = 0, sliding: SlidingWindowGroup | None = None) -> None:
         self.block_size = block_size
+        self.sliding = sliding
+        """The sliding-window layers' group, or None (every layer sees the whole context)."""
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.swap_pool = BlockPool(num_swap_blocks) if num_swap_blocks > 0 else None
@@ -122,6 +130,9 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.sliding is not None and hits:
+            hashes = self._hashes[request.request_id]
+            del hits[self.sliding.usable_hit(hashes, len(hits)):]
         num_hit_tokens = len(hits) * self.block_size
         self.prefix_stats.num_queries += 1
         self.prefix_stats.num_queried_tokens += request.num_tokens
@@ -139,7 +150,20 @@ class KVCacheManager:
                             + num_new_tokens)
         num_new_blocks = self.num_blocks_for(num_tokens_after) - len(held) - len(computed_blocks)
         needed = max(num_new_blocks, 0) + self.pool.num_reusable_from_free(computed_blocks)
-        return needed - self.pool.num_free_blocks
+        short = needed - self.pool.num_free_blocks
+        if self.sliding is None:
+            return short
+        hit = self._sliding_hit(request, len(computed_blocks))
+        if hit is None:
+            return max(short, 1)  # a sliding block of the hit was evicted meanwhile
+        computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        return max(short, self.sliding.num_blocks_short(request.request_id, computed,
+                                                        num_tokens_after, hit))
+
+    def _sliding_hit(self, request: Request, num_hit_blocks: int) -> list[KVBlock] | None:
+        if not num_hit_blocks:
+            return []
+        return self.sliding.hit_blocks(self._hashes[request.request_id], num_hit_blocks)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[KVBlock] = ()) -> bool:
@@ -152,10 +176,18 @@ class KVCacheManager:
             held = self._blocks.get(request.request_id)
             if (held is not None and request.num_computed_tokens + num_new_tokens
                     <= len(held) * self.block_size):
+                if self.sliding is not None:
+                    self.sliding.release_out_of_window(request.request_id,
+                                                       request.num_computed_tokens)
                 return True  # its blocks have room already (most decode steps)
         if self._num_blocks_short(request, num_new_tokens, computed_blocks) > 0:
             return False
         rid = request.request_id
+        if self.sliding is not None:
+            self.sliding.allocate(
+                rid, request.num_computed_tokens + len(computed_blocks) * self.block_size,
+                request.num_computed_tokens + len(computed_blocks) * self.block_size
+                + num_new_tokens, self._sliding_hit(request, len(computed_blocks)))
         blocks = self._blocks.setdefault(rid, [])
         block_ids = self._block_ids.setdefault(rid, [])
         if computed_blocks:
@@ -174,7 +206,13 @@ class KVCacheManager:
         return True
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Register the request's newly completed blocks in the prefix cache."""
+        """Register the request's newly completed blocks in the prefix cache; then free the
+        sliding blocks its next query cannot see."""
+        self._cache_full_blocks(request)
+        if self.sliding is not None:
+            self.sliding.release_out_of_window(request.request_id, request.num_computed_tokens)
+
+    def _cache_full_blocks(self, request: Request) -> None:
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
@@ -187,6 +225,8 @@ class KVCacheManager:
         for i in range(start, num_full):
             self.pool.cache(blocks[i], hashes[i])
         self._num_cached_blocks[rid] = num_full
+        if self.sliding is not None:
+            self.sliding.cache_full_blocks(rid, hashes, num_full)
 
     def trim(self, request: Request) -> list[int]:
         """Roll back: free the blocks past the request's computed tokens (those held only
@@ -196,6 +236,8 @@ class KVCacheManager:
         rid = request.request_id
         blocks = self._blocks.get(rid)
         keep = self.num_blocks_for(request.num_computed_tokens)
+        if self.sliding is not None:
+            self.sliding.trim(rid, keep)
         if not blocks or len(blocks) <= keep:
             return []
         dropped = blocks[keep:]
@@ -210,12 +252,16 @@ class KVCacheManager:
         blocks = self._blocks.pop(rid, None)
         self._block_ids.pop(rid, None)
         self._num_cached_blocks.pop(rid, None)
+        if self.sliding is not None:
+            self.sliding.free(rid)
         if blocks:
             self.pool.free(reversed(blocks))
 
     # ----- swap ---------------------------------------------------------------------------
 
     def can_swap_out(self, request: Request) -> bool:
+        if self.sliding is not None:
+            return False  # no swap plan for the sliding group: such requests recompute
         held = len(self._blocks.get(request.request_id, ()))
         return self.swap_pool is not None and 0 < held <= self.swap_pool.num_free_blocks
 

@@ -60,6 +60,9 @@ class WorkerInfo:
     spec_costs: SpecCosts | None = None
     """Measured step and draft costs for the adaptive speculation policy (the output
     rank's, with speculative decoding configured), else None."""
+    layer_windows: tuple[int | None, ...] = ()
+    """Each layer's sliding window (None: full attention), whole model: the engine core
+    and the workers split the KV memory from it alike (core/kv_sliding.layer_groups)."""
 
 
 @dataclass
@@ -88,6 +91,9 @@ class ScheduledRequest:
     """Blocks appended to the request's block table since the worker last saw it."""
     replaces_block_table: bool = False
     """`new_block_ids` is the whole table (after a preemption or a rollback)."""
+    new_sliding_block_ids: list[int] = field(default_factory=list)
+    """The same for the sliding-window layers' table (core/kv_sliding.py; empty without
+    a sliding group): as many entries as `new_block_ids`, stale where freed."""
     spec_token_ids: list[int] = field(default_factory=list)
     """Proposed tokens computed after the request's last token this step (speculation):
     the worker scores them and returns the accepted ones plus one of its own."""

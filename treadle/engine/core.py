@@ -20,6 +20,7 @@ from collections import deque
 from pathlib import Path
 
 from treadle.config import EngineConfig
+from treadle.core.kv_sliding import layer_groups
 from treadle.core.outputs import EngineCoreOutput, StepTimings, WorkerInfo
 from treadle.core.scheduler import Scheduler
 from treadle.engine.lora_registry import LoRARegistry
@@ -70,7 +71,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks,
                                    self.max_model_len, self.num_swap_blocks,
                                    info.preemption_costs, speculative=config.speculative,
-                                   spec_costs=info.spec_costs, max_loras=info.num_lora_slots)
+                                   spec_costs=info.spec_costs, max_loras=info.num_lora_slots,
+                                   layer_groups=self.layer_groups)
         self.loras = (LoRARegistry(info.lora_module_shapes, info.num_layers,
                                    config.lora.max_lora_rank)
                       if config.lora.enable_lora else None)
@@ -104,13 +106,33 @@ class EngineCore:
             logger.warning("preemption_mode=swap with swap_space=%d bytes holds no block: "
                            "preemption falls back to recompute", cache.swap_space)
         logger.info("model %s: %s, %s", info.model_dir, info.dtype, info.kernels)
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%d bytes per token, %.2f GiB)",
-                    num_blocks, cache.block_size, num_blocks * cache.block_size,
-                    info.kv_bytes_per_token,
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%s, %d bytes per token, "
+                    "%.2f GiB)", num_blocks, cache.block_size, num_blocks * cache.block_size,
+                    f"kv_cache_dtype {cache.kv_cache_dtype}", info.kv_bytes_per_token,
                     num_blocks * cache.block_size * info.kv_bytes_per_token / 1024**3)
+        self.layer_groups = self._layer_groups(info, num_blocks)
+        if self.layer_groups is not None:
+            num_swap_blocks = 0  # such requests are preempted by recompute (kv_sliding.py)
         self.executor.initialize_cache(num_blocks, num_swap_blocks)
+        if self.layer_groups is not None:
+            num_blocks = self.layer_groups.num_full_blocks  # the context capacity
         self.num_kv_blocks, self.num_swap_blocks = num_blocks, num_swap_blocks
         self.kv_bytes_per_token = info.kv_bytes_per_token
+
+    def _layer_groups(self, info: WorkerInfo, num_blocks: int):
+        """The sliding-window layers' share of the KV memory (core/kv_sliding.py), logged;
+        None when no layer slides."""
+        sched, block_size = self.config.scheduler, self.config.cache.block_size
+        groups = layer_groups(info.layer_windows, num_blocks, block_size, sched.max_num_seqs,
+                              sched.max_num_batched_tokens, info.max_model_len)
+        if groups is not None:
+            logger.info(
+                "KV layer groups: %d full-attention layers x %d blocks, %d sliding-window "
+                "layers (window %d) x %d blocks: %d tokens of context (%d without the "
+                "window's saving)", groups.num_full_layers, groups.num_full_blocks,
+                groups.num_sliding_layers, groups.window, groups.num_sliding_blocks,
+                groups.num_full_blocks * block_size, num_blocks * block_size)
+        return groups
 
     # ----- requests ------------------------------------------------------------------------
 

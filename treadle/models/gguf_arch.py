@@ -7,8 +7,8 @@ script changed on the way in (the rotary row permutation of Llama's q/k projecti
 `w + 1` of Gemma's norms) so that the reader can undo it. It only describes: reading
 files is gguf_reader's, writing checkpoints gguf_convert's.
 
-Adding an architecture (gemma3 next) is one more `GGUFArchitecture` entry in
-`ARCHITECTURES`, plus its model class in treadle/models/registry.py.
+Adding an architecture is one more `GGUFArchitecture` entry in `ARCHITECTURES`, plus its
+model class in treadle/models/registry.py.
 """
 
 from __future__ import annotations
@@ -64,8 +64,17 @@ _COMMON_TENSORS = {
 # than silently ignored (a MoE file read as a dense model would be garbage).
 UNSUPPORTED_KEYS = ("expert_count", "attention.sliding_window", "attention.q_lora_rank",
                     "ssm.conv_kernel")
-"""`<arch>.<key>` suffixes that are an error when present. (`rope.scaling.type` is read by
-gguf_reader: 'none' and 'linear' are mapped, anything else is refused.)"""
+"""`<arch>.<key>` suffixes that are an error when present, unless the architecture's table
+maps them (gemma3 maps its sliding window). (`rope.scaling.type` is read by gguf_reader:
+'none' and 'linear' are mapped, anything else is refused.)"""
+
+# Gemma 3 as llama.cpp's convert script writes it: four norms per layer, q/k norms, every
+# norm stored as 1 + w; the local RoPE base (10000), the layer pattern (every 6th layer
+# global) and the query scale are not in the file (llama.cpp hard-codes them too; the
+# query scale is set by gguf_reader.gemma3_query_scalar).
+_GEMMA3_NORMS = ("output_norm", "blk.{bid}.attn_norm", "blk.{bid}.attn_q_norm",
+                 "blk.{bid}.attn_k_norm", "blk.{bid}.post_attention_norm",
+                 "blk.{bid}.ffn_norm", "blk.{bid}.post_ffw_norm")
 
 
 @dataclass(frozen=True)
@@ -107,6 +116,19 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
          "blk.{bid}.attn_k_norm": "model.layers.{bid}.self_attn.k_norm"},
         config_defaults={"hidden_act": "silu", "attention_bias": False,
                          "use_sliding_window": False}),
+    "gemma3": GGUFArchitecture(
+        "gemma3", "Gemma3ForCausalLM", "gemma3_text",
+        {**_COMMON_KEYS, "attention.sliding_window": "sliding_window"},
+        {**_COMMON_TENSORS,
+         "blk.{bid}.attn_q_norm": "model.layers.{bid}.self_attn.q_norm",
+         "blk.{bid}.attn_k_norm": "model.layers.{bid}.self_attn.k_norm",
+         "blk.{bid}.post_attention_norm": "model.layers.{bid}.post_attention_layernorm",
+         "blk.{bid}.ffn_norm": "model.layers.{bid}.pre_feedforward_layernorm",
+         "blk.{bid}.post_ffw_norm": "model.layers.{bid}.post_feedforward_layernorm"},
+        transforms=dict.fromkeys(_GEMMA3_NORMS, MINUS_ONE),
+        config_defaults={"hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
+                         "rope_local_base_freq": 10_000.0, "sliding_window_pattern": 6,
+                         "final_logit_softcapping": None, "attn_logit_softcapping": None}),
 }
 
 SUPPORTED = tuple(ARCHITECTURES)

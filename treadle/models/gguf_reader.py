@@ -90,7 +90,7 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
     """The config.json dict of the file's model; ValueError naming what is not supported."""
     arch = gguf.arch
     for suffix in gguf_arch.UNSUPPORTED_KEYS:
-        if gguf.arch_get(suffix):
+        if gguf.arch_get(suffix) and suffix not in arch.config_keys:
             raise ValueError(f"unsupported GGUF metadata {arch.gguf_name}.{suffix}="
                              f"{gguf.arch_get(suffix)!r} in {gguf.path}")
     config: dict[str, Any] = {"architectures": [arch.hf_architecture],
@@ -133,6 +133,14 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
         if llama3 is not None:
             config["rope_scaling"] = llama3
 
+    if arch.model_type == "gemma3_text":
+        config["query_pre_attn_scalar"] = gemma3_query_scalar(config)
+        pattern = gguf.arch_get("attention.sliding_window_pattern")
+        if isinstance(pattern, list):  # per layer: True where the layer slides
+            config["layer_types"] = ["sliding_attention" if p else "full_attention"
+                                     for p in pattern]
+        elif pattern:
+            config["sliding_window_pattern"] = int(pattern)
     names = set(gguf.tensor_names)
     config["tie_word_embeddings"] = "output.weight" not in names
     if arch.model_type == "llama":
@@ -144,6 +152,15 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
         if value is not None:
             config[hf_key] = int(value)
     return config
+
+
+def gemma3_query_scalar(config: dict[str, Any]) -> float:
+    """Gemma 3's `query_pre_attn_scalar`, which GGUF does not carry: head_dim, except for
+    the 27B model (62 layers), whose queries are scaled by hidden_size / num_heads (as
+    llama.cpp's gemma3 loader decides)."""
+    if config["num_hidden_layers"] == 62:
+        return config["hidden_size"] // config["num_attention_heads"]
+    return config["head_dim"]
 
 
 def llama3_rope_scaling(factors: np.ndarray, rope_theta: float, head_dim: int,

@@ -63,6 +63,22 @@ def _family(hf_config: dict[str, Any]) -> str:
     return "llama"
 
 
+def _layer_windows(cfg: dict[str, Any], family: str, num_layers: int) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), as transformers reads the
+    config: Mistral's `sliding_window` holds for every layer; Qwen2/3 slide only with
+    `use_sliding_window`, on the layers `layer_types` names (else those from
+    `max_window_layers` on)."""
+    window = cfg.get("sliding_window")
+    if family == "mistral" and window is not None:
+        return [int(window)] * num_layers
+    if family in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and window is not None:
+        types = cfg.get("layer_types") or [
+            "sliding_attention" if i >= int(cfg.get("max_window_layers", 28))
+            else "full_attention" for i in range(num_layers)]
+        return [int(window) if t == "sliding_attention" else None for t in types]
+    return [None] * num_layers
+
+
 class LayerOps(Protocol):
     """Fused elementwise kernels (worker.native_linear.NativeLayerOps); each returns None
     where it does not apply."""
@@ -119,7 +135,8 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(self.q_size, hidden, o_bias, dtype, dims["parallel"])
         self.eps = dims["eps"]
         self.attn = AttentionLayer(self.num_heads, self.num_kv_heads, self.head_dim,
-                                   self.scale, layer_index)
+                                   self.scale, layer_index,
+                                   sliding_window=dims["layer_windows"][layer_index])
         if family == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, self.eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, self.eps, dtype)
@@ -221,33 +238,15 @@ class LlamaForCausalLM(nn.Module):
         family = _family(cfg)
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported; only 'silu'")
-        hidden, num_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        self.parallel = parallel = parallel or ParallelContext()
-        self.family = family
-        self.dtype = dtype
-        self.num_layers = int(cfg["num_hidden_layers"])
-        """Layers of the whole model (this stage runs `layer_range` of them)."""
-        self.layer_range = parallel.layer_range or (0, self.num_layers)
-        self.total_num_heads = num_heads
-        self.total_num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
-        self.head_dim = int(cfg.get("head_dim") or hidden // num_heads)
-        self.hidden_size = hidden
-        self.vocab_size = int(cfg["vocab_size"])
-        self.shard = ShardGeometry.of(parallel, num_heads, self.total_num_kv_heads,
-                                      self.head_dim, int(cfg["intermediate_size"]),
-                                      self.vocab_size)
-        self.num_heads, self.num_kv_heads = self.shard.num_heads, self.shard.num_kv_heads
-        """Heads of this rank (all of them with one rank)."""
-        self.max_position_embeddings = int(cfg.get("max_position_embeddings") or 2048)
-        if family == "mistral":
-            self.sliding_window = cfg.get("sliding_window")
-        elif family in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
-            self.sliding_window = cfg.get("sliding_window")
-        else:
-            self.sliding_window = None
+        parallel = self._set_geometry(cfg, family, dtype, parallel, default_max_position=2048)
+        hidden = self.hidden_size
+        self.layer_windows = _layer_windows(cfg, family, self.num_layers)
+        """Per layer of the whole model: its sliding window, or None (whole context)."""
+        self.sliding_window = next((w for w in self.layer_windows if w is not None), None)
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", _TIE_DEFAULT[family]))
         dims = {"hidden_size": hidden, "head_dim": self.head_dim, "shard": self.shard,
-                "parallel": parallel, "eps": float(cfg.get("rms_norm_eps", 1e-6))}
+                "parallel": parallel, "eps": float(cfg.get("rms_norm_eps", 1e-6)),
+                "layer_windows": self.layer_windows}
         first, last = parallel.is_first_stage, parallel.is_last_stage
         self.model = DecoderModel(cfg, family, dims, dtype, range(*self.layer_range),
                                   first, last)
@@ -338,6 +337,32 @@ class LlamaForCausalLM(nn.Module):
         inter = self.shard.intermediate_size * self.shard.tp_size
         return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                 "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+
+    def _set_geometry(self, cfg: dict[str, Any], family: str, dtype: torch.dtype,
+                      parallel: ParallelContext | None,
+                      default_max_position: int) -> ParallelContext:
+        """The model's sizes and this rank's shard of them (every family's constructor
+        starts here); returns the parallel context."""
+        hidden, num_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        self.parallel = parallel = parallel or ParallelContext()
+        self.family = family
+        self.dtype = dtype
+        self.num_layers = int(cfg["num_hidden_layers"])
+        """Layers of the whole model (this stage runs `layer_range` of them)."""
+        self.layer_range = parallel.layer_range or (0, self.num_layers)
+        self.total_num_heads = num_heads
+        self.total_num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
+        self.head_dim = int(cfg.get("head_dim") or hidden // num_heads)
+        self.hidden_size = hidden
+        self.vocab_size = int(cfg["vocab_size"])
+        self.shard = ShardGeometry.of(parallel, num_heads, self.total_num_kv_heads,
+                                      self.head_dim, int(cfg["intermediate_size"]),
+                                      self.vocab_size)
+        self.num_heads, self.num_kv_heads = self.shard.num_heads, self.shard.num_kv_heads
+        """Heads of this rank (all of them with one rank)."""
+        self.max_position_embeddings = int(cfg.get("max_position_embeddings")
+                                           or default_max_position)
+        return parallel
 
     def lora_targets(self) -> list[LoRATarget]:
         """The linear layers of this rank an adapter may change, with where each module

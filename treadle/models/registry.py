@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from treadle.models.gemma3 import Gemma3ForCausalLM
 from treadle.models.llama import LlamaForCausalLM
 
 _MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -15,6 +16,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODEL_CLASSES)

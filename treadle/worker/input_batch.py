@@ -59,6 +59,9 @@ class InputBatch:
     def __init__(self, max_blocks_per_request: int, num_rows: int = 64) -> None:
         self.requests: dict[str, CachedRequestState] = {}
         self.block_table = np.zeros((num_rows, max(max_blocks_per_request, 1)), dtype=np.int64)
+        self.sliding_block_table: np.ndarray | None = None
+        """The sliding-window layers' tables, same rows and columns (None until a step
+        message carries one: core/kv_sliding.py)."""
         self._free_rows = list(range(num_rows - 1, -1, -1))
 
     def update(self, scheduler_output: SchedulerOutput) -> list[CachedRequestState]:
@@ -97,6 +100,11 @@ class InputBatch:
             if end > self.block_table.shape[1]:
                 self._grow(width=end)
             self.block_table[state.row, state.num_blocks:end] = new_blocks
+            sliding = scheduled.new_sliding_block_ids
+            if sliding:
+                if self.sliding_block_table is None:
+                    self.sliding_block_table = np.zeros_like(self.block_table)
+                self.sliding_block_table[state.row, state.num_blocks:end] = sliding
             state.num_blocks = end
         return state
 
@@ -117,4 +125,8 @@ class InputBatch:
         table = np.zeros((rows, width), dtype=np.int64)
         table[:old_rows, :old_width] = self.block_table
         self.block_table = table
+        if self.sliding_block_table is not None:
+            sliding = np.zeros((rows, width), dtype=np.int64)
+            sliding[:old_rows, :old_width] = self.sliding_block_table
+            self.sliding_block_table = sliding
         self._free_rows.extend(range(rows - 1, old_rows - 1, -1))

@@ -140,6 +140,9 @@ class ModelRunner:
         self.attention = attention
         self.block_size = block_size
         self.num_cache_blocks = num_cache_blocks
+        self.num_sliding_cache_blocks = num_cache_blocks
+        """Blocks of the sliding-window layers' caches (set by the worker when they have
+        their own pool, core/kv_sliding.py)."""
         self.block_dim = block_dim
         self.device = device
         self.sampler = sampler
@@ -184,12 +187,18 @@ class ModelRunner:
 
         step = AttentionStep(q_lens, row_offsets, starts, block_table, slot_mapping,
                              int(np.count_nonzero(q_lens == 1)), bs, self.num_cache_blocks)
+        if self.batch.sliding_block_table is not None:
+            sliding_table = self.batch.sliding_block_table[table_rows, :block_table.shape[1]]
+            step.sliding = AttentionStep(
+                q_lens, row_offsets, starts, sliding_table,
+                sliding_table[token_rows, positions // bs] * bs + positions % bs,
+                step.num_single_token_rows, bs, self.num_sliding_cache_blocks)
         rows = [_Row(s, st, int(off)) for (s, st), off in zip(pairs, row_offsets)]
         lora_segments = _lora_segments(rows) if self.lora is not None else []
         # A decode graph was captured without adapter terms: a step with adapter rows
         # runs eagerly.
         graphed = (self.decode_graphs is not None and not lora_segments
-                   and self.decode_graphs.accepts(step))
+                   and step.sliding is None and self.decode_graphs.accepts(step))
         meta = None if graphed else self.attention.build_metadata(step, self.device)
 
         logits_indices, sample_rows = [], []

@@ -19,6 +19,7 @@ kernels, probes -> a WorkerInfo), `initialize_cache(num_kv_blocks, num_swap_bloc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from treadle.config import EngineConfig
+from treadle.core.kv_sliding import layer_groups
 from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 from treadle.core.policy import PreemptionCosts
 from treadle.config import parse_layer_partition
@@ -127,12 +129,14 @@ class Worker:
         self.lora = self._make_lora_manager(dtype)
         self.attention = make_attention_backend(
             config.model.attention_backend, self.platform, self.model.num_kv_heads,
-            self.model.head_dim, dtype, kernels=self.native, layer_ops=self.layer_ops)
+            self.model.head_dim, dtype, kernels=self.native, layer_ops=self.layer_ops,
+            kv_cache_dtype=config.cache.kv_cache_dtype)
         self.eos_token_id = read_eos_token_id(self.model_dir, self.hf_config)
         self.max_model_len = self._resolve_max_model_len()
         cache = config.cache
         self.kv_spec = KVCacheSpec(self.model.num_local_layers, self.model.num_kv_heads,
-                                   self.model.head_dim, dtype, self.attention.kv_layout)
+                                   self.model.head_dim, dtype, self.attention.kv_layout,
+                                   cache.kv_cache_dtype)
         self._load_draft()
         # A draft model's KV rides along with every target block (worker/spec/draft.py).
         bytes_per_token = self.kv_spec.bytes_per_token + self._draft_bytes_per_token
@@ -159,14 +163,20 @@ class Worker:
             num_lora_slots=0 if self.lora is None else self.lora.num_slots,
             lora_module_shapes=self.model.lora_module_shapes(),
             num_layers=self.model.num_layers,
-            spec_costs=self._spec_costs(num_kv_blocks))
+            spec_costs=self._spec_costs(num_kv_blocks),
+            layer_windows=tuple(getattr(self.model, "layer_windows", ())))
 
     def _make_lora_manager(self, dtype: torch.dtype):
         """The LoRA manager (it wraps the adapted layers' kernels), or None without LoRA."""
         if not self.config.lora.enable_lora:
             return None
         from treadle.worker.lora import LoRAManager
-        return LoRAManager(self.model, self.config.lora, self.platform.device, dtype,
+        ops = None
+        if self.native is not None and dtype == torch.bfloat16 \
+                and self.platform.device.type == "cpu":
+            from treadle.worker.lora.native_ops import NativeLoRAOps
+            ops = NativeLoRAOps.load(self.native.lib, len(self.model.lora_targets()))
+        return LoRAManager(self.model, self.config.lora, self.platform.device, dtype, ops=ops,
                            pin_memory=self.platform.pin_swap_memory)
 
     def _whole_model_parameters(self) -> int:
@@ -184,16 +194,44 @@ class Worker:
         self.runner = self._make_runner(num_kv_blocks, num_swap_blocks)
         self._enable_default_graphs()
 
+    def _layer_groups(self, num_kv_blocks: int):
+        """The split of the KV memory between full and sliding-window layers, as the
+        engine core makes it (core/kv_sliding.layer_groups), or None."""
+        sched = self.config.scheduler
+        return layer_groups(getattr(self.model, "layer_windows", ()), num_kv_blocks,
+                            self.config.cache.block_size, sched.max_num_seqs,
+                            sched.max_num_batched_tokens, self.max_model_len)
+
+    def _allocate_kv(self, num_kv_blocks: int, groups) -> list[torch.Tensor]:
+        """One KV tensor per local layer: the full layers' with the full group's blocks,
+        the sliding layers' with the sliding group's."""
+        block_size, device = self.config.cache.block_size, self.platform.device
+        if groups is None:
+            return allocate_kv_caches(self.kv_spec, num_kv_blocks, block_size, device)
+        one = dataclasses.replace(self.kv_spec, num_layers=1)
+        windows = self.model.layer_windows[slice(*self.model.layer_range)]
+        return [allocate_kv_caches(one, groups.num_sliding_blocks if w is not None
+                                   else groups.num_full_blocks, block_size, device)[0]
+                for w in windows]
+
     def _make_runner(self, num_kv_blocks: int, num_swap_blocks: int) -> ModelRunner:
         block_size = self.config.cache.block_size
         device = self.platform.device
-        kv_caches = allocate_kv_caches(self.kv_spec, num_kv_blocks, block_size, device)
+        groups = self._layer_groups(num_kv_blocks)
+        if groups is not None:
+            if self.config.speculative.method in ("self", "draft"):
+                raise ValueError(f"speculative method {self.config.speculative.method!r} "
+                                 "does not support models with sliding-window layers")
+            num_swap_blocks = 0  # such requests are preempted by recompute
+        kv_caches = self._allocate_kv(num_kv_blocks, groups)
+        if groups is not None:
+            num_kv_blocks = groups.num_full_blocks
         swap_caches = (allocate_swap_space(self.kv_spec, num_swap_blocks, block_size,
                                            self.platform.pin_swap_memory)
                        if num_swap_blocks else None)
         sampler = Sampler(self.config.model.seed, self._sampler_kernels(), device)
         proposer = self._make_proposer(kv_caches, num_kv_blocks, num_swap_blocks, sampler)
-        return ModelRunner(self.model, kv_caches, self.attention, block_size,
+        runner = ModelRunner(self.model, kv_caches, self.attention, block_size,
                            num_kv_blocks, self.max_model_len, sampler, device,
                            swap_caches, self.kv_spec.block_dim, self.eos_token_id,
                            self.parallel,
@@ -201,7 +239,9 @@ class Worker:
                                         self.eos_token_id),
                            start_copies=self.platform.start_copies, proposer=proposer,
                            lora=self.lora)
-
+        if groups is not None:
+            runner.num_sliding_cache_blocks = groups.num_sliding_blocks
+        return runner
 
     # ----- speculative decoding --------------------------------------------------------------
 
@@ -230,10 +270,12 @@ class Worker:
         self.draft_model = draft
         self.draft_attention = make_attention_backend(
             self.config.model.attention_backend, self.platform, draft.num_kv_heads,
-            draft.head_dim, self.dtype, kernels=self.native, layer_ops=self.layer_ops)
+            draft.head_dim, self.dtype, kernels=self.native, layer_ops=self.layer_ops,
+            kv_cache_dtype=self.config.cache.kv_cache_dtype)
         self.draft_kv_spec = KVCacheSpec(draft.num_local_layers, draft.num_kv_heads,
                                          draft.head_dim, self.dtype,
-                                         self.draft_attention.kv_layout)
+                                         self.draft_attention.kv_layout,
+                                         self.config.cache.kv_cache_dtype)
         self._draft_bytes_per_token = self.draft_kv_spec.bytes_per_token
         logger.info("draft model %s: %d layers, %d parameters", spec.model,
                     draft.num_layers, draft.num_parameters)
@@ -361,12 +403,6 @@ class Worker:
 
     def _resolve_max_model_len(self) -> int:
         model_limit = self.model.max_position_embeddings
-        sliding_window = self.model.sliding_window
-        if sliding_window is not None and sliding_window < model_limit:
-            # Sliding-window attention is not implemented: beyond the window the
-            # outputs would differ from the model's, so the context stops there.
-            logger.warning("context capped at the sliding window of %d tokens", sliding_window)
-            model_limit = sliding_window
         wanted = self.config.model.max_model_len
         if wanted is None:
             return model_limit
