@@ -139,8 +139,14 @@ class CacheConfig:
         "GPU: fraction of the card's memory this engine may use (weights, activations "
         "and KV cache); the KV cache gets what a profiling step leaves (kv_cache_memory "
         "is the CPU's)"))
+    kv_cache_dtype: str = field(default="auto", metadata=_help(
+        "What the KV cache stores: auto (the model's dtype), int8 (a scale per token and "
+        "KV head) or fp8_e4m3 (emulated on CPU); docs/kv_cache_quantization.md"))
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in ("auto", "int8", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be one of auto, int8, fp8_e4m3, "
+                             f"got {self.kv_cache_dtype!r}")
         object.__setattr__(self, "kv_cache_memory",
                            parse_size(self.kv_cache_memory, "kv_cache_memory"))
         object.__setattr__(self, "swap_space", parse_size(self.swap_space, "swap_space"))
@@ -199,7 +205,7 @@ class SchedulerConfig:
     kv_watermark: float = field(default=0.01, metadata=_help(
         "Fraction of the KV blocks an admission leaves free (with the expected growth of "
         "the running requests: admission_lookahead_tokens)"))
-    admission_lookahead_tokens: int = field(default=256, metadata=_help(
+    admission_lookahead_tokens: int = field(default=64, metadata=_help(
         "Tokens of growth (up to max_tokens) per running request, and the admitted one, "
         "that an admission must leave room for, so that admitting rarely forces a "
         "preemption (0: admit on free blocks alone)"))

@@ -6,17 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treadle.worker.cpu_isa import executable_levels
-from treadle.worker.native import load_kernels
 
-LEVELS = executable_levels() or ["native"]
-
-
-@pytest.fixture(scope="module", params=LEVELS)
-def kernels(request):
-    k = load_kernels(request.param)
-    assert k is not None, "the C kernels must build on the test machine (gcc is required)"
-    return k
+@pytest.fixture(scope="module")
+def kernels(level_kernels):
+    return level_kernels
 
 
 def reference(q, kc, vc, block_table, ctx_lens, scale):

@@ -9,20 +9,13 @@ import math
 import pytest
 import torch
 
-from treadle.worker.cpu_isa import executable_levels
-from treadle.worker.native import load_kernels
 
-LEVELS = executable_levels() or ["native"]
-
-
-@pytest.fixture(scope="module", params=LEVELS)
-def kernels(request):
-    k = load_kernels(request.param)
-    assert k is not None, "the C kernels must build on the test machine (gcc is required)"
-    if not k.supports_prefill(torch.bfloat16, 64):
-        pytest.skip(f"the {request.param} build has no vector unit: prefills use torch's "
+@pytest.fixture(scope="module")
+def kernels(level_kernels, kernel_level):
+    if not level_kernels.supports_prefill(torch.bfloat16, 64):
+        pytest.skip(f"the {kernel_level} build has no vector unit: prefills use torch's "
                     "attention")
-    return k
+    return level_kernels
 
 
 def reference(q, kc, vc, table, start, n, scale):

@@ -29,7 +29,11 @@ the torch time leaves out the gather of the context, which the C time includes).
 rounds alternate between the levels (and SDPA), so background load hits all alike; the
 rows then hold one `<field>_<level>` entry per level. `fp32` (decode only) adds the
 float32 KV cache of the same shape, on the first level's f32 kernel: what a CPU whose
-dtype falls back to float32 reads.
+dtype falls back to float32 reads. `--int8` (decode only) adds the int8 cache
+(`--kv-cache-dtype int8`, worker/kv_quant.py rows: head_dim values + a 2-byte scale) on
+the first level's kernel, bf16 queries; its GB/s counts the int8 bytes read.
+
+    python -m treadle.bench.attention_kernel --int8 --threads 1
 """
 
 from __future__ import annotations
@@ -89,10 +93,16 @@ def _decode_case(batch: int, context: int, num_heads: int, num_kv_heads: int, he
     gen = torch.Generator().manual_seed(seed)
     blocks_per_req = (context + block_size - 1) // block_size
     num_blocks = batch * blocks_per_req + 1
-    layer_bytes = 2 * num_kv_heads * num_blocks * block_size * head_dim * dtype.itemsize
+    layer_bytes = 2 * num_kv_heads * num_blocks * block_size * _row_bytes(head_dim, dtype)
     layers = max(2, min(max_layers, math.ceil(min_cache_bytes / layer_bytes)))
-    caches = [torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim,
-                          generator=gen).to(dtype) for _ in range(layers)]
+    if dtype == torch.int8:  # quantized rows; the queries stay bf16
+        from treadle.worker.kv_quant import quantize
+        caches = [quantize(torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim,
+                                       generator=gen), "int8") for _ in range(layers)]
+        dtype = torch.bfloat16
+    else:
+        caches = [torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim,
+                              generator=gen).to(dtype) for _ in range(layers)]
     table = (torch.randperm(num_blocks - 1, generator=gen) if scattered
              else torch.arange(num_blocks - 1))[:batch * blocks_per_req]
     table = table.view(batch, blocks_per_req).contiguous()
@@ -101,9 +111,15 @@ def _decode_case(batch: int, context: int, num_heads: int, num_kv_heads: int, he
     return caches, table, ctx, q
 
 
+def _row_bytes(head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one cached K or V row (an int8 row carries its 2-byte scale)."""
+    return head_dim + 2 if dtype == torch.int8 else head_dim * dtype.itemsize
+
+
 def bench_shape_levels(kernels: dict, batch: int, context: int, *, num_heads: int = 9,
                        num_kv_heads: int = 3, head_dim: int = 64, block_size: int = 16,
                        dtype: torch.dtype = torch.bfloat16, fp32: bool = False,
+                       int8: bool = False,
                        min_cache_bytes: int = 256 << 20, max_layers: int = 30, rounds: int = 7,
                        min_round_s: float = 0.05, scattered: bool = True, seed: int = 0) -> dict:
     """Decode attention of one (batch, context) shape with each of `kernels` (name ->
@@ -115,8 +131,12 @@ def bench_shape_levels(kernels: dict, batch: int, context: int, *, num_heads: in
                                             scattered, seed)
     scale = head_dim ** -0.5
     variants = {name: (k, dtype) for name, k in kernels.items()}
-    if len(cases) > 1:
+    if torch.float32 in cases and dtype != torch.float32:
         variants["fp32"] = (next(iter(kernels.values())), torch.float32)
+    if int8:
+        cases[torch.int8] = _decode_case(*args, torch.int8, min_cache_bytes, max_layers,
+                                         scattered, seed)
+        variants["int8"] = (next(iter(kernels.values())), torch.int8)
 
     def one_pass(k, dt):
         caches, table, ctx, q = cases[dt]
@@ -139,7 +159,7 @@ def bench_shape_levels(kernels: dict, batch: int, context: int, *, num_heads: in
             best_cpu[name] = min(best_cpu[name], cpu / (passes[name] * layers))
     row = {"batch": batch, "context": context, "layers_cycled": len(cases[dtype][0])}
     for name, (_, dt) in variants.items():
-        kv_bytes = 2 * batch * context * num_kv_heads * head_dim * dt.itemsize
+        kv_bytes = 2 * batch * context * num_kv_heads * _row_bytes(head_dim, dt)
         suffix = "" if len(variants) == 1 else f"_{name}"
         row[f"ms_per_call{suffix}"] = round(best[name] * 1e3, 4)
         row[f"cpu_ms_per_call{suffix}"] = round(best_cpu[name] * 1e3, 4)
@@ -236,6 +256,8 @@ def main(argv: list[str] | None = None) -> None:
                         "comma list such as avx512bf16,avx512,avx2 (default: %(default)s)")
     parser.add_argument("--fp32", action="store_true", help="decode: also time the float32 "
                         "cache of each shape (what a CPU on the float32 fallback reads)")
+    parser.add_argument("--int8", action="store_true", help="decode: also time the int8 "
+                        "cache of each shape (--kv-cache-dtype int8)")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -257,7 +279,8 @@ def main(argv: list[str] | None = None) -> None:
     for spec in args.shapes:
         batch, context = (int(x) for x in spec.lower().split("x"))
         results.append(bench_shape_levels(kernels, batch, context, rounds=args.rounds,
-                                          scattered=not args.sequential, fp32=args.fp32))
+                                          scattered=not args.sequential, fp32=args.fp32,
+                                          int8=args.int8))
     print(json.dumps({"layout": {"num_heads": 9, "num_kv_heads": 3, "head_dim": 64,
                                  "block_size": 16, "dtype": "bfloat16",
                                  "blocks": "sequential" if args.sequential else "scattered"},

@@ -12,6 +12,10 @@ named by the backend that uses it:
 - `blocks_first`: per layer [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]:
   a block contiguous across heads (one run per swap copy), one row per token for the
   K/V write, FlashAttention's paged layout; the Triton kernels read it (docs/gpu.md).
+
+With a quantized cache (`kv_cache_dtype` int8 or fp8_e4m3, worker/kv_quant.py) the last
+dimension is a row of `head_dim` values and their float16 scale (`head_dim + 2` bytes),
+so every block carries its own scales through copies, swaps and prefix-cache reuse.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from treadle.worker import kv_quant
 
 KV_LAYOUTS = {"heads_first": 2, "blocks_first": 1}
 """Layout name -> the dimension that indexes blocks."""
@@ -32,11 +38,29 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    """The model's dtype (what `auto` stores)."""
     layout: str = "heads_first"
+    kv_cache_dtype: str = "auto"
+    """auto (the model's dtype), int8 or fp8_e4m3 (rows with scales: worker/kv_quant.py)."""
 
     def __post_init__(self) -> None:
         if self.layout not in KV_LAYOUTS:
             raise ValueError(f"unknown KV layout {self.layout!r}; known: {sorted(KV_LAYOUTS)}")
+        kv_quant.check_kv_cache_dtype(self.kv_cache_dtype)
+
+    @property
+    def quantized(self) -> bool:
+        return kv_quant.is_quantized(self.kv_cache_dtype)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The cache tensors' element type."""
+        return kv_quant.STORAGE_DTYPES[self.kv_cache_dtype] if self.quantized else self.dtype
+
+    @property
+    def row_elements(self) -> int:
+        """Elements of the last dimension: head_dim, or a quantized row's bytes."""
+        return kv_quant.row_bytes(self.head_dim) if self.quantized else self.head_dim
 
     @property
     def block_dim(self) -> int:
@@ -44,9 +68,10 @@ class KVCacheSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        """2 (K and V) x layers x KV heads x head dim x dtype bytes."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        """2 (K and V) x layers x KV heads x row bytes (head dim x dtype bytes, or a
+        quantized row: head dim + its 4-byte scale)."""
+        itemsize = torch.empty((), dtype=self.storage_dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.row_elements * itemsize
 
     def num_blocks_for_memory(self, num_bytes: int, block_size: int) -> int:
         return num_bytes // (self.bytes_per_token * block_size)
@@ -54,8 +79,8 @@ class KVCacheSpec:
     def shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """One layer's tensor shape."""
         if self.layout == "blocks_first":
-            return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        return (2, self.num_kv_heads, num_blocks, block_size, self.head_dim)
+            return (2, num_blocks, block_size, self.num_kv_heads, self.row_elements)
+        return (2, self.num_kv_heads, num_blocks, block_size, self.row_elements)
 
 
 def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, block_size: int,
@@ -66,14 +91,15 @@ def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, block_size: int,
     0 x NaN from uninitialised memory would still poison the output.
     """
     shape = spec.shape(num_blocks, block_size)
-    return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+    return [torch.zeros(shape, dtype=spec.storage_dtype, device=device)
+            for _ in range(spec.num_layers)]
 
 
 def allocate_swap_space(spec: KVCacheSpec, num_blocks: int, block_size: int,
                         pin_memory: bool = False) -> list[torch.Tensor]:
     """Host-memory blocks for swapped-out KV, laid out like the cache (pinned for a GPU)."""
     shape = spec.shape(num_blocks, block_size)
-    return [torch.zeros(shape, dtype=spec.dtype, pin_memory=pin_memory)
+    return [torch.zeros(shape, dtype=spec.storage_dtype, pin_memory=pin_memory)
             for _ in range(spec.num_layers)]
 
 

@@ -91,7 +91,10 @@ class NativeKernels:
         lib.paged_decode_fast_path.argtypes = [_I64, _I64]
         lib.paged_decode_fast_path.restype = ctypes.c_int
         self._decode = {torch.bfloat16: lib.paged_decode_bf16, torch.float32: lib.paged_decode_f32}
-        for fn in self._decode.values():
+        self._decode_q8 = {torch.bfloat16: lib.paged_decode_q8_bf16,
+                           torch.float32: lib.paged_decode_q8_f32}
+        """Over an int8 KV cache (worker/kv_quant.py rows), by the queries' dtype."""
+        for fn in (*self._decode.values(), *self._decode_q8.values()):
             fn.argtypes = _ARGTYPES
             fn.restype = ctypes.c_int
         self._sample_rows = lib.sample_rows
@@ -106,6 +109,9 @@ class NativeKernels:
         self._prefill = lib.paged_prefill_bf16
         self._prefill.argtypes = _PREFILL_ARGTYPES
         self._prefill.restype = ctypes.c_int
+        self._prefill_q8 = lib.paged_prefill_q8_bf16
+        self._prefill_q8.argtypes = _PREFILL_ARGTYPES
+        self._prefill_q8.restype = ctypes.c_int
         self._prefill_workspace = lib.paged_prefill_workspace_bytes
         self._prefill_workspace.argtypes = [_P, _I64, _I64, _I64]
         self._prefill_workspace.restype = ctypes.c_int64
@@ -126,14 +132,17 @@ class NativeKernels:
         """Attention of one query token per request over its blocks, into `out`.
 
         query, out: [num_reqs, num_heads, head_dim]; key/value_cache: [kv_heads,
-        num_blocks, block_size, head_dim]; block_table: [num_reqs, max_blocks] int64;
-        ctx_lens: [num_reqs] int64. All contiguous, on CPU, of one dtype.
+        num_blocks, block_size, head_dim] of the queries' dtype, or int8 rows [..., head_dim
+        + 2] (worker/kv_quant.py); block_table: [num_reqs, max_blocks] int64; ctx_lens:
+        [num_reqs] int64. All contiguous, on CPU.
         """
         num_reqs, num_heads, head_dim = query.shape
-        num_kv_heads, num_blocks, block_size, _ = key_cache.shape
+        num_kv_heads, num_blocks, block_size, row = key_cache.shape
         for t in (query, key_cache, value_cache, block_table, ctx_lens, out):
             assert t.is_contiguous(), "paged_decode needs contiguous tensors"
-        status = self._decode[query.dtype](
+        q8 = key_cache.dtype == torch.int8
+        assert row == (head_dim + 2 if q8 else head_dim) and value_cache.dtype == key_cache.dtype
+        status = (self._decode_q8 if q8 else self._decode)[query.dtype](
             query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
             block_table.data_ptr(), ctx_lens.data_ptr(), out.data_ptr(),
             num_reqs, num_heads, num_kv_heads, head_dim, num_blocks, block_size,
@@ -171,11 +180,13 @@ class NativeKernels:
         `prefill_workspace`. Rows of `out` outside the spans are not written.
         """
         num_heads, head_dim = query.shape[1:]
-        num_kv_heads, num_blocks, block_size, _ = key_cache.shape
+        num_kv_heads, num_blocks, block_size, row = key_cache.shape
         assert query.stride(2) == 1 and query.stride(1) == head_dim
         for t in (key_cache, value_cache, spans, block_tables, out):
             assert t.is_contiguous(), "paged_prefill needs contiguous tensors"
-        status = self._prefill(
+        q8 = key_cache.dtype == torch.int8  # int8 rows [..., head_dim + 2]
+        assert row == (head_dim + 2 if q8 else head_dim)
+        status = (self._prefill_q8 if q8 else self._prefill)(
             query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
             spans.data_ptr(), block_tables.data_ptr(), out.data_ptr(), workspace.data_ptr(),
             spans.shape[0], num_heads, num_kv_heads, head_dim, num_blocks, block_size,

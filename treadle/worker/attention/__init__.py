@@ -25,16 +25,26 @@ logger = logging.getLogger(__name__)
 BACKEND_NAMES = ("auto", "cpu-native", "triton", "torch", "reference")
 ALIASES = {"native": "cpu-native"}
 """Earlier names still accepted."""
+KV_CACHE_DTYPE_SUPPORT = {
+    "cpu-native": ("auto", "int8"),
+    "triton": ("auto",),
+    "torch": ("auto", "int8", "fp8_e4m3"),
+    "reference": ("auto", "int8", "fp8_e4m3"),
+}
+"""The `kv_cache_dtype`s each backend reads and writes (worker/kv_quant.py)."""
 
 
 def make_attention_backend(name: str, platform: Any, num_kv_heads: int, head_dim: int,
                            dtype: torch.dtype, kernels: Any = None,
-                           layer_ops: Any = None) -> AttentionBackend:
+                           layer_ops: Any = None,
+                           kv_cache_dtype: str = "auto") -> AttentionBackend:
     """The backend `name` names (`auto`: the platform's first that builds).
 
     `kernels` (worker.native.NativeKernels) and `layer_ops` (NativeLayerOps) are what the
-    C kernels need; without them `cpu-native` cannot be built. Raises ValueError naming
-    the backend when one asked for by name cannot run here."""
+    C kernels need; without them `cpu-native` cannot be built. `kv_cache_dtype`: what the
+    cache stores (worker/kv_quant.py); a backend that cannot read it is skipped by `auto`
+    and an error when named. Raises ValueError naming the backend when one asked for by
+    name cannot run here."""
     name = ALIASES.get(name, name)
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, "
@@ -44,8 +54,14 @@ def make_attention_backend(name: str, platform: Any, num_kv_heads: int, head_dim
         if candidate not in platform.attention_backends:
             raise ValueError(f"attention backend {candidate!r} does not run on "
                              f"{platform.name}; it has {', '.join(platform.attention_backends)}")
+        if kv_cache_dtype not in KV_CACHE_DTYPE_SUPPORT[candidate]:
+            if name != "auto":
+                raise ValueError(f"attention backend {candidate!r} cannot read "
+                                 f"kv_cache_dtype={kv_cache_dtype!r}; it reads "
+                                 f"{', '.join(KV_CACHE_DTYPE_SUPPORT[candidate])}")
+            continue
         backend = _build(candidate, platform, num_kv_heads, head_dim, dtype, kernels,
-                         layer_ops)
+                         layer_ops, kv_cache_dtype)
         if backend is not None:
             return backend
         if name != "auto":
@@ -57,17 +73,18 @@ def make_attention_backend(name: str, platform: Any, num_kv_heads: int, head_dim
 
 
 def _build(name: str, platform: Any, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-           kernels: Any, layer_ops: Any) -> AttentionBackend | None:
+           kernels: Any, layer_ops: Any, kv_cache_dtype: str) -> AttentionBackend | None:
     if name == "cpu-native":
         if kernels is None or not kernels.supports(dtype):
             return None
         from treadle.worker.attention.cpu_native import CpuNativeBackend
-        return CpuNativeBackend(kernels, layer_ops, num_kv_heads, head_dim, dtype)
+        return CpuNativeBackend(kernels, layer_ops, num_kv_heads, head_dim, dtype,
+                                kv_cache_dtype)
     if name == "triton":
         from treadle.worker.attention.triton_backend import build_triton_backend
         return build_triton_backend(platform, num_kv_heads)
     if name == "torch":
         from treadle.worker.attention.torch_backend import TorchBackend
-        return TorchBackend(num_kv_heads)
+        return TorchBackend(num_kv_heads, kv_cache_dtype)
     from treadle.worker.attention.reference import ReferenceBackend
-    return ReferenceBackend()
+    return ReferenceBackend(kv_cache_dtype)

@@ -8,6 +8,10 @@ per-row lengths and block tables, in the runner's row order), and the metadata c
 its backend, which rotates queries and keys (or fuses that with its write), stores the
 new keys and values at their slots, and attends every token to its context.
 
+A layer may carry a sliding window (Mistral, Gemma 3's local layers: a query sees only
+the last `sliding_window` positions, itself included) and a logit softcap (Gemma 2/3
+configs that set `attn_logit_softcapping`); every backend honours both or refuses them.
+
 A backend owns its cache layout (`kv_layout`, one of `kv_cache.KV_LAYOUTS`), so a model
 never indexes a cache tensor. `reference` (pure torch, one request at a time) is the
 oracle every other backend is tested against.
@@ -55,6 +59,9 @@ class AttentionStep:
     num_single_token_rows: int
     block_size: int
     num_cache_blocks: int
+    sliding: "AttentionStep | None" = None
+    """The same step over the sliding-window layers' tables and cache (core/kv_sliding.py:
+    their own block ids, slots and block count), or None when they share the main ones."""
 
     @property
     def num_tokens(self) -> int:
@@ -72,13 +79,25 @@ class AttentionLayer:
     metadata."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 layer_index: int = 0) -> None:
+                 layer_index: int = 0, sliding_window: int | None = None,
+                 logit_softcap: float | None = None) -> None:
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
                              f"({num_kv_heads})")
+        if sliding_window is not None and (isinstance(sliding_window, bool)
+                                           or not isinstance(sliding_window, int)
+                                           or sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive int or None, "
+                             f"got {sliding_window!r}")
+        if logit_softcap is not None and not logit_softcap > 0:
+            raise ValueError(f"attn_logit_softcapping must be > 0 or None, got {logit_softcap!r}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.layer_index = layer_index
+        self.sliding_window = sliding_window
+        """A query at position p sees keys p - sliding_window + 1 .. p (None: all)."""
+        self.logit_softcap = logit_softcap
+        """Scores become softcap * tanh(scores / softcap) before the softmax (None: off)."""
 
     def __call__(self, qk: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  meta: Any, rotary: Rotary | None = None) -> torch.Tensor:

@@ -6,8 +6,14 @@ in one call (`paged_decode.c`: no grouping, no padding), and causal prefill atte
 every multi-token row in one call (`paged_prefill.c`, bf16 with AVX-512 BF16 and head_dim
 64/128). Where the prefill kernel or rope_kv does not apply (another dtype or head size),
 that part runs the `torch` backend's code, with the same results up to rounding; the
-decode kernel covers float32 and bf16 (the backend is not offered otherwise).
-Layout `heads_first`, the one the kernels read.
+decode kernel covers float32 and bf16 (the backend is not offered otherwise). Layers with
+a sliding window or a logit softcap run the torch backend's code whole (docs/gemma3.md:
+the kernels have neither, and Gemma 3's head_dim 256 is outside their vector paths).
+Layout `heads_first`, the one the kernels read. With `kv_cache_dtype=int8` the same
+calls read and write int8 rows (worker/kv_quant.py): rope_kv quantizes as it stores, the
+decode and prefill kernels dequantize in registers (prefill: while packing its tiles);
+the torch fallbacks (and the sliding / soft-capped layers) quantize and dequantize with
+kv_quant.
 """
 
 from __future__ import annotations
@@ -18,9 +24,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from treadle.worker import kv_quant
 from treadle.worker.attention.base import (AttentionBackend, AttentionLayer, AttentionStep,
                                            Rotary, split_rotated)
-from treadle.worker.attention.torch_backend import (PrefillSpan, attend_prefill_spans,
+from treadle.worker.attention.torch_backend import (LayerViews, PrefillSpan,
+                                                    attend_decode_groups,
+                                                    attend_prefill_spans, layer_views,
                                                     prefill_span, write_kv)
 
 
@@ -55,6 +64,16 @@ class CpuNativeMetadata:
     native_prefill: NativePrefill | None = None
     prefill_spans: list[PrefillSpan] = field(default_factory=list)
     """Multi-token rows for the torch path, when the prefill kernel does not apply."""
+    step: AttentionStep | None = None
+    torch_views: dict[int | None, LayerViews] = field(default_factory=dict)
+    """The torch path's views for sliding-window and soft-capped layers, by window (made
+    on first use: a model without such layers never builds them)."""
+
+    def views(self, window: int | None) -> LayerViews:
+        if window not in self.torch_views:
+            self.torch_views[window] = layer_views(self.step, self.backend.num_kv_heads,
+                                                   torch.device("cpu"), window)
+        return self.torch_views[window]
 
 
 class CpuNativeBackend(AttentionBackend):
@@ -64,7 +83,7 @@ class CpuNativeBackend(AttentionBackend):
     kv_layout = "heads_first"
 
     def __init__(self, kernels: Any, layer_ops: Any, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, kv_cache_dtype: str = "auto") -> None:
         """`kernels`: worker.native.NativeKernels (decode, prefill); `layer_ops`:
         worker.native_linear.NativeLayerOps or None (rope_kv, bf16 only)."""
         if not kernels.supports(dtype):
@@ -73,9 +92,13 @@ class CpuNativeBackend(AttentionBackend):
         self.layer_ops = layer_ops
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.native_prefill = kernels.supports_prefill(dtype, head_dim)
+        if kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"the C attention kernels do not read kv_cache_dtype="
+                             f"{kv_cache_dtype!r} (auto or int8)")
+        self.kv_cache_dtype = kv_quant.check_kv_cache_dtype(kv_cache_dtype)
 
     def build_metadata(self, step: AttentionStep, device: torch.device) -> CpuNativeMetadata:
-        meta = CpuNativeMetadata(self, torch.from_numpy(step.slot_mapping))
+        meta = CpuNativeMetadata(self, torch.from_numpy(step.slot_mapping), step=step)
         num_decodes = step.num_single_token_rows
         if num_decodes:
             meta.native_decode = NativeDecode(
@@ -98,16 +121,29 @@ class CpuNativeBackend(AttentionBackend):
     def forward(self, layer: AttentionLayer, qk: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: CpuNativeMetadata,
                 rotary: Rotary | None) -> torch.Tensor:
+        views = None
+        slots = meta.slot_mapping
+        if layer.sliding_window is not None or layer.logit_softcap is not None:
+            # The C kernels have no window bound and no softcap: these layers take the
+            # torch path, which reads only the blocks inside each row's window.
+            views = meta.views(layer.sliding_window)
+            if views.slot_mapping is not None:
+                slots = views.slot_mapping
         query = None
         if rotary is not None and self.layer_ops is not None:
             # Rotated queries back, keys rotated and stored with the values; or None.
-            query = self.layer_ops.rope_kv(qk, value, rotary.cos, rotary.sin, kv_cache,
-                                           meta.slot_mapping)
+            query = self.layer_ops.rope_kv(qk, value, rotary.cos, rotary.sin, kv_cache, slots)
         if query is None:
             query, key = split_rotated(layer, qk, rotary)
-            write_kv(kv_cache, key, value, meta.slot_mapping)
+            write_kv(kv_cache, key, value, slots, self.kv_cache_dtype)
         num_heads, head_dim = layer.num_heads, layer.head_dim
         out = query.new_empty(query.shape[0], num_heads * head_dim)
+        if views is not None:
+            attend_decode_groups(query, kv_cache, views.decode_groups, out, layer.scale,
+                                 layer.logit_softcap, self.kv_cache_dtype)
+            attend_prefill_spans(query, kv_cache, views.prefill_spans, out, layer.scale,
+                                 layer.logit_softcap, self.kv_cache_dtype)
+            return out
         nd = meta.native_decode
         if nd is not None:
             rows = nd.num_rows
@@ -118,6 +154,7 @@ class CpuNativeBackend(AttentionBackend):
         if npf is not None:
             self.kernels.paged_prefill(query, kv_cache[0], kv_cache[1], npf.spans,
                                        npf.block_tables, out, npf.workspace, layer.scale)
-        attend_prefill_spans(query, kv_cache, meta.prefill_spans, out, layer.scale)
+        attend_prefill_spans(query, kv_cache, meta.prefill_spans, out, layer.scale,
+                             kind=self.kv_cache_dtype)
         return out
 

@@ -37,6 +37,8 @@ class TritonMetadata:
     """Leading rows with one new token (the decode kernel's)."""
     num_splits: int
     """The decode kernel's split-K factor for this step."""
+    sliding: "TritonMetadata | None" = None
+    """The same over the sliding-window layers' own tables (AttentionStep.sliding)."""
 
 
 class TritonBackend(AttentionBackend):
@@ -67,13 +69,21 @@ class TritonBackend(AttentionBackend):
             return torch.from_numpy(np.ascontiguousarray(array, dtype=dtype)).to(
                 device, non_blocking=True)
 
-        return TritonMetadata(self, put(step.slot_mapping, np.int64), put(starts, np.int32),
+        meta = TritonMetadata(self, put(step.slot_mapping, np.int64), put(starts, np.int32),
                               put(context, np.int32), put(step.block_table, np.int32),
                               num_decodes, num_splits)
+        if step.sliding is not None:
+            meta.sliding = self.build_metadata(step.sliding, device)
+        return meta
 
     def forward(self, layer: AttentionLayer, qk: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, meta: TritonMetadata,
                 rotary: Rotary | None) -> torch.Tensor:
+        if layer.logit_softcap is not None:
+            raise ValueError("the triton attention backend has no attention logit softcapping "
+                             "(attn_logit_softcapping); use --attention-backend torch")
+        if layer.sliding_window is not None and meta.sliding is not None:
+            meta = meta.sliding
         query, key = split_rotated(layer, qk, rotary)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         self.kernels.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
@@ -81,7 +91,8 @@ class TritonBackend(AttentionBackend):
         self.kernels.paged_attention(query, key_cache, value_cache, meta.block_tables,
                                      meta.query_start_loc, meta.seq_lens, layer.scale,
                                      num_decodes=meta.num_decodes,
-                                     num_splits=meta.num_splits, out=out)
+                                     num_splits=meta.num_splits, out=out,
+                                     sliding_window=layer.sliding_window)
         return out.view(query.shape[0], -1)
 
 

@@ -12,6 +12,10 @@
  *    o2 = bf16(bf16(x2 c) + bf16(x1 s))), rotated queries written to a contiguous
  *    [M, heads, head_dim], rotated keys and the values stored at each token's KV-cache
  *    slot: one call for what took a dozen torch ops and two index copies.
+ *  - rope_kv_q8_bf16: the same rotation, with keys and values stored quantized to int8
+ *    rows of the KV cache (worker/kv_quant.py: head_dim int8 values, then the float16
+ *    scale fp16(max|x| / 127); q = nearest-even(x / scale)), bit-exact with
+ *    kv_quant.quantize.
  *
  * Results can differ from torch in the last float bit (summation order, exp) and so,
  * rarely, by one bf16 ulp; rope_kv is bit-exact (each value is one product or sum of
@@ -23,6 +27,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -131,7 +136,62 @@ int rope_kv_bf16(const bf16_t *qk, int64_t qk_row, const bf16_t *v, int64_t v_ro
     return 0;
 }
 
+/* One K or V vector of D bf16 -> an int8 row: D values, then the float16 scale. */
+static inline void quantize_row_q8(const bf16_t *x, int8_t *dst, int64_t D) {
+    float amax = 0.f;
+    for (int64_t j = 0; j < D; j++) {
+        union { uint32_t u; float f; } w = {.u = (uint32_t)x[j] << 16};
+        const float a = fabsf(w.f);
+        amax = a > amax ? a : amax;
+    }
+    float ratio = amax / 127.f;
+    ratio = ratio < 65504.f ? ratio : 65504.f;  /* float16's largest */
+    const _Float16 scale16 = (_Float16)ratio;   /* nearest even, as torch rounds */
+    const float scale = (float)scale16;
+    for (int64_t j = 0; j < D; j++) {
+        union { uint32_t u; float f; } w = {.u = (uint32_t)x[j] << 16};
+        float q = scale > 0.f ? nearbyintf(w.f / scale) : 0.f;
+        q = q > 127.f ? 127.f : (q < -127.f ? -127.f : q);
+        dst[j] = (int8_t)q;
+    }
+    memcpy(dst + D, &scale16, sizeof(scale16));
+}
+
+#define MAX_Q8_KV (64 * 256)  /* kv_heads x head_dim of one token's rotated keys */
+
+/* rope_kv_bf16 with an int8 cache: k_cache, v_cache [kv_heads, slots_per_head, D + 2]. */
+int rope_kv_q8_bf16(const bf16_t *qk, int64_t qk_row, const bf16_t *v, int64_t v_row,
+                    const bf16_t *cos, const bf16_t *sin, int64_t cs_row, const int64_t *slots,
+                    bf16_t *q_out, int8_t *k_cache, int8_t *v_cache, int64_t M, int64_t heads,
+                    int64_t kv_heads, int64_t D, int64_t slots_per_head) {
+    if (D % 2 || kv_heads * D > MAX_Q8_KV) return -1;
+    const int64_t row_bytes = D + (int64_t)sizeof(_Float16);
+    #pragma omp parallel for schedule(static) if(M >= PARALLEL_ROWS)
+    for (int64_t m = 0; m < M; m++) {
+        bf16_t keys[MAX_Q8_KV];
+        const bf16_t *row = qk + m * qk_row, *c = cos + m * cs_row, *s = sin + m * cs_row;
+        rotate_heads(row, q_out + m * heads * D, D, heads, D, c, s);
+        rotate_heads(row + heads * D, keys, D, kv_heads, D, c, s);
+        for (int64_t g = 0; g < kv_heads; g++) {
+            const int64_t at = (g * slots_per_head + slots[m]) * row_bytes;
+            quantize_row_q8(keys + g * D, k_cache + at, D);
+            quantize_row_q8(v + m * v_row + g * D, v_cache + at, D);
+        }
+    }
+    return 0;
+}
+
 #else
+
+int rope_kv_q8_bf16(const void *qk, int64_t qk_row, const void *v, int64_t v_row,
+                    const void *cos, const void *sin, int64_t cs_row, const int64_t *slots,
+                    void *q_out, void *k_cache, void *v_cache, int64_t M, int64_t heads,
+                    int64_t kv_heads, int64_t D, int64_t slots_per_head) {
+    (void)qk; (void)qk_row; (void)v; (void)v_row; (void)cos; (void)sin; (void)cs_row;
+    (void)slots; (void)q_out; (void)k_cache; (void)v_cache; (void)M; (void)heads;
+    (void)kv_heads; (void)D; (void)slots_per_head;
+    return -1;
+}
 
 int rope_kv_bf16(const void *qk, int64_t qk_row, const void *v, int64_t v_row,
                  const void *cos, const void *sin, int64_t cs_row, const int64_t *slots,

@@ -24,6 +24,12 @@
  *    keep every thread busy (small batches, long contexts), over context ranges too, whose
  *    partial softmaxes are merged at the end (flash-decoding).
  *  - generic path (any shape, any CPU): the plain loops below, auto-vectorised by gcc.
+ *
+ * int8 caches (paged_decode_q8_*; worker/kv_quant.py): each cached row is head_dim int8
+ * values and a float16 scale (row stride head_dim + 2 bytes). Dequantized in registers,
+ * with the scales folded out of the inner loops: a token's score is scale_k * (q . k_int)
+ * and its value weight p * scale_v, so the int8 values are only widened to fp32 (no
+ * multiply per element) and no dequantized copy of any block is made.
  */
 #include <math.h>
 #include <stdint.h>
@@ -134,6 +140,64 @@ static int NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *b
 
 DEFINE_GENERIC_DECODE(generic_decode_bf16, uint16_t, bf16_load, bf16_store)
 DEFINE_GENERIC_DECODE(generic_decode_f32, float, f32_load, f32_store)
+
+static inline float row_scale(const int8_t *row, int64_t head_dim) {
+    _Float16 s;
+    memcpy(&s, row + head_dim, sizeof(s));
+    return (float)s;
+}
+
+/* The generic loops over an int8 cache: rows of head_dim values + a float16 scale. */
+#define DEFINE_GENERIC_DECODE_Q8(NAME, T, LOAD, STORE)                                       \
+static int NAME(const T *q, const int8_t *k_cache, const int8_t *v_cache,                    \
+         const int64_t *block_table, const int64_t *ctx_lens, T *out, int64_t num_reqs,      \
+         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,      \
+         int64_t block_size, int64_t max_blocks, float scale) {                              \
+    const int64_t group = num_heads / num_kv_heads, row = head_dim + 2;                      \
+    _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) if(num_reqs * num_kv_heads > 8)") \
+    for (int64_t r = 0; r < num_reqs; r++) {                                                 \
+        for (int64_t h = 0; h < num_kv_heads; h++) {                                         \
+            float qf[MAX_GROUP_DIM], acc[MAX_GROUP_DIM];                                     \
+            const int64_t ctx = ctx_lens[r];                                                 \
+            const T *qr = q + (r * num_heads + h * group) * head_dim;                        \
+            for (int64_t i = 0; i < group * head_dim; i++) qf[i] = LOAD(qr[i]) * scale;      \
+            memset(acc, 0, sizeof(float) * group * head_dim);                                \
+            float run_max[MAX_GROUP], run_sum[MAX_GROUP];                                    \
+            for (int64_t g = 0; g < group; g++) { run_max[g] = -1e30f; run_sum[g] = 0; }      \
+            for (int64_t pos = 0; pos < ctx; pos++) {                                        \
+                const int64_t block = block_table[r * max_blocks + pos / block_size];        \
+                const int64_t at = ((h * num_blocks + block) * block_size + pos % block_size) * row; \
+                const int8_t *kt = k_cache + at, *vt = v_cache + at;                         \
+                const float ks = row_scale(kt, head_dim), vs = row_scale(vt, head_dim);      \
+                for (int64_t g = 0; g < group; g++) {                                        \
+                    const float *qg = qf + g * head_dim;                                     \
+                    float dot = 0.f;                                                         \
+                    for (int64_t d = 0; d < head_dim; d++) dot += qg[d] * (float)kt[d];      \
+                    const float s = dot * ks;                                                \
+                    const float new_max = s > run_max[g] ? s : run_max[g];                   \
+                    const float correction = expf(run_max[g] - new_max);                     \
+                    const float p = expf(s - new_max);                                       \
+                    run_sum[g] = run_sum[g] * correction + p;                                \
+                    run_max[g] = new_max;                                                    \
+                    float *ag = acc + g * head_dim;                                          \
+                    const float pv = p * vs;                                                 \
+                    for (int64_t d = 0; d < head_dim; d++)                                   \
+                        ag[d] = ag[d] * correction + pv * (float)vt[d];                      \
+                }                                                                            \
+            }                                                                                \
+            T *o = out + (r * num_heads + h * group) * head_dim;                             \
+            for (int64_t g = 0; g < group; g++) {                                            \
+                const float inv = run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f;                 \
+                for (int64_t d = 0; d < head_dim; d++)                                       \
+                    o[g * head_dim + d] = STORE(acc[g * head_dim + d] * inv);                \
+            }                                                                                \
+        }                                                                                    \
+    }                                                                                        \
+    return 0;                                                                                \
+}
+
+DEFINE_GENERIC_DECODE_Q8(generic_decode_q8_bf16, uint16_t, bf16_load, bf16_store)
+DEFINE_GENERIC_DECODE_Q8(generic_decode_q8_f32, float, f32_load, f32_store)
 
 /* ------------------------------------------------------------------------------------ */
 /* Fast path (AVX-512 or AVX2)                                                           */
@@ -328,7 +392,158 @@ ALWAYS_INLINE void run_item(const decode_args *a, int64_t h, const work_item *w,
     }
 }
 
+/* ---- int8 cache: rows of HD int8 values and a float16 scale ---------------------- */
+
+/* VW int8 as fp32. */
+ALWAYS_INLINE vf vf_i8_load(const int8_t *p) {
+#if SIMD_WIDTH == 16
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#else
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#endif
+}
+
+/* Raw q . k_int of the CHUNK int8 rows at k (row stride HD + 2), token t in lane t;
+   qf: the query head widened to fp32. */
+ALWAYS_INLINE vf chunk_scores_q8(const float *qf, const int8_t *k, const int HD) {
+    vf a[CHUNK];
+    #pragma GCC unroll 64
+    for (int t = 0; t < CHUNK; t++) {
+        const int8_t *kt = k + (int64_t)t * (HD + 2);
+        a[t] = vf_mul(vf_i8_load(kt), vf_load(qf));
+        #pragma GCC unroll 64
+        for (int j = 1; j < HD / VW; j++)
+            a[t] = vf_fmadd(vf_i8_load(kt + VW * j), vf_load(qf + VW * j), a[t]);
+    }
+    return vf_transpose_reduce(a);
+}
+
+/* fold_chunk over int8 rows: the key scales multiply the chunk's scores, the value
+   scales the probabilities (the softmax sums keep the unscaled ones). */
+ALWAYS_INLINE void fold_chunk_q8(const float *qf, const int8_t *k, const int8_t *v, int64_t n,
+                                 float c, float *m, vf *l, vf *acc, const int HD, const int G) {
+    float p_buf[FAST_GROUP_MAX * CHUNK] __attribute__((aligned(64)));
+    float ks[CHUNK] __attribute__((aligned(64))), vs[CHUNK] __attribute__((aligned(64)));
+    for (int t = 0; t < CHUNK; t++) {
+        ks[t] = row_scale(k + (int64_t)t * (HD + 2), HD);
+        vs[t] = row_scale(v + (int64_t)t * (HD + 2), HD);
+    }
+    const vf kscale = vf_mul(vf_load(ks), vf_set1(c)), vscale = vf_load(vs);
+    #pragma GCC unroll 64
+    for (int g = 0; g < G; g++) {
+        vf x = vf_mul(chunk_scores_q8(qf + g * HD, k, HD), kscale);
+        x = vf_first(x, n, NEG_BIG);
+        const float cmax = vf_reduce_max(x);
+        const float new_max = cmax > m[g] ? cmax : m[g];
+        const vf corr = vf_exp2(vf_set1(m[g] - new_max));
+        const vf p = vf_first(vf_exp2(vf_sub(x, vf_set1(new_max))), n, 0.f);
+        m[g] = new_max;
+        l[g] = vf_fmadd(l[g], corr, p);
+        #pragma GCC unroll 64
+        for (int j = 0; j < HD / VW; j++)
+            acc[g * (HD / VW) + j] = vf_mul(acc[g * (HD / VW) + j], corr);
+        vf_store(p_buf + g * CHUNK, vf_mul(p, vscale));
+    }
+    UNROLL(V_UNROLL)
+    for (int t = 0; t < CHUNK; t++) {
+        vf vt[HD / VW];
+        const int8_t *vr = v + (int64_t)t * (HD + 2);
+        #pragma GCC unroll 64
+        for (int j = 0; j < HD / VW; j++) vt[j] = vf_i8_load(vr + VW * j);
+        #pragma GCC unroll 64
+        for (int g = 0; g < G; g++) {
+            const vf pt = vf_set1(p_buf[g * CHUNK + t]);
+            #pragma GCC unroll 64
+            for (int j = 0; j < HD / VW; j++)
+                acc[g * (HD / VW) + j] = vf_fmadd(pt, vt[j], acc[g * (HD / VW) + j]);
+        }
+    }
+}
+
+/* run_item over an int8 cache (queries and output bf16 or fp32). */
+ALWAYS_INLINE void run_item_q8(const decode_args *a, int64_t h, const work_item *w,
+                               float *partial, const int HD, const int G, const int bf16) {
+    const int64_t row = HD + 2, chunk_bytes = CHUNK * row;
+    const int64_t bs = a->block_size, ctx = a->ctx_lens[w->r];
+    const int64_t head0 = w->r * a->num_heads + h * G;
+    const int8_t *kh = (const int8_t *)a->k_cache + h * a->num_blocks * bs * row;
+    const int8_t *vh = (const int8_t *)a->v_cache + h * a->num_blocks * bs * row;
+    const int64_t *table = a->block_table + w->r * a->max_blocks;
+    float qf[FAST_GROUP_MAX * 128] __attribute__((aligned(64)));
+    #pragma GCC unroll 64
+    for (int j = 0; j < G * (HD / VW); j++)
+        vf_store(qf + VW * j, load_vec(a->q, head0 * HD + VW * j, bf16));
+    float m[FAST_GROUP_MAX];
+    vf l[FAST_GROUP_MAX], acc[FAST_GROUP_MAX * MAX_HDV];
+    #pragma GCC unroll 64
+    for (int g = 0; g < G; g++) { m[g] = NEG_BIG; l[g] = vf_zero(); }
+    #pragma GCC unroll 64
+    for (int j = 0; j < G * (HD / VW); j++) acc[j] = vf_zero();
+
+    int8_t kpad[CHUNK * 130] __attribute__((aligned(64)));
+    int8_t vpad[CHUNK * 130] __attribute__((aligned(64)));
+    for (int64_t b = w->b0; b < w->b1; b++) {
+        const int64_t tokens = ctx - b * bs < bs ? ctx - b * bs : bs;
+        const int8_t *kb = kh + table[b] * bs * row, *vb = vh + table[b] * bs * row;
+        for (int64_t t = 0; t < tokens; t += CHUNK) {
+            if (t == 0 && b + 1 < w->b1 && table[b + 1] != table[b] + 1) {
+                const int64_t nb = bs < CHUNK ? bs * row : chunk_bytes;
+                prefetch_rows((const char *)(kh + table[b + 1] * bs * row), nb);
+                prefetch_rows((const char *)(vh + table[b + 1] * bs * row), nb);
+            }
+            const int64_t n = tokens - t < CHUNK ? tokens - t : CHUNK;
+            const int8_t *kc = kb + t * row, *vc = vb + t * row;
+            if (n < CHUNK) {  /* zero rows: values and scales 0 */
+                memcpy(kpad, kc, n * row);
+                memcpy(vpad, vc, n * row);
+                memset(kpad + n * row, 0, (CHUNK - n) * row);
+                memset(vpad + n * row, 0, (CHUNK - n) * row);
+                kc = kpad;
+                vc = vpad;
+            }
+            fold_chunk_q8(qf, kc, vc, n, a->c, m, l, acc, HD, G);
+        }
+    }
+    const int esz = bf16 ? 2 : 4;
+    if (w->part < 0) {
+        char *o = (char *)a->out + head0 * HD * esz;
+        #pragma GCC unroll 64
+        for (int g = 0; g < G; g++) {
+            const float sum = vf_reduce_add(l[g]);
+            const vf inv = vf_set1(sum > 0.f ? 1.f / sum : 0.f);
+            #pragma GCC unroll 64
+            for (int j = 0; j < HD / VW; j++)
+                store_vec(o, (int64_t)g * HD + VW * j, vf_mul(acc[g * (HD / VW) + j], inv), bf16);
+        }
+    } else {
+        float *p = partial + (w->part * a->num_kv_heads + h) * G * (HD + 2);
+        #pragma GCC unroll 64
+        for (int g = 0; g < G; g++, p += HD + 2) {
+            p[0] = m[g];
+            p[1] = vf_reduce_add(l[g]);
+            #pragma GCC unroll 64
+            for (int j = 0; j < HD / VW; j++) vf_storeu(p + 2 + VW * j, acc[g * (HD / VW) + j]);
+        }
+    }
+}
+
 typedef void (*item_fn)(const decode_args *, int64_t, const work_item *, float *);
+
+#define ITEM_FN_Q8(B, HD, G) \
+    static void item_q8_##B##_##HD##_##G(const decode_args *a, int64_t h, const work_item *w, \
+                                         float *partial) { run_item_q8(a, h, w, partial, HD, G, B); }
+#define ITEM_FNS_Q8(B, HD) ITEM_FN_Q8(B, HD, 1) ITEM_FN_Q8(B, HD, 2) ITEM_FN_Q8(B, HD, 3) \
+    ITEM_FN_Q8(B, HD, 4) ITEM_FN_Q8(B, HD, 5) ITEM_FN_Q8(B, HD, 6) ITEM_FN_Q8(B, HD, 7) \
+    ITEM_FN_Q8(B, HD, 8)
+ITEM_FNS_Q8(0, 64)
+ITEM_FNS_Q8(0, 128)
+ITEM_FNS_Q8(1, 64)
+ITEM_FNS_Q8(1, 128)
+#define ITEM_ROW_Q8(B, HD) {item_q8_##B##_##HD##_1, item_q8_##B##_##HD##_2, \
+    item_q8_##B##_##HD##_3, item_q8_##B##_##HD##_4, item_q8_##B##_##HD##_5, \
+    item_q8_##B##_##HD##_6, item_q8_##B##_##HD##_7, item_q8_##B##_##HD##_8}
+static const item_fn ITEM_FNS_Q8_TABLE[2][2][FAST_GROUP_MAX] = {
+    {ITEM_ROW_Q8(0, 64), ITEM_ROW_Q8(0, 128)}, {ITEM_ROW_Q8(1, 64), ITEM_ROW_Q8(1, 128)}};
 
 #define ITEM_FN(B, HD, G) \
     static void item_##B##_##HD##_##G(const decode_args *a, int64_t h, const work_item *w, \
@@ -350,10 +565,12 @@ static int has_fast_path(int64_t head_dim, int64_t group) {
 }
 
 /* Returns -1 when the shape has no fast path, else the kernel's status. */
-static int fast_decode(const decode_args *a, int64_t num_reqs, int64_t head_dim, int bf16) {
+static int fast_decode(const decode_args *a, int64_t num_reqs, int64_t head_dim, int bf16,
+                       int q8) {
     const int64_t group = a->num_heads / a->num_kv_heads;
     if (!has_fast_path(head_dim, group)) return -1;
-    const item_fn fn = ITEM_FNS_TABLE[bf16][head_dim == 128][group - 1];
+    const item_fn fn = q8 ? ITEM_FNS_Q8_TABLE[bf16][head_dim == 128][group - 1]
+                          : ITEM_FNS_TABLE[bf16][head_dim == 128][group - 1];
     const int64_t bs = a->block_size, kvh = a->num_kv_heads;
 
     int threads = 1;
@@ -366,7 +583,7 @@ static int fast_decode(const decode_args *a, int64_t num_reqs, int64_t head_dim,
         total_tokens += ctx;
         total_blocks += (ctx + bs - 1) / bs;
     }
-    const int64_t bytes = total_tokens * kvh * head_dim * 2 * (bf16 ? 2 : 4);
+    const int64_t bytes = total_tokens * kvh * 2 * (q8 ? head_dim + 2 : head_dim * (bf16 ? 2 : 4));
     const int parallel = threads > 1 && bytes >= PARALLEL_MIN_BYTES;
 
     /* Context range per work item, in blocks: whole contexts unless there are too few
@@ -452,8 +669,8 @@ static int fast_decode(const decode_args *a, int64_t num_reqs, int64_t head_dim,
 /* Exported entry points                                                                 */
 /* ------------------------------------------------------------------------------------ */
 
-#define DEFINE_PAGED_DECODE(NAME, T, GENERIC, BF16)                                         \
-int NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *block_table,       \
+#define DEFINE_PAGED_DECODE(NAME, T, C, GENERIC, BF16, Q8)                                  \
+int NAME(const T *q, const C *k_cache, const C *v_cache, const int64_t *block_table,       \
          const int64_t *ctx_lens, T *out, int64_t num_reqs, int64_t num_heads,              \
          int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,    \
          int64_t max_blocks, float scale) {                                                 \
@@ -461,26 +678,29 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *block_ta
     if (group > MAX_GROUP || group * head_dim > MAX_GROUP_DIM                               \
         || group * block_size > MAX_GROUP_TOKENS)                                           \
         return 1;                                                                           \
-    FAST_PATH(BF16)                                                                         \
+    FAST_PATH(BF16, Q8)                                                                     \
     return GENERIC(q, k_cache, v_cache, block_table, ctx_lens, out, num_reqs, num_heads,    \
                    num_kv_heads, head_dim, num_blocks, block_size, max_blocks, scale);      \
 }
 
 #if SIMD_WIDTH
-#define FAST_PATH(BF16)                                                                     \
+#define FAST_PATH(BF16, Q8)                                                                 \
     {                                                                                       \
         const decode_args a = {q, k_cache, v_cache, block_table, ctx_lens, out, num_heads,  \
                                num_kv_heads, num_blocks, block_size, max_blocks,            \
                                scale * 1.4426950408889634f};                                \
-        const int status = fast_decode(&a, num_reqs, head_dim, BF16);                       \
+        const int status = fast_decode(&a, num_reqs, head_dim, BF16, Q8);                   \
         if (status >= 0) return status;                                                     \
     }
 #else
-#define FAST_PATH(BF16)
+#define FAST_PATH(BF16, Q8)
 #endif
 
-DEFINE_PAGED_DECODE(paged_decode_bf16, uint16_t, generic_decode_bf16, 1)
-DEFINE_PAGED_DECODE(paged_decode_f32, float, generic_decode_f32, 0)
+DEFINE_PAGED_DECODE(paged_decode_bf16, uint16_t, uint16_t, generic_decode_bf16, 1, 0)
+DEFINE_PAGED_DECODE(paged_decode_f32, float, float, generic_decode_f32, 0, 0)
+/* int8 caches: k_cache, v_cache [num_kv_heads, num_blocks, block_size, head_dim + 2] */
+DEFINE_PAGED_DECODE(paged_decode_q8_bf16, uint16_t, int8_t, generic_decode_q8_bf16, 1, 1)
+DEFINE_PAGED_DECODE(paged_decode_q8_f32, float, int8_t, generic_decode_q8_f32, 0, 1)
 
 /* Whether a head_dim and query heads per KV head take the fast path in this build. */
 int paged_decode_fast_path(int64_t head_dim, int64_t group) {

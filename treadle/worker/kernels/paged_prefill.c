@@ -34,6 +34,11 @@
  * tokens, positions before the chunk); block_tables [num_spans, max_blocks] int64.
  * workspace: paged_prefill_workspace_bytes() bytes, 64-byte aligned.
  *
+ * int8 caches (paged_prefill_q8_bf16; rows of head_dim int8 values and a float16 scale,
+ * worker/kv_quant.py): the pack phase reads the int8 rows and writes each value times its
+ * row's scale, rounded to bf16, into the same packed tiles; the compute phase is the one
+ * above. The cache itself is read once per call, as int8, and never copied whole.
+ *
  * Only these fast paths exist: without AVX-512 or AVX2, or for another head_dim, the
  * entry points report it and the caller uses torch's attention.
  */
@@ -90,6 +95,8 @@ int64_t paged_prefill_workspace_bytes(const int64_t *spans, int64_t num_spans,
 
 typedef struct {
     const uint16_t *q, *k_cache, *v_cache;
+    const int8_t *k8, *v8;  /* an int8 cache instead (q8): rows of head_dim + 2 bytes */
+    int q8;
     const int64_t *spans, *block_tables;
     uint16_t *out;
     uint32_t *workspace;
@@ -131,6 +138,50 @@ static void pack_tile(const prefill_args *a, int64_t s, int64_t h, int64_t t, in
         for (int64_t d = 0; d < hd; d++)
             vtile[jp * hd + d] = (v0 ? v0[d] : 0u) | ((uint32_t)(v1 ? v1[d] : 0u) << 16);
     }
+}
+
+/* fp32 -> bf16 bits, nearest even (no NaN: products of int8 and a finite scale). */
+static inline uint32_t bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof(u));
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+/* pack_tile from an int8 cache: each value times its row's scale, as bf16. */
+static void pack_tile_q8(const prefill_args *a, int64_t s, int64_t h, int64_t t, int64_t hd) {
+    const int64_t ctx = a->spans[3 * s + 1] + a->spans[3 * s + 2];
+    const int64_t pctx = span_padded_ctx(a->spans, s);
+    const int64_t half = hd / 2, bs = a->block_size, row = hd + 2;
+    uint32_t *kp = a->workspace + span_offset(a, s, hd) + h * pctx * half;
+    uint32_t *vp = kp + a->num_kv_heads * pctx * half;
+    const int64_t *table = a->block_tables + s * a->max_blocks;
+    uint16_t kb[KT][128], vb[KT][128];  /* the tile's keys and values as bf16 (zero past ctx) */
+    for (int64_t j = 0; j < KT; j++) {
+        const int64_t pos = t * KT + j;
+        if (pos >= ctx) {
+            memset(kb[j], 0, sizeof(uint16_t) * hd);
+            memset(vb[j], 0, sizeof(uint16_t) * hd);
+            continue;
+        }
+        const int64_t slot = (h * a->num_blocks + table[pos / bs]) * bs + pos % bs;
+        const int8_t *kr = a->k8 + slot * row, *vr = a->v8 + slot * row;
+        _Float16 ks16, vs16;
+        memcpy(&ks16, kr + hd, sizeof(ks16));
+        memcpy(&vs16, vr + hd, sizeof(vs16));
+        const float ks = (float)ks16, vs = (float)vs16;
+        for (int64_t d = 0; d < hd; d++) {
+            kb[j][d] = (uint16_t)bf16_bits((float)kr[d] * ks);
+            vb[j][d] = (uint16_t)bf16_bits((float)vr[d] * vs);
+        }
+    }
+    uint32_t *ktile = kp + t * KT * half;
+    for (int64_t j = 0; j < KT; j++)
+        for (int64_t d = 0; d < half; d++)
+            ktile[d * KT + j] = kb[j][2 * d] | ((uint32_t)kb[j][2 * d + 1] << 16);
+    uint32_t *vtile = vp + t * (KT / 2) * hd;
+    for (int64_t jp = 0; jp < KT / 2; jp++)
+        for (int64_t d = 0; d < hd; d++)
+            vtile[jp * hd + d] = vb[2 * jp][d] | ((uint32_t)vb[2 * jp + 1][d] << 16);
 }
 
 #if PREFILL_DPBF16
@@ -347,19 +398,21 @@ int paged_prefill_available(int64_t head_dim) {
     return HAVE_PREFILL_KERNEL && (head_dim == 64 || head_dim == 128);
 }
 
-int paged_prefill_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *k_cache,
-                       const uint16_t *v_cache, const int64_t *spans,
-                       const int64_t *block_tables, uint16_t *out, void *workspace,
-                       int64_t num_spans, int64_t num_heads, int64_t num_kv_heads,
-                       int64_t head_dim, int64_t num_blocks, int64_t block_size,
-                       int64_t max_blocks, float scale) {
+static int prefill(const uint16_t *q, int64_t q_row_stride, const void *k_cache,
+                   const void *v_cache, int q8, const int64_t *spans,
+                   const int64_t *block_tables, uint16_t *out, void *workspace,
+                   int64_t num_spans, int64_t num_heads, int64_t num_kv_heads,
+                   int64_t head_dim, int64_t num_blocks, int64_t block_size,
+                   int64_t max_blocks, float scale) {
     if (!paged_prefill_available(head_dim) || num_heads % num_kv_heads != 0 ||
         ((uintptr_t)workspace & 63) != 0)
         return -1;
 #if HAVE_PREFILL_KERNEL
     void (*fn)(const prefill_args *, int64_t, int64_t, int64_t, int64_t) =
         head_dim == 64 ? item_64 : item_128;
-    const prefill_args a = {q, k_cache, v_cache, spans, block_tables, out, workspace,
+    const prefill_args a = {q, q8 ? NULL : k_cache, q8 ? NULL : v_cache,
+                            q8 ? k_cache : NULL, q8 ? v_cache : NULL, q8,
+                            spans, block_tables, out, workspace,
                             num_spans, num_heads, num_kv_heads, num_blocks, block_size,
                             max_blocks, q_row_stride, scale * 1.4426950408889634f};
     /* Work lists: (span, KV head, tile) to pack, (span, head, row block) to compute. */
@@ -376,7 +429,8 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *
             for (;; s++) {
                 const int64_t tiles = span_padded_ctx(spans, s) / KT;
                 if (rest < num_kv_heads * tiles) {
-                    pack_tile(&a, s, rest / tiles, rest % tiles, head_dim);
+                    if (q8) pack_tile_q8(&a, s, rest / tiles, rest % tiles, head_dim);
+                    else pack_tile(&a, s, rest / tiles, rest % tiles, head_dim);
                     break;
                 }
                 rest -= num_kv_heads * tiles;
@@ -404,4 +458,28 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *
 #else
     return -1;  /* not reached: paged_prefill_available is 0 in this build */
 #endif
+}
+
+int paged_prefill_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *k_cache,
+                       const uint16_t *v_cache, const int64_t *spans,
+                       const int64_t *block_tables, uint16_t *out, void *workspace,
+                       int64_t num_spans, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t head_dim, int64_t num_blocks, int64_t block_size,
+                       int64_t max_blocks, float scale) {
+    return prefill(q, q_row_stride, k_cache, v_cache, 0, spans, block_tables, out, workspace,
+                   num_spans, num_heads, num_kv_heads, head_dim, num_blocks, block_size,
+                   max_blocks, scale);
+}
+
+/* The same over an int8 cache: k_cache, v_cache [num_kv_heads, num_blocks, block_size,
+   head_dim + 2]. */
+int paged_prefill_q8_bf16(const uint16_t *q, int64_t q_row_stride, const int8_t *k_cache,
+                          const int8_t *v_cache, const int64_t *spans,
+                          const int64_t *block_tables, uint16_t *out, void *workspace,
+                          int64_t num_spans, int64_t num_heads, int64_t num_kv_heads,
+                          int64_t head_dim, int64_t num_blocks, int64_t block_size,
+                          int64_t max_blocks, float scale) {
+    return prefill(q, q_row_stride, k_cache, v_cache, 1, spans, block_tables, out, workspace,
+                   num_spans, num_heads, num_kv_heads, head_dim, num_blocks, block_size,
+                   max_blocks, scale);
 }
