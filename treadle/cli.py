@@ -67,10 +67,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from treadle.executor.torchrun import launcher_rank
     from treadle.server.serve import serve
 
+    from treadle.distributed.config import ReplicaConfig
+
     config = EngineConfig.from_options(**options_from_args(args))
     if config.parallel.executor == "torchrun" and launcher_rank() != 0:
         return _cmd_worker(args)  # one command for every rank: only rank 0 serves
-    return serve(config, dataclass_from_args(ServerConfig, args))
+    replica_config = dataclass_from_args(ReplicaConfig, args)
+    if replica_config.on_ray:  # these read one engine's steps: off unless asked for
+        args.dashboard = False if args.dashboard is None else args.dashboard
+        args.request_timelines = 0 if args.request_timelines is None else args.request_timelines
+    return serve(config, dataclass_from_args(ServerConfig, args), replica_config)
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
@@ -399,7 +405,10 @@ def _cmd_bench_spec(args: argparse.Namespace) -> int:
 def _cmd_bench_compare(args: argparse.Namespace) -> int:
     from treadle.bench.compare import compare, load_config, main_table, plot, strip_samples
 
-    result = compare(load_config(args.config))
+    config = load_config(args.config)
+    if args.model is not None:
+        config["model"] = args.model
+    result = compare(config)
     out_dir = Path(args.output or Path("results") / Path(args.config).stem)
     print(main_table(result))
     for path in plot(result, out_dir):
@@ -456,6 +465,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "(SmolLM2-135M-Instruct by default)")
     add_config_arguments(srv)
     add_dataclass_arguments(srv, ServerConfig, "server options")
+    from treadle.distributed.config import ReplicaConfig
+    add_dataclass_arguments(srv, ReplicaConfig, "replicas on Ray (docs/replicas.md)")
     srv.set_defaults(func=_cmd_serve)
 
     wrk = sub.add_parser("worker", help="a rank other than 0 under torchrun (RANK, "
@@ -498,6 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "side (see benchmarks/*.yaml)")
     cmp_.add_argument("config", help="YAML: model, workload, load, repeats, systems")
     cmp_.add_argument("--output", default=None, help="folder for compare.json and the PNGs")
+    cmp_.add_argument("--model", default=None,
+                      help="the model every system loads, in place of the config's `model`")
     cmp_.set_defaults(func=_cmd_bench_compare)
 
     online = bench_sub.add_parser("serve", help="load an OpenAI-compatible server over HTTP")

@@ -22,6 +22,9 @@ class RequestStatus(enum.IntEnum):
     """Preempted by recompute: back in the waiting queue with no KV."""
     SWAPPED = 3
     """Preempted by swap: its KV waits in the swap pool."""
+    WAITING_FOR_REMOTE_KV = 4
+    """P/D: its prompt was prefilled elsewhere; it waits, outside the waiting queue and
+    holding no running slot, for the KV blocks to land (treadle/distributed/pd_engine.py)."""
     FINISHED_STOPPED = 10
     FINISHED_LENGTH = 11
     FINISHED_ABORTED = 12

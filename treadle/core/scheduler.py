@@ -60,6 +60,7 @@ from treadle.core.admission import (Admission, StepRoom, fit, kv_growth,
                                     plan_admission_victims, tenant_share_blocks)
 from treadle.core.fair_share import FairShareLedger
 from treadle.core.kv_cache_manager import KVCacheManager
+from treadle.core.kv_sliding import LayerGroups, SlidingWindowGroup
 from treadle.core.outputs import (EngineCoreOutput, ModelRunnerOutput, NewRequestData,
                                   ScheduledRequest, SchedulerOutput)
 from treadle.core.preemption import Preemptor
@@ -117,21 +118,28 @@ class Scheduler:
                  preemption_costs: policy.PreemptionCosts | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  speculative: SpeculativeConfig | None = None,
-                 spec_costs: SpecCosts | None = None, max_loras: int = 0) -> None:
+                 spec_costs: SpecCosts | None = None, max_loras: int = 0,
+                 layer_groups: LayerGroups | None = None) -> None:
         """`speculative` with a method: proposed tokens are planned per request (from
         `spec_costs`, the worker's measurements, when the policy is adaptive).
-        `max_loras`: adapter slots of the worker (0: no request has an adapter)."""
+        `max_loras`: adapter slots of the worker (0: no request has an adapter).
+        `layer_groups`: the sliding-window layers' own block pool (num_kv_blocks is then
+        the full layers' count), or None."""
         self.config = scheduler_config
         self.max_loras = max_loras
         self.max_model_len = max_model_len
+        sliding = (None if layer_groups is None else SlidingWindowGroup(
+            layer_groups.num_sliding_blocks, cache_config.block_size, layer_groups.window))
         self.kv = KVCacheManager(num_kv_blocks, cache_config.block_size,
-                                 cache_config.enable_prefix_caching, num_swap_blocks)
+                                 cache_config.enable_prefix_caching, num_swap_blocks, sliding)
         self.preemption_costs = preemption_costs
         self.preemptor = Preemptor(self.kv, scheduler_config, preemption_costs)
         self.fair_share = FairShareLedger(parse_tenant_weights(scheduler_config.tenant_weights))
         self.policy = make_policy(scheduler_config, self.fair_share)
         self._clock = clock
         self.waiting = self.policy.make_queue()
+        self.waiting_for_kv: dict[str, Request] = {}
+        """P/D: requests whose prompt KV is on its way from a prefill engine."""
         self.swapped: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -182,6 +190,29 @@ class Scheduler:
         self.requests[request.request_id] = request
         self._enqueue(request)
 
+    def add_remote_kv_request(self, request: Request) -> None:
+        """P/D: a request prefilled on another engine, held in WAITING_FOR_REMOTE_KV
+        (no queue place, no running slot, no blocks) until `remote_kv_arrived`."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[request.request_id] = request
+        self.waiting_for_kv[request.request_id] = request
+
+    def remote_kv_arrived(self, request_id: str) -> bool:
+        """P/D: its KV landed (as prefix-cache blocks): the request joins the waiting
+        queue, where admission finds them as a prefix hit. False if it is gone."""
+        request = self.waiting_for_kv.pop(request_id, None)
+        if request is None:
+            return False
+        request.status = RequestStatus.WAITING
+        self._enqueue(request)
+        return True
+
+    @property
+    def num_waiting_for_kv(self) -> int:
+        return len(self.waiting_for_kv)
+
     def set_tenant_weight(self, tenant: str, weight: float) -> None:
         """Weight of a tenant's share under the fair policy (unlisted tenants weigh 1)."""
         self.fair_share.set_weight(tenant, weight)
@@ -198,6 +229,8 @@ class Scheduler:
             self.swapped.remove(request)
             self.fair_share.queued_out(request)
             self.kv.free_swapped(request)
+        elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            del self.waiting_for_kv[request_id]
         else:
             self.waiting.remove(request)
             self.fair_share.queued_out(request)
@@ -243,7 +276,8 @@ class Scheduler:
         return len(self.swapped)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests a step could serve (those waiting for remote KV need none yet)."""
+        return len(self.requests) > len(self.waiting_for_kv)
 
     @property
     def num_in_flight(self) -> int:
@@ -758,12 +792,16 @@ class Scheduler:
         block_ids = self.kv.block_ids(rid)
         replaces = view.table_stale
         new_block_ids = block_ids[0 if replaces else view.num_blocks:]
+        new_sliding_block_ids = ([] if self.kv.sliding is None else
+                                 self.kv.sliding.block_ids(rid)[0 if replaces
+                                                                else view.num_blocks:])
         view.num_blocks, view.table_stale = len(block_ids), False
         start = request.num_computed_tokens
         return ScheduledRequest(
             request_id=rid, num_computed_tokens=start, num_scheduled_tokens=num_tokens,
             new_token_ids=new_token_ids, new_block_ids=new_block_ids,
-            replaces_block_table=replaces, spec_token_ids=self._spec.get(rid, []),
+            replaces_block_table=replaces, new_sliding_block_ids=new_sliding_block_ids,
+            spec_token_ids=self._spec.get(rid, []),
             num_proposals=self._num_proposals.get(rid, 0),
             sample=start + num_tokens >= total and request.sampling_params.max_tokens > 0,
             is_decoding=request.is_decoding, new_request=new_request)

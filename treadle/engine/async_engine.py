@@ -262,6 +262,12 @@ class AsyncEngine:
                     self._abort(request_id, error=command[1])
             elif kind == "observe":
                 self.core.trace.add(command[1])
+            else:
+                self._handle(command)
+
+    def _handle(self, command: tuple) -> bool:
+        """A command of a subclass (treadle/distributed/pd_engine.py); False: unknown."""
+        return False
 
     def _add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
              params: SamplingParams, priority: int, tenant: str | None, arrival: float,

@@ -115,7 +115,9 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
 
     @app.get("/metrics")
     async def metrics():
-        return Response(engine.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+        # In a thread: a replica set (treadle/distributed) asks every replica for its own.
+        text = await run_in_threadpool(engine.metrics.exposition)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request):

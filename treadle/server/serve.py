@@ -96,13 +96,25 @@ def parse_lora_modules(entries: list[str] | None) -> list[tuple[str, str]]:
     return modules
 
 
-def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+def make_engine(engine_config: EngineConfig, server_config: ServerConfig,
+                replica_config=None):
+    """One AsyncEngine in this process, or replicas on Ray behind a ReplicaSet (the same
+    interface) when replica_config asks for them."""
+    if replica_config is None or not replica_config.on_ray:
+        return AsyncEngine(engine_config, server_config.served_model_name)
+    from treadle.distributed.replica_set import ReplicaSet  # ray: imported only here
+
+    return ReplicaSet(engine_config, replica_config, server_config.served_model_name)
+
+
+def serve(engine_config: EngineConfig, server_config: ServerConfig,
+          replica_config=None) -> int:
     keyring = KeyRing.from_options(server_config.api_key, server_config.api_keys_file)
     lora_modules = parse_lora_modules(server_config.lora_modules)
     if (lora_modules or server_config.enable_lora_runtime_updates) \
             and not engine_config.lora.enable_lora:
         raise ValueError("lora_modules and enable_lora_runtime_updates need enable_lora")
-    engine = AsyncEngine(engine_config, server_config.served_model_name)
+    engine = make_engine(engine_config, server_config, replica_config)
     try:
         for name, path in lora_modules:  # LoRAError (a ValueError) names what does not fit
             if name == engine.model_name or engine.get_lora(name) is not None:

@@ -1,0 +1,1 @@
+"""Scale-out on Ray: engine replicas behind one front end (docs/replicas.md)."""

@@ -1,0 +1,229 @@
+"""The engine replica: one AsyncEngine inside one Ray actor.
+
+Owns what a front end calls on a replica: `info` (its limits, model, tokenizer folder),
+`generate` (a Ray streaming generator of the request's RequestOutputs), `abort`,
+`load` (the router's view: queue depth, KV usage, health), `metrics_text` (its
+Prometheus exposition), the adapter and tenant-weight calls the server makes, and the
+KV export/import of prefill/decode disaggregation (treadle/distributed/pd_engine.py). The
+engine's thread count is the actor's declared CPUs, so replicas on one node do not
+oversubscribe its cores. An engine loop that dies takes the actor down with it (exit),
+so that Ray restarts it (max_restarts) and the front end sees the death at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+
+from treadle.config import EngineConfig
+from treadle.engine.async_engine import AsyncEngine
+from treadle.lora import LoRARequest
+from treadle.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineReplica:
+    """An AsyncEngine serving one replica's requests (wrapped by ray.remote in
+    replica_set.py, so this module imports no Ray)."""
+
+    def __init__(self, config: EngineConfig, served_model_name: str | None,
+                 index: int, role: str = "both", max_held: int = 16) -> None:
+        self.index, self.role = index, role
+        if role == "both":
+            self.engine = AsyncEngine(config, served_model_name)
+        else:  # P/D: KV holding (prefill) and landing (decode) on the engine thread
+            from treadle.distributed.pd_engine import PDEngine
+
+            self.engine = PDEngine(config, served_model_name, max_held)
+        self.engine.start()
+        self.transfers: list[dict] = []
+        """Decode role: per request, blocks skipped / sent, bytes, seconds (the last 10000)."""
+        if role == "decode":
+            self._transfer_metrics = _TransferMetrics(self.engine.metrics.registry,
+                                                      self.engine.model_name)
+
+    def info(self) -> dict:
+        engine = self.engine
+        return {"limits": engine.limits, "model_name": engine.model_name,
+                "eos_token_id": engine.eos_token_id, "model_dir": str(engine.core.model_dir),
+                "supports_structured_outputs": engine.supports_structured_outputs,
+                "lora_enabled": engine.lora_enabled, "pid": os.getpid(),
+                "num_threads": engine.config.model.num_threads}
+
+    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                       params: SamplingParams, priority: int = 0, tenant: str | None = None,
+                       lora_request: LoRARequest | None = None):
+        """The request's outputs; the prompt's ids only in the first one (the front end
+        has them: a long prompt is not pickled again at every step)."""
+        first = True
+        try:
+            async for output in self.engine.generate(request_id, prompt, prompt_token_ids,
+                                                     params, priority, tenant, lora_request):
+                yield output if first else dataclasses.replace(output, prompt_token_ids=None)
+                first = False
+        finally:
+            self._exit_if_dead()
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    # ----- P/D (treadle/distributed/pd_engine.py) --------------------------------------------
+
+    async def prefill(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                      params: SamplingParams, priority: int = 0, tenant: str | None = None,
+                      lora_request: LoRARequest | None = None):
+        """Prefill role: the prompt and its first token here (the request's own sampling
+        parameters, one token); its prompt KV held for `export_kv` until `release`. Waits
+        while `max_held` requests' KV are already held (decode engines full)."""
+        engine = self.engine
+        await engine.hold_slot()
+        engine.want_hold(request_id, tenant,
+                         None if lora_request is None else lora_request.lora_int_id)
+        one = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        last = None
+        try:
+            async for output in engine.generate(request_id, prompt, prompt_token_ids, one,
+                                                priority, tenant, lora_request):
+                last = output
+        except BaseException:
+            engine.release_slot(request_id)
+            raise
+        finally:
+            self._exit_if_dead()
+        if request_id not in engine.held:
+            engine.release_slot(request_id)
+        return last, request_id in engine.held
+
+    def export_kv(self, request_id: str, start: int):
+        """Prefill role: the held KV from block `start` on (None when nothing is held);
+        released here: the caller has it now."""
+        payload = self.engine.export(request_id, start)
+        self.engine.release_slot(request_id)
+        return payload
+
+    def release(self, request_id: str) -> None:
+        self.engine.release_slot(request_id)
+
+    async def generate_prefilled(self, request_id: str, prompt: str | None,
+                                 prompt_token_ids: list[int], params: SamplingParams,
+                                 priority: int, tenant: str | None,
+                                 lora_request: LoRARequest | None, first, prefill: list):
+        """Decode role: the outputs after the first token of a request prefilled by the
+        actor `prefill[0]` (in a list: a handle, not a call). The request waits here in
+        WAITING_FOR_REMOTE_KV while the blocks this engine lacks come over."""
+        import time
+
+        engine = self.engine
+        record: dict = {}
+
+        async def fetch_kv():
+            hashes = _prompt_hashes(engine, prompt_token_ids, tenant, lora_request)
+            start = await asyncio.wrap_future(engine.lookup(hashes))
+            t0 = time.perf_counter()
+            payload = await prefill[0].export_kv.remote(request_id, start)
+            record.update(total_blocks=len(hashes), skipped_blocks=start,
+                          sent_blocks=0 if payload is None else payload.num_blocks,
+                          bytes=0 if payload is None else payload.nbytes,
+                          seconds=time.perf_counter() - t0)
+            self.transfers = self.transfers[-9999:] + [record]
+            self._transfer_metrics.record(record)
+            return payload
+
+        try:
+            async for output in engine.generate_prefilled(
+                    request_id, prompt, prompt_token_ids, params, priority, tenant,
+                    lora_request, first, fetch_kv):
+                yield dataclasses.replace(output, prompt_token_ids=None)
+        finally:
+            self._exit_if_dead()
+
+    def lookup(self, prompt_token_ids: list[int], tenant: str | None) -> int:
+        """Decode role: leading prompt blocks this engine's prefix cache holds (tests)."""
+        return self.engine.lookup(_prompt_hashes(self.engine, prompt_token_ids, tenant,
+                                                 None)).result(30)
+
+    def pd_stats(self) -> dict:
+        return {**getattr(self.engine, "stats", {}),
+                "holding": len(getattr(self.engine, "held", {})),
+                "transfers": list(self.transfers)}
+
+    def abort_all(self, reason: str) -> None:
+        self.engine.abort_all(reason)
+
+    def load(self) -> dict:
+        """The router's view of this replica (and its health)."""
+        engine = self.engine
+        self._exit_if_dead()
+        sched = engine.core.scheduler
+        return {"num_waiting": sched.num_waiting, "num_running": sched.num_running,
+                "num_in_flight": engine.num_in_flight, "kv_usage": sched.kv.usage,
+                "alive": engine.is_alive}
+
+    def metrics_text(self) -> bytes:
+        return self.engine.metrics.exposition()
+
+    def set_tenant_weight(self, tenant: str, weight: float) -> None:
+        self.engine.set_tenant_weight(tenant, weight)
+
+    def tenant_weights(self) -> dict[str, float]:
+        return self.engine.tenant_weights
+
+    def add_lora(self, name: str, path: str):
+        return self.engine.add_lora(name, path)
+
+    def check_lora(self, name: str, path: str):
+        return self.engine.check_lora(name, path)
+
+    def remove_lora(self, name: str):
+        return self.engine.remove_lora(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.engine.list_loras()
+
+    def _exit_if_dead(self) -> None:
+        if self.engine.error is not None:
+            logger.error("replica %d: the engine loop died (%s); exiting so that Ray "
+                         "restarts this actor", self.index, self.engine.error)
+            os._exit(1)
+
+    async def ping(self) -> int:
+        await asyncio.sleep(0)
+        return self.index
+
+
+def _prompt_hashes(engine, prompt_token_ids, tenant, lora_request) -> list[bytes]:
+    from treadle.distributed.kv_transfer import prompt_hashes
+
+    return prompt_hashes(prompt_token_ids, engine.config.cache.block_size, tenant,
+                         None if lora_request is None else lora_request.lora_int_id)
+
+
+class _TransferMetrics:
+    """A decode replica's KV transfers in its /metrics: seconds per request, bytes,
+    blocks sent and blocks it already held."""
+
+    def __init__(self, registry, model_name: str) -> None:
+        from prometheus_client import Counter, Histogram
+
+        labels = ["model_name"]
+        self.seconds = Histogram(
+            "treadle:pd_kv_transfer_seconds", "Decode side: asking for a request's prompt KV "
+            "to having it (lookup, export, the object store)", labels, registry=registry,
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
+                     5.0)).labels(model_name)
+        self.bytes = Counter("treadle:pd_kv_transfer_bytes", "KV bytes received", labels,
+                             registry=registry).labels(model_name)
+        self.sent = Counter("treadle:pd_kv_blocks_sent", "KV blocks received", labels,
+                            registry=registry).labels(model_name)
+        self.skipped = Counter("treadle:pd_kv_blocks_skipped", "Prompt blocks not sent: "
+                               "this replica's prefix cache held them", labels,
+                               registry=registry).labels(model_name)
+
+    def record(self, transfer: dict) -> None:
+        self.seconds.observe(transfer["seconds"])
+        self.bytes.inc(transfer["bytes"])
+        self.sent.inc(transfer["sent_blocks"])
+        self.skipped.inc(transfer["skipped_blocks"])
