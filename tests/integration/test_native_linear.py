@@ -12,23 +12,18 @@ import torch
 import torch.nn.functional as F
 
 from treadle.models.llama import rms_norm
-from treadle.worker.cpu_isa import executable_levels
 from treadle.worker.linear_kernels import DenseLinearKernel, dense_kernel_factory
 from treadle.worker.native import load_kernels
 from treadle.worker.native_linear import MAX_ROWS, WIDENING_MAX_ROWS, NativeLayerOps
 
-LEVELS = executable_levels() or ["native"]
-
-
-@pytest.fixture(scope="module", params=LEVELS)
-def level(request) -> str:
-    return request.param
+@pytest.fixture(scope="module")
+def level(kernel_level) -> str:
+    return kernel_level
 
 
 @pytest.fixture(scope="module")
-def ops(level):
-    kernels = load_kernels(level)
-    assert kernels is not None, "the C kernels must build on the test machine (gcc is required)"
+def ops(level, level_kernels):
+    kernels = level_kernels
     # The tests below sweep every row count up to max_rows: the first 16 at every level
     # (test_linear_any_row_count covers the widening levels' larger default).
     layer_ops = NativeLayerOps.load(kernels.lib, max_rows=MAX_ROWS)

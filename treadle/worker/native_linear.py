@@ -50,6 +50,9 @@ class NativeLayerOps:
         self._rope_kv = lib.rope_kv_bf16
         self._rope_kv.argtypes = [_P, _I64, _P, _I64, _P, _P, _I64, _P, _P, _P, _P] + [_I64] * 5
         self._rope_kv.restype = ctypes.c_int
+        self._rope_kv_q8 = lib.rope_kv_q8_bf16
+        self._rope_kv_q8.argtypes = self._rope_kv.argtypes
+        self._rope_kv_q8.restype = ctypes.c_int
 
     @classmethod
     def load(cls, lib: ctypes.CDLL | None, max_rows: int | None = None) -> NativeLayerOps | None:
@@ -120,12 +123,18 @@ class NativeLayerOps:
 
         qk: [M, heads + kv_heads, head_dim] (queries, then keys); value: [M, kv_heads,
         head_dim]; cos, sin: [M, 1, head_dim // 2] (RotaryEmbedding.cos_sin); kv_cache:
-        [2, kv_heads, num_blocks, block_size, head_dim]; slot_mapping: [M] int64.
+        [2, kv_heads, num_blocks, block_size, head_dim] bf16, or int8 rows [..., head_dim
+        + 2] (worker/kv_quant.py: keys and values quantized as they are stored);
+        slot_mapping: [M] int64.
         """
         m, num_qk, head_dim = qk.shape
         num_kv_heads = kv_cache.shape[1]
-        tensors = (qk, value, cos, sin, kv_cache)
+        tensors = (qk, value, cos, sin)
+        q8 = kv_cache.dtype == torch.int8
+        if q8 and kv_cache.shape[-1] != head_dim + 2:
+            return None
         if (any(t.dtype != torch.bfloat16 for t in tensors) or not kv_cache.is_contiguous()
+                or not (q8 or kv_cache.dtype == torch.bfloat16)
                 or qk.stride(2) != 1 or qk.stride(1) != head_dim
                 or value.stride(2) != 1 or value.stride(1) != head_dim
                 or value.shape != (m, num_kv_heads, head_dim)
@@ -137,7 +146,8 @@ class NativeLayerOps:
         num_heads = num_qk - num_kv_heads
         slots_per_head = kv_cache.shape[2] * kv_cache.shape[3]
         q = torch.empty(m, num_heads, head_dim, dtype=torch.bfloat16)
-        status = self._rope_kv(qk.data_ptr(), qk.stride(0), value.data_ptr(), value.stride(0),
+        fn = self._rope_kv_q8 if q8 else self._rope_kv
+        status = fn(qk.data_ptr(), qk.stride(0), value.data_ptr(), value.stride(0),
                                cos.data_ptr(), sin.data_ptr(), cos.stride(0),
                                slot_mapping.data_ptr(), q.data_ptr(), kv_cache[0].data_ptr(),
                                kv_cache[1].data_ptr(), m, num_heads, num_kv_heads, head_dim,

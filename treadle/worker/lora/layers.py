@@ -27,25 +27,37 @@ class TorchLoRAOps:
     """Segments' terms with torch: one shrink matmul and one addmm per module. Adapter
     weights in fp32 under a bf16 / fp16 model on CPU (the manager's choice): the rows are
     widened, the term computed in fp32 and added with one rounding, because torch's CPU
-    matmuls of these small shapes are several times faster in fp32 than in bf16."""
+    matmuls of these small shapes are several times faster in fp32 than in bf16. The
+    C kernel (native_ops.py) is the faster choice where it is built."""
 
     name = "torch"
 
-    def apply(self, x: torch.Tensor, y: torch.Tensor,
-              segments: list[tuple[TargetWeights, int, int]]) -> None:
-        for weights, start, end in segments:
-            rows_in = x[start:end]
-            if rows_in.dtype != weights.a.dtype:
-                rows_in = rows_in.to(weights.a.dtype)
-            t = F.linear(rows_in, weights.a)
-            rows = y[start:end]
-            for part in weights.parts:
-                c0, c1 = part.columns
-                r0, r1 = part.ranks
-                if rows.dtype == t.dtype:
-                    rows[:, c0:c1].addmm_(t[:, r0:r1], part.b.t())
-                else:  # in fp32, rounded once into the output
-                    rows[:, c0:c1].add_(torch.mm(t[:, r0:r1], part.b.t()))
+    def prepare(self, segments: list[tuple[AdapterWeights, int, int]]) -> None:
+        """Nothing to do per step: every layer filters the step's segments itself."""
+
+    def apply_layer(self, index: int, x: torch.Tensor, y: torch.Tensor,
+                    segments: list[tuple[AdapterWeights, int, int]]) -> None:
+        """Add the terms of target `index` of the step's segments to y."""
+        apply_segments(x, y, [(adapter.targets[index], start, end)
+                              for adapter, start, end in segments if index in adapter.targets])
+
+
+def apply_segments(x: torch.Tensor, y: torch.Tensor,
+                   segments: list[tuple[TargetWeights, int, int]]) -> None:
+    """y[start:end] += the term of each (weights, start, end), with torch."""
+    for weights, start, end in segments:
+        rows_in = x[start:end]
+        if rows_in.dtype != weights.a.dtype:
+            rows_in = rows_in.to(weights.a.dtype)
+        t = F.linear(rows_in, weights.a)
+        rows = y[start:end]
+        for part in weights.parts:
+            c0, c1 = part.columns
+            r0, r1 = part.ranks
+            if rows.dtype == t.dtype:
+                rows[:, c0:c1].addmm_(t[:, r0:r1], part.b.t())
+            else:  # in fp32, rounded once into the output
+                rows[:, c0:c1].add_(torch.mm(t[:, r0:r1], part.b.t()))
 
 
 class LoRAStep:
@@ -55,6 +67,10 @@ class LoRAStep:
     def __init__(self, ops) -> None:
         self.ops = ops
         self.segments: list[tuple[AdapterWeights, int, int]] = []
+
+    def set_segments(self, segments: list[tuple[AdapterWeights, int, int]]) -> None:
+        self.segments = segments
+        self.ops.prepare(segments)
 
 
 class LoRALinearKernel:
@@ -71,13 +87,7 @@ class LoRALinearKernel:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         if self.step.segments:
-            segments = []
-            for adapter, start, end in self.step.segments:
-                weights = adapter.targets.get(self.index)
-                if weights is not None:
-                    segments.append((weights, start, end))
-            if segments:
-                self.step.ops.apply(x, y, segments)
+            self.step.ops.apply_layer(self.index, x, y, self.step.segments)
         return y
 
 

@@ -53,6 +53,10 @@ class LoRAManager:
         self.module_shapes = model.lora_module_shapes()
         self.num_layers = model.num_layers
         self.step = LoRAStep(ops if ops is not None else TorchLoRAOps())
+        self.weight_precision = getattr(self.step.ops, "weight_precision", None)
+        """A dtype the ops keep the adapters in (the C kernel's bf16): the weights are
+        rounded to it once at load, so that the torch path, which takes a request's long
+        prompt chunks, computes with the same values as the kernel."""
         for index, target in enumerate(self.targets):
             linear = target.linear
             base = linear.kernel or plain_linear(linear.weight, linear.kernel_bias)
@@ -88,11 +92,11 @@ class LoRAManager:
                                f"{self.num_slots} slots (max_loras): a scheduler bug")
         for lora in needed.values():
             self._make_resident(lora, needed)
-        self.step.segments = [(self._slots[lora.lora_int_id], start, end)
-                              for lora, start, end in segments]
+        self.step.set_segments([(self._slots[lora.lora_int_id], start, end)
+                                for lora, start, end in segments])
 
     def end_step(self) -> None:
-        self.step.segments = []
+        self.step.set_segments([])
 
     def _make_resident(self, lora: LoRARequest, keep: dict[int, LoRARequest]) -> None:
         lora_id = lora.lora_int_id
@@ -121,6 +125,8 @@ class LoRAManager:
         except LoRAError as exc:  # checked when registered: the files changed since
             raise RuntimeError(f"adapter {lora.lora_name!r} (lora_int_id {lora_id}) could "
                                f"not be loaded: {exc}") from exc
+        if self.weight_precision is not None:
+            host.round_to(self.weight_precision)
         self.stats.num_disk_loads += 1
         logger.info("LoRA adapter %r (id %d) read from %s: %.1f MiB", lora.lora_name,
                     lora_id, lora.lora_path, host.num_bytes / 2**20)

@@ -39,8 +39,6 @@ class TargetWeights:
     a: torch.Tensor
     """[sum of the parts' ranks, in_features (this rank's)]."""
     parts: tuple[PartWeights, ...]
-    packed: object = None
-    """A kernel's own layout of these weights, made when first needed (ops.py)."""
 
 
 @dataclass
@@ -49,12 +47,21 @@ class AdapterWeights:
 
     lora: LoRARequest
     targets: dict[int, TargetWeights]
+    packed: object = None
+    """A kernel's own layout of these weights, made when first needed (native_ops.py);
+    it lives as long as this object (the adapter's slot)."""
 
     @property
     def num_bytes(self) -> int:
         return sum(t.a.numel() * t.a.element_size()
                    + sum(p.b.numel() * p.b.element_size() for p in t.parts)
                    for t in self.targets.values())
+
+    def round_to(self, dtype: torch.dtype) -> None:
+        """Round every weight to `dtype`'s precision in place (keeping its own dtype)."""
+        for target in self.targets.values():
+            for tensor in (target.a, *(p.b for p in target.parts)):
+                tensor.copy_(tensor.to(dtype))
 
     def to(self, device: torch.device) -> "AdapterWeights":
         """A copy on `device` (the same tensors when they are there already)."""
