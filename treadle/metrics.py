@@ -27,6 +27,9 @@ _COUNTER_STATS = {
     "prefix_cache_hit_tokens": ("prefix_cache_hits", "Prefix-cache hits, in tokens"),
     "num_preemptions": ("num_preemptions", "Preemptions (all modes)"),
     "num_preemptions_swap": ("num_preemptions_swap", "Preemptions by swap"),
+    "num_admission_preemptions": ("num_admission_preemptions",
+                                  "Preemptions made to admit a more urgent waiting request "
+                                  "(priority policy; counted in num_preemptions too)"),
     "swap_bytes_out": ("swap_out_bytes", "Bytes of KV swapped out"),
     "swap_bytes_in": ("swap_in_bytes", "Bytes of KV swapped in"),
     "spec_num_drafts": ("spec_decode_num_drafts",
@@ -88,7 +91,8 @@ class EngineMetrics:
         self.running = gauge("num_requests_running", "Requests holding KV and scheduled")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
         self.swapped = gauge("num_requests_swapped", "Requests whose KV is swapped out")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of the KV cache's bytes in use "
+                              "(0-1; blocks in use over all, each of its dtype's real size)")
         self.batch_efficiency = gauge(
             "batch_slot_efficiency", "Scheduled requests over max_num_seqs, last step")
         self.batch_efficiency_hist = histogram(

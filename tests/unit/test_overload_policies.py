@@ -5,6 +5,8 @@ shares whose victims come from the tenants over their share."""
 
 from __future__ import annotations
 
+import math
+
 import random
 
 import pytest
@@ -237,6 +239,39 @@ def test_queue_delay_is_predicted_per_priority_under_the_priority_policy():
     assert urgent.priority == -5
     with pytest.raises(Overloaded):
         control.admit("t", 10, 10, 8.0, priority=5)
+
+
+def test_the_predicted_wait_counts_more_urgent_arrivals_that_overtake():
+    """1 start/s, urgent requests arriving at 0.5/s: a background request behind 2 others
+    waits (2 + 1) / (1 - 0.5) = 6 s, not 3 s; with the urgent stream at the start rate it
+    would never start before aging, and is refused whatever the queue."""
+    control = _control(delay=5.0, priority_ordered=True)
+    tickets = [control.admit("t", 10, 10, float(k), priority=-5) for k in range(0, 20, 2)]
+    for k, ticket in enumerate(tickets):  # 10 urgent arrivals over 20 s, 1 start/s at the end
+        control.started(ticket, 10.0 + k)
+    now = 20.0
+    assert control.start_rate(now) == pytest.approx(1.0, rel=0.15)
+    assert control.overtaking_rate(5, now) == pytest.approx(0.5)
+    assert control.overtaking_rate(-5, now) == 0.0
+    for _ in range(2):
+        control.admit("t", 10, 10, now, priority=5)
+    wait = control.predicted_wait(5, now)
+    assert wait == pytest.approx(3 / (control.start_rate(now) - 0.5))
+    assert wait > 5.0
+    with pytest.raises(Overloaded, match="would wait about"):
+        control.admit("t", 10, 10, now, priority=5)
+    assert control.predicted_wait(-5, now) < 5.0  # nobody overtakes the most urgent
+    # fcfs: later arrivals never overtake
+    assert _control(delay=5.0).overtaking_rate(5, now) == 0.0
+
+    flooded = _control(delay=5.0, priority_ordered=True)
+    starts = [flooded.admit("t", 10, 10, k * 0.5, priority=-5) for k in range(40)]
+    for k, ticket in enumerate(starts[:10]):
+        flooded.started(ticket, 10.0 + k)  # 1 start/s against 2 urgent arrivals/s
+    assert flooded.predicted_wait(5, 20.0) == math.inf
+    with pytest.raises(Overloaded, match="until aging") as info:
+        flooded.admit("t", 10, 10, 20.0, priority=5)
+    assert info.value.retry_after_s == 60
 
 
 def test_no_bound_until_the_start_rate_is_known():

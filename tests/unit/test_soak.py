@@ -45,6 +45,7 @@ treadle:num_requests_waiting{model_name="m"} 0.0
 treadle:kv_cache_usage_perc{model_name="m"} 0.5
 # TYPE treadle:num_preemptions counter
 treadle:num_preemptions_total{model_name="m"} 12.0
+treadle:num_admission_preemptions_total{model_name="m"} 3.0
 # TYPE treadle:request_success counter
 treadle:request_success_total{model_name="m",finished_reason="length"} 7.0
 treadle:request_success_total{model_name="m",finished_reason="abort"} 3.0
@@ -73,6 +74,7 @@ def test_summary_goodput_and_per_priority():
     start = parse_metrics(METRICS)
     end = dict(start)
     end["treadle:num_preemptions_total"] = 20.0
+    end["treadle:num_admission_preemptions_total"] = 5.0
     end['treadle:request_success_total{length}'] = 10.0
     end["treadle:request_success_total{abort}"] = 4.0
     s = summarize(outcomes, config, 20.0, start, end)
@@ -81,6 +83,8 @@ def test_summary_goodput_and_per_priority():
     assert s["server"]["preemptions"] == 8 and s["server"]["requests_ended"] == 4
     assert s["server"]["preemptions_per_request"] == 2.0
     assert s["server"]["num_started"] == 2 and s["server"]["preemptions_per_started_request"] == 4
+    assert s["server"]["preemptions_admission"] == 2  # policy, not memory: 6 were memory's
+    assert s["server"]["memory_preemptions_per_started_request"] == 3
     assert s["all"]["wait_s"]["median"] == pytest.approx(1.5)
     assert s["all"]["num_never_started"] == 1  # the timed-out one (the shed one never ran)
     assert s["timed_out"] == 1 and s["shed"] == 1 and s["error"] == 0

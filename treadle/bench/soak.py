@@ -157,6 +157,7 @@ def server_figures(metrics: dict[str, float]) -> dict:
         "swapped": get("treadle:num_requests_swapped"),
         "preemptions": get("treadle:num_preemptions_total", "vllm:num_preemptions_total"),
         "preemptions_swap": get("treadle:num_preemptions_swap_total"),
+        "preemptions_admission": get("treadle:num_admission_preemptions_total"),
         "requests_ended": sum(v for k, v in metrics.items()
                               if k.startswith("treadle:request_success_total{")),
         "preemption_tax_s": get("treadle:preemption_tax_seconds_total"),
@@ -379,6 +380,12 @@ def summarize(outcomes: list[Outcome], config: SoakConfig, duration: float,
                    "num_started": started,  # requests that got a first token
                    "preemptions_per_started_request": (
                        preemptions / started if preemptions is not None and started else None),
+                   # admission preemptions (an urgent arrival taking a running request's
+                   # place) are policy; the rest are memory preemptions, the thrash
+                   "preemptions_admission": delta("preemptions_admission"),
+                   "memory_preemptions_per_started_request": (
+                       (preemptions - (delta("preemptions_admission") or 0)) / started
+                       if preemptions is not None and started else None),
                    "preemption_tax_s": delta("preemption_tax_s"),
                    "rss_mib_end": s1.get("rss_mib")},
         "errors": [o.error for o in outcomes if o.status == "error"][:5],

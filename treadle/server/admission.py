@@ -3,13 +3,18 @@
 Owns the counts of requests the server has accepted and not yet started (waiting
 requests and their prompt tokens, by priority), each tenant's in-flight requests, each
 tenant's tokens in the last minute, and the measured rate at which waiting requests
-start. With a queue-delay bound (`max_queue_delay_s`) a request whose predicted wait —
-the requests waiting ahead of it (under the priority policy, those at least as urgent)
-over the measured start rate — exceeds the bound is refused at once: work that would
-finish after its client gave up is never started. A request beyond a bound is refused at once with the seconds
-after which a retry may pass (HTTP 429 with Retry-After); one that no wait could ever
-admit (it costs more than a tenant's whole quota) is `NeverAdmissible` (HTTP 400), checked
-before anything is counted. Pure bookkeeping: no engine, no I/O, time passed in.
+start. With a queue-delay bound (`max_queue_delay_s`) a request whose predicted wait
+exceeds the bound is refused at once: work that would finish after its client gave up is
+never started. The prediction is W = (ahead + 1) / (mu - lambda_u): `ahead` the requests
+waiting in front of it (under the priority policy, those at least as urgent), mu the
+measured start rate, lambda_u the measured arrival rate of strictly more urgent requests,
+which keep overtaking it while it waits (fcfs: none). Without that term a background
+request admitted behind a short queue waited 4x the bound in the soak, overtaken by the
+urgent stream; with lambda_u >= mu it would wait until aging lifts it, and is refused. A
+request beyond a bound is refused at once with the seconds after which a retry may pass
+(HTTP 429 with Retry-After); one that no wait could ever admit (it costs more than a
+tenant's whole quota) is `NeverAdmissible` (HTTP 400), checked before anything is
+counted. Pure bookkeeping: no engine, no I/O, time passed in.
 """
 
 from __future__ import annotations
@@ -69,6 +74,8 @@ class AdmissionControl:
         self.num_waiting_tokens = 0
         self._waiting_by_priority: dict[int, int] = defaultdict(int)
         self._starts: deque[float] = deque()
+        self._arrivals: deque[tuple[float, int]] = deque()
+        """(time, priority) of the admitted requests of the last minute."""
         self._in_flight: dict[str, int] = defaultdict(int)
         self._recent_tokens: dict[str, deque[tuple[float, int]]] = defaultdict(deque)
 
@@ -83,8 +90,20 @@ class AdmissionControl:
         span = max(now - starts[0], 1.0)
         return len(starts) / span
 
+    def overtaking_rate(self, priority: int, now: float) -> float:
+        """Admitted requests per second, over the last minute, that start before a waiting
+        request of this priority although they arrive after it (priority policy only)."""
+        arrivals = self._arrivals
+        while arrivals and arrivals[0][0] <= now - self._WINDOW_S:
+            arrivals.popleft()
+        if not self.limits.priority_ordered or not arrivals:
+            return 0.0
+        span = max(now - arrivals[0][0], 1.0)
+        return sum(1 for _, p in arrivals if p < priority) / span
+
     def predicted_wait(self, priority: int, now: float) -> float | None:
-        """Seconds a request of this priority would wait to start, if it came now."""
+        """Seconds a request of this priority would wait to start, if it came now (inf
+        when more urgent arrivals alone take every start)."""
         rate = self.start_rate(now)
         if rate is None:
             return None
@@ -92,7 +111,8 @@ class AdmissionControl:
             ahead = sum(n for p, n in self._waiting_by_priority.items() if p <= priority)
         else:
             ahead = self.num_waiting
-        return (ahead + 1) / rate
+        spare = rate - self.overtaking_rate(priority, now)
+        return (ahead + 1) / spare if spare > 0 else math.inf
 
     def _tokens_last_minute(self, tenant: str, now: float) -> int:
         window = self._recent_tokens[tenant]
@@ -124,10 +144,12 @@ class AdmissionControl:
             wait = self.predicted_wait(priority, now)
             if wait is not None and wait > lim.max_queue_delay_s:
                 rate = self.start_rate(now)
+                retry = (wait - lim.max_queue_delay_s + 1.0 / rate if math.isfinite(wait)
+                         else self._WINDOW_S)
+                about = f"about {wait:.1f} s" if math.isfinite(wait) else "until aging lifts it"
                 raise Overloaded(
-                    f"server overloaded: a request of priority {priority} would wait about "
-                    f"{wait:.1f} s to start (max_queue_delay={lim.max_queue_delay_s:g} s)",
-                    wait - lim.max_queue_delay_s + 1.0 / rate)
+                    f"server overloaded: a request of priority {priority} would wait {about} "
+                    f"to start (max_queue_delay={lim.max_queue_delay_s:g} s)", retry)
         if self.num_waiting + 1 > lim.max_waiting_requests:
             raise Overloaded(f"server overloaded: {self.num_waiting} requests waiting "
                              f"(max_waiting_requests={lim.max_waiting_requests})", 1)
@@ -156,6 +178,8 @@ class AdmissionControl:
         self.num_waiting += 1
         self.num_waiting_tokens += num_prompt_tokens
         self._waiting_by_priority[priority] += 1
+        if lim.max_queue_delay_s > 0 and lim.priority_ordered:  # read by predicted_wait only
+            self._arrivals.append((now, priority))
         self._in_flight[tenant] += 1
         return Ticket(tenant, num_prompt_tokens, priority)
 
