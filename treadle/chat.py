@@ -12,8 +12,10 @@ disconnect does. It holds no engine logic.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import queue
+import signal
 import sys
 import threading
 from typing import Any, TextIO
@@ -76,13 +78,27 @@ class ChatSession:
         """Stream the reply to `user_text`; returns (reply, how it ended: done, stopped,
         error). The reply (partial when stopped) joins the history; an error does not."""
         self.messages.append({"role": "user", "content": user_text})
-        pieces: queue.Queue = queue.Queue()
+        # SimpleQueue: a KeyboardInterrupt raised inside queue.Queue.get can leave its lock
+        # held, and the stream's next put then blocks forever (a hang seen in CI).
+        pieces: queue.SimpleQueue = queue.SimpleQueue()
         future = asyncio.run_coroutine_threadsafe(
             self._stream(f"chat-{next(self._ids)}", self.prompt_token_ids(), pieces), self._loop)
         reply, ending = [], "done"
-        while True:
-            try:
-                item = pieces.get(timeout=0.1)  # a timeout so that Ctrl-C is seen at once
+        stop = threading.Event()
+        with _ctrl_c_sets(stop):
+            while True:
+                if stop.is_set() and ending != "stopped":
+                    future.cancel()  # leaving the stream aborts the request in the engine
+                    ending = "stopped"
+                try:
+                    item = pieces.get(timeout=0.1)  # a timeout so that Ctrl-C is seen at once
+                except queue.Empty:
+                    if future.done() and pieces.empty():  # cancelled before it started
+                        break
+                    continue
+                except KeyboardInterrupt:  # not the main thread: no handler installed
+                    stop.set()
+                    continue
                 if item is _DONE:
                     break
                 kind, text = item
@@ -90,15 +106,10 @@ class ChatSession:
                     ending = "error"
                     self.out.write(f"\n[error: {text}]")
                     break
-                reply.append(text)
-                self.out.write(text)
-                self.out.flush()
-            except queue.Empty:
-                if future.done() and pieces.empty():  # cancelled before it started
-                    break
-            except KeyboardInterrupt:
-                future.cancel()  # leaving the stream aborts the request in the engine
-                ending = "stopped"
+                if ending != "stopped":
+                    reply.append(text)
+                    self.out.write(text)
+                    self.out.flush()
         self.out.write("\n[stopped]\n" if ending == "stopped" else "\n")
         self.out.flush()
         if ending == "error":
@@ -106,6 +117,21 @@ class ChatSession:
         else:
             self.messages.append({"role": "assistant", "content": "".join(reply)})
         return "".join(reply), ending
+
+
+@contextlib.contextmanager
+def _ctrl_c_sets(event: threading.Event):
+    """While an answer streams, Ctrl-C sets `event` instead of raising KeyboardInterrupt
+    wherever the terminal thread happens to be (main thread only; elsewhere a no-op)."""
+    try:
+        previous = signal.signal(signal.SIGINT, lambda *_: event.set())
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def run_chat(engine_options: dict[str, Any], params: SamplingParams, system: str | None = None,

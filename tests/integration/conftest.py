@@ -5,6 +5,28 @@ from __future__ import annotations
 import pytest
 import torch
 
+from treadle.worker.cpu_isa import executable_levels
+
+KERNEL_LEVELS = executable_levels() or ["native"]
+"""The C kernels' ISA levels this CPU executes (worker/cpu_isa.py): on an AVX-512 BF16
+machine the AVX-512F and AVX2 builds run too, so their tests are the twins of a machine
+without BF16."""
+
+
+@pytest.fixture(scope="module", params=KERNEL_LEVELS)
+def kernel_level(request) -> str:
+    """Each test module using it runs once per ISA level this CPU executes."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def level_kernels(kernel_level):
+    """The C kernels built for `kernel_level` (gcc is required on test machines)."""
+    from treadle.worker.native import load_kernels
+    kernels = load_kernels(kernel_level)
+    assert kernels is not None, "the C kernels must build on the test machine (gcc is required)"
+    return kernels
+
 FAMILIES = {
     "llama": dict(cls="LlamaConfig", extra={"rope_scaling": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

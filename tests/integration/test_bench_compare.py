@@ -23,9 +23,14 @@ STUB = textwrap.dedent('''
     @app.get("/health")
     async def health():
         return {"status": "ok"}
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--model", default="stub")
+    parser.add_argument("--no-usage", action="store_true")  # as servers without stream usage
+    args = parser.parse_args()
     @app.get("/v1/models")
     async def models():
-        return {"data": [{"id": "stub"}]}
+        return {"data": [{"id": args.model}]}
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await request.json()
@@ -35,12 +40,11 @@ STUB = textwrap.dedent('''
                 yield "data: " + json.dumps({"choices": [{"index": 0, "text": "x"}]}) + "\\n\\n"
                 await asyncio.sleep(0.005)
             usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"]}
-            yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\\n\\n"
+            if not args.no_usage:
+                yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\\n\\n"
             yield "data: [DONE]\\n\\n"
         return StreamingResponse(events(), media_type="text/event-stream")
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--port", type=int)
-    uvicorn.run(app, host="127.0.0.1", port=parser.parse_args().port, log_level="error")
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="error")
 ''')
 
 
@@ -186,3 +190,33 @@ def test_compare_treadle_static_and_an_external_server(tmp_path):
     assert {p.name for p in written} == {"throughput.png", "latency_cdf.png",
                                          "latency_vs_rate.png"}
     assert all(p.stat().st_size > 1000 for p in written)
+
+
+def test_a_gguf_file_reaches_every_system_as_is(tmp_path):
+    """A .gguf model is passed to the systems as the file (llama-server and treadle both
+    run its quantized weights), the workload's ids stay below its vocabulary (read from
+    the GGUF's metadata), and a server that streams no usage is counted a token per
+    chunk."""
+    from gguf_files import write_tiny_gguf
+    from test_gguf import tiny_hf
+
+    gguf = write_tiny_gguf(tiny_hf(tmp_path / "hf", "llama", vocab=300), tmp_path / "t.gguf",
+                           "llama", {"mlp.": "Q8_0"})
+    stub = tmp_path / "stub.py"
+    stub.write_text(STUB)
+    config_path = tmp_path / "cmp.yaml"
+    config_path.write_text(yaml.safe_dump({
+        "model": str(gguf),
+        "workload": {"name": "synthetic", "num_requests": 4, "prompt_len": [4, 20],
+                     "output_len": [3, 8], "num_long": 0, "seed": 1},
+        "load": {"rates": [None]}, "repeats": 1,
+        "systems": [{"name": "stub", "kind": "server", "command":
+                     f"{sys.executable} {stub} --port {{port}} --model {{model}} --no-usage"}]}))
+    result = compare(load_config(config_path))
+    assert result["model"] == str(gguf)
+    assert result["workload"]["vocab_size"] == 300
+    point = result["runs"]["stub"][0][0]
+    assert point["num_failed"] == 0
+    workload = make_workload(load_config(config_path)["workload"], str(gguf))
+    assert sum(r["output_tokens"] for r in point["requests"]) == sum(
+        r.max_tokens for r in workload.requests)

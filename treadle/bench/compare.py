@@ -225,10 +225,11 @@ def compare(config: dict) -> dict:
     check_dependencies()
     from treadle.models.resolve import resolve_model
 
-    # Every system loads the same checkpoint folder: a folder given is passed as is; demo
-    # (the default), a .gguf file or a Hub id become the folder treadle resolves them to.
+    # Every system loads the same files: a folder or a .gguf file given is passed as is (a
+    # GGUF's quantized weights are what llama-server and treadle's --quantization gguf
+    # both run); demo (the default) or a Hub id become the folder treadle resolves them to.
     model = config.get("model") or "demo"
-    if not Path(model).is_dir():
+    if not Path(model).is_dir() and not (model.endswith(".gguf") and Path(model).is_file()):
         model = str(resolve_model(model))
     workload = make_workload(config["workload"], model)
     runs: dict[str, list[list[dict]]] = {s["name"]: [] for s in config["systems"]}

@@ -97,16 +97,23 @@ def _check_vocab(vocab_size: int) -> None:
 
 
 def _model_config_value(model_dir: str | Path, key: str):
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        return None
-    config = json.loads(path.read_text())
+    """`key` of a checkpoint folder's config.json, or of the HF config a .gguf file's
+    metadata gives (models/gguf_reader.py); None when neither has it."""
+    if Path(model_dir).suffix == ".gguf" and Path(model_dir).is_file():
+        from treadle.models.gguf_reader import hf_config, open_gguf
+        config = hf_config(open_gguf(model_dir))
+    else:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            return None
+        config = json.loads(path.read_text())
     return config.get(key) or (config.get("text_config") or {}).get(key)
 
 
 def model_vocab_size(model_dir: str | Path) -> int:
-    """The vocabulary size in a Hugging Face checkpoint's config.json (reading a file, not
-    loading the model), so that a workload draws only ids the model has."""
+    """The vocabulary size in a Hugging Face checkpoint's config.json or a GGUF file's
+    metadata (reading a file, not loading the model), so that a workload draws only ids
+    the model has."""
     size = _model_config_value(model_dir, "vocab_size")
     if not isinstance(size, int):
         raise ValueError(f"cannot tell the vocabulary size of {model_dir} (no vocab_size in "
