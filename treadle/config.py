@@ -142,8 +142,18 @@ class CacheConfig:
     kv_cache_dtype: str = field(default="auto", metadata=_help(
         "What the KV cache stores: auto (the model's dtype), int8 (a scale per token and "
         "KV head) or fp8_e4m3 (emulated on CPU); docs/kv_cache_quantization.md"))
+    kv_eviction: str = field(default="none", metadata=_help(
+        "none, or h2o: a request keeps its kv_recent_tokens most recent tokens plus the "
+        "heavy hitters by accumulated attention, at most kv_budget_tokens in all "
+        "(docs/kv_cache_quantization.md)"))
+    kv_budget_tokens: int | None = field(default=None, metadata=_help(
+        "kv_eviction h2o: the most tokens of KV a request holds"))
+    kv_recent_tokens: int | None = field(default=None, metadata=_help(
+        "kv_eviction h2o: the most recent tokens always kept (half the budget when not "
+        "given)"))
 
     def __post_init__(self) -> None:
+        self._check_eviction()
         if self.kv_cache_dtype not in ("auto", "int8", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be one of auto, int8, fp8_e4m3, "
                              f"got {self.kv_cache_dtype!r}")
@@ -157,6 +167,27 @@ class CacheConfig:
                              f"got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+    def _check_eviction(self) -> None:
+        if self.kv_eviction not in ("none", "h2o"):
+            raise ValueError(f"kv_eviction must be one of none, h2o, got {self.kv_eviction!r}")
+        budget, recent = self.kv_budget_tokens, self.kv_recent_tokens
+        if self.kv_eviction == "none":
+            for name in ("kv_budget_tokens", "kv_recent_tokens"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} is given without kv_eviction h2o")
+            return
+        if budget is None:
+            raise ValueError("kv_eviction h2o needs kv_budget_tokens (the most tokens of "
+                             "KV a request holds)")
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 4:
+            raise ValueError(f"kv_budget_tokens must be an int >= 4, got {budget!r}")
+        if recent is None:
+            object.__setattr__(self, "kv_recent_tokens", budget // 2)
+        elif isinstance(recent, bool) or not isinstance(recent, int) or not \
+                1 <= recent <= budget - 2:
+            raise ValueError(f"kv_recent_tokens must be an int in [1, kv_budget_tokens - 2 "
+                             f"= {budget - 2}], got {recent!r}")
 
 
 @dataclass(frozen=True)
@@ -515,6 +546,16 @@ class EngineConfig:
     _SECTIONS = ("model", "cache", "scheduler", "parallel", "lora")
 
     def __post_init__(self) -> None:
+        if self.cache.kv_eviction != "none":
+            if self.parallel.world_size > 1:
+                raise ValueError(
+                    "kv_eviction h2o does not support tensor_parallel_size or "
+                    "pipeline_parallel_size > 1 (each rank would see the attention of its "
+                    "own heads or layers only, and ranks must evict the same tokens)")
+            if self.speculative.enabled:
+                raise ValueError("kv_eviction h2o does not support speculative_config "
+                                 "(rejected proposals would leave scores of tokens that "
+                                 "are not the request's)")
         if self.speculative.method == "self" and self.parallel.world_size > 1:
             raise ValueError(
                 "speculative_config: method self runs the target's first layers on the "

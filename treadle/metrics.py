@@ -30,6 +30,9 @@ _COUNTER_STATS = {
     "num_admission_preemptions": ("num_admission_preemptions",
                                   "Preemptions made to admit a more urgent waiting request "
                                   "(priority policy; counted in num_preemptions too)"),
+    "num_kv_compactions": ("num_kv_compactions",
+                           "Heavy-hitter (H2O) evictions: compactions of a request's KV"),
+    "num_evicted_tokens": ("num_kv_evicted_tokens", "Tokens of KV evicted by H2O"),
     "swap_bytes_out": ("swap_out_bytes", "Bytes of KV swapped out"),
     "swap_bytes_in": ("swap_in_bytes", "Bytes of KV swapped in"),
     "spec_num_drafts": ("spec_decode_num_drafts",

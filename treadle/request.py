@@ -62,6 +62,10 @@ class Request:
     worker and the trace use). A decoding request may carry `spec_token_ids`: tokens
     proposed to follow its last one, computed with it in one step and kept only as far
     as the model agrees with them.
+
+    With heavy-hitter eviction (core/kv_eviction.py) the cache holds fewer tokens than
+    were computed: `num_evicted_tokens` of them were dropped, and `num_kv_tokens` is what
+    the request's blocks hold (positions still count every computed token).
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
@@ -88,6 +92,8 @@ class Request:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
         self.max_num_computed_tokens = 0
+        self.num_evicted_tokens = 0
+        """Computed tokens whose KV was evicted (H2O); 0 again when it recomputes."""
         """The most tokens it ever had in the KV cache (a recompute preemption loses them:
         computing them again is work done twice)."""
         self.num_cached_tokens = 0
@@ -121,6 +127,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Tokens whose KV its blocks hold: the computed ones less any evicted."""
+        return self.num_computed_tokens - self.num_evicted_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -79,7 +79,11 @@ def fit(kv: KVCacheManager, request: Request, swapped: bool, num_hit_tokens: int
     if holds_back(num_tokens > room.budget):
         return Admission.DEFERRED, 0
     num_tokens = min(num_tokens, room.budget)
+    if kv.eviction is not None:  # its steps are capped (core/kv_eviction.py)
+        num_tokens = min(num_tokens, kv.eviction.max_step_tokens)
     if not kv.can_allocate(request, num_tokens, computed_blocks):
+        return Admission.NO_FIT, 0
+    if kv.eviction is not None and not _budget_fits(kv, request, computed_blocks, room):
         return Admission.NO_FIT, 0
     if room.kv_reserve or room.lookahead_tokens or room.tenant_room is not None:
         needed = kv.num_new_blocks_needed(request, num_hit_tokens, num_tokens)
@@ -93,6 +97,18 @@ def fit(kv: KVCacheManager, request: Request, swapped: bool, num_hit_tokens: int
     return Admission.ADMITTED, num_tokens
 
 
+def _budget_fits(kv: KVCacheManager, request: Request, computed_blocks: list[KVBlock],
+                 room: StepRoom) -> bool:
+    """With eviction a request's steps are small (core/kv_eviction.py), yet it soon holds
+    its whole budget: admit it only when that fits, or two such requests would take
+    turns preempting each other a chunk at a time."""
+    remaining = max(0, request.sampling_params.max_tokens - request.num_output_tokens)
+    tokens = min(request.num_tokens + remaining, kv.eviction.budget_tokens)
+    needed = (kv.num_blocks_for(tokens) - len(computed_blocks)
+              + kv.pool.num_reusable_from_free(computed_blocks))
+    return needed + room.kv_reserve <= kv.pool.num_free_blocks
+
+
 def kv_growth(kv: KVCacheManager, request: Request, num_slots: int, lookahead: int) -> int:
     """Blocks beyond `num_slots` held token slots that the request can be expected to
     need soon: its tokens so far plus what it may still generate, at most `lookahead`
@@ -101,6 +117,8 @@ def kv_growth(kv: KVCacheManager, request: Request, num_slots: int, lookahead: i
         return 0
     remaining = max(0, request.sampling_params.max_tokens - request.num_output_tokens)
     future = min(request.num_tokens + remaining, num_slots + lookahead)
+    if kv.eviction is not None:  # it never holds more than its budget
+        future = min(future, max(kv.eviction.budget_tokens, num_slots))
     return max(0, kv.num_blocks_for(future) - num_slots // kv.block_size)
 
 
@@ -148,5 +166,7 @@ def plan_admission_victims(kv: KVCacheManager, request: Request, swapped: bool,
             if not may_chunk:
                 continue
             tokens = budget
+        if kv.eviction is not None:
+            tokens = min(tokens, kv.eviction.max_step_tokens)
         if kv.num_new_blocks_needed(request, num_hit_tokens, tokens) <= free_blocks:
             return victims

@@ -114,6 +114,12 @@ class BlockPool:
         block.block_hash = block_hash
         self._cached[block_hash] = block
 
+    def uncache(self, block: KVBlock) -> None:
+        """Forget the prefix hash of a held block whose contents are about to change."""
+        if block.block_hash is not None:
+            del self._cached[block.block_hash]
+            block.block_hash = None
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached-free block's hash; returns how many were dropped."""
         dropped = 0

@@ -13,6 +13,12 @@ With a sliding-window layer group (`sliding`, core/kv_sliding.py) every request 
 a second table, for the sliding layers, whose blocks are freed as they leave the window;
 allocation succeeds only when both groups have room, and prefix hits are shortened to
 what the sliding group still holds.
+
+With heavy-hitter eviction (`eviction`, core/kv_eviction.py) a table holds a request's
+kept tokens only (`Request.num_kv_tokens`); `compact` moves them to its front and frees
+the rest. A block is registered in the prefix cache only while its request has evicted
+nothing, and a block a compaction rewrites is first taken out of it (copied to a fresh
+block when another request shares it), so nobody finds a block whose contents changed.
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ from array import array
 from dataclasses import dataclass
 
 from treadle.core.block_pool import BlockPool, KVBlock
+from treadle.core.kv_eviction import EvictionBudget
 from treadle.core.kv_sliding import SlidingWindowGroup
+from treadle.core.outputs import KVCompaction
 from treadle.request import Request
 
 _HASH_BYTES = 16
@@ -60,8 +68,14 @@ class KVCacheManager:
     """Block tables of the requests that hold KV, on top of a BlockPool."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 num_swap_blocks: int = 0, sliding: SlidingWindowGroup | None = None) -> None:
+                 num_swap_blocks: int = 0, sliding: SlidingWindowGroup | None = None,
+                 eviction: EvictionBudget | None = None) -> None:
+        if sliding is not None and eviction is not None:
+            raise ValueError("kv_eviction h2o does not support models with sliding-window "
+                             "layers")
         self.block_size = block_size
+        self.eviction = eviction
+        """The H2O budget of every request, or None (no eviction)."""
         self.sliding = sliding
         """The sliding-window layers' group, or None (every layer sees the whole context)."""
         self.enable_prefix_caching = enable_prefix_caching
@@ -101,7 +115,7 @@ class KVCacheManager:
         needs for `num_new_tokens` more: an estimate for planning, which counts prefix
         hits as already held (a cached-free hit also leaves the free queue when taken;
         `can_allocate` is exact)."""
-        base = request.num_computed_tokens + num_hit_tokens
+        base = request.num_kv_tokens + num_hit_tokens
         return self.num_blocks_for(base + num_new_tokens) - base // self.block_size
 
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
@@ -124,6 +138,9 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        if self.eviction is not None:
+            max_hit_blocks = min(max_hit_blocks,
+                                 self.eviction.max_prefix_hit_tokens // self.block_size)
         hits: list[KVBlock] = []
         for block_hash in self._block_hashes(request, max_hit_blocks):
             block = self.pool.lookup(block_hash)
@@ -146,7 +163,7 @@ class KVCacheManager:
     def _num_blocks_short(self, request: Request, num_new_tokens: int,
                           computed_blocks: list[KVBlock]) -> int:
         held = self._blocks.get(request.request_id, ())
-        num_tokens_after = (request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_tokens_after = (request.num_kv_tokens + len(computed_blocks) * self.block_size
                             + num_new_tokens)
         num_new_blocks = self.num_blocks_for(num_tokens_after) - len(held) - len(computed_blocks)
         needed = max(num_new_blocks, 0) + self.pool.num_reusable_from_free(computed_blocks)
@@ -174,7 +191,7 @@ class KVCacheManager:
         """
         if not computed_blocks:
             held = self._blocks.get(request.request_id)
-            if (held is not None and request.num_computed_tokens + num_new_tokens
+            if (held is not None and request.num_kv_tokens + num_new_tokens
                     <= len(held) * self.block_size):
                 if self.sliding is not None:
                     self.sliding.release_out_of_window(request.request_id,
@@ -196,7 +213,7 @@ class KVCacheManager:
             blocks.extend(computed_blocks)
             block_ids.extend(b.block_id for b in computed_blocks)
             self._num_cached_blocks[rid] = len(computed_blocks)
-        num_tokens_after = (request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_tokens_after = (request.num_kv_tokens + len(computed_blocks) * self.block_size
                             + num_new_tokens)
         num_new_blocks = self.num_blocks_for(num_tokens_after) - len(blocks)
         if num_new_blocks > 0:
@@ -213,8 +230,8 @@ class KVCacheManager:
             self.sliding.release_out_of_window(request.request_id, request.num_computed_tokens)
 
     def _cache_full_blocks(self, request: Request) -> None:
-        if not self.enable_prefix_caching:
-            return
+        if not self.enable_prefix_caching or request.num_evicted_tokens:
+            return  # after an eviction its blocks no longer hold its prefix
         rid = request.request_id
         num_full = request.num_computed_tokens // self.block_size
         start = self._num_cached_blocks.get(rid, 0)
@@ -235,7 +252,7 @@ class KVCacheManager:
         the prefix cache: only blocks full of computed tokens are (cache_full_blocks)."""
         rid = request.request_id
         blocks = self._blocks.get(rid)
-        keep = self.num_blocks_for(request.num_computed_tokens)
+        keep = self.num_blocks_for(request.num_kv_tokens)
         if self.sliding is not None:
             self.sliding.trim(rid, keep)
         if not blocks or len(blocks) <= keep:
@@ -245,6 +262,35 @@ class KVCacheManager:
         del self._block_ids[rid][keep:]
         self.pool.free(reversed(dropped))
         return [b.block_id for b in dropped]
+
+    def compact(self, request: Request, num_kept: int, num_recent: int) -> KVCompaction | None:
+        """Heavy-hitter eviction: keep `num_kept` of the request's cached tokens in the
+        front of its table (which ones, the worker chooses) and free the blocks past them.
+        Returns the step message's instruction, or None when a shared block cannot be
+        copied for lack of a free block (nothing changes then)."""
+        rid = request.request_id
+        blocks = self._blocks[rid]
+        num_tokens = request.num_kv_tokens
+        src_block_ids = self._block_ids[rid][:self.num_blocks_for(num_tokens)]
+        num_keep_blocks = self.num_blocks_for(num_kept)
+        kept, tail = blocks[:num_keep_blocks], blocks[num_keep_blocks:]
+        num_shared = sum(1 for b in kept if b.ref_cnt > 1)
+        if num_shared > self.pool.num_free_blocks + sum(1 for b in tail if b.ref_cnt == 1):
+            return None
+        self.pool.free(reversed(tail))
+        copies = iter(self.pool.allocate(num_shared)) if num_shared else None
+        for i, block in enumerate(kept):
+            if block.ref_cnt > 1:  # another request reads it as it is: rewrite a copy
+                self.pool.free([block])
+                kept[i] = next(copies)
+            else:
+                self.pool.uncache(block)
+        self._blocks[rid] = kept
+        self._block_ids[rid] = [b.block_id for b in kept]
+        self._num_cached_blocks[rid] = 0
+        request.num_evicted_tokens += num_tokens - num_kept
+        return KVCompaction(rid, num_tokens, num_kept, num_recent, src_block_ids,
+                            list(self._block_ids[rid]))
 
     def free(self, request: Request) -> None:
         """Release every block the request holds, tail first (evicted before the head)."""

@@ -76,6 +76,21 @@ class NewRequestData:
 
 
 @dataclass
+class KVCompaction:
+    """Heavy-hitter eviction of one request before the step (core/kv_eviction.py): of its
+    `num_tokens` cached tokens keep `num_kept` (the `num_recent` most recent and the
+    highest-scoring others, in their order), moved to the first slots of `dst_block_ids`.
+    `src_block_ids` is its block table before, so the worker needs nothing else of it."""
+
+    request_id: str
+    num_tokens: int
+    num_kept: int
+    num_recent: int
+    src_block_ids: list[int]
+    dst_block_ids: list[int]
+
+
+@dataclass
 class ScheduledRequest:
     """One request's share of a step: what the worker does not know yet, and what to run."""
 
@@ -85,6 +100,9 @@ class ScheduledRequest:
     num_scheduled_tokens: int
     """Tokens computed this step: a prompt chunk, a recompute, or the last sampled token
     plus `spec_token_ids`."""
+    num_evicted_tokens: int = 0
+    """Computed tokens whose KV was evicted (H2O): the row's first new token goes to cache
+    slot num_computed_tokens - num_evicted_tokens, at position num_computed_tokens."""
     new_token_ids: list[int] = field(default_factory=list)
     """Tokens appended to the request (generated ones) since the worker last saw it."""
     new_block_ids: list[int] = field(default_factory=list)
@@ -130,6 +148,9 @@ class SchedulerOutput:
     """(swap block, device block) copies to make after swap_out, before the forward pass."""
     num_recomputed_tokens: int = 0
     """Scheduled tokens whose KV a recompute preemption threw away: work done again."""
+    kv_compactions: list[KVCompaction] = field(default_factory=list)
+    """Heavy-hitter evictions to carry out first, before the swap copies and the forward
+    pass (their freed blocks may be written or swapped into this step)."""
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -137,7 +158,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled and not self.swap_out and not self.swap_in
+        return (not self.scheduled and not self.swap_out and not self.swap_in
+                and not self.kv_compactions)
 
 
 @dataclass

@@ -60,9 +60,10 @@ from treadle.core.admission import (Admission, StepRoom, fit, kv_growth,
                                     plan_admission_victims, tenant_share_blocks)
 from treadle.core.fair_share import FairShareLedger
 from treadle.core.kv_cache_manager import KVCacheManager
+from treadle.core.kv_eviction import EvictionBudget
 from treadle.core.kv_sliding import LayerGroups, SlidingWindowGroup
-from treadle.core.outputs import (EngineCoreOutput, ModelRunnerOutput, NewRequestData,
-                                  ScheduledRequest, SchedulerOutput)
+from treadle.core.outputs import (EngineCoreOutput, KVCompaction, ModelRunnerOutput,
+                                  NewRequestData, ScheduledRequest, SchedulerOutput)
 from treadle.core.preemption import Preemptor
 from treadle.core.scheduling_policy import make_policy
 from treadle.core.spec_decode import SpecCandidate, SpecCosts, SpecDecodeController
@@ -91,6 +92,10 @@ class SchedulerStats:
     num_head_bypasses: int = 0
     """Admissions past a waiting request that did not fit."""
     num_swap_in: int = 0
+    num_kv_compactions: int = 0
+    """Heavy-hitter evictions (core/kv_eviction.py)."""
+    num_evicted_tokens: int = 0
+    """Tokens of KV they dropped."""
     allocated_slots: int = 0
     """Sum over steps of KV token slots held by running requests."""
     used_slots: int = 0
@@ -131,7 +136,8 @@ class Scheduler:
         sliding = (None if layer_groups is None else SlidingWindowGroup(
             layer_groups.num_sliding_blocks, cache_config.block_size, layer_groups.window))
         self.kv = KVCacheManager(num_kv_blocks, cache_config.block_size,
-                                 cache_config.enable_prefix_caching, num_swap_blocks, sliding)
+                                 cache_config.enable_prefix_caching, num_swap_blocks, sliding,
+                                 EvictionBudget.from_cache_config(cache_config))
         self.preemption_costs = preemption_costs
         self.preemptor = Preemptor(self.kv, scheduler_config, preemption_costs)
         self.fair_share = FairShareLedger(parse_tenant_weights(scheduler_config.tenant_weights))
@@ -311,6 +317,7 @@ class Scheduler:
         self._admitted: set[str] = set()
         self._swap_out: list[tuple[int, int]] = []
         self._swap_in: list[tuple[int, int]] = []
+        self._compactions: dict[str, KVCompaction] = {}
         self._finishes_prompt = False
         self._finishes_chunked_prompt = False
         self.policy.prepare_step(self.requests.values())
@@ -508,10 +515,15 @@ class Scheduler:
             return
         num_uncomputed = request.num_uncomputed_tokens
         num_tokens = min(num_uncomputed, budget)
+        eviction = self.kv.eviction
+        if eviction is not None:
+            num_tokens = min(num_tokens, eviction.max_step_tokens)
         spec = self._spec_tokens(request) if request.spec_token_ids else []
         num_tokens += len(spec)
         if self._holds_back(request, num_tokens < num_uncomputed):
             return
+        if eviction is not None:
+            self._evict(request, num_tokens)
         while not self.kv.allocate_slots(request, num_tokens):
             victim = self.preemptor.choose_memory_victim(request, self._idle_running(),
                                                          self._admitted, self._now, self._step,
@@ -521,6 +533,21 @@ class Scheduler:
             if victim is request:
                 return
         self._schedule_tokens(request, num_tokens, spec)
+
+    def _evict(self, request: Request, num_tokens: int) -> None:
+        """H2O: compact the request first if `num_tokens` more would pass its budget."""
+        eviction = self.kv.eviction
+        num_kept = eviction.num_to_keep(request.num_kv_tokens, num_tokens)
+        if num_kept is None:
+            return
+        num_before = request.num_kv_tokens
+        compaction = self.kv.compact(request, num_kept, eviction.recent_tokens)
+        if compaction is None:
+            return  # a shared block could not be copied: it runs over budget this step
+        self._compactions[request.request_id] = compaction
+        self._table_changed(request)
+        self.stats.num_kv_compactions += 1
+        self.stats.num_evicted_tokens += num_before - num_kept
 
     def _spec_tokens(self, request: Request) -> list[int]:
         """The proposed tokens a decoding request runs this step: as many as the plan
@@ -641,7 +668,8 @@ class Scheduler:
         prompt plus generated tokens after a preemption is always chunked, or one whose
         total outgrew the token budget could never resume.
         """
-        return self.config.enable_chunked_prefill or request.num_output_tokens > 0
+        return (self.config.enable_chunked_prefill or request.num_output_tokens > 0
+                or self.kv.eviction is not None)  # its steps are capped (kv_eviction.py)
 
     def _room(self, request: Request | None = None) -> StepRoom:
         """What is left of the step for admitting `request`: slots, budget, and the KV
@@ -738,6 +766,10 @@ class Scheduler:
         self.stats.num_swap_in += 1
         self._resume(request)
         num_tokens = min(request.num_uncomputed_tokens, self._budget)
+        if self.kv.eviction is not None:
+            # No compaction in the step it comes back (the worker compacts before the
+            # swap-ins land): it may pass its budget by this one step's tokens.
+            num_tokens = min(num_tokens, self.kv.eviction.max_step_tokens)
         if (not self._holds_back(request, num_tokens < request.num_uncomputed_tokens)
                 and self.kv.allocate_slots(request, num_tokens)):
             self._schedule_tokens(request, num_tokens)
@@ -765,14 +797,15 @@ class Scheduler:
             for request in self.running:
                 rid = request.request_id
                 allocated += num_slots(rid)
-                used += request.num_computed_tokens + get(rid, 0)
+                used += request.num_kv_tokens + get(rid, 0)
             stats.allocated_slots += allocated
             stats.used_slots += used
         return SchedulerOutput(scheduled=scheduled, finished_request_ids=finished,
                                preempted_request_ids=[r.request_id for r in preempted],
                                swapped_request_ids=self._swapped_out,
                                swap_out=self._swap_out, swap_in=self._swap_in,
-                               num_recomputed_tokens=self._num_recomputed)
+                               num_recomputed_tokens=self._num_recomputed,
+                               kv_compactions=list(self._compactions.values()))
 
     def _scheduled_request(self, request: Request, num_tokens: int) -> ScheduledRequest:
         """The request's entry of the step message: what the worker does not know yet
@@ -799,6 +832,7 @@ class Scheduler:
         start = request.num_computed_tokens
         return ScheduledRequest(
             request_id=rid, num_computed_tokens=start, num_scheduled_tokens=num_tokens,
+            num_evicted_tokens=request.num_evicted_tokens,
             new_token_ids=new_token_ids, new_block_ids=new_block_ids,
             replaces_block_table=replaces, new_sliding_block_ids=new_sliding_block_ids,
             spec_token_ids=self._spec.get(rid, []),
@@ -839,6 +873,8 @@ class Scheduler:
         else:
             request.status = RequestStatus.PREEMPTED
             request.num_computed_tokens = 0
+            request.num_evicted_tokens = 0
+            self._compactions.pop(request.request_id, None)  # its KV is gone anyway
             self._enqueue(request, front=True)
             self.stats.num_preemptions_recompute += 1
             logger.info("preempted request %s %s (mode=recompute, %d computed tokens to "

@@ -34,6 +34,9 @@ class PDEngine(AsyncEngine):
     """An AsyncEngine that can hold prompt KV (prefill role) and land it (decode role)."""
 
     def __init__(self, config, served_model_name=None, max_held: int = 16) -> None:
+        if config.cache.kv_eviction != "none":
+            raise ValueError("P/D disaggregation does not support kv_eviction h2o (the "
+                             "decode engine would receive KV without its attention scores)")
         super().__init__(config, served_model_name)
         if self.core.scheduler.kv.sliding is not None:
             self.shutdown()

@@ -20,6 +20,7 @@ from collections import deque
 from pathlib import Path
 
 from treadle.config import EngineConfig
+from treadle.core.kv_eviction import EvictionBudget
 from treadle.core.kv_sliding import layer_groups
 from treadle.core.outputs import EngineCoreOutput, StepTimings, WorkerInfo
 from treadle.core.scheduler import Scheduler
@@ -161,13 +162,18 @@ class EngineCore:
                     f"{num_prompt + max_tokens} exceeds the model's context length of "
                     f"{self.max_model_len} tokens")
         block_size = self.config.cache.block_size
-        blocks_needed = -(-(num_prompt + max_tokens) // block_size)
+        num_kv_tokens = num_prompt + max_tokens
+        eviction = EvictionBudget.from_cache_config(self.config.cache)
+        if eviction is not None:  # at most its budget, or one step's more (kv_eviction.py)
+            num_kv_tokens = min(num_kv_tokens, eviction.budget_tokens + eviction.max_step_tokens)
+        blocks_needed = -(-num_kv_tokens // block_size)
         if blocks_needed > self.num_kv_blocks:
             return (f"prompt + max_tokens = {num_prompt + max_tokens} tokens needs "
                     f"{blocks_needed} KV blocks, more than the whole cache of "
                     f"{self.num_kv_blocks} blocks ({self.num_kv_blocks * block_size} tokens)")
         sched = self.config.scheduler
-        if not sched.enable_chunked_prefill and num_prompt > sched.max_num_batched_tokens:
+        if (not sched.enable_chunked_prefill and eviction is None
+                and num_prompt > sched.max_num_batched_tokens):
             return (f"prompt ({num_prompt} tokens) exceeds max_num_batched_tokens "
                     f"({sched.max_num_batched_tokens}) and chunked prefill is disabled")
         return None
@@ -307,6 +313,8 @@ class EngineCore:
             "num_preemptions_swap": s.num_preemptions_swap,
             "num_admission_preemptions": s.num_admission_preemptions,
             "num_head_bypasses": s.num_head_bypasses,
+            "num_kv_compactions": s.num_kv_compactions,
+            "num_evicted_tokens": s.num_evicted_tokens,
             "num_swapped": self.scheduler.num_swapped,
             "swap_bytes_out": t.swap_bytes_out,
             "swap_bytes_in": t.swap_bytes_in,

@@ -124,12 +124,14 @@ class ModelRunner:
                  parallel: ParallelContext | None = None,
                  grammar: GrammarState | None = None,
                  start_copies: Callable[[Callable[[], None]], Callable[[], None]] | None = None,
-                 proposer: Proposer | None = None, lora=None) -> None:
+                 proposer: Proposer | None = None, lora=None, h2o=None) -> None:
         """`swap_caches` hold swapped-out blocks (same layout as kv_caches); `grammar` the
         structured-output state and `proposer` speculative decoding's (the output rank's);
         `start_copies` runs the step's swap copies and returns the wait before compute
         (Platform.start_copies; by default they run at once); `lora`: the worker's
-        LoRAManager, None without LoRA."""
+        LoRAManager, None without LoRA; `h2o`: heavy-hitter eviction's HeavyHitterTracker
+        (worker/h2o.py), None without eviction."""
+        self.h2o = h2o
         self.model = model
         self.lora = lora
         self.start_copies = start_copies or run_copies_now
@@ -178,12 +180,19 @@ class ModelRunner:
             dtype=np.int64, count=num_tokens)
         positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(row_offsets - starts,
                                                                         q_lens)
+        cache_positions = positions
+        if self.h2o is not None:  # evicted tokens keep their positions, not their slots
+            evicted = np.fromiter((s.num_evicted_tokens for s, _ in pairs), dtype=np.int64,
+                                  count=num_rows)
+            starts = starts - evicted
+            cache_positions = positions - np.repeat(evicted, q_lens)
         bs = self.block_size
         blocks_needed = (starts + q_lens + bs - 1) // bs
         table_rows = np.fromiter((st.row for _, st in pairs), dtype=np.int64, count=num_rows)
         block_table = self.batch.block_table[table_rows, :int(blocks_needed.max())]
         token_rows = np.repeat(np.arange(num_rows), q_lens)
-        slot_mapping = block_table[token_rows, positions // bs] * bs + positions % bs
+        slot_mapping = (block_table[token_rows, cache_positions // bs] * bs
+                        + cache_positions % bs)
 
         step = AttentionStep(q_lens, row_offsets, starts, block_table, slot_mapping,
                              int(np.count_nonzero(q_lens == 1)), bs, self.num_cache_blocks)
@@ -198,8 +207,12 @@ class ModelRunner:
         # A decode graph was captured without adapter terms: a step with adapter rows
         # runs eagerly.
         graphed = (self.decode_graphs is not None and not lora_segments
-                   and step.sliding is None and self.decode_graphs.accepts(step))
+                   and step.sliding is None and self.h2o is None
+                   and self.decode_graphs.accepts(step))
         meta = None if graphed else self.attention.build_metadata(step, self.device)
+        if self.h2o is not None:  # scores seen by every layer (AttentionLayer.__call__)
+            meta.observer = self.h2o.step_observer(
+                step, [st.request_id for _, st in pairs], starts + evicted)
 
         logits_indices, sample_rows = [], []
         for i, row in enumerate(rows):
@@ -254,6 +267,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         self.sampler.drop(scheduler_output.finished_request_ids)
+        if self.h2o is not None:
+            self._evict(scheduler_output)
         if self.grammar is not None:
             self.grammar.drop(scheduler_output.finished_request_ids)
         proposer = self.proposer
@@ -314,6 +329,16 @@ class ModelRunner:
         timings.comm_s = par.take_comm_seconds()
         output.timings = timings
         return output
+
+    def _evict(self, scheduler_output: SchedulerOutput) -> None:
+        """Heavy-hitter eviction's bookkeeping and compactions, before anything else of
+        the step (its freed blocks may be swapped into or written this step)."""
+        h2o = self.h2o
+        h2o.drop(scheduler_output.finished_request_ids)
+        swapped = set(scheduler_output.swapped_request_ids)
+        h2o.drop(r for r in scheduler_output.preempted_request_ids if r not in swapped)
+        if scheduler_output.kv_compactions:
+            h2o.compact(scheduler_output.kv_compactions, self.kv_caches)
 
     @staticmethod
     def _grammar_positions(rows: list[_Row], sample_rows: list[tuple[int, int]]) -> list:

@@ -29,6 +29,7 @@ import torch
 
 from treadle.config import EngineConfig
 from treadle.core.kv_sliding import layer_groups
+from treadle.worker.h2o import HeavyHitterTracker
 from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 from treadle.core.policy import PreemptionCosts
 from treadle.config import parse_layer_partition
@@ -238,10 +239,21 @@ class Worker:
                            GrammarState(self.model_dir, self.model.vocab_size,
                                         self.eos_token_id),
                            start_copies=self.platform.start_copies, proposer=proposer,
-                           lora=self.lora)
+                           lora=self.lora, h2o=self._make_h2o(groups))
         if groups is not None:
             runner.num_sliding_cache_blocks = groups.num_sliding_blocks
         return runner
+
+    def _make_h2o(self, groups) -> HeavyHitterTracker | None:
+        """Heavy-hitter eviction's scores and compactions (worker/h2o.py), when configured."""
+        cache = self.config.cache
+        if cache.kv_eviction == "none":
+            return None
+        if groups is not None:
+            raise ValueError("kv_eviction h2o does not support models with sliding-window "
+                             "layers")
+        return HeavyHitterTracker(cache.block_size, self.kv_spec.block_dim,
+                                  cache.kv_cache_dtype)
 
     # ----- speculative decoding --------------------------------------------------------------
 

@@ -103,8 +103,17 @@ class AttentionLayer:
                  meta: Any, rotary: Rotary | None = None) -> torch.Tensor:
         """qk: [tokens, num_heads + num_kv_heads, head_dim] (queries, then keys) before
         rotation; value: [tokens, num_kv_heads, head_dim]. Returns [tokens, num_heads *
-        head_dim]."""
-        return meta.backend.forward(self, qk, value, kv_cache, meta, rotary)
+        head_dim].
+
+        When the runner set an `observer` on the metadata (heavy-hitter eviction,
+        worker/h2o.py) it sees the queries and the cache after the backend's write."""
+        observer = getattr(meta, "observer", None)
+        if observer is None:
+            return meta.backend.forward(self, qk, value, kv_cache, meta, rotary)
+        query = qk[:, :self.num_heads].clone()  # a backend may rotate qk in place
+        out = meta.backend.forward(self, qk, value, kv_cache, meta, rotary)
+        observer.observe(self, query, kv_cache, rotary)
+        return out
 
 
 class AttentionBackend(ABC):
