@@ -172,6 +172,62 @@ def test_write_then_attend_is_the_reference():
     assert torch.equal(kc.flatten(0, 1)[slots].cpu(), new_k.cpu())
 
 
+def fp8_cache(cache):
+    """A float cache as fp8_e4m3 rows (kv_quant's quantization), and its dequantized values."""
+    from treadle.worker import kv_quant
+
+    rows = kv_quant.quantize(cache.cpu(), "fp8_e4m3")
+    return rows.to(DEVICE), kv_quant.dequantize(rows, "fp8_e4m3")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("window", [None, 7])
+def test_fp8_cache_attention_is_the_reference_on_its_dequantized_values(dtype, num_splits,
+                                                                      window):
+    q, kc, vc, bt, qsl, sl = make_batch(*MIXED, 8, 2, 64, 16, torch.float32, seed=11)
+    (k8, k_deq), (v8, v_deq) = fp8_cache(kc), fp8_cache(vc)
+    assert k8.dtype == torch.uint8 and k8.shape[-1] == 66
+    q = q.to(dtype)
+    out = paged_attention(q, k8, v8, bt, qsl, sl, 0.125, num_decodes=3,
+                          num_splits=num_splits, sliding_window=window)
+    ref = paged_attention_reference(q.float().cpu(), k_deq, v_deq, bt.cpu(), qsl.cpu(),
+                                    sl.cpu(), 0.125, sliding_window=window)
+    assert out.dtype == dtype
+    check_close(out, ref, dtype)
+    unquantized = paged_attention_reference(q.float().cpu(), kc.float().cpu(),
+                                            vc.float().cpu(), bt.cpu(), qsl.cpu(), sl.cpu(),
+                                            0.125, sliding_window=window)
+    assert (unquantized - ref).abs().max() > 1e-4  # the quantization is really there
+
+
+def test_fp8_write_kv_is_kv_quant_byte_for_byte():
+    from treadle.worker import kv_quant
+
+    gen = torch.Generator().manual_seed(4)
+    num_blocks, block_size, kv_heads, head_dim = 4, 8, 2, 32
+    shape = (num_blocks, block_size, kv_heads, head_dim + 2)
+    key_cache = torch.zeros(shape, dtype=torch.uint8, device=DEVICE)
+    value_cache = torch.zeros_like(key_cache)
+    key = torch.randn(9, kv_heads, head_dim, generator=gen) * 5
+    value = torch.randn(9, kv_heads, head_dim, generator=gen)
+    # scale 1 exactly (max 448), then ties, carries into the next power of two and
+    # subnormals; and an all-zero row (scale 0)
+    special = torch.tensor([448.0, 124.0, 124.9, -1.94, 0.0117, -0.0029, 0.00097, 3.25,
+                            232.0, -15.5, 0.5, 1e-6] + [0.0] * (head_dim - 12))
+    key[0, 0] = special
+    key[1, 1] = 0.0
+    slots = torch.tensor([3, 0, 31, -1, 17, 8, 9, 24, 2])
+    write_kv(key.to(DEVICE), value.to(DEVICE), key_cache, value_cache, slots.to(DEVICE))
+    keep = slots >= 0
+    for cache, new in ((key_cache, key), (value_cache, value)):
+        got = cache.cpu().flatten(0, 1)[slots[keep]]
+        assert torch.equal(got, kv_quant.quantize(new[keep], "fp8_e4m3"))
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots[keep]] = False
+    assert not key_cache.cpu().flatten(0, 1)[untouched].any()
+
+
 def test_choose_num_splits():
     # one request, 8 KV heads, 132 SMs: 33 programs wanted per (request, head) -> 32
     assert choose_num_splits(1, 8, 32768, 132) == 32

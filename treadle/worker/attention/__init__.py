@@ -27,7 +27,7 @@ ALIASES = {"native": "cpu-native"}
 """Earlier names still accepted."""
 KV_CACHE_DTYPE_SUPPORT = {
     "cpu-native": ("auto", "int8"),
-    "triton": ("auto",),
+    "triton": ("auto", "fp8_e4m3"),  # a uint8 cache: fp8 rows (worker/triton/common.py)
     "torch": ("auto", "int8", "fp8_e4m3"),
     "reference": ("auto", "int8", "fp8_e4m3"),
 }

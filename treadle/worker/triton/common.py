@@ -7,7 +7,10 @@ nothing itself.
 
 The KV layout, per layer: K and V each [num_blocks, block_size, num_kv_heads, head_dim],
 head_dim contiguous; the worker allocates one [2, num_blocks, block_size, num_kv_heads,
-head_dim] tensor and passes its two halves (docs/gpu.md says why).
+head_dim] tensor and passes its two halves (docs/gpu.md says why). A uint8 cache holds
+fp8_e4m3 rows instead (`--kv-cache-dtype fp8_e4m3`, worker/kv_quant.py): head_dim fp8
+values then their float16 scale, so its last dimension is head_dim + 2; the kernels widen
+the values in registers and fold the scales into scores and probabilities.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ except ImportError as exc:  # pragma: no cover - exercised where triton is absen
     raise ImportError("treadle's GPU kernels need triton: pip install 'treadle[triton]'") from exc
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_CACHE_DTYPE = torch.uint8
+"""A cache of this dtype holds fp8_e4m3 rows with their scales (worker/kv_quant.py)."""
+SCALE_BYTES = 2
 MAX_GROUP = 128
 """Most query heads per KV head one program takes (all of a group are one program)."""
 
@@ -47,18 +53,28 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def is_fp8_cache(cache: torch.Tensor) -> bool:
+    return cache.dtype == FP8_CACHE_DTYPE
+
+
 def check_kv_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int, int, int]:
     """(block_size, num_kv_heads, head_dim) of a K/V cache pair, or a ValueError."""
     if key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
         raise ValueError("key_cache and value_cache must both be [num_blocks, block_size, "
                          f"num_kv_heads, head_dim], got {tuple(key_cache.shape)} and "
                          f"{tuple(value_cache.shape)}")
-    if key_cache.dtype != value_cache.dtype or key_cache.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"key_cache/value_cache dtype must be one of {SUPPORTED_DTYPES} and "
-                         f"equal, got {key_cache.dtype} and {value_cache.dtype}")
+    if key_cache.dtype != value_cache.dtype or key_cache.dtype not in (*SUPPORTED_DTYPES,
+                                                                       FP8_CACHE_DTYPE):
+        raise ValueError(f"key_cache/value_cache dtype must be one of {SUPPORTED_DTYPES} "
+                         f"(or {FP8_CACHE_DTYPE}: fp8_e4m3 rows) and equal, got "
+                         f"{key_cache.dtype} and {value_cache.dtype}")
     if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
         raise ValueError("key_cache and value_cache must have a contiguous head_dim")
-    return key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
+    head_dim = key_cache.shape[3] - (SCALE_BYTES if is_fp8_cache(key_cache) else 0)
+    if head_dim < 1:
+        raise ValueError(f"an fp8 cache's rows hold head_dim values + {SCALE_BYTES} scale "
+                         f"bytes, got rows of {key_cache.shape[3]}")
+    return key_cache.shape[1], key_cache.shape[2], head_dim
 
 
 def check_attention_inputs(query: torch.Tensor, key_cache: torch.Tensor,
@@ -71,7 +87,8 @@ def check_attention_inputs(query: torch.Tensor, key_cache: torch.Tensor,
                          f"got {tuple(query.shape)}")
     if query.stride(-1) != 1:
         raise ValueError("query must have a contiguous head_dim")
-    if query.dtype != key_cache.dtype:
+    if query.dtype not in SUPPORTED_DTYPES or (query.dtype != key_cache.dtype
+                                               and not is_fp8_cache(key_cache)):
         raise ValueError(f"query dtype {query.dtype} must equal the cache's {key_cache.dtype}")
     num_heads = query.shape[1]
     if num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP:
@@ -110,3 +127,17 @@ def mma(a, b, acc, DOT_F32: tl.constexpr):
     if DOT_F32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc)
+
+
+@triton.jit
+def fp8_rows(rows, dims, mask, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr):
+    """A tile of fp8_e4m3 cache rows: the values [tokens, HEAD_DIM_PAD] widened to DTYPE,
+    and each row's float16 scale [tokens] as float32 (0 where masked). `rows`: each
+    token's row pointer; `mask`: [tokens, HEAD_DIM_PAD]."""
+    raw = tl.load(rows[:, None] + dims[None, :], mask=mask, other=0)
+    values = raw.to(tl.float8e4nv, bitcast=True).to(DTYPE)
+    row_ok = tl.max(mask.to(tl.int32), 1) > 0
+    lo = tl.load(rows + HEAD_DIM, mask=row_ok, other=0).to(tl.uint16)
+    hi = tl.load(rows + HEAD_DIM + 1, mask=row_ok, other=0).to(tl.uint16)
+    scale = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+    return values, scale

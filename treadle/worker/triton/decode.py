@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from treadle.worker.triton.common import (check_attention_inputs, check_sliding_window,
-                                          dot_in_fp32, mma, next_pow2)
+                                          dot_in_fp32, fp8_rows, is_fp8_cache, mma,
+                                          next_pow2)
 
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -68,7 +69,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SLIDING: tl.constexpr, DOT_F32: tl.constexpr,
+    SLIDING: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -102,18 +103,25 @@ def _decode_kernel(
         block = tl.load(table + tok // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
         slot = tok % BLOCK_SIZE
         kv_mask = tok_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + (block * stride_kb + slot * stride_ks
-                                   + kv_head * stride_kh)[:, None] + dims[None, :],
-                    mask=kv_mask, other=0.0)
+        k_rows = k_cache_ptr + (block * stride_kb + slot * stride_ks + kv_head * stride_kh)
+        if FP8:  # the scales fold into the scores and the probabilities
+            k, k_scale = fp8_rows(k_rows, dims, kv_mask, HEAD_DIM, q.dtype)
+        else:
+            k = tl.load(k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         s = mma(q, tl.trans(k), tl.zeros([GROUP_PAD, TILE_N], dtype=tl.float32), DOT_F32)
+        if FP8:
+            s = s * k_scale[None, :]
         s = tl.where(tok_ok[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + (block * stride_vb + slot * stride_vs
-                                   + kv_head * stride_vh)[:, None] + dims[None, :],
-                    mask=kv_mask, other=0.0)
+        v_rows = v_cache_ptr + (block * stride_vb + slot * stride_vs + kv_head * stride_vh)
+        if FP8:
+            v, v_scale = fp8_rows(v_rows, dims, kv_mask, HEAD_DIM, q.dtype)
+            p = p * v_scale[None, :]
+        else:
+            v = tl.load(v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_F32)
         m_i = m_new
 
@@ -216,6 +224,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, TILE_N=config["TILE_N"],
         NUM_SPLITS=num_splits, SLIDING=window > 0, DOT_F32=dot_in_fp32(query.dtype),
+        FP8=is_fp8_cache(key_cache),
         num_warps=config["num_warps"], num_stages=config["num_stages"])
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](

@@ -6,6 +6,11 @@ cache layout in common.py, casting to the cache's dtype. A token whose slot is n
 is skipped: that is how the rows that pad a CUDA graph's batch are marked, the same
 convention as the cache-write kernels of FlashAttention and FlashInfer users, so a padded
 batch is valid for any of them. It does not decide slots (core/kv_cache_manager does).
+
+Into a uint8 cache (fp8_e4m3 rows, worker/kv_quant.py) it quantizes as kv_quant does: per
+(token, KV head) scale = fp16(max|x| / 448), values e4m3(x / scale) with IEEE division
+(`div_rn`) and rounding to nearest even (by hand, `_round_to_e4m3`), then the scale's
+two bytes.
 """
 
 from __future__ import annotations
@@ -14,7 +19,42 @@ import torch
 import triton
 import triton.language as tl
 
-from treadle.worker.triton.common import check_kv_cache, next_pow2
+from treadle.worker.triton.common import check_kv_cache, is_fp8_cache, next_pow2
+
+_E4M3_MAX = 448.0
+_FP16_MAX = 65504.0
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """x (float32, |x| <= 448) rounded to the nearest e4m3 value, ties to even, still as
+    float32: the cast that follows is then exact. Done by hand because triton's CPU
+    interpreter drops the carry when rounding reaches the next power of two (124.8 -> 64);
+    the GPU's cvt instruction rounds the same way as this."""
+    bits = x.to(tl.uint32, bitcast=True)
+    # normal range: keep 3 mantissa bits, nearest even (a carry moves the exponent)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32,
+                                                                       bitcast=True)
+    # subnormal range (|x| < 2^-6): multiples of 2^-9, nearest even by the 1.5 * 2^23 trick
+    sub = ((x * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+    return tl.where(tl.abs(x) < 0.015625, sub, normal)
+
+
+@triton.jit
+def _store_fp8_rows(rows, x, dims, mask, HEAD_DIM: tl.constexpr):
+    """x [heads, HEAD_DIM_PAD] float32 as fp8_e4m3 rows with their float16 scales."""
+    head_ok = tl.max(mask.to(tl.int32), 1) > 0
+    amax = tl.max(tl.where(mask, tl.abs(x), 0.0), 1)
+    scale16 = tl.minimum(tl.math.div_rn(amax, _E4M3_MAX), _FP16_MAX).to(tl.float16)
+    scale = scale16.to(tl.float32)
+    safe = tl.where(scale > 0, scale, 1.0)
+    scaled = tl.where(scale[:, None] > 0, tl.math.div_rn(x, safe[:, None]), 0.0)
+    scaled = tl.minimum(tl.maximum(scaled, -_E4M3_MAX), _E4M3_MAX)
+    values = _round_to_e4m3(scaled).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    tl.store(rows[:, None] + dims[None, :], values, mask=mask)
+    bits = scale16.to(tl.uint16, bitcast=True)
+    tl.store(rows + HEAD_DIM, (bits & 0xFF).to(tl.uint8), mask=head_ok)
+    tl.store(rows + HEAD_DIM + 1, (bits >> 8).to(tl.uint8), mask=head_ok)
 
 
 @triton.jit
@@ -24,7 +64,7 @@ def _write_kv_kernel(
     stride_ckb, stride_cks, stride_ckh, stride_cvb, stride_cvs, stride_cvh,
     num_kv_heads,
     HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -38,14 +78,18 @@ def _write_kv_kernel(
     offset = slot % BLOCK_SIZE
     k = tl.load(key_ptr + tok * stride_kt + heads[:, None] * stride_kh + dims[None, :],
                 mask=mask)
-    tl.store(k_cache_ptr + block * stride_ckb + offset * stride_cks
-             + heads[:, None] * stride_ckh + dims[None, :],
-             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     v = tl.load(value_ptr + tok * stride_vt + heads[:, None] * stride_vh + dims[None, :],
                 mask=mask)
-    tl.store(v_cache_ptr + block * stride_cvb + offset * stride_cvs
-             + heads[:, None] * stride_cvh + dims[None, :],
-             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    k_rows = k_cache_ptr + block * stride_ckb + offset * stride_cks + heads * stride_ckh
+    v_rows = v_cache_ptr + block * stride_cvb + offset * stride_cvs + heads * stride_cvh
+    if FP8:
+        _store_fp8_rows(k_rows, k.to(tl.float32), dims, mask, HEAD_DIM)
+        _store_fp8_rows(v_rows, v.to(tl.float32), dims, mask, HEAD_DIM)
+    else:
+        tl.store(k_rows[:, None] + dims[None, :], k.to(k_cache_ptr.dtype.element_ty),
+                 mask=mask)
+        tl.store(v_rows[:, None] + dims[None, :], v.to(v_cache_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -76,4 +120,5 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         num_kv_heads, HEAD_DIM=head_dim, HEADS_PAD=next_pow2(num_kv_heads),
         HEAD_DIM_PAD=next_pow2(head_dim), BLOCK_SIZE=block_size,
+        FP8=is_fp8_cache(key_cache),
         num_warps=1 if num_kv_heads * head_dim <= 1024 else 4)

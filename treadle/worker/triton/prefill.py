@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from treadle.worker.triton.common import (check_attention_inputs, check_sliding_window,
-                                          dot_in_fp32, mma, next_pow2)
+                                          dot_in_fp32, fp8_rows, is_fp8_cache, mma,
+                                          next_pow2)
 
 _LOG2E = 1.4426950408889634
 
@@ -38,16 +39,21 @@ def _attend_tile(q, m_i, l_i, acc, start, hi, q_pos, k_cache_ptr, v_cache_ptr, t
                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                  dims, dim_ok,
                  BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-                 MASKED: tl.constexpr, SLIDING: tl.constexpr, DOT_F32: tl.constexpr):
+                 MASKED: tl.constexpr, SLIDING: tl.constexpr, DOT_F32: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, FP8: tl.constexpr):
     tok = start + tl.arange(0, TILE_N)
     tok_ok = tok < hi
     block = tl.load(table + tok // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
     slot = tok % BLOCK_SIZE
     kv_mask = tok_ok[:, None] & dim_ok[None, :]
-    k = tl.load(k_cache_ptr + (block * stride_kb + slot * stride_ks
-                               + kv_head * stride_kh)[:, None] + dims[None, :],
-                mask=kv_mask, other=0.0)
+    k_rows = k_cache_ptr + (block * stride_kb + slot * stride_ks + kv_head * stride_kh)
+    if FP8:  # the scales fold into the scores and the probabilities
+        k, k_scale = fp8_rows(k_rows, dims, kv_mask, HEAD_DIM, q.dtype)
+    else:
+        k = tl.load(k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32), DOT_F32)
+    if FP8:
+        s = s * k_scale[None, :]
     s = s * scale_log2
     if MASKED:
         allowed = tok_ok[None, :] & (tok[None, :] <= q_pos[:, None])
@@ -58,9 +64,12 @@ def _attend_tile(q, m_i, l_i, acc, start, hi, q_pos, k_cache_ptr, v_cache_ptr, t
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_cache_ptr + (block * stride_vb + slot * stride_vs
-                               + kv_head * stride_vh)[:, None] + dims[None, :],
-                mask=kv_mask, other=0.0)
+    v_rows = v_cache_ptr + (block * stride_vb + slot * stride_vs + kv_head * stride_vh)
+    if FP8:
+        v, v_scale = fp8_rows(v_rows, dims, kv_mask, HEAD_DIM, q.dtype)
+        p = p * v_scale[None, :]
+    else:
+        v = tl.load(v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_F32)
     return m_new, l_i, acc
 
@@ -77,7 +86,7 @@ def _prefill_kernel(
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
-    TILE_N: tl.constexpr, SLIDING: tl.constexpr, DOT_F32: tl.constexpr,
+    TILE_N: tl.constexpr, SLIDING: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -127,7 +136,7 @@ def _prefill_kernel(
                     q, m_i, l_i, acc, start, hi, q_pos, k_cache_ptr, v_cache_ptr, table,
                     kv_head, scale_log2, window, stride_kb, stride_ks, stride_kh,
                     stride_vb, stride_vs, stride_vh, dims, dim_ok,
-                    BLOCK_M, BLOCK_SIZE, TILE_N, True, True, DOT_F32)
+                    BLOCK_M, BLOCK_SIZE, TILE_N, True, True, DOT_F32, HEAD_DIM, FP8)
         else:
             # keys 0 .. first_pos are visible to every row: no mask on whole tiles there
             full_end = (first_pos + 1) // TILE_N * TILE_N
@@ -136,13 +145,13 @@ def _prefill_kernel(
                     q, m_i, l_i, acc, start, hi, q_pos, k_cache_ptr, v_cache_ptr, table,
                     kv_head, scale_log2, window, stride_kb, stride_ks, stride_kh,
                     stride_vb, stride_vs, stride_vh, dims, dim_ok,
-                    BLOCK_M, BLOCK_SIZE, TILE_N, False, False, DOT_F32)
+                    BLOCK_M, BLOCK_SIZE, TILE_N, False, False, DOT_F32, HEAD_DIM, FP8)
             for start in range(full_end, hi, TILE_N):
                 m_i, l_i, acc = _attend_tile(
                     q, m_i, l_i, acc, start, hi, q_pos, k_cache_ptr, v_cache_ptr, table,
                     kv_head, scale_log2, window, stride_kb, stride_ks, stride_kh,
                     stride_vb, stride_vs, stride_vh, dims, dim_ok,
-                    BLOCK_M, BLOCK_SIZE, TILE_N, True, False, DOT_F32)
+                    BLOCK_M, BLOCK_SIZE, TILE_N, True, False, DOT_F32, HEAD_DIM, FP8)
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_rows = (q_start + tok_in_seq).to(tl.int64) * stride_ot + heads * stride_oh
@@ -214,5 +223,5 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, next_pow2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_M=config["BLOCK_M"], BLOCK_Q=block_q,
         TILE_N=config["TILE_N"], SLIDING=window > 0, DOT_F32=dot_in_fp32(query.dtype),
-        num_warps=config["num_warps"], num_stages=config["num_stages"])
+        FP8=is_fp8_cache(key_cache), num_warps=config["num_warps"], num_stages=config["num_stages"])
     return out
