@@ -68,7 +68,9 @@ def test_triton_backend_refused_on_cpu_without_the_interpreter(monkeypatch):
         make_attention_backend("triton", CPU, 2, 64, torch.float32)
 
 
-def test_engine_tokens_with_triton_equal_reference(tmp_path):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_engine_tokens_with_triton_equal_reference(tmp_path, kv_cache_dtype):
+    """With fp8_e4m3 the Triton kernels read and write fp8 rows as the reference does."""
     from conftest import make_tiny_checkpoint
 
     model_dir = make_tiny_checkpoint(tmp_path / "tiny", "llama")
@@ -78,27 +80,11 @@ def test_engine_tokens_with_triton_equal_reference(tmp_path):
     for backend in ("reference", "triton"):
         llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=64, block_size=4,
                   max_num_batched_tokens=16, attention_backend=backend,
-                  device=PLATFORM.name)
+                  kv_cache_dtype=kv_cache_dtype, device=PLATFORM.name)
         assert llm.engine.info.attention_backend == backend
-        out = llm.generate(prompts, params, use_tqdm=False)
-        tokens[backend] = [list(o.outputs[0].token_ids) for o in out]
-    assert tokens["triton"] == tokens["reference"]
-
-
-def test_engine_tokens_with_an_fp8_cache_on_triton_equal_reference(tmp_path):
-    """The Triton kernels read (and write) fp8_e4m3 rows as the reference backend does."""
-    from conftest import make_tiny_checkpoint
-
-    model_dir = make_tiny_checkpoint(tmp_path / "tiny", "llama")
-    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 7, 20)]
-    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-    tokens = {}
-    for backend in ("reference", "triton"):
-        llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=64, block_size=4,
-                  max_num_batched_tokens=16, attention_backend=backend,
-                  kv_cache_dtype="fp8_e4m3", device=PLATFORM.name)
         cache = llm.engine.executor.worker.runner.kv_caches[0]
-        assert cache.dtype == torch.uint8
+        assert (cache.dtype == torch.uint8) == (kv_cache_dtype == "fp8_e4m3")
         out = llm.generate(prompts, params, use_tqdm=False)
         tokens[backend] = [list(o.outputs[0].token_ids) for o in out]
     assert tokens["triton"] == tokens["reference"]
+
