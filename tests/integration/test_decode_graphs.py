@@ -88,7 +88,9 @@ def test_padding_rows_touch_no_cache_block(tmp_path):
                          runner.kv_caches, meta)
     torch.testing.assert_close(hidden, eager, atol=1e-5, rtol=1e-5)
     for new, eager_cache, old in zip(graphed_cache, runner.kv_caches, before):
-        torch.testing.assert_close(new, eager_cache, atol=0, rtol=0)
+        # the rows' own slots as eager writes them, to float rounding (a later layer's K/V
+        # come from hidden states of a padded batch); every other slot untouched
+        torch.testing.assert_close(new, eager_cache, atol=1e-5, rtol=1e-5)
         changed = (new != old).movedim(worker.kv_spec.block_dim, 0).flatten(1).any(dim=1)
         assert set(torch.nonzero(changed).flatten().tolist()) == {1, 4, 5}
 
