@@ -56,6 +56,20 @@ def make_tiny_checkpoint(path, family: str, vocab_size: int = 512, seed: int = 0
     return str(path)
 
 
+def use_fresh_cache_dir(path, monkeypatch) -> str:
+    """Point TREADLE_CACHE_DIR at an empty `path` for what a test converts or fetches,
+    sharing the session's built C kernels (its `kernels/` is a link to them): each of
+    these tests rebuilt every kernel otherwise, 15-45 s apiece."""
+    from treadle.paths import cache_dir
+
+    kernels = cache_dir() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "kernels").symlink_to(kernels, target_is_directory=True)
+    monkeypatch.setenv("TREADLE_CACHE_DIR", str(path))
+    return str(path)
+
+
 @pytest.fixture(scope="session", params=sorted(FAMILIES))
 def tiny_checkpoint(request, tmp_path_factory):
     """(family, checkpoint dir) for each supported family."""

@@ -15,6 +15,7 @@ from gguf_files import llama_cpp_permute, write_tiny_gguf
 from treadle import LLM, SamplingParams
 from treadle.models import gguf_convert, gguf_reader
 from treadle.models.resolve import resolve_model, served_model_name
+from conftest import use_fresh_cache_dir
 
 PROMPT_LENGTHS = [1, 3, 9, 17, 40, 70]
 
@@ -92,7 +93,7 @@ def gguf_case(request, tmp_path_factory):
 def test_greedy_tokens_equal_transformers_on_the_same_gguf(gguf_case, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setenv("TREADLE_CACHE_DIR", str(tmp_path / "cache"))
+    use_fresh_cache_dir(tmp_path / "cache", monkeypatch)
     name, path = gguf_case
     reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                      dtype=torch.float32).eval()
@@ -108,7 +109,7 @@ def test_llama_permutation_is_undone_exactly(tmp_path, monkeypatch):
     """An all-F32 llama GGUF (q/k permuted as llama.cpp does) is the original HF model."""
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setenv("TREADLE_CACHE_DIR", str(tmp_path / "cache"))
+    use_fresh_cache_dir(tmp_path / "cache", monkeypatch)
     hf_dir = tiny_hf(tmp_path / "hf", "llama")
     path = write_tiny_gguf(hf_dir, tmp_path / "tiny.gguf", "llama")
     converted = resolve_model(str(path), dtype="float32")
@@ -127,7 +128,7 @@ def test_llama3_rope_scaling_is_recovered_from_rope_freqs(tmp_path, monkeypatch)
     """Llama 3.x GGUFs carry llama3 rope scaling as a rope_freqs tensor of divisors."""
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setenv("TREADLE_CACHE_DIR", str(tmp_path / "cache"))
+    use_fresh_cache_dir(tmp_path / "cache", monkeypatch)
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
                "rope_theta": 10000.0}
@@ -151,7 +152,7 @@ def test_unpermute_inverts_llama_cpp_permute_on_rows_and_blocks():
 
 def test_conversion_is_cached_and_config_tokenizer_come_from_metadata(tmp_path, monkeypatch,
                                                                       caplog):
-    monkeypatch.setenv("TREADLE_CACHE_DIR", str(tmp_path / "cache"))
+    use_fresh_cache_dir(tmp_path / "cache", monkeypatch)
     hf_dir = tiny_hf(tmp_path / "hf", "qwen3", head_dim=24)
     path = write_tiny_gguf(hf_dir, tmp_path / "m.gguf", "qwen3", {"mlp.": "Q8_0"})
     with caplog.at_level("INFO", logger="treadle.models.gguf_convert"):

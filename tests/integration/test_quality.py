@@ -8,6 +8,7 @@ import torch
 
 from treadle.bench import quality
 from treadle.models.demo import write_demo_model
+from conftest import use_fresh_cache_dir
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.05)
@@ -30,7 +31,7 @@ def test_windows_score_every_token_once_with_context():
 
 @pytest.mark.parametrize("source", ["checkpoint", "gguf"])
 def test_perplexity_treadle_and_transformers_agree(source, tmp_path, monkeypatch):
-    monkeypatch.setenv("TREADLE_CACHE_DIR", str(tmp_path / "cache"))
+    use_fresh_cache_dir(tmp_path / "cache", monkeypatch)
     if source == "checkpoint":
         model = str(write_demo_model(tmp_path / "tiny", seed=2, config_overrides=TINY))
     else:

