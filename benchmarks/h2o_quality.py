@@ -21,10 +21,9 @@ import time
 from pathlib import Path
 
 from treadle import LLM
+from kv_quality import text_tokens  # the same text (this script's folder is on sys.path)
 from treadle.bench.quality import perplexity, treadle_logprobs
 
-DATA = Path(__file__).resolve().parent / "data"
-TEXTS = [DATA / "treadle_essay.txt", DATA / "river_essay.txt"]
 
 
 def score(model: str | None, token_ids: list[int], args, **eviction) -> dict:
@@ -54,11 +53,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default="512MiB")
     ap.add_argument("--output", default="h2o_quality.json")
     args = ap.parse_args()
-    text = "\n\n".join(p.read_text() for p in TEXTS)
-    probe = LLM(model=args.model, dtype=args.dtype, num_kv_blocks=16)
-    token_ids = probe.tokenizer.encode(text, add_special_tokens=False)
-    model = args.model or str(probe.engine.model_dir)
-    del probe
+    text, token_ids, model = text_tokens(args.model, args.dtype)
+    model = args.model or model
     n = len(token_ids)
     full = score(model, token_ids, args)
     print("full cache", json.dumps(full), flush=True)

@@ -69,6 +69,17 @@ class LogitTap:
         return torch.log_softmax(rows.double(), dim=-1)
 
 
+def text_tokens(model: str | None, dtype: str) -> tuple[str, list[int], str]:
+    """The fixed text, its token ids under the model's tokenizer, and the model's folder
+    (the default model's when `model` is None)."""
+    text = "\n\n".join(p.read_text() for p in TEXTS)
+    probe = LLM(model=model, dtype=dtype, num_kv_blocks=16)
+    token_ids = probe.tokenizer.encode(text, add_special_tokens=False)
+    model_dir = str(probe.engine.model_dir)
+    probe.engine.shutdown()
+    return text, token_ids, model_dir
+
+
 def make_llm(model: str, kind: str, backend: str, args) -> LLM:
     return LLM(model=model, dtype=args.dtype, kv_cache_dtype=kind, attention_backend=backend,
                kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=False,
@@ -138,10 +149,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default="512MiB")
     ap.add_argument("--output", default="kv_quality.json")
     args = ap.parse_args()
-    text = "\n\n".join(p.read_text() for p in TEXTS)
-    probe = LLM(model=args.model, dtype=args.dtype, num_kv_blocks=16)
-    token_ids = probe.tokenizer.encode(text, add_special_tokens=False)
-    del probe
+    text, token_ids, _ = text_tokens(args.model, args.dtype)
     out = {"model": args.model, "dtype": args.dtype, "num_tokens": len(token_ids),
            "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
            "window": args.window, "stride": args.stride,
