@@ -56,6 +56,9 @@ STEPS = {
     "decodes": [(37, 1), (5, 1), (200, 1), (16, 1)],
     "prefill": [(0, 40), (0, 3)],
     "mixed": [(70, 1), (12, 1), (0, 33), (48, 20), (31, 5)],  # cached prefixes, 1+4 row
+    # Verification rows right after the decodes (cpu-native: one decode-kernel call, no
+    # gather), at the short-row limit and one past it, then a short row after a long one.
+    "verify": [(70, 1), (12, 1), (31, 5), (90, 16), (0, 17), (40, 2)],
 }
 
 

@@ -195,7 +195,7 @@ def run_closed_loop(llm, prompts: list[list[int]], max_tokens: int, concurrency:
     pending = list(enumerate(prompts))
     in_flight: set[str] = set()
     output_tokens = 0
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     tag = f"b{time.monotonic_ns()}"
     while pending or in_flight:
         while pending and len(in_flight) < concurrency:
@@ -207,13 +207,13 @@ def run_closed_loop(llm, prompts: list[list[int]], max_tokens: int, concurrency:
             if out.finished and out.request_id in in_flight:
                 in_flight.discard(out.request_id)
                 output_tokens += len(out.outputs[0].token_ids)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     after = llm.get_stats()
     delta = {k: after[k] - before.get(k, 0) for k in after
              if k.startswith(("spec_num", "time_", "num_steps", "num_preemptions"))}
     drafts, proposed = delta.get("spec_num_drafts", 0), delta.get("spec_num_draft_tokens", 0)
     accepted = delta.get("spec_num_accepted_tokens", 0)
-    return {"output_tokens": output_tokens, "wall_s": wall,
+    return {"output_tokens": output_tokens, "wall_s": wall, "cpu_s": cpu,
             "output_tokens_per_s": output_tokens / wall,
             "acceptance_rate": accepted / proposed if proposed else 0.0,
             "mean_accepted_length": 1.0 + accepted / drafts if drafts else 0.0,

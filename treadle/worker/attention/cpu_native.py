@@ -2,8 +2,9 @@
 
 Owns the step metadata for the kernels and the order of the calls: rotary embedding
 fused with the K/V write (`rope_kv`, bf16), decode attention over every single-token row
-in one call (`paged_decode.c`: no grouping, no padding), and causal prefill attention over
-every multi-token row in one call (`paged_prefill.c`, bf16 with AVX-512 BF16 and head_dim
+and every token of the short multi-token rows (speculative verification) in one call
+(`paged_decode.c`: no grouping, no padding), and causal prefill attention over every
+longer row in one call (`paged_prefill.c`, bf16 with AVX-512 BF16 and head_dim
 64/128). Where the prefill kernel or rope_kv does not apply (another dtype or head size),
 that part runs the `torch` backend's code, with the same results up to rounding; the
 decode kernel covers float32 and bf16 (the backend is not offered otherwise). Layers with
@@ -33,15 +34,29 @@ from treadle.worker.attention.torch_backend import (LayerViews, PrefillSpan,
                                                     prefill_span, write_kv)
 
 
+SHORT_ROW_TOKENS = 8
+"""Multi-token rows of at most this many tokens (a request verifying proposed tokens, a
+short chunk) go to the decode kernel, one query token per kernel row, instead of the
+prefill kernel: the prefill kernel packs the row's whole context into tiles in every
+layer, which a few queries do not repay (docs/speculative.md, "Verification rows": 5
+queries over 800 cached tokens took 69 us per layer as decode rows against 198 us in the
+prefill kernel, and the decode rows were still ahead at 17 queries)."""
+
+
 @dataclass
 class NativeDecode:
-    """All single-token rows of a step for the C kernel: rows [0, num_rows) of the batch."""
+    """The decode kernel's query tokens: every single-token row, then each token of every
+    short multi-token row (a kernel row of its own, with the context its causal position
+    sees and its row's block table)."""
 
     num_rows: int
     block_table: torch.Tensor
     """[num_rows, max_blocks] int64 block tables (padding past each context is not read)."""
     ctx_lens: torch.Tensor
-    """[num_rows] int64 context length of each request, its new token included."""
+    """[num_rows] int64 context length of each query token, itself included."""
+    token_index: torch.Tensor | None = None
+    """[num_rows] int64 flat-batch token of each kernel row, or None when they are tokens
+    [0, num_rows) (no gather)."""
 
 
 @dataclass
@@ -100,12 +115,11 @@ class CpuNativeBackend(AttentionBackend):
     def build_metadata(self, step: AttentionStep, device: torch.device) -> CpuNativeMetadata:
         meta = CpuNativeMetadata(self, torch.from_numpy(step.slot_mapping), step=step)
         num_decodes = step.num_single_token_rows
-        if num_decodes:
-            meta.native_decode = NativeDecode(
-                num_decodes,
-                torch.from_numpy(np.ascontiguousarray(step.block_table[:num_decodes])),
-                torch.from_numpy(np.ascontiguousarray(step.context_lens[:num_decodes])))
         multi = np.arange(num_decodes, len(step.query_lens))
+        short = multi[step.query_lens[multi] <= SHORT_ROW_TOKENS]
+        multi = multi[step.query_lens[multi] > SHORT_ROW_TOKENS]
+        if num_decodes or short.size:
+            meta.native_decode = _decode_rows(step, num_decodes, short)
         if multi.size and self.native_prefill:
             spans = torch.from_numpy(np.ascontiguousarray(np.stack(
                 [step.query_starts[multi], step.query_lens[multi], step.num_computed[multi]],
@@ -147,9 +161,17 @@ class CpuNativeBackend(AttentionBackend):
         nd = meta.native_decode
         if nd is not None:
             rows = nd.num_rows
-            self.kernels.paged_decode(query[:rows].contiguous(), kv_cache[0], kv_cache[1],
-                                      nd.block_table, nd.ctx_lens,
-                                      out[:rows].view(rows, num_heads, head_dim), layer.scale)
+            if nd.token_index is None:
+                self.kernels.paged_decode(query[:rows].contiguous(), kv_cache[0], kv_cache[1],
+                                          nd.block_table, nd.ctx_lens,
+                                          out[:rows].view(rows, num_heads, head_dim),
+                                          layer.scale)
+            else:
+                gathered = query.new_empty(rows, num_heads, head_dim)
+                self.kernels.paged_decode(query.index_select(0, nd.token_index).contiguous(),
+                                          kv_cache[0], kv_cache[1], nd.block_table,
+                                          nd.ctx_lens, gathered, layer.scale)
+                out.index_copy_(0, nd.token_index, gathered.view(rows, -1))
         npf = meta.native_prefill
         if npf is not None:
             self.kernels.paged_prefill(query, kv_cache[0], kv_cache[1], npf.spans,
@@ -158,3 +180,22 @@ class CpuNativeBackend(AttentionBackend):
                              kind=self.kv_cache_dtype)
         return out
 
+
+
+def _decode_rows(step: AttentionStep, num_single: int, short: np.ndarray) -> NativeDecode:
+    """The decode kernel's rows: the step's single-token rows, then each token of the
+    short multi-token rows `short` with the causal context of its position."""
+    lens = step.query_lens[short]
+    table = step.block_table[:num_single]
+    ctx = step.context_lens[:num_single]
+    index = None
+    if short.size:
+        table = np.concatenate([table, np.repeat(step.block_table[short], lens, axis=0)])
+        offsets = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+        first = np.repeat(step.query_starts[short], lens) + offsets
+        ctx = np.concatenate([ctx, np.repeat(step.num_computed[short], lens) + offsets + 1])
+        tokens = np.concatenate([np.arange(num_single), first])
+        if not np.array_equal(tokens, np.arange(tokens.size)):
+            index = torch.from_numpy(tokens.astype(np.int64))
+    return NativeDecode(int(ctx.shape[0]), torch.from_numpy(np.ascontiguousarray(table)),
+                        torch.from_numpy(np.ascontiguousarray(ctx, dtype=np.int64)), index)
