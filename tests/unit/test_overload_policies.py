@@ -274,6 +274,36 @@ def test_the_predicted_wait_counts_more_urgent_arrivals_that_overtake():
     assert info.value.retry_after_s == 60
 
 
+def test_aging_caps_the_predicted_wait_of_the_least_urgent_class():
+    """The soak's finding: priority +5 requests were shed with predicted waits of 55 s
+    while those admitted started within 6 s, because aging lifts them past the urgent
+    stream after `priority_aging` mean waits. 1 start/s, urgent arrivals at 0.9/s, mean
+    wait 1 s, 2 waiting: without aging (3) / 0.1 = 30 s; with priority_aging 4 the cap
+    is (2 + 1) / 1 + 4 x 1 = 7 s."""
+    def control(aging: float) -> AdmissionControl:
+        c = AdmissionControl(AdmissionLimits(10_000, 10**9, 10_000, 0, 10.0, True, aging))
+        for _ in range(2):  # two background requests waiting since the start
+            c.admit("t", 10, 10, 0.0, priority=5)
+        tickets = [c.admit("t", 10, 10, k / 0.9, priority=-5) for k in range(18)]
+        for k, ticket in enumerate(tickets):  # each starts 1 s after it arrived
+            c.started(ticket, k / 0.9 + 1.0)
+        return c
+
+    now = 20.0
+    plain, aged = control(0.0), control(4.0)
+    for c in (plain, aged):
+        assert c.mean_wait(now) == pytest.approx(1.0)
+        assert c.overtaking_rate(5, now) == pytest.approx(0.9)
+    rate = aged.start_rate(now)
+    assert plain.predicted_wait(5, now) > 10.0
+    with pytest.raises(Overloaded):
+        plain.admit("t", 10, 10, now, priority=5)
+    assert aged.predicted_wait(5, now) == pytest.approx(3 / rate + 4.0)
+    assert aged.admit("t", 10, 10, now, priority=5).priority == 5
+    # The most urgent class keeps its own (shorter) queue prediction.
+    assert aged.predicted_wait(-5, now) == pytest.approx(1 / (rate - 0.0))
+
+
 def test_no_bound_until_the_start_rate_is_known():
     control = _control(delay=0.1)
     for _ in range(50):

@@ -86,7 +86,8 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
         server_config.max_waiting_requests, server_config.max_waiting_tokens,
         server_config.tenant_max_concurrent_requests, server_config.tenant_tokens_per_minute,
         server_config.max_queue_delay,
-        engine.config.scheduler.scheduling_policy == "priority"))
+        engine.config.scheduler.scheduling_policy == "priority",
+        engine.config.scheduler.priority_aging))
     app.state.engine, app.state.admission, app.state.shutting_down = engine, admission, False
     limits = engine.limits
     max_model_len = limits.max_model_len
