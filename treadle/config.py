@@ -223,6 +223,10 @@ class SchedulerConfig:
         "fair policy: token-share weights per tenant, e.g. 'a=1,b=3' (unlisted tenants weigh 1)"))
     admission_preemption: bool = field(default=True, metadata=_help(
         "Preempt a running request for a waiting one more urgent by the threshold (not fcfs)"))
+    admission_preemption_wait_steps: int = field(default=16, metadata=_help(
+        "A more urgent request waits instead of preempting at admission while a running "
+        "request will end within this many steps (its remaining max_tokens): that slot "
+        "comes sooner than a preemption repays (0: preempt at once)"))
     admission_preemption_threshold: float | None = field(default=None, metadata=_help(
         "Urgency gap needed to preempt at admission, in the policy's unit (levels or tokens); "
         "the policy's default when not given"))
@@ -271,6 +275,9 @@ class SchedulerConfig:
         if self.preemption_mode not in ("auto", "recompute", "swap"):
             raise ValueError("preemption_mode must be one of auto, recompute, swap, "
                              f"got {self.preemption_mode!r}")
+        if self.admission_preemption_wait_steps < 0:
+            raise ValueError("admission_preemption_wait_steps must be >= 0, "
+                             f"got {self.admission_preemption_wait_steps}")
         if self.preemption_cooldown_steps < 0:
             raise ValueError("preemption_cooldown_steps must be >= 0, "
                              f"got {self.preemption_cooldown_steps}")

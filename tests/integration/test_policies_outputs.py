@@ -72,6 +72,7 @@ def test_greedy_outputs_identical_under_every_policy(model_dir, reference, polic
     outputs, stats = run(model_dir, scheduling_policy=policy, num_kv_blocks=40,
                          max_num_batched_tokens=32, max_num_seqs=4, preemption_mode=mode,
                          swap_space="1MiB", admission_preemption_threshold=1.0,
+                         admission_preemption_wait_steps=0,  # preempt: the path under test
                          tenant_weights="a=1,b=2", max_head_bypasses=2,
                          admission_lookahead_tokens=0, kv_watermark=0.0)
     assert outputs == reference

@@ -46,6 +46,7 @@ def run(model_dir, trace_path, mode: str, max_steps: int = 4096, max_finished: i
         model=model_dir, dtype="float32", block_size=4, num_kv_blocks=40,
         max_num_batched_tokens=32, max_num_seqs=4, preemption_mode=mode, swap_space="1MiB",
         scheduling_policy="priority", admission_preemption_threshold=1.0,
+        admission_preemption_wait_steps=0,  # preempt at admission: the timelines show it
         # no aging: it reads the wall clock, and on a loaded machine the slower steps
         # changed the order enough that nothing was preempted
         priority_aging_rate=0.0, priority_aging=0.0,

@@ -152,6 +152,38 @@ def test_no_admission_preemption_below_threshold_or_under_fcfs():
         assert sched.stats.num_preemptions == 0
 
 
+@pytest.mark.parametrize("wait_steps", [16, 0])
+def test_an_urgent_request_waits_for_a_slot_that_frees_within_the_wait_steps(wait_steps):
+    """The soak's finding: urgent arrivals preempted a running request 0.5 times per
+    request while some running request ended every few steps anyway. A low with 5 tokens
+    left frees its slot within admission_preemption_wait_steps: the high waits for it
+    (no preemption) and starts once it ends; with 0 it preempts at once."""
+    clock = FakeClock()
+    sched = make_scheduler("priority", max_seqs=2, clock=clock,
+                           admission_preemption_threshold=1.0,
+                           admission_preemption_wait_steps=wait_steps)
+    lows = [make_request("short", 4, 8, priority=5), make_request("long", 4, 60, priority=5)]
+    for r in lows:
+        sched.add_request(r)
+    for _ in range(3):  # "short" has 5 tokens left, "long" 57
+        step(sched, clock)
+    high = make_request("high", 4, 3, priority=0, arrival=clock.t)
+    sched.add_request(high)
+    out = step(sched, clock)
+    if wait_steps == 0:
+        assert "high" in {s.request_id for s in out.scheduled}
+        assert sched.stats.num_admission_preemptions == 1
+    else:
+        assert "high" not in {s.request_id for s in out.scheduled}
+        while not lows[0].is_finished:
+            step(sched, clock)
+        out = step(sched, clock)
+        assert "high" in {s.request_id for s in out.scheduled}
+        assert sched.stats.num_preemptions == 0
+    replay(sched, clock, [])
+    assert all(r.output_token_ids == expected_tokens(r) for r in lows + [high])
+
+
 def test_anti_thrash_two_requests_do_not_trade_places_every_step():
     """fair, one slot, two tenants: the counters cross every step, but a request admitted
     by preemption keeps its place for preemption_cooldown_steps."""
