@@ -275,12 +275,9 @@ class SchedulerConfig:
         if self.preemption_mode not in ("auto", "recompute", "swap"):
             raise ValueError("preemption_mode must be one of auto, recompute, swap, "
                              f"got {self.preemption_mode!r}")
-        if self.admission_preemption_wait_steps < 0:
-            raise ValueError("admission_preemption_wait_steps must be >= 0, "
-                             f"got {self.admission_preemption_wait_steps}")
-        if self.preemption_cooldown_steps < 0:
-            raise ValueError("preemption_cooldown_steps must be >= 0, "
-                             f"got {self.preemption_cooldown_steps}")
+        for name in ("admission_preemption_wait_steps", "preemption_cooldown_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")

@@ -39,8 +39,8 @@ SHORT_ROW_TOKENS = 8
 short chunk) go to the decode kernel, one query token per kernel row, instead of the
 prefill kernel: the prefill kernel packs the row's whole context into tiles in every
 layer, which a few queries do not repay (docs/speculative.md, "Verification rows": 5
-queries over 800 cached tokens took 69 us per layer as decode rows against 198 us in the
-prefill kernel, and the decode rows were still ahead at 17 queries)."""
+queries over 800 cached tokens took 65 us per layer as decode rows against 96 us in the
+prefill kernel; the decode rows read the context once per query, and lose past ~9)."""
 
 
 @dataclass
@@ -160,18 +160,16 @@ class CpuNativeBackend(AttentionBackend):
             return out
         nd = meta.native_decode
         if nd is not None:
-            rows = nd.num_rows
-            if nd.token_index is None:
-                self.kernels.paged_decode(query[:rows].contiguous(), kv_cache[0], kv_cache[1],
-                                          nd.block_table, nd.ctx_lens,
-                                          out[:rows].view(rows, num_heads, head_dim),
-                                          layer.scale)
+            rows, index = nd.num_rows, nd.token_index
+            if index is None:  # the kernel rows are tokens [0, rows): in place
+                rows_query, rows_out = query[:rows], out[:rows].view(rows, num_heads, head_dim)
             else:
-                gathered = query.new_empty(rows, num_heads, head_dim)
-                self.kernels.paged_decode(query.index_select(0, nd.token_index).contiguous(),
-                                          kv_cache[0], kv_cache[1], nd.block_table,
-                                          nd.ctx_lens, gathered, layer.scale)
-                out.index_copy_(0, nd.token_index, gathered.view(rows, -1))
+                rows_query = query.index_select(0, index)
+                rows_out = query.new_empty(rows, num_heads, head_dim)
+            self.kernels.paged_decode(rows_query.contiguous(), kv_cache[0], kv_cache[1],
+                                      nd.block_table, nd.ctx_lens, rows_out, layer.scale)
+            if index is not None:
+                out.index_copy_(0, index, rows_out.view(rows, -1))
         npf = meta.native_prefill
         if npf is not None:
             self.kernels.paged_prefill(query, kv_cache[0], kv_cache[1], npf.spans,
@@ -179,7 +177,6 @@ class CpuNativeBackend(AttentionBackend):
         attend_prefill_spans(query, kv_cache, meta.prefill_spans, out, layer.scale,
                              kind=self.kv_cache_dtype)
         return out
-
 
 
 def _decode_rows(step: AttentionStep, num_single: int, short: np.ndarray) -> NativeDecode:
