@@ -116,6 +116,20 @@ def test_adaptive_policy_keeps_outputs(target, draft, reference, method):
     assert "spec_acceptance_rate" in stats and "spec_mean_accepted_length" in stats
 
 
+@pytest.mark.parametrize("method", ["draft", "self"])
+def test_the_cost_probe_measures_a_catch_up_only_for_a_draft_with_its_own_kv(
+        target, draft, method):
+    llm = LLM(model=target, speculative_config=spec_config(method, draft), dtype="float32",
+              block_size=4, num_kv_blocks=512, num_threads=1)
+    costs = llm.engine.info.spec_costs
+    llm.engine.shutdown()
+    assert costs.has_draft_model
+    if method == "draft":
+        assert costs.catchup_seconds_per_token > 0
+    else:  # self reads the target's KV: nothing to catch up
+        assert costs.catchup_seconds_per_token == 0
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("method", ["draft", "self"])
 def test_a_draft_equal_to_the_target_is_always_accepted(target, reference, method, mode):

@@ -9,9 +9,9 @@ import pytest
 from treadle.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from treadle.core.outputs import ModelRunnerOutput
 from treadle.core.scheduler import Scheduler
-from treadle.core.spec_decode import (AcceptanceEstimate, SpecCandidate, SpecCosts,
-                                      SpecDecodeController, _interp, expected_tokens,
-                                      plan_proposals)
+from treadle.core.spec_decode import (AcceptanceEstimate, ProposalCandidate, SpecCandidate,
+                                      SpecCosts, SpecDecodeController, _interp,
+                                      expected_tokens, plan_proposals)
 from treadle.request import Request
 from treadle.sampling_params import SamplingParams
 
@@ -112,6 +112,18 @@ def test_plan_counts_the_draft_passes():
     assert plan_proposals([0.2], [8], 1, 1, costly, True) == [0]
 
 
+def test_plan_charges_each_request_its_own_first_token_cost():
+    """A catch-up of 50 ms on a 10 ms step: not worth a few likely tokens; the same
+    request without it speculates, and between two requests the cheaper goes first."""
+    mem = costs_from(memory_bound)
+    assert plan_proposals([0.9], [4], 1, 1, mem, False, first_costs=[0.050]) == [0]
+    assert plan_proposals([0.9], [4], 1, 1, mem, False, first_costs=[0.0])[0] > 0
+    # One token of room: the request without a catch-up gets it though its rate is lower.
+    k = plan_proposals([0.9, 0.8], [4, 4], 2, 2, mem, False, max_step_tokens=3,
+                       first_costs=[0.004, 0.0])
+    assert k == [0, 1]
+
+
 def test_plan_is_monotone_in_the_acceptance_rate():
     mem = costs_from(memory_bound)
     ks = [plan_proposals([a], [8], 1, 1, mem, False)[0] for a in (0.1, 0.3, 0.5, 0.7, 0.9)]
@@ -122,7 +134,8 @@ def test_controller_without_adaptation_runs_every_proposal():
     c = SpecDecodeController(4, adaptive=False, prior=0.5, costs=None, writes_kv_ahead=True,
                              deterministic=False)
     assert c.tokens_to_run([SpecCandidate("a", 3)], 1, 1, 512) == {"a": 3}
-    assert c.tokens_to_propose(["a", "b"], 2, 2, 512) == {"a": 4, "b": 4}
+    assert c.tokens_to_propose([ProposalCandidate("a", 9, 30), ProposalCandidate("b", 9, 30)],
+                               2, 2, 512) == {"a": 4, "b": 4}
 
 
 def test_controller_counts_drafts_as_vllm_does():
@@ -138,7 +151,7 @@ def test_controller_counts_drafts_as_vllm_does():
     c.observe_unrun("c", 5, 5)  # shapes the estimate only
     assert c.stats.num_drafts == 2 and c.rate("c") > 0.5
     # ngram proposals cost nothing to make: always the most, cut when they run.
-    assert c.tokens_to_propose(["a"], 1, 1, 512) == {"a": 4}
+    assert c.tokens_to_propose([ProposalCandidate("a", 9, 30)], 1, 1, 512) == {"a": 4}
 
 
 def make_scheduler(costs, adaptive=True, method="ngram", max_tokens=64):
@@ -191,3 +204,48 @@ def test_model_proposers_get_slots_for_their_proposals():
     assert s.num_proposals == 4
     # Its blocks cover this step's tokens (last + 4 proposed) and 4 more written ahead.
     assert sched.kv.num_allocated_slots("r") >= r.num_computed_tokens + 5 + 4
+
+
+def draft_controller(per_token: float) -> SpecDecodeController:
+    costs = costs_from(memory_bound, draft=lambda r: 0.001)
+    costs = SpecCosts(costs.step_rows, costs.step_tokens, costs.step_seconds,
+                      costs.draft_rows, costs.draft_seconds, catchup_seconds_per_token=per_token)
+    return SpecDecodeController(4, adaptive=True, prior=0.8, costs=costs,
+                                writes_kv_ahead=True, deterministic=False)
+
+
+def test_a_draft_catch_up_is_spread_over_the_remaining_output():
+    """A 600-token prompt to catch up at 0.1 ms a token (60 ms): not for the last few
+    tokens of a request, yes for a long output, and only once."""
+    c = draft_controller(0.0001)
+    short = c.tokens_to_propose([ProposalCandidate("a", 600, 3)], 1, 1, 512)
+    assert short == {"a": 0}
+    long = c.tokens_to_propose([ProposalCandidate("a", 600, 2000)], 1, 1, 512)
+    assert long["a"] > 0
+    c.proposing("a", 600)  # caught up: the next proposal pays no catch-up
+    assert c.tokens_to_propose([ProposalCandidate("a", 602, 3)], 1, 1, 512)["a"] > 0
+    c.draft_lost("a")  # preempted by recompute: a whole catch-up again
+    assert c.tokens_to_propose([ProposalCandidate("a", 602, 3)], 1, 1, 512) == {"a": 0}
+    # Without a catch-up cost (self reads the target's KV) the short request drafts.
+    assert draft_controller(0.0).tokens_to_propose(
+        [ProposalCandidate("a", 600, 3)], 1, 1, 512)["a"] > 0
+
+
+def test_no_draft_runs_for_a_step_that_the_waiting_prefill_fills():
+    """With a prompt waiting that fills the next step's budget, the decoding request
+    gets no proposals (they could not run); once the prompt is in, it does."""
+    costs = costs_from(lambda rows, tokens: 0.009 + 0.001 * tokens, draft=lambda r: 0.0005)
+    sched = make_scheduler(costs, method="draft", max_tokens=64)
+    start(sched, rid="r", prompt=8)
+    sched.add_request(Request("long", list(range(3, 3 + 200)),
+                              SamplingParams(max_tokens=4, ignore_eos=True)))
+    out = sched.schedule()
+    by_id = {s.request_id: s for s in out.scheduled}
+    assert by_id["r"].num_proposals == 0  # the next step is the long prompt's too
+    for _ in range(8):  # until the long prompt's last chunk is scheduled
+        sched.update_from_output(out, ModelRunnerOutput({"r": [60]}))
+        out = sched.schedule()
+        by_id = {s.request_id: s for s in out.scheduled}
+        if sched.requests["long"].num_computed_tokens + by_id["long"].num_scheduled_tokens >= 200:
+            break
+    assert by_id["r"].num_proposals > 0  # the step after it has room

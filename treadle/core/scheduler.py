@@ -66,7 +66,8 @@ from treadle.core.outputs import (EngineCoreOutput, KVCompaction, ModelRunnerOut
                                   NewRequestData, ScheduledRequest, SchedulerOutput)
 from treadle.core.preemption import Preemptor
 from treadle.core.scheduling_policy import make_policy
-from treadle.core.spec_decode import SpecCandidate, SpecCosts, SpecDecodeController
+from treadle.core.spec_decode import (ProposalCandidate, SpecCandidate, SpecCosts,
+                                      SpecDecodeController)
 from treadle.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -372,8 +373,11 @@ class Scheduler:
         return total
 
     def _plan_proposals(self) -> dict[str, int]:
-        """Tokens to propose after this step per sampled request; with a proposer that
-        writes KV ahead, each gets slots for them or proposes nothing."""
+        """Tokens to propose after this step per sampled request, planned for the step
+        that verifies them: this step's sampled requests as its decode rows and the
+        prompt tokens still to prefill then (a step the prefill will fill runs no
+        proposals, so none is made for it). With a proposer that writes KV ahead, each
+        request gets slots for them or proposes nothing."""
         if self.spec is None:
             return {}
         sampled = []
@@ -384,11 +388,15 @@ class Scheduler:
                 sampled.append(request)
         if not sampled:
             return {}
-        num_spec = sum(len(v) for v in self._spec.values())
-        base = sum(self._num_new.values()) - num_spec
         budget = self.config.max_num_batched_tokens
-        wanted = self.spec.tokens_to_propose([r.request_id for r in sampled], len(sampled),
-                                             min(base, budget), budget)
+        # Decode rows of the next step: the sampled requests and those this one left out.
+        rows = len(sampled) + sum(1 for r in self.running if r.is_decoding
+                                  and r.request_id not in self._num_new)
+        base = rows + self._prefill_after_step(budget - rows)
+        candidates = [ProposalCandidate(r.request_id, r.num_tokens + 1,
+                                        r.sampling_params.max_tokens - r.num_output_tokens - 1)
+                      for r in sampled]
+        wanted = self.spec.tokens_to_propose(candidates, rows, min(base, budget), budget)
         plan = {}
         for request in sampled:
             rid = request.request_id
@@ -400,7 +408,23 @@ class Scheduler:
                     k = 0
             if k > 0:
                 plan[rid] = k
+                self.spec.proposing(rid, request.num_tokens + 1)
         return plan
+
+    def _prefill_after_step(self, room: int) -> int:
+        """Prompt tokens (and tokens to recompute) left to prefill once this step's are
+        in, up to `room`: of running requests mid-prompt, swapped and waiting ones."""
+        total = 0
+        for r in self.running:
+            left = r.num_uncomputed_tokens - self._num_new.get(r.request_id, 0)
+            if left > 0 and not r.is_decoding:
+                total += left
+        for group in (self.swapped, self.waiting):
+            for r in group:
+                if total >= room:
+                    break
+                total += r.num_uncomputed_tokens
+        return max(min(total, room), 0)
 
     def _schedule_fcfs(self) -> None:
         # 1. Running requests, decodes first. Each may preempt others to get a block.
@@ -882,6 +906,8 @@ class Scheduler:
                         request.request_id, reason, taken.num_computed_tokens)
         else:
             request.status = RequestStatus.PREEMPTED
+            if self.spec is not None:
+                self.spec.draft_lost(request.request_id)
             request.num_computed_tokens = 0
             request.num_evicted_tokens = 0
             self._compactions.pop(request.request_id, None)  # its KV is gone anyway

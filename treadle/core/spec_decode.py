@@ -4,8 +4,10 @@ Owns the pure decisions and the bookkeeping behind them, never tensors or the mo
 
 - `SpecCosts`: the measured step-cost model the worker reports at start-up
   (worker/spec/cost_probe.py): the seconds of a target step as a function of its rows and
-  tokens, measured on a grid and interpolated piecewise-linearly, and the seconds of one
-  draft forward pass as a function of its rows (zero for a proposer without a model).
+  tokens, measured on a grid and interpolated piecewise-linearly, the seconds of one
+  draft forward pass as a function of its rows (zero for a proposer without a model),
+  and the seconds per token of a draft with its own KV catching up on a request's
+  tokens before its first proposal (its whole prompt, fed once).
 - `AcceptanceEstimate`: a request's acceptance rate, estimated from its verified
   proposals with exponential forgetting and a prior it drifts back to while unobserved
   (so a request switched off is tried again now and then).
@@ -13,8 +15,9 @@ Owns the pure decisions and the bookkeeping behind them, never tensors or the mo
   tokens per second of the whole step, given each request's acceptance rate and the cost
   model (docs/speculative.md derives it).
 - `SpecDecodeController`: what the scheduler asks (proposals to run now, tokens the
-  proposer should prepare for the next step), the per-request estimates, and the
-  counters that metrics, traces and benchmarks read.
+  proposer should prepare for the next step), the per-request estimates, what each
+  request's draft has caught up on, and the counters that metrics, traces and
+  benchmarks read.
 
 Acceptance model: a proposal's tokens are accepted one after another, each with the
 request's rate a, until the first rejection, so k proposals give 1 + a + ... + a^k
@@ -53,13 +56,16 @@ class SpecCosts:
     """Measured step costs (seconds). `step_rows[i]` rows were timed at the token counts
     `step_tokens[i]` (each row one decode token plus proposed ones, every position
     sampled), taking `step_seconds[i]`; a draft forward pass over `draft_rows[j]`
-    single-token rows took `draft_seconds[j]` (empty: the proposer runs no model)."""
+    single-token rows took `draft_seconds[j]` (empty: the proposer runs no model);
+    catching a draft up on tokens it has not seen took `catchup_seconds_per_token` each
+    (0: the proposer reads the target's KV, or runs no model)."""
 
     step_rows: tuple[int, ...]
     step_tokens: tuple[tuple[int, ...], ...]
     step_seconds: tuple[tuple[float, ...], ...]
     draft_rows: tuple[int, ...] = ()
     draft_seconds: tuple[float, ...] = ()
+    catchup_seconds_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.step_rows or len(self.step_rows) != len(self.step_tokens) or len(
@@ -72,6 +78,8 @@ class SpecCosts:
                 raise ValueError("SpecCosts: each token grid must increase and match its times")
         if len(self.draft_rows) != len(self.draft_seconds):
             raise ValueError("SpecCosts: one draft time per draft row count")
+        if not self.catchup_seconds_per_token >= 0.0:
+            raise ValueError("SpecCosts: catchup_seconds_per_token must be >= 0")
 
     def step_time(self, rows: int, tokens: int) -> float:
         """Seconds of a step of `rows` rows and `tokens` tokens: each measured row count's
@@ -126,7 +134,8 @@ def expected_tokens(rate: float, num_proposed: int) -> float:
 
 def plan_proposals(rates: Sequence[float], max_tokens: Sequence[int], num_rows: int,
                    base_tokens: int, costs: SpecCosts, draft_cost: bool,
-                   max_step_tokens: int | None = None) -> list[int]:
+                   max_step_tokens: int | None = None,
+                   first_costs: Sequence[float] | None = None) -> list[int]:
     """Proposed tokens per request (request i gets at most max_tokens[i]) maximizing
     expected tokens per second of a step of `num_rows` rows and `base_tokens` tokens
     without speculation (each row is expected to give one token).
@@ -136,32 +145,41 @@ def plan_proposals(rates: Sequence[float], max_tokens: Sequence[int], num_rows: 
     in the draft's j-th forward pass (a new pass when none of the batch drafts that far).
     A token is added while the best one raises tokens per second; within one depth the
     best is the request of highest rate, so one candidate per depth is compared each
-    round. The step never grows past `max_step_tokens`."""
+    round. The step never grows past `max_step_tokens`.
+
+    `first_costs[i]`: seconds that request i's first proposed token costs on top (a
+    draft's catch-up, amortized by the caller). The first tokens are then ordered by
+    rate over cost (the step's marginal token plus the request's own), not by rate."""
     n = len(rates)
     k = [0] * n
     if n == 0:
         return k
     depth = max(max_tokens, default=0)
-    # heaps[j]: requests whose next token would be their (j+1)-th, most likely first.
+    tokens = base_tokens
+    step = costs.step_time(num_rows, tokens)
+    own = list(first_costs) if first_costs is not None else [0.0] * n
+    unit = max(costs.step_time(num_rows, tokens + 1) - step, 1e-9)
+    # heaps[j]: (sort key, request) of the requests whose next token would be their
+    # (j+1)-th, the best first.
     heaps: list[list[tuple[float, int]]] = [[] for _ in range(depth)]
     for i in range(n):
         if max_tokens[i] > 0 and rates[i] > 0.0:
-            heaps[0].append((-rates[i], i))
+            heaps[0].append((-rates[i] * unit / (unit + own[i]), i))
     heapq.heapify(heaps[0])
     rows_at = [0] * (depth + 1)  # rows_at[j]: requests drafting a (j+1)-th token
-    tokens = base_tokens
     value = float(max(num_rows, 1))
-    step = costs.step_time(num_rows, tokens)
+    spent = 0.0  # the first tokens' own costs taken so far
     limit = max_step_tokens if max_step_tokens is not None else float("inf")
     while tokens < limit:
-        current = step + draft_total(costs, rows_at, draft_cost)
+        current = step + spent + draft_total(costs, rows_at, draft_cost)
         next_step = costs.step_time(num_rows, tokens + 1)
         best = None
         for j in range(depth):
             if not heaps[j]:
                 continue
-            gain = (-heaps[j][0][0]) ** (j + 1)
-            extra = next_step - step
+            i = heaps[j][0][1]
+            gain = rates[i] ** (j + 1)
+            extra = next_step - step + (own[i] if j == 0 else 0.0)
             if draft_cost:
                 extra += costs.draft_time(rows_at[j] + 1) - costs.draft_time(rows_at[j])
             total = current + extra
@@ -177,6 +195,8 @@ def plan_proposals(rates: Sequence[float], max_tokens: Sequence[int], num_rows: 
         tokens += 1
         value += gain
         step = next_step
+        if j == 0:
+            spent += own[i]
         if j + 1 < max_tokens[i]:
             heapq.heappush(heaps[j + 1], (-rates[i], i))
     return k
@@ -227,6 +247,17 @@ class SpecCandidate:
     """Proposed tokens it has (cut to what may still become output)."""
 
 
+@dataclass
+class ProposalCandidate:
+    """A request the proposer may draft for after this step."""
+
+    request_id: str
+    num_tokens: int
+    """Its tokens once this step's are in (what a draft must have caught up on)."""
+    remaining: int
+    """Output tokens it may still make after this step."""
+
+
 class SpecDecodeController:
     """The scheduler's speculative-decoding state: per-request estimates and counters,
     and the two questions it answers each step."""
@@ -245,6 +276,8 @@ class SpecDecodeController:
         self.writes_kv_ahead = writes_kv_ahead
         self.deterministic = deterministic
         self.estimates: dict[str, AcceptanceEstimate] = {}
+        self._draft_seen: dict[str, int] = {}
+        """Tokens of each request the draft has caught up on (its last proposal)."""
         self.stats = SpecDecodeStats()
         self.last_step = SpecDecodeStats()
         """The counters of the last verified step alone (for the trace)."""
@@ -264,18 +297,39 @@ class SpecDecodeController:
                             self.costs, draft_cost=False, max_step_tokens=max_step_tokens)
         return {c.request_id: kk for c, kk in zip(candidates, ks)}
 
-    def tokens_to_propose(self, request_ids: list[str], num_rows: int,
+    def tokens_to_propose(self, candidates: list[ProposalCandidate], num_rows: int,
                           base_tokens: int, max_step_tokens: int) -> dict[str, int]:
         """How many tokens the proposer prepares after this step for each request's next
-        one. A proposer without a model always prepares the most (its lookup costs next
-        to nothing; the cut comes when they run); one with a model, what the plan with
-        the draft's own passes counted gives for a step like this one."""
+        one, for a next step of `num_rows` rows and `base_tokens` tokens without
+        speculation. A proposer without a model always prepares the most (its lookup
+        costs next to nothing; the cut comes when they run); one with a model, what the
+        plan with the draft's own passes counted gives, a draft that must first catch up
+        on a request's tokens paying for that too: the catch-up's seconds spread over
+        the verifications the request's remaining output is expected to take."""
         if not self.adaptive or not self.writes_kv_ahead:
-            return {rid: self.max_tokens for rid in request_ids}
-        ks = plan_proposals([self.rate(rid) for rid in request_ids],
-                            [self.max_tokens] * len(request_ids), num_rows, base_tokens,
-                            self.costs, draft_cost=True, max_step_tokens=max_step_tokens)
-        return dict(zip(request_ids, ks))
+            return {c.request_id: self.max_tokens for c in candidates}
+        rates = [self.rate(c.request_id) for c in candidates]
+        first_costs = None
+        per_token = self.costs.catchup_seconds_per_token
+        if per_token > 0.0:
+            first_costs = []
+            for c, rate in zip(candidates, rates):
+                unseen = max(c.num_tokens - self._draft_seen.get(c.request_id, 0), 0)
+                verifications = max(c.remaining / expected_tokens(rate, self.max_tokens), 1.0)
+                first_costs.append(per_token * unseen / verifications)
+        ks = plan_proposals(rates, [self.max_tokens] * len(candidates), num_rows, base_tokens,
+                            self.costs, draft_cost=True, max_step_tokens=max_step_tokens,
+                            first_costs=first_costs)
+        return {c.request_id: kk for c, kk in zip(candidates, ks)}
+
+    def proposing(self, request_id: str, num_tokens: int) -> None:
+        """The proposer drafts for the request after this step: its draft will have
+        caught up on its `num_tokens` tokens."""
+        self._draft_seen[request_id] = num_tokens
+
+    def draft_lost(self, request_id: str) -> None:
+        """The request's KV is gone (preempted by recompute): so is its draft's."""
+        self._draft_seen.pop(request_id, None)
 
     def begin_step(self) -> None:
         self.last_step = SpecDecodeStats()
@@ -310,3 +364,4 @@ class SpecDecodeController:
 
     def forget(self, request_id: str) -> None:
         self.estimates.pop(request_id, None)
+        self._draft_seen.pop(request_id, None)

@@ -6,7 +6,9 @@ messages: prepare, forward, logits of every sampling position, sampling and veri
 — for steps of R decode rows with k proposed tokens each, at a few R and k, over
 requests with a context of `context` tokens in a scratch KV cache; and, with a
 model-based proposer, its pass over R rows (proposing one token, after a first call that
-caught the draft up). Each shape runs once to warm up, then at least `repeats` times
+caught the draft up), and for a draft with its own KV the catch-up itself: a proposal
+for requests whose draft KV was dropped, less the pass over caught-up rows, per token.
+Each shape runs once to warm up, then at least `repeats` times
 and until it has run for MIN_SECONDS (at most MAX_REPEATS times); the fastest run counts
 (on a shared machine a run is slowed by whatever else runs then, never sped up), and
 along each row count the times are made non-decreasing in tokens (a longer step never
@@ -19,6 +21,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from dataclasses import replace
 
 from treadle.core.outputs import NewRequestData, ScheduledRequest, SchedulerOutput
 from treadle.core.spec_decode import SpecCosts
@@ -103,11 +106,31 @@ def measure_spec_costs(runner, proposer, vocab_size: int, max_rows: int, max_pro
             draft_rows.append(rows)
             draft_seconds.append(timed(lambda: proposer.propose(batch)))
         draft_seconds = monotone(draft_seconds)
-    runner.execute(SchedulerOutput(scheduled=[], finished_request_ids=list(ids)))
     costs = SpecCosts(tuple(step_rows), tuple(step_tokens), tuple(step_seconds),
                       tuple(draft_rows), tuple(draft_seconds))
+    if proposer is not None and proposer.runs_model and proposer.catches_up:
+        n = min(4, max_rows)
+        catchup = measure_catchup(proposer, runner, ids[:n], prompts, params, timed)
+        costs = replace(costs, catchup_seconds_per_token=max(
+            catchup - costs.draft_time(n), 0.0) / (n * context))
+    runner.execute(SchedulerOutput(scheduled=[], finished_request_ids=list(ids)))
     logger.info("speculation costs (context %d): %s", context, describe(costs))
     return costs
+
+
+def measure_catchup(proposer, runner, ids: list[str], prompts: list[list[int]],
+                    params: SamplingParams, timed) -> float:
+    """Seconds of one proposal for the requests `ids` with their draft KV dropped first
+    (the draft feeds each one's whole context again, then drafts a token)."""
+    batch = ProposalBatch(
+        [ProposalRequest(rid, prompt, len(prompt), 1, params, runner.batch.requests[rid].row)
+         for rid, prompt in zip(ids, prompts)], runner.batch.block_table)
+
+    def from_scratch() -> None:
+        proposer.begin_step(SchedulerOutput(scheduled=[], finished_request_ids=list(ids)))
+        proposer.propose(batch)
+
+    return timed(from_scratch)
 
 
 def monotone(values: list[float]) -> list[float]:
@@ -134,4 +157,6 @@ def describe(costs: SpecCosts) -> str:
     if costs.draft_rows:
         parts.append("draft pass: " + ", ".join(f"{r} rows {s * 1e3:.1f} ms" for r, s in
                                                 zip(costs.draft_rows, costs.draft_seconds)))
+    if costs.catchup_seconds_per_token:
+        parts.append(f"draft catch-up: {costs.catchup_seconds_per_token * 1e6:.1f} us/token")
     return "; ".join(parts)
