@@ -8,12 +8,18 @@ recently freed first; taking a cached-free block evicts its hash.
 
 This module knows blocks only by id; which request holds which block, and in what order,
 is the KV cache manager's business. No torch here.
+
+Blocks never used yet are not objects until first taken: the queue is the untouched ids
+(`_fresh` and up, in id order) followed by the freed blocks, which is the order a queue
+filled with every id at the start would have. So a pool of a million blocks (a tiny
+model's default cache) costs nothing to make, where building a million objects took 5 s
+of every engine start.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable
+from typing import Iterable, Iterator
 
 
 class KVBlock:
@@ -31,6 +37,32 @@ class KVBlock:
         return f"KVBlock({self.block_id}, ref={self.ref_cnt}{cached})"
 
 
+class Blocks:
+    """Every block of a pool by id, each made on first access."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self._made: list[KVBlock] = []
+        self._num_blocks = num_blocks
+
+    def __len__(self) -> int:
+        return self._num_blocks
+
+    def __getitem__(self, block_id: int) -> KVBlock:
+        if not 0 <= block_id < self._num_blocks:
+            raise IndexError(f"block id {block_id} outside [0, {self._num_blocks})")
+        made = self._made
+        if block_id >= len(made):
+            made.extend(KVBlock(i) for i in range(len(made), block_id + 1))
+        return made[block_id]
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        return (self[i] for i in range(self._num_blocks))
+
+    def made(self) -> list[KVBlock]:
+        """The blocks made so far (the others were never taken)."""
+        return self._made
+
+
 class BlockPool:
     """Allocates, shares, frees and evicts blocks."""
 
@@ -38,17 +70,18 @@ class BlockPool:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        # Insertion order is eviction order: the first entry is evicted first.
-        self._free: OrderedDict[int, KVBlock] = OrderedDict(
-            (block.block_id, block) for block in self.blocks)
+        self.blocks = Blocks(num_blocks)
+        self._fresh = 0
+        """Ids from here up were never taken: the head of the free queue, in id order."""
+        # Freed blocks, after the fresh ones; insertion order is eviction order.
+        self._free: OrderedDict[int, KVBlock] = OrderedDict()
         self._cached: dict[bytes, KVBlock] = {}
         self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks no request holds (cached-free ones included: they can be evicted)."""
-        return len(self._free)
+        return self.num_blocks - self._fresh + len(self._free)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -57,15 +90,21 @@ class BlockPool:
     @property
     def usage(self) -> float:
         """Fraction of blocks held by requests."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     def allocate(self, num_blocks: int) -> list[KVBlock]:
         """Take `num_blocks` fresh blocks (reference count 1), evicting cached ones if needed."""
-        if num_blocks > len(self._free):
+        if num_blocks > self.num_free_blocks:
             raise RuntimeError(
-                f"asked for {num_blocks} blocks with only {len(self._free)} free")
+                f"asked for {num_blocks} blocks with only {self.num_free_blocks} free")
         taken = []
         for _ in range(num_blocks):
+            if self._fresh < self.num_blocks:
+                block = self.blocks[self._fresh]
+                self._fresh += 1
+                block.ref_cnt = 1
+                taken.append(block)
+                continue
             _, block = self._free.popitem(last=False)
             if block.block_hash is not None:
                 del self._cached[block.block_hash]
@@ -83,7 +122,7 @@ class BlockPool:
         """Add a reference to each block (a prefix-cache hit); revive cached-free ones."""
         for block in blocks:
             if block.ref_cnt == 0:
-                del self._free[block.block_id]
+                del self._free[block.block_id]  # a fresh block holds no hash: never here
             block.ref_cnt += 1
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
@@ -132,8 +171,9 @@ class BlockPool:
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the pool's bookkeeping is inconsistent (tests, debugging)."""
-        for block in self.blocks:
-            in_free = block.block_id in self._free
+        for block in self.blocks.made():
+            in_free = block.block_id in self._free or block.block_id >= self._fresh
+            assert not (block.block_id in self._free and block.block_id >= self._fresh)
             assert (block.ref_cnt == 0) == in_free, f"{block!r} free-queue mismatch"
             assert block.ref_cnt >= 0, f"{block!r} negative ref count"
             if block.block_hash is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import pickle
 import signal
 import sys
@@ -92,4 +93,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Leave without the interpreter's teardown: finalizing torch's modules and freeing
+    # the KV cache took ~0.8 s of every engine shutdown, for a process that is gone next.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
