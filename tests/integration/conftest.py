@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -75,6 +77,24 @@ def tiny_checkpoint(request, tmp_path_factory):
     """(family, checkpoint dir) for each supported family."""
     path = tmp_path_factory.mktemp(f"tiny-{request.param}")
     return request.param, make_tiny_checkpoint(path, request.param)
+
+
+# ----- engines the tests start ---------------------------------------------------------
+
+SMALL_DEFAULTS = {"TREADLE_KV_CACHE_MEMORY": "256MiB", "TREADLE_SWAP_SPACE": "128MiB"}
+"""The cache sizes an engine gets when a test gives none (through the environment
+variables that set the options' defaults, config.ENV_PREFIX; a `treadle serve` child
+inherits them): the tiny models' tests use a sliver of the 2 GiB + 1 GiB defaults,
+whose zeroing cost ~0.8 s of every engine start, hundreds of times a suite."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def small_default_caches():
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in SMALL_DEFAULTS.items():
+            if key not in os.environ:
+                mp.setenv(key, value)
+        yield
 
 
 # ----- every engine test runs on each executor ------------------------------------------
