@@ -348,7 +348,8 @@ class Scheduler:
         for a step like this one: its decodes, plus the prefill tokens waiting for it."""
         if self.spec is None:
             return {}
-        decodes = [r for r in self._idle_running() if r.is_decoding]
+        idle = self._idle_running()
+        decodes = [r for r in idle if r.is_decoding]
         candidates = []
         for r in decodes:
             if r.spec_token_ids and self._speculates(r):
@@ -358,16 +359,19 @@ class Scheduler:
         if not candidates:
             return {}
         budget = self.config.max_num_batched_tokens
-        base = len(decodes) + self._pending_prefill_tokens(budget - len(decodes))
+        base = len(decodes) + self._pending_prefill_tokens(budget - len(decodes), idle)
         return self.spec.tokens_to_run(candidates, len(decodes), min(base, budget), budget)
 
-    def _pending_prefill_tokens(self, room: int) -> int:
-        """Tokens running, swapped and waiting requests would prefill, up to `room`."""
+    def _pending_prefill_tokens(self, room: int, running: list[Request]) -> int:
+        """Prompt tokens (and tokens to recompute) left to prefill once this step's
+        scheduled ones are in (none yet while planning its start), up to `room`: of the
+        `running` requests mid-prompt, of swapped and of waiting ones."""
         total = 0
-        for group in ((r for r in self._idle_running() if not r.is_decoding), self.swapped,
-                      self.waiting):
+        for group in (running, self.swapped, self.waiting):
             for r in group:
-                total += r.num_uncomputed_tokens
+                if group is running and r.is_decoding:
+                    continue
+                total += max(r.num_uncomputed_tokens - self._num_new.get(r.request_id, 0), 0)
                 if total >= room:
                     return max(room, 0)
         return total
@@ -392,7 +396,7 @@ class Scheduler:
         # Decode rows of the next step: the sampled requests and those this one left out.
         rows = len(sampled) + sum(1 for r in self.running if r.is_decoding
                                   and r.request_id not in self._num_new)
-        base = rows + self._prefill_after_step(budget - rows)
+        base = rows + self._pending_prefill_tokens(budget - rows, self.running)
         candidates = [ProposalCandidate(r.request_id, r.num_tokens + 1,
                                         r.sampling_params.max_tokens - r.num_output_tokens - 1)
                       for r in sampled]
@@ -410,21 +414,6 @@ class Scheduler:
                 plan[rid] = k
                 self.spec.proposing(rid, request.num_tokens + 1)
         return plan
-
-    def _prefill_after_step(self, room: int) -> int:
-        """Prompt tokens (and tokens to recompute) left to prefill once this step's are
-        in, up to `room`: of running requests mid-prompt, swapped and waiting ones."""
-        total = 0
-        for r in self.running:
-            left = r.num_uncomputed_tokens - self._num_new.get(r.request_id, 0)
-            if left > 0 and not r.is_decoding:
-                total += left
-        for group in (self.swapped, self.waiting):
-            for r in group:
-                if total >= room:
-                    break
-                total += r.num_uncomputed_tokens
-        return max(min(total, room), 0)
 
     def _schedule_fcfs(self) -> None:
         # 1. Running requests, decodes first. Each may preempt others to get a block.

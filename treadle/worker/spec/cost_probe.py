@@ -8,8 +8,8 @@ requests with a context of `context` tokens in a scratch KV cache; and, with a
 model-based proposer, its pass over R rows (proposing one token, after a first call that
 caught the draft up), and for a draft with its own KV the catch-up itself: a proposal
 for requests whose draft KV was dropped, less the pass over caught-up rows, per token.
-Each shape runs once to warm up, then at least `repeats` times
-and until it has run for MIN_SECONDS (at most MAX_REPEATS times); the fastest run counts
+Each shape runs once to warm up, then at least `repeats` times and until it has run for
+MIN_SECONDS (at most MAX_REPEATS times); the fastest run counts
 (on a shared machine a run is slowed by whatever else runs then, never sped up), and
 along each row count the times are made non-decreasing in tokens (a longer step never
 costs less: pool-adjacent-violators). The figures are what this machine does now;
@@ -99,10 +99,7 @@ def measure_spec_costs(runner, proposer, vocab_size: int, max_rows: int, max_pro
     draft_rows, draft_seconds = [], []
     if proposer is not None and proposer.runs_model:
         for rows in grid:
-            batch = ProposalBatch(
-                [ProposalRequest(ids[i], prompts[i], context, 1, params,
-                                 runner.batch.requests[ids[i]].row) for i in range(rows)],
-                runner.batch.block_table)
+            batch = one_token_proposals(runner, ids[:rows], prompts, params)
             draft_rows.append(rows)
             draft_seconds.append(timed(lambda: proposer.propose(batch)))
         draft_seconds = monotone(draft_seconds)
@@ -118,13 +115,19 @@ def measure_spec_costs(runner, proposer, vocab_size: int, max_rows: int, max_pro
     return costs
 
 
+def one_token_proposals(runner, ids: list[str], prompts: list[list[int]],
+                        params: SamplingParams) -> ProposalBatch:
+    """A proposal of one token for each scratch request (its prompt is all its tokens)."""
+    return ProposalBatch([ProposalRequest(rid, prompt, len(prompt), 1, params,
+                                          runner.batch.requests[rid].row)
+                          for rid, prompt in zip(ids, prompts)], runner.batch.block_table)
+
+
 def measure_catchup(proposer, runner, ids: list[str], prompts: list[list[int]],
                     params: SamplingParams, timed) -> float:
     """Seconds of one proposal for the requests `ids` with their draft KV dropped first
     (the draft feeds each one's whole context again, then drafts a token)."""
-    batch = ProposalBatch(
-        [ProposalRequest(rid, prompt, len(prompt), 1, params, runner.batch.requests[rid].row)
-         for rid, prompt in zip(ids, prompts)], runner.batch.block_table)
+    batch = one_token_proposals(runner, ids, prompts, params)
 
     def from_scratch() -> None:
         proposer.begin_step(SchedulerOutput(scheduled=[], finished_request_ids=list(ids)))
