@@ -5,10 +5,12 @@ text of 300-800 tokens with typos put in, or summarize it; texts are documentati
 Python's standard library, so the run needs no download) and a chat workload (short
 questions), each served with speculation off, `ngram`, `draft` and `self`, at several
 numbers of concurrent requests (a closed loop: a new request starts when one ends),
-side by side in one process: every system's engine is loaded once, then the runs
-alternate between systems (the order rotates each repeat) and the median of the repeats
-counts. Reported per run: output tokens/s, its ratio to speculation off, the acceptance
-rate and mean accepted length, proposer time, and the machine's load average. The draft
+side by side in one process: every system's engine is loaded once, then in each repeat
+every system's closed loop runs at once, the engines taking one step each in turn (the
+order rotates each repeat), each timed over its own steps (`--interleave runs`: one
+system's whole run after another, as rounds 1-8 measured). Reported per run: output
+tokens/s, its ratio to speculation off (of the medians, and paired by repeat), the
+acceptance rate and mean accepted length, proposer time, and the load average. The draft
 model of `draft` is the target's first `draft_layers` layers with its embedding, final
 norm and LM head, written once as a checkpoint of its own (there is no smaller model of
 the same family here); `self` runs the same layers out of the target itself. Greedy
@@ -183,44 +185,89 @@ def _load_average() -> float:
         return float("nan")
 
 
-def run_closed_loop(llm, prompts: list[list[int]], max_tokens: int, concurrency: int) -> dict:
-    """Every prompt through the engine with at most `concurrency` in flight: a new one
-    starts as soon as one ends. Output tokens/s over the whole run."""
-    from treadle.sampling_params import SamplingParams
+class ClosedLoop:
+    """One system's closed loop over every prompt, at most `concurrency` in flight: a new
+    request starts as soon as one ends. `step()` tops the batch up and runs one engine
+    step, timed (wall and CPU); output tokens/s counts only this loop's timed steps, so
+    loops of several systems can take turns step by step (`run_lockstep`)."""
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    driver = llm.driver
-    before = llm.get_stats()
-    load_before = _load_average()
-    pending = list(enumerate(prompts))
-    in_flight: set[str] = set()
-    output_tokens = 0
-    start, cpu_start = time.perf_counter(), time.process_time()
-    tag = f"b{time.monotonic_ns()}"
-    while pending or in_flight:
-        while pending and len(in_flight) < concurrency:
-            i, prompt = pending.pop(0)
-            rid = f"{tag}-{i}"
-            assert driver.add(rid, None, prompt, params, time.monotonic()) is None
-            in_flight.add(rid)
-        for out in driver.step():
-            if out.finished and out.request_id in in_flight:
-                in_flight.discard(out.request_id)
-                output_tokens += len(out.outputs[0].token_ids)
-    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    after = llm.get_stats()
-    delta = {k: after[k] - before.get(k, 0) for k in after
-             if k.startswith(("spec_num", "time_", "num_steps", "num_preemptions"))}
-    drafts, proposed = delta.get("spec_num_drafts", 0), delta.get("spec_num_draft_tokens", 0)
-    accepted = delta.get("spec_num_accepted_tokens", 0)
-    return {"output_tokens": output_tokens, "wall_s": wall, "cpu_s": cpu,
-            "output_tokens_per_s": output_tokens / wall,
-            "acceptance_rate": accepted / proposed if proposed else 0.0,
-            "mean_accepted_length": 1.0 + accepted / drafts if drafts else 0.0,
-            "drafts": drafts, "draft_tokens": proposed, "accepted_tokens": accepted,
-            "steps": delta.get("num_steps", 0), "propose_s": delta.get("time_propose_s", 0.0),
-            "preemptions": delta.get("num_preemptions", 0),
-            "load_average": [load_before, _load_average()]}
+    def __init__(self, llm, prompts: list[list[int]], max_tokens: int,
+                 concurrency: int) -> None:
+        from treadle.sampling_params import SamplingParams
+
+        self.llm, self.concurrency = llm, concurrency
+        self.params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        self.pending = list(enumerate(prompts))
+        self.in_flight: set[str] = set()
+        self.output_tokens = 0
+        self.busy_s = self.cpu_s = 0.0
+        self.tag = f"b{time.monotonic_ns()}"
+        self.stats_before = llm.get_stats()
+        self.load_before = _load_average()
+        self.start = time.perf_counter()
+
+    @property
+    def done(self) -> bool:
+        return not (self.pending or self.in_flight)
+
+    def step(self) -> None:
+        driver = self.llm.driver
+        t0, c0 = time.perf_counter(), time.process_time()
+        while self.pending and len(self.in_flight) < self.concurrency:
+            i, prompt = self.pending.pop(0)
+            rid = f"{self.tag}-{i}"
+            assert driver.add(rid, None, prompt, self.params, time.monotonic()) is None
+            self.in_flight.add(rid)
+        outputs = driver.step()
+        self.busy_s += time.perf_counter() - t0
+        self.cpu_s += time.process_time() - c0
+        for out in outputs:
+            if out.finished and out.request_id in self.in_flight:
+                self.in_flight.discard(out.request_id)
+                self.output_tokens += len(out.outputs[0].token_ids)
+
+    def result(self) -> dict:
+        after = self.llm.get_stats()
+        delta = {k: after[k] - self.stats_before.get(k, 0) for k in after
+                 if k.startswith(("spec_num", "time_", "num_steps", "num_preemptions"))}
+        drafts = delta.get("spec_num_drafts", 0)
+        proposed = delta.get("spec_num_draft_tokens", 0)
+        accepted = delta.get("spec_num_accepted_tokens", 0)
+        return {"output_tokens": self.output_tokens, "busy_s": self.busy_s,
+                "wall_s": time.perf_counter() - self.start, "cpu_s": self.cpu_s,
+                "output_tokens_per_s": self.output_tokens / self.busy_s,
+                "acceptance_rate": accepted / proposed if proposed else 0.0,
+                "mean_accepted_length": 1.0 + accepted / drafts if drafts else 0.0,
+                "drafts": drafts, "draft_tokens": proposed, "accepted_tokens": accepted,
+                "steps": delta.get("num_steps", 0),
+                "forward_s": delta.get("time_forward_s", 0.0),
+                "propose_s": delta.get("time_propose_s", 0.0),
+                "preemptions": delta.get("num_preemptions", 0),
+                "load_average": [self.load_before, _load_average()]}
+
+
+def run_closed_loop(llm, prompts: list[list[int]], max_tokens: int, concurrency: int) -> dict:
+    """One system's closed loop on its own (see `ClosedLoop`)."""
+    loop = ClosedLoop(llm, prompts, max_tokens, concurrency)
+    while not loop.done:
+        loop.step()
+    return loop.result()
+
+
+def run_lockstep(llms: dict[str, Any], prompts: list[list[int]], max_tokens: int,
+                 concurrency: int) -> dict[str, dict]:
+    """The same closed loop for every system at once, the systems taking one engine step
+    each in turn (in the order of `llms`) until all are done. Each system's time is its
+    own steps only, and every system's steps sample the same minutes of the machine, so
+    the machine's drift, which moves back-to-back runs of one system by 10-25%, moves
+    the systems together instead of into their ratios."""
+    loops = {name: ClosedLoop(llm, prompts, max_tokens, concurrency)
+             for name, llm in llms.items()}
+    while not all(loop.done for loop in loops.values()):
+        for loop in loops.values():
+            if not loop.done:
+                loop.step()
+    return {name: loop.result() for name, loop in loops.items()}
 
 
 def run(args) -> dict:
@@ -266,8 +313,14 @@ def run(args) -> dict:
                 run_closed_loop(llm, subset[:min(c, 2)], 8, c)
             for repeat in range(args.repeats):
                 order = systems[repeat % len(systems):] + systems[:repeat % len(systems)]
+                if args.interleave == "steps":
+                    results = run_lockstep({s: llms[s] for s in order}, subset,
+                                           args.max_tokens, c)
+                else:
+                    results = {s: run_closed_loop(llms[s], subset, args.max_tokens, c)
+                               for s in order}
                 for system in order:
-                    result = run_closed_loop(llms[system], subset, args.max_tokens, c)
+                    result = results[system]
                     result.update(workload=name, concurrency=c, system=system,
                                   repeat=repeat, num_requests=len(subset))
                     runs.append(result)
@@ -281,8 +334,9 @@ def run(args) -> dict:
 
 
 def summarize(runs: list[dict]) -> list[dict]:
-    """Per workload, concurrency and system: medians over the repeats, and the ratio of
-    the median output tokens/s to speculation off's."""
+    """Per workload, concurrency and system: medians over the repeats, the ratio of the
+    median output tokens/s to speculation off's, and the median (and range) of the
+    ratios paired by repeat (the runs that shared the same minutes of the machine)."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
         groups.setdefault((r["workload"], r["concurrency"], r["system"]), []).append(r)
@@ -291,9 +345,15 @@ def summarize(runs: list[dict]) -> list[dict]:
         tps = statistics.median(r["output_tokens_per_s"] for r in rs)
         off = groups.get((workload, c, "off"))
         base = statistics.median(r["output_tokens_per_s"] for r in off) if off else None
+        off_by_repeat = {r["repeat"]: r["output_tokens_per_s"] for r in off or ()}
+        paired = [r["output_tokens_per_s"] / off_by_repeat[r["repeat"]] for r in rs
+                  if r["repeat"] in off_by_repeat]
         rows.append({"workload": workload, "concurrency": c, "system": system,
                      "repeats": len(rs), "output_tok_s": round(tps, 2),
                      "vs_off": round(tps / base, 3) if base else None,
+                     "vs_off_paired": round(statistics.median(paired), 3) if paired else None,
+                     "paired_range": ([round(min(paired), 3), round(max(paired), 3)]
+                                      if paired else None),
                      "acceptance": round(statistics.median(r["acceptance_rate"] for r in rs), 3),
                      "mean_acc_len": round(statistics.median(r["mean_accepted_length"]
                                                              for r in rs), 2),
@@ -314,6 +374,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests per run at each concurrency, in the same order")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--interleave", choices=("steps", "runs"), default="steps",
+                        help="steps: every system's closed loop runs at once, one engine "
+                             "step each in turn (the machine's drift then moves all "
+                             "systems together); runs: one system's run after another")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
                         help="the adaptive per-request k (--no-adaptive: always the most)")
@@ -339,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(result: dict[str, Any], output: str | None) -> int:
     print(format_table(result["summary"], ["workload", "concurrency", "system", "repeats",
-                                           "output_tok_s", "vs_off", "acceptance",
+                                           "output_tok_s", "vs_off", "vs_off_paired",
+                                           "paired_range", "acceptance",
                                            "mean_acc_len", "out_tokens", "propose_s", "load"]))
     if output:
         print(f"wrote {write_json(output, result)}")
