@@ -422,7 +422,8 @@ class SpeculativeConfig:
         "Choose each request's number of proposed tokens per step from its measured "
         "acceptance and the measured step-cost model; false: always the most that fit"))
     acceptance_prior: float = field(default=0.5, metadata=_help(
-        "Acceptance rate assumed for a request before any of its proposals is verified"))
+        "Acceptance rate assumed before any proposal is verified; after that, a new "
+        "request starts from the engine's recent acceptance over all requests"))
 
     def __post_init__(self) -> None:
         if self.method is None:

@@ -154,6 +154,46 @@ def test_controller_counts_drafts_as_vllm_does():
     assert c.tokens_to_propose([ProposalCandidate("a", 9, 30)], 1, 1, 512) == {"a": 4}
 
 
+def test_a_new_request_starts_from_what_earlier_requests_showed():
+    """The prior of a request's estimate is the engine's recent acceptance: a draft whose
+    proposals every earlier request rejected is not tried on a new one, while a fresh
+    engine (the configured prior, 0.8 here) would try it."""
+    candidate = [ProposalCandidate("new", 40, 100)]
+    fresh = draft_controller(0.0)
+    assert fresh.rate("new") == pytest.approx(0.8)
+    assert fresh.tokens_to_propose(candidate, 1, 1, 512)["new"] > 0
+    c = draft_controller(0.0)
+    for i in range(8):  # eight requests, each rejecting its one-token draft
+        c.begin_step()
+        c.observe(f"r{i}", 1, 0)
+    assert c.rate("new") < 0.1
+    assert c.tokens_to_propose(candidate, 1, 1, 512) == {"new": 0}
+    # A request's own verifications still outweigh the engine's: it is judged by them.
+    for _ in range(3):
+        c.observe("good", 4, 4)
+    assert c.rate("good") > 0.7
+
+
+def test_the_engine_wide_estimate_drifts_back_to_the_prior_while_nobody_speculates():
+    c = draft_controller(0.0)
+    for i in range(8):
+        c.begin_step()
+        c.observe(f"r{i}", 1, 0)
+    low = c.pooled_rate()
+    c.begin_step()  # the step before observed: no drift
+    assert c.pooled_rate() == pytest.approx(low)
+    rejections = c.pooled.rejected
+    for _ in range(350):  # steps without a verification: its counts halve
+        c.begin_step()
+    assert c.pooled.rejected == pytest.approx(rejections / 2, rel=0.02)
+    middle = c.pooled_rate()
+    assert low < middle < 0.8
+    for _ in range(3000):
+        c.begin_step()
+    assert middle < c.pooled_rate() == pytest.approx(0.8, abs=0.02)
+    assert c.tokens_to_propose([ProposalCandidate("new", 40, 100)], 1, 1, 512)["new"] > 0
+
+
 def make_scheduler(costs, adaptive=True, method="ngram", max_tokens=64):
     spec = SpeculativeConfig(method=method, num_speculative_tokens=4, adaptive=adaptive,
                              **({"model": "/nonexistent"} if method == "draft" else {}))

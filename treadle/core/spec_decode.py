@@ -10,7 +10,10 @@ Owns the pure decisions and the bookkeeping behind them, never tensors or the mo
   tokens before its first proposal (its whole prompt, fed once).
 - `AcceptanceEstimate`: a request's acceptance rate, estimated from its verified
   proposals with exponential forgetting and a prior it drifts back to while unobserved
-  (so a request switched off is tried again now and then).
+  (so a request switched off is tried again now and then). The prior is the engine's
+  own recent acceptance over all requests (an estimate of the same kind, slower to
+  forget, drifting back to the configured `acceptance_prior` while nobody speculates):
+  a proposer that fails on this traffic stops being tried on every new request.
 - `plan_proposals`: the number of proposed tokens per request that maximizes expected
   tokens per second of the whole step, given each request's acceptance rate and the cost
   model (docs/speculative.md derives it).
@@ -39,6 +42,13 @@ IDLE_FORGET = 0.97
 off drifts back to the prior (half-way in about 23 steps) and is tried again."""
 PRIOR_WEIGHT = 1.0
 """Pseudo-observations of the prior."""
+POOL_FORGET = 0.99
+"""The engine-wide estimate's weight kept per observation (about the last 100
+verifications of any request count)."""
+POOL_IDLE_FORGET = 0.998
+"""The engine-wide estimate's weight kept per step in which no request was observed: it
+drifts back to `acceptance_prior` (its counts halve in about 350 steps), so a proposer
+switched off everywhere is tried again."""
 
 
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -110,15 +120,15 @@ class AcceptanceEstimate:
     accepted: float = 0.0
     rejected: float = 0.0
 
-    def observe(self, num_proposed: int, num_accepted: int) -> None:
+    def observe(self, num_proposed: int, num_accepted: int, forget: float = FORGET) -> None:
         if num_proposed <= 0:
             return
-        self.accepted = self.accepted * FORGET + num_accepted
-        self.rejected = self.rejected * FORGET + (num_accepted < num_proposed)
+        self.accepted = self.accepted * forget + num_accepted
+        self.rejected = self.rejected * forget + (num_accepted < num_proposed)
 
-    def idle(self) -> None:
-        self.accepted *= IDLE_FORGET
-        self.rejected *= IDLE_FORGET
+    def idle(self, forget: float = IDLE_FORGET) -> None:
+        self.accepted *= forget
+        self.rejected *= forget
 
     def rate(self, prior: float) -> float:
         """The geometric model's acceptance rate: accepted / (accepted + rejections),
@@ -276,15 +286,23 @@ class SpecDecodeController:
         self.writes_kv_ahead = writes_kv_ahead
         self.deterministic = deterministic
         self.estimates: dict[str, AcceptanceEstimate] = {}
+        self.pooled = AcceptanceEstimate()
+        """Every request's observations: the prior of each request's estimate."""
+        self._observed_in_step = False
         self._draft_seen: dict[str, int] = {}
         """Tokens of each request the draft has caught up on (its last proposal)."""
         self.stats = SpecDecodeStats()
         self.last_step = SpecDecodeStats()
         """The counters of the last verified step alone (for the trace)."""
 
+    def pooled_rate(self) -> float:
+        """The engine's recent acceptance over all requests, `prior` before any."""
+        return self.pooled.rate(self.prior)
+
     def rate(self, request_id: str) -> float:
+        prior = self.pooled_rate()
         estimate = self.estimates.get(request_id)
-        return self.prior if estimate is None else estimate.rate(self.prior)
+        return prior if estimate is None else estimate.rate(prior)
 
     def tokens_to_run(self, candidates: list[SpecCandidate], num_rows: int,
                       base_tokens: int, max_step_tokens: int) -> dict[str, int]:
@@ -332,6 +350,9 @@ class SpecDecodeController:
         self._draft_seen.pop(request_id, None)
 
     def begin_step(self) -> None:
+        if not self._observed_in_step:
+            self.pooled.idle(POOL_IDLE_FORGET)
+        self._observed_in_step = False
         self.last_step = SpecDecodeStats()
 
     def observe(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
@@ -340,6 +361,7 @@ class SpecDecodeController:
             return
         self.estimates.setdefault(request_id, AcceptanceEstimate()).observe(
             num_proposed, num_accepted)
+        self._observe_pooled(num_proposed, num_accepted)
         for stats in (self.stats, self.last_step):
             stats.num_drafts += 1
             stats.num_draft_tokens += num_proposed
@@ -356,6 +378,11 @@ class SpecDecodeController:
         counts for the estimate, not in the counters."""
         self.estimates.setdefault(request_id, AcceptanceEstimate()).observe(
             1, int(proposed_token == model_token))
+        self._observe_pooled(1, int(proposed_token == model_token))
+
+    def _observe_pooled(self, num_proposed: int, num_accepted: int) -> None:
+        self.pooled.observe(num_proposed, num_accepted, POOL_FORGET)
+        self._observed_in_step = True
 
     def idle(self, request_id: str) -> None:
         estimate = self.estimates.get(request_id)
