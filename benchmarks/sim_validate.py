@@ -3,6 +3,7 @@
     python benchmarks/sim_validate.py real --out DIR      # the two real runs, back to back
     python benchmarks/sim_validate.py real-concurrent --out DIR   # the two at once
     python benchmarks/sim_validate.py compare --out DIR   # fit each, simulate the other
+    python benchmarks/sim_validate.py compare --out DIR --fit-dir DIR2   # fit on DIR2's runs
 
 `real` runs, with the same model options (`--model demo`: the SmolLM2-135M shape with
 random weights, as benchmarks/compare_azure.yaml; bf16,
@@ -116,16 +117,20 @@ def simulate_run(fit_trace: Path, target: str, out: Path) -> dict:
     return simulate(config, options)
 
 
-def compare(out: Path) -> dict:
+def compare(out: Path, fit_dir: Path | None = None) -> dict:
+    """Fit on each run's trace in `fit_dir` (default: `out` itself) and simulate each run
+    in `out`. With another pair's folder as `fit_dir`, every model comes from a different
+    run, the same workload's included."""
     from treadle.bench.report import format_table, write_json
     from treadle.sim.results import compare as compare_results
 
+    fit_dir = fit_dir or out
     report = {"real": json.loads((out / "real.json").read_text())
-              if (out / "real.json").exists() else {}}
+              if (out / "real.json").exists() else {}, "fit_dir": str(fit_dir)}
     rows = []
     for fit_on in ("azure", "mixed"):
         for target in ("azure", "mixed"):
-            sim = simulate_run(out / f"{fit_on}.trace.jsonl", target, out)
+            sim = simulate_run(fit_dir / f"{fit_on}.trace.jsonl", target, out)
             measured = json.loads((out / f"{target}.json").read_text())
             fit = sim["simulation"]["step_model"]["fit"]
             for row in compare_results(sim, measured):
@@ -140,7 +145,8 @@ def compare(out: Path) -> dict:
     report["rows"] = rows
     print(format_table([r for r in rows if not r["figure"].startswith("e2e")],
                        ["fit on", "run", "figure", "measured", "simulated", "error"]))
-    write_json(out / "validation.json", report)
+    name = "validation.json" if fit_dir == out else f"validation-fit-{fit_dir.name}.json"
+    write_json(out / name, report)
     return report
 
 
@@ -150,6 +156,9 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--mixed-delay", type=float, default=20.0,
                         help="real-concurrent: seconds after the azure run's start")
+    parser.add_argument("--fit-dir", default=None,
+                        help="compare: fit on the traces of this folder's runs (another "
+                             "`real` pair) instead of --out's own")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -170,7 +179,7 @@ def main() -> int:
         (out / "real.json").write_text(json.dumps(real, indent=2))
         print(json.dumps(real, indent=2))
     else:
-        compare(out)
+        compare(out, Path(args.fit_dir) if args.fit_dir else None)
     return 0
 
 
