@@ -359,9 +359,7 @@ class SpecDecodeController:
         """A verification: `num_proposed` tokens ran, the first `num_accepted` were kept."""
         if num_proposed <= 0:
             return
-        self.estimates.setdefault(request_id, AcceptanceEstimate()).observe(
-            num_proposed, num_accepted)
-        self._observe_pooled(num_proposed, num_accepted)
+        self._learn(request_id, num_proposed, num_accepted)
         for stats in (self.stats, self.last_step):
             stats.num_drafts += 1
             stats.num_draft_tokens += num_proposed
@@ -376,11 +374,12 @@ class SpecDecodeController:
         """A deterministic proposal that was not run, scored against the token the model
         chose (exactly what verification would have accepted, see worker/spec/rejection.py);
         counts for the estimate, not in the counters."""
-        self.estimates.setdefault(request_id, AcceptanceEstimate()).observe(
-            1, int(proposed_token == model_token))
-        self._observe_pooled(1, int(proposed_token == model_token))
+        self._learn(request_id, 1, int(proposed_token == model_token))
 
-    def _observe_pooled(self, num_proposed: int, num_accepted: int) -> None:
+    def _learn(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
+        """One observation, for the request's estimate and the engine's."""
+        self.estimates.setdefault(request_id, AcceptanceEstimate()).observe(
+            num_proposed, num_accepted)
         self.pooled.observe(num_proposed, num_accepted, POOL_FORGET)
         self._observed_in_step = True
 
