@@ -4,6 +4,8 @@
     python benchmarks/sim_validate.py real-concurrent --out DIR   # the two at once
     python benchmarks/sim_validate.py compare --out DIR   # fit each, simulate the other
     python benchmarks/sim_validate.py compare --out DIR --fit-dir DIR2   # fit on DIR2's runs
+    python benchmarks/sim_validate.py calibrate --out DIR  # a sweep of step shapes
+    python benchmarks/sim_validate.py compare --out DIR --fit-trace DIR/calibration.trace.jsonl
 
 `real` runs, with the same model options (`--model demo`: the SmolLM2-135M shape with
 random weights, as benchmarks/compare_azure.yaml; bf16,
@@ -117,20 +119,36 @@ def simulate_run(fit_trace: Path, target: str, out: Path) -> dict:
     return simulate(config, options)
 
 
-def compare(out: Path, fit_dir: Path | None = None) -> dict:
-    """Fit on each run's trace in `fit_dir` (default: `out` itself) and simulate each run
-    in `out`. With another pair's folder as `fit_dir`, every model comes from a different
-    run, the same workload's included."""
+def calibration(out: Path) -> dict:
+    """`treadle simulate calibrate` with the real runs' model options: its trace is a fit
+    source that has seen every step shape (compare --fit-trace)."""
+    from treadle.sim.calibrate import calibrate
+
+    before = _load()
+    result = calibrate(out / "calibration.trace.jsonl", **MODEL_OPTIONS)
+    return result | {"load_before": before, "load_after": _load()}
+
+
+def compare(out: Path, fit_dir: Path | None = None, fit_trace: Path | None = None) -> dict:
+    """Fit on each run's trace in `fit_dir` (default: `out` itself), or on the one trace
+    `fit_trace` (a calibration run's), and simulate each run in `out`. With another pair's
+    folder as `fit_dir`, every model comes from a different run, the same workload's
+    included."""
     from treadle.bench.report import format_table, write_json
     from treadle.sim.results import compare as compare_results
 
     fit_dir = fit_dir or out
+    if fit_trace is not None:
+        sources = {fit_trace.name.split(".")[0]: fit_trace}
+    else:
+        sources = {name: fit_dir / f"{name}.trace.jsonl" for name in ("azure", "mixed")}
     report = {"real": json.loads((out / "real.json").read_text())
-              if (out / "real.json").exists() else {}, "fit_dir": str(fit_dir)}
+              if (out / "real.json").exists() else {}, "fit_dir": str(fit_dir),
+              "fit_sources": {k: str(v) for k, v in sources.items()}}
     rows = []
-    for fit_on in ("azure", "mixed"):
+    for fit_on, source in sources.items():
         for target in ("azure", "mixed"):
-            sim = simulate_run(fit_dir / f"{fit_on}.trace.jsonl", target, out)
+            sim = simulate_run(source, target, out)
             measured = json.loads((out / f"{target}.json").read_text())
             fit = sim["simulation"]["step_model"]["fit"]
             for row in compare_results(sim, measured):
@@ -138,27 +156,31 @@ def compare(out: Path, fit_dir: Path | None = None) -> dict:
             report[f"fit_{fit_on}_sim_{target}"] = {
                 "fit": {k: fit[k] for k in ("num_steps", "mean_abs_pct_error",
                                             "weighted_abs_pct_error", "r2", "step_time_ratio",
-                                            "busy_time_ratio") if k in fit},
+                                            "busy_time_ratio", "narrow_max_rows") if k in fit},
                 "simulated": {k: sim[k] for k in ("ttft_ms", "tpot_ms", "e2e_ms",
                                                   "output_tokens_per_s", "total_tokens_per_s",
                                                   "duration_s")}}
     report["rows"] = rows
     print(format_table([r for r in rows if not r["figure"].startswith("e2e")],
                        ["fit on", "run", "figure", "measured", "simulated", "error"]))
-    name = "validation.json" if fit_dir == out else f"validation-fit-{fit_dir.name}.json"
+    name = ("validation.json" if fit_dir == out and fit_trace is None else
+            f"validation-fit-{fit_trace.stem if fit_trace else fit_dir.name}.json")
     write_json(out / name, report)
     return report
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["real", "real-concurrent", "compare"])
+    parser.add_argument("what", choices=["real", "real-concurrent", "calibrate", "compare"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--mixed-delay", type=float, default=20.0,
                         help="real-concurrent: seconds after the azure run's start")
     parser.add_argument("--fit-dir", default=None,
                         help="compare: fit on the traces of this folder's runs (another "
                              "`real` pair) instead of --out's own")
+    parser.add_argument("--fit-trace", default=None,
+                        help="compare: fit every simulation on this one trace (e.g. "
+                             "`calibrate`'s DIR/calibration.trace.jsonl)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -175,11 +197,16 @@ def main() -> int:
         real["mixed"] = real_mixed(out)
         azure.join()
         real["concurrent"] = {"mixed_delay_s": args.mixed_delay}
-    if args.what != "compare":
+    elif args.what == "calibrate":
+        result = calibration(out)
+        (out / "calibration.json").write_text(json.dumps(result, indent=2))
+        print(json.dumps(result, indent=2))
+    if args.what in ("real", "real-concurrent"):
         (out / "real.json").write_text(json.dumps(real, indent=2))
         print(json.dumps(real, indent=2))
-    else:
-        compare(out, Path(args.fit_dir) if args.fit_dir else None)
+    elif args.what == "compare":
+        compare(out, Path(args.fit_dir) if args.fit_dir else None,
+                Path(args.fit_trace) if args.fit_trace else None)
     return 0
 
 

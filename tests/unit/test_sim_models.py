@@ -21,9 +21,14 @@ TRUE = {"intercept": 0.004, "prefill_tokens": 3e-5, "prefill_rows": 2e-4,
 GAP = (0.0015, 2e-5)
 
 
-def synthetic_trace(path, num_steps=600, noise=0.01, seed=0):
+NARROW = {"max_rows": 16, "intercept": 0.002, "decode_tokens": 8e-4}
+"""Steps of at most 16 linear rows in a trace with a kink: other kernels, steeper per row."""
+
+
+def synthetic_trace(path, num_steps=600, noise=0.01, seed=0, kink=False):
     """A version-2 trace whose step durations are TRUE's linear function of its features
-    (times `1 + noise * N(0, 1)`), with busy gaps of GAP[0] + GAP[1] per row."""
+    (times `1 + noise * N(0, 1)`), with busy gaps of GAP[0] + GAP[1] per row; with `kink`,
+    steps of at most NARROW's rows cost NARROW's function instead."""
     rng = random.Random(seed)
     lines = [{"type": "header", "version": 2, "policy": "fcfs",
               "engine": {"block_size": 16, "num_kv_blocks": 100, "kv_bytes_per_token": 64,
@@ -47,6 +52,9 @@ def synthetic_trace(path, num_steps=600, noise=0.01, seed=0):
              + TRUE["decode_context_tokens"] * context
              + TRUE["prefill_attention_pairs"] * f["prefill_attention_pairs"]
              + TRUE["swap"] * f["swap_out_bytes"])
+        if kink and prefill + rows <= NARROW["max_rows"]:
+            y = (NARROW["intercept"] + NARROW["decode_tokens"] * rows
+                 + TRUE["decode_context_tokens"] * context)
         y *= 1 + noise * rng.gauss(0, 1)
         lines.append({"type": "step", "step": step, "t_start": t, "t_end": t + y,
                       "scheduled": [], "preempted": [], "finished": [], "features": f})
@@ -79,6 +87,32 @@ def test_fit_recovers_known_coefficients(tmp_path):
     assert saved.step_seconds(f) == pytest.approx(model.step_seconds(f))
     assert make_step_model(f"linear:{tmp_path / 'm.json'}").step_seconds(f) == \
         pytest.approx(model.step_seconds(f))
+
+
+def test_fit_splits_where_few_row_steps_cost_otherwise(tmp_path):
+    linear = fit_trace(read_trace(synthetic_trace(tmp_path / "l.jsonl")))
+    assert linear.narrow_max_rows == 0  # one set of coefficients fits a linear machine
+    trace = read_trace(synthetic_trace(tmp_path / "k.jsonl", kink=True))
+    single = fit_trace(trace)
+    assert single.narrow_max_rows == NARROW["max_rows"]
+    assert single.narrow_intercept == pytest.approx(NARROW["intercept"], rel=0.1)
+    assert single.narrow_coefficients["decode_tokens"] == pytest.approx(
+        NARROW["decode_tokens"], rel=0.05)
+    assert single.coefficients["decode_tokens"] == pytest.approx(TRUE["decode_tokens"],
+                                                                 rel=0.1)
+    assert single.fit_report["mean_abs_pct_error"] < 0.03
+    assert single.fit_report["split_abs_error_s"]["16"] < \
+        0.5 * single.fit_report["split_abs_error_s"]["none"]
+    held_out = read_trace(synthetic_trace(tmp_path / "h.jsonl", seed=1, kink=True))
+    assert evaluate(single, held_out)["mean_abs_pct_error"] < 0.03
+    saved = LinearStepModel.load(single.save(tmp_path / "m.json"))
+    for f in (_features(decode=4, context=800), _features(decode=30, context=9000),
+              _features(prefill=200, prefill_rows=1, decode=3)):
+        assert saved.step_seconds(f) == pytest.approx(single.step_seconds(f))
+    assert saved.step_seconds(_features(decode=16)) == pytest.approx(
+        NARROW["intercept"] + 16 * NARROW["decode_tokens"], rel=0.05)
+    assert saved.step_seconds(_features(decode=17)) == pytest.approx(
+        TRUE["intercept"] + 17 * TRUE["decode_tokens"], rel=0.05)
 
 
 def test_nonnegative_fit_drops_what_noise_makes_negative():

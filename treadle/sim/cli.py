@@ -4,6 +4,7 @@
     treadle simulate size [options]       the smallest fleet meeting an SLO
     treadle simulate fit TRACE.jsonl      fit a step-time model on a real run's trace
     treadle simulate measure-hardware     measure this machine's roofline preset (YAML)
+    treadle simulate calibrate --trace F  the real engine over a sweep of step shapes
     treadle simulate compare SIM.json MEASURED.json   figure by figure, with errors
 
 Flags are generated from SimConfig, SizingConfig and the engine's SchedulerConfig and
@@ -20,7 +21,8 @@ import platform
 from pathlib import Path
 
 from treadle.config import (CacheConfig, SchedulerConfig, SimConfig, SizingConfig,
-                            add_dataclass_arguments, dataclass_from_args)
+                            add_config_arguments, add_dataclass_arguments, dataclass_from_args)
+from treadle.sim.calibrate import DEFAULT_ROWS
 
 _ENGINE_TYPES = (SchedulerConfig, CacheConfig)
 
@@ -113,6 +115,10 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     print(f"fit on {fit['num_steps']} steps of {args.trace}: intercept "
           f"{model.intercept * 1e3:.3f} ms; " + ", ".join(
               f"{k} {v * 1e6:.4g} us" for k, v in model.coefficients.items() if v))
+    if model.narrow_max_rows:
+        print(f"  steps of <= {model.narrow_max_rows} linear rows: intercept "
+              f"{model.narrow_intercept * 1e3:.3f} ms; " + ", ".join(
+                  f"{k} {v * 1e6:.4g} us" for k, v in model.narrow_coefficients.items() if v))
     for name, errors in [("fit", fit)] + list(report.get("check", {}).items()):
         print(f"  {name}: mean |error| {errors['mean_abs_pct_error']:.1%}, weighted "
               f"{errors['weighted_abs_pct_error']:.1%}, R^2 {errors['r2']:.3f}, predicted/"
@@ -145,6 +151,24 @@ def _cmd_measure(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from treadle.config import options_from_args
+    from treadle.sim.calibrate import calibrate
+
+    if not args.trace:
+        raise SystemExit("treadle simulate calibrate: --trace FILE (the trace to write) "
+                         "is required")
+    options = options_from_args(args)
+    trace = options.pop("trace")
+    result = calibrate(trace, rows=tuple(args.rows), prompt_len=tuple(args.prompt_len),
+                       max_tokens=tuple(args.max_tokens), sweep_seed=options.get("seed") or 0,
+                       **options)
+    print(json.dumps(result, indent=2))
+    print(f"fit it: treadle simulate fit {trace}; simulate with it: treadle simulate "
+          f"--step-model fit:{trace} ...")
+    return 1 if result["num_errors"] else 0
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     from treadle.bench.report import format_table
     from treadle.sim.results import compare
@@ -154,6 +178,16 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     print(format_table(compare(simulated, measured),
                        ["figure", "measured", "simulated", "error"]))
     return 0
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -178,6 +212,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     hw.add_argument("--out", default=None, help="YAML file to write")
     hw.add_argument("--repeats", type=int, default=10)
     hw.set_defaults(func=_cmd_measure)
+    cal = sub.add_parser("calibrate", help="run the real engine through a sweep of step "
+                                           "shapes and write its --trace (a fit source for "
+                                           "any workload)")
+    cal.add_argument("--rows", type=_int_list, default=list(DEFAULT_ROWS),
+                     help="batch sizes swept, comma-separated (those above max_num_seqs "
+                          "are dropped)")
+    cal.add_argument("--prompt-len", type=int, nargs=2, default=[16, 1024],
+                     metavar=("MIN", "MAX"), help="prompt lengths, drawn uniformly")
+    cal.add_argument("--max-tokens", type=int, nargs=2, default=[4, 64],
+                     metavar=("MIN", "MAX"), help="output lengths, drawn per request")
+    add_config_arguments(cal)
+    cal.set_defaults(func=_cmd_calibrate)
     cmp_ = sub.add_parser("compare", help="a simulated result against a measured one "
                                           "(both bench-serve-shaped JSON)")
     cmp_.add_argument("simulated")

@@ -5,7 +5,9 @@ Owns the least-squares fit of `LinearStepModel` on a `--trace` file
 sample, update) against its features (prefill tokens and rows, decode tokens, decode
 context tokens read, prefill (query, key) pairs attended, swap bytes), with
 non-negative coefficients (a feature whose coefficient comes out negative is dropped and
-the rest refitted: a negative cost per token is noise, not physics); and of the time
+the rest refitted: a negative cost per token is noise, not physics), split in two where
+that fits better (a narrow regime for steps of few linear rows, which the engine runs
+with other kernels: `choose_split`); and of the time
 between a step's end and the next one's start while requests are in flight (output
 processing), against the step's rows. `evaluate` reports the errors of any step-time
 model on any trace: mean and weighted absolute percentage error, R^2, and the ratio of
@@ -21,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from treadle.engine.trace import FEATURE_NAMES, Trace, TraceStep, read_trace
-from treadle.sim.step_model import LinearStepModel
+from treadle.sim.step_model import LinearStepModel, linear_rows
 
 FIT_COLUMNS = ("prefill_tokens", "prefill_rows", "decode_tokens", "decode_context_tokens",
                "prefill_attention_pairs", "swap_bytes")
@@ -145,17 +147,63 @@ def _errors(predicted: np.ndarray, measured: np.ndarray) -> dict:
     }
 
 
+NARROW_CANDIDATES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+"""Linear-row counts tried as the split between narrow and wide steps."""
+MIN_STEPS_PER_SIDE = 20
+"""A split is tried only where each side has at least this many steps to fit."""
+MIN_SPLIT_GAIN = 0.05
+"""A split is kept only if it lowers the absolute error over the steps by this fraction:
+two sets of coefficients must earn their keep."""
+
+
+def _coefficients(coef: np.ndarray) -> dict[str, float]:
+    """FIT_COLUMNS' coefficients (after the intercept) as the model's feature names."""
+    coefficients = {c: float(v) for c, v in zip(FIT_COLUMNS, coef[1:]) if c != "swap_bytes"}
+    coefficients["swap_out_bytes"] = coefficients["swap_in_bytes"] = float(coef[-1])
+    return coefficients
+
+
+def choose_split(x: np.ndarray, y: np.ndarray, rows: np.ndarray
+                 ) -> tuple[int, np.ndarray, np.ndarray | None, np.ndarray, dict]:
+    """One fit of every step, or a narrow fit (steps of <= T linear rows) and a wide one,
+    whichever predicts the steps better (the split must gain MIN_SPLIT_GAIN of the
+    absolute error over the steps the single fit keeps). Returns (T or 0, wide
+    coefficients, narrow coefficients or None, the kept mask, the errors of each
+    candidate split)."""
+    coef, keep = robust_lstsq(x, y)
+    base = float(np.abs(x[keep] @ coef - y[keep]).sum())
+    best = (0, coef, None, keep, base)
+    tried = {"none": base}
+    for t in NARROW_CANDIDATES:
+        narrow = rows <= t
+        if min(narrow.sum(), (~narrow).sum()) < max(MIN_STEPS_PER_SIDE, 2 * x.shape[1]):
+            continue
+        narrow_coef, narrow_keep = robust_lstsq(x[narrow], y[narrow])
+        wide_coef, wide_keep = robust_lstsq(x[~narrow], y[~narrow])
+        predicted = np.where(narrow, x @ narrow_coef, x @ wide_coef)
+        error = float(np.abs(predicted[keep] - y[keep]).sum())
+        tried[str(t)] = error
+        if error < best[4]:
+            split_keep = np.empty_like(keep)
+            split_keep[narrow], split_keep[~narrow] = narrow_keep, wide_keep
+            best = (t, wide_coef, narrow_coef, split_keep, error)
+    if best[0] and best[4] > (1.0 - MIN_SPLIT_GAIN) * base:
+        best = (0, coef, None, keep, base)
+    return best[0], best[1], best[2], best[3], tried
+
+
 def fit_trace(trace: Trace, source: str = "") -> LinearStepModel:
-    """Least-squares LinearStepModel of the trace's steps (and busy gaps); the fit's own
-    errors on the trace are in `fit_report`."""
+    """Least-squares LinearStepModel of the trace's steps (and busy gaps), with a narrow
+    regime where one fits the steps better (choose_split); the fit's own errors on the
+    trace are in `fit_report`."""
     if not trace.steps:
         raise ValueError(f"trace {source or ''} has no steps to fit")
     feats = [step_features(s) for s in trace.steps]
     x = np.array([[1.0] + [_column(f, c) for c in FIT_COLUMNS] for f in feats])
     y = np.array([s.t_end - s.t_start for s in trace.steps])
-    coef, keep = robust_lstsq(x, y)
-    coefficients = {c: float(v) for c, v in zip(FIT_COLUMNS, coef[1:]) if c != "swap_bytes"}
-    coefficients["swap_out_bytes"] = coefficients["swap_in_bytes"] = float(coef[-1])
+    rows = np.array([linear_rows(f) for f in feats])
+    narrow_max_rows, coef, narrow_coef, keep, split_errors = choose_split(x, y, rows)
+    coefficients = _coefficients(coef)
     gaps = busy_gaps(trace)
     gap_intercept = gap_per_row = 0.0
     if len(gaps) >= 2:
@@ -164,13 +212,18 @@ def fit_trace(trace: Trace, source: str = "") -> LinearStepModel:
         gap_coef, _ = robust_lstsq(gx, np.array([g for _, g in gaps]))
         gap_intercept, gap_per_row = (float(v) for v in gap_coef)
     model = LinearStepModel(float(coef[0]), coefficients, gap_intercept, gap_per_row,
-                            name=f"fit({Path(source).name or 'trace'})", source=source)
+                            name=f"fit({Path(source).name or 'trace'})", source=source,
+                            narrow_max_rows=narrow_max_rows,
+                            narrow_intercept=0.0 if narrow_coef is None else float(narrow_coef[0]),
+                            narrow_coefficients={} if narrow_coef is None
+                            else _coefficients(narrow_coef))
     outliers = [trace.steps[i] for i in np.flatnonzero(~keep)]
     kept = Trace(trace.policy, trace.arrivals, [s for s, k in zip(trace.steps, keep) if k],
                  trace.ends, trace.version, trace.engine)
     model.fit_report = evaluate(model, trace) | {
         "trace_version": trace.version, "engine": trace.engine,
-        "num_outliers": len(outliers),
+        "num_outliers": len(outliers), "narrow_max_rows": narrow_max_rows,
+        "split_abs_error_s": split_errors,
         "outlier_seconds": float(sum(s.t_end - s.t_start for s in outliers)),
         "without_outliers": evaluate(model, kept)}
     return model

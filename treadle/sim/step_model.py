@@ -36,12 +36,21 @@ class StepTimeModel(Protocol):
     def describe(self) -> dict: ...
 
 
+def linear_rows(features: dict) -> int:
+    """Rows the step's linear layers multiply: one per scheduled token."""
+    return features["prefill_tokens"] + features["decode_tokens"]
+
+
 @dataclass
 class LinearStepModel:
     """step = intercept + sum of coefficient x feature; gap = gap_intercept + gap per row.
 
     Coefficients are seconds per unit of their feature (a token, a row, a context token
-    read, an attended (query, key) pair, a swapped byte)."""
+    read, an attended (query, key) pair, a swapped byte). With `narrow_max_rows` > 0, a
+    step whose linears multiply at most that many rows (`linear_rows`) takes its own
+    intercept and coefficients instead (`narrow_*`): the engine runs such steps with other
+    kernels (the C small-row ones, treadle/worker/native_linear.py), whose cost per row is
+    not the wide steps' (the fit finds the split, treadle/sim/fit.py)."""
 
     intercept: float
     coefficients: dict[str, float]
@@ -51,17 +60,28 @@ class LinearStepModel:
     name: str = "linear"
     source: str = ""
     fit_report: dict = field(default_factory=dict)
+    narrow_max_rows: int = 0
+    """Steps of at most this many linear rows use the narrow terms; 0: no split."""
+    narrow_intercept: float = 0.0
+    narrow_coefficients: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.coefficients) - set(FEATURE_NAMES))
+        unknown = sorted((set(self.coefficients) | set(self.narrow_coefficients))
+                         - set(FEATURE_NAMES))
         if unknown:
             raise ValueError(f"unknown step feature(s) {', '.join(unknown)}; "
                              f"known: {', '.join(FEATURE_NAMES)}")
+        if self.narrow_max_rows < 0:
+            raise ValueError(f"narrow_max_rows must be >= 0, got {self.narrow_max_rows}")
         self._terms = [(k, v) for k, v in self.coefficients.items() if v]
+        self._narrow_terms = [(k, v) for k, v in self.narrow_coefficients.items() if v]
 
     def step_seconds(self, features: dict) -> float:
-        t = self.intercept
-        for name, coefficient in self._terms:
+        if self.narrow_max_rows and linear_rows(features) <= self.narrow_max_rows:
+            t, terms = self.narrow_intercept, self._narrow_terms
+        else:
+            t, terms = self.intercept, self._terms
+        for name, coefficient in terms:
             t += coefficient * features[name]
         return t
 
@@ -73,6 +93,9 @@ class LinearStepModel:
         return {"kind": "linear", "name": self.name, "source": self.source,
                 "intercept_s": self.intercept, "coefficients_s": dict(self.coefficients),
                 "gap_intercept_s": self.gap_intercept, "gap_per_row_s": self.gap_per_row,
+                "narrow_max_rows": self.narrow_max_rows,
+                "narrow_intercept_s": self.narrow_intercept,
+                "narrow_coefficients_s": dict(self.narrow_coefficients),
                 "fit": self.fit_report}
 
     def save(self, path: str | Path) -> Path:
@@ -87,8 +110,11 @@ class LinearStepModel:
             return cls(float(data["intercept_s"]), dict(data["coefficients_s"]),
                        float(data.get("gap_intercept_s", 0.0)),
                        float(data.get("gap_per_row_s", 0.0)),
-                       data.get("name", "linear"), str(path), data.get("fit", {}))
-        except (KeyError, TypeError, json.JSONDecodeError) as exc:
+                       data.get("name", "linear"), str(path), data.get("fit", {}),
+                       int(data.get("narrow_max_rows", 0)),
+                       float(data.get("narrow_intercept_s", 0.0)),
+                       dict(data.get("narrow_coefficients_s", {})))
+        except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
             raise ValueError(f"{path}: not a saved linear step model ({exc!r})") from None
 
 

@@ -1,0 +1,65 @@
+"""`treadle simulate calibrate` on a tiny demo model: the sweep's batches thin out one
+request at a time, so its trace holds decode steps of every row count up to the largest
+batch, prefill chunks within the step budget, and a fit on it runs; bad sweep ranges are
+refused with the field named."""
+
+from __future__ import annotations
+
+import pytest
+
+from treadle.cli import main as cli_main
+from treadle.engine.trace import read_trace
+from treadle.models.demo import write_demo_model
+from treadle.sim.calibrate import calibration_batches
+from treadle.sim.fit import fit_trace
+
+
+def _tiny_model(path):
+    return write_demo_model(path, seed=3, config_overrides=dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2))
+
+
+def test_calibration_covers_every_row_count_up_to_its_largest_batch(tmp_path, capsys):
+    model = _tiny_model(tmp_path / "m")
+    trace_path = tmp_path / "cal.jsonl"
+    rc = cli_main(["simulate", "calibrate", "--trace", str(trace_path), "--model", str(model),
+                   "--dtype", "float32", "--num-threads", "1", "--kv-cache-memory", "64MiB",
+                   "--max-num-seqs", "6", "--max-num-batched-tokens", "64",
+                   "--rows", "1,3,6,9", "--prompt-len", "4", "90", "--max-tokens", "2", "12"])
+    assert rc == 0
+    assert '"num_requests": 10' in capsys.readouterr().out  # 9 is above max_num_seqs
+    trace = read_trace(trace_path)
+    assert len(trace.arrivals) == 10
+    assert sum(len(s.finished) for s in trace.steps) == 10
+    decode_rows = {s.features["decode_rows"] for s in trace.steps
+                   if s.features["prefill_rows"] == 0}
+    assert set(range(1, 7)) <= decode_rows
+    assert max(s.features["prefill_tokens"] + s.features["decode_tokens"]
+               for s in trace.steps) <= 64
+    assert any(s.features["prefill_rows"] and s.features["decode_rows"] for s in trace.steps)
+    model_fit = fit_trace(trace, str(trace_path))
+    assert model_fit.fit_report["num_steps"] == len(trace.steps)
+    assert model_fit.step_seconds(trace.steps[-1].features) > 0
+
+
+def test_calibration_batches_fit_the_context_and_refuse_bad_ranges():
+    batches = calibration_batches((2, 5), (10, 60), (3, 20), vocab_size=100,
+                                  max_model_len=128, step_budget=32, seed=1)
+    assert [len(b) for b in batches] == [2, 5]
+    for batch in batches:
+        prefill_steps = -(-sum(len(ids) for ids, _ in batch) // 32)
+        for ids, n in batch:
+            assert len(ids) + n <= 128 and all(3 <= t < 100 for t in ids)
+            assert prefill_steps + 3 <= n <= prefill_steps + 20 or len(ids) + n == 128
+    assert batches == calibration_batches((2, 5), (10, 60), (3, 20), 100, 128, 32, seed=1)
+    (long_batch,) = calibration_batches((4,), (100, 120), (3, 5), 100, 128, 512)
+    assert all(len(ids) + n <= 128 and len(ids) >= 1 for ids, n in long_batch)
+    with pytest.raises(ValueError, match="prompt_len"):
+        calibration_batches((1,), (0, 5), (1, 2), 100, 128, 64)
+    with pytest.raises(ValueError, match="max_tokens"):
+        calibration_batches((1,), (1, 5), (3, 2), 100, 128, 64)
+    with pytest.raises(ValueError, match="max_model_len 128"):
+        calibration_batches((1,), (1, 5), (1, 128), 100, 128, 64)
+    with pytest.raises(ValueError, match="step_budget"):
+        calibration_batches((1,), (1, 5), (1, 2), 100, 128, 0)
