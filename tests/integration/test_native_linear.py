@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from treadle.models.llama import rms_norm
 from treadle.worker.linear_kernels import DenseLinearKernel, dense_kernel_factory
 from treadle.worker.native import load_kernels
-from treadle.worker.native_linear import MAX_ROWS, WIDENING_MAX_ROWS, NativeLayerOps
+from treadle.worker.native_linear import (AMX_MAX_ROWS, MAX_ROWS, WIDENING_MAX_ROWS,
+                                         NativeLayerOps, onednn_uses_amx)
 
 @pytest.fixture(scope="module")
 def level(kernel_level) -> str:
@@ -66,7 +67,8 @@ def test_linear_any_row_count(level):
     ops = NativeLayerOps.load(kernels.lib)
     if ops is None:
         pytest.skip(f"the {level} build has no vector unit (neither AVX-512 nor AVX2)")
-    assert ops.max_rows == (MAX_ROWS if kernels.has_dpbf16 else WIDENING_MAX_ROWS)
+    assert ops.max_rows == (WIDENING_MAX_ROWS if not kernels.has_dpbf16 else
+                            AMX_MAX_ROWS if onednn_uses_amx() else MAX_ROWS)
     ops = NativeLayerOps.load(kernels.lib, max_rows=WIDENING_MAX_ROWS)
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(203, 577, generator=gen).to(torch.bfloat16)
@@ -210,3 +212,19 @@ def test_engine_bf16_decode_matches_torch_path(ops, level, tmp_path_factory):
         else:
             identical += 1
     assert identical >= 3
+
+
+def test_onednn_counts_as_amx_only_where_the_cpu_has_it_and_nothing_caps_it(monkeypatch):
+    """Runs on every CPU: the decision is made from torch's report and the environment."""
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    assert not onednn_uses_amx()
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert onednn_uses_amx()
+    for cap, expected in (("AVX512_CORE_AMX", True), ("ALL", True), ("AVX2", False),
+                          ("avx512_core_bf16", False)):
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+        assert onednn_uses_amx() is expected, cap
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    assert not onednn_uses_amx()  # a torch that cannot say: the general rule

@@ -9,12 +9,14 @@ shared object) and is handed by the worker to the model's layers (`LlamaForCausa
 set_kernels`, worker/linear_kernels.py) and to the cpu-native attention backend
 (`rope_kv`); each method returns None where it does not apply (dtype, rows, layout)
 so that the caller runs its torch path instead. How many rows the linear kernel takes
-depends on the library's ISA level (`MAX_ROWS`, `WIDENING_MAX_ROWS`).
+depends on the library's ISA level and on whether oneDNN has AMX (`MAX_ROWS`,
+`AMX_MAX_ROWS`, `WIDENING_MAX_ROWS`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 
@@ -23,6 +25,12 @@ MAX_ROWS = 16
 to here it reads each weight once and beats oneDNN's packed kernel (python -m
 treadle.bench.linear_kernel); above, compute dominates and oneDNN's register blocking (or
 AMX) wins."""
+AMX_MAX_ROWS = 4
+"""Rows up to which the C kernel (vdpbf16ps) is used where oneDNN runs bf16 on AMX tiles
+(`onednn_uses_amx`): there oneDNN's packed kernel costs about the same from 1 to 16 rows,
+while the C kernel's cost grows with each row. All of a SmolLM2-135M step's linears, 2
+threads, on an AMX Xeon: C 10.9 / 12.3 / 15.1 / 18.2 / 30.2 ms at 1 / 4 / 6 / 8 / 16 rows,
+oneDNN 14.2 / 13.9 / 13.9 / 14.4 / 15.7 (docs/benchmarks.md, "Every CPU")."""
 WIDENING_MAX_ROWS = 65536
 """Rows up to which the widening kernel (AVX-512F or AVX2, no bf16 instructions) is used:
 every step's rows in practice. Without bf16 instructions torch's bf16 linear was 2-6x slower
@@ -31,6 +39,16 @@ than fp32 at 16-512 rows and 1.5-4.7x slower than this kernel at every row count
 count."""
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+def onednn_uses_amx() -> bool:
+    """Whether torch's oneDNN runs bf16 linears on AMX tiles here: the CPU has them (as
+    torch reports) and ONEDNN_MAX_CPU_ISA, when set, does not cap oneDNN below AMX."""
+    supported = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    if supported is None or not supported():
+        return False
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    return not cap or cap in ("ALL", "DEFAULT") or "AMX" in cap
 
 
 class NativeLayerOps:
@@ -58,7 +76,7 @@ class NativeLayerOps:
     def load(cls, lib: ctypes.CDLL | None, max_rows: int | None = None) -> NativeLayerOps | None:
         """The kernels of `lib`, or None when it lacks them or was built without a vector
         unit (neither AVX-512 nor AVX2). max_rows: None for the level's default (MAX_ROWS
-        with vdpbf16ps, else WIDENING_MAX_ROWS)."""
+        with vdpbf16ps, AMX_MAX_ROWS where oneDNN has AMX too, else WIDENING_MAX_ROWS)."""
         if lib is None or not hasattr(lib, "gemv_bf16_available"):
             return None
         lib.gemv_bf16_available.restype = ctypes.c_int
@@ -66,7 +84,10 @@ class NativeLayerOps:
             return None
         if max_rows is None:
             lib.kernels_have_dpbf16.restype = ctypes.c_int
-            max_rows = MAX_ROWS if lib.kernels_have_dpbf16() else WIDENING_MAX_ROWS
+            if not lib.kernels_have_dpbf16():
+                max_rows = WIDENING_MAX_ROWS
+            else:
+                max_rows = AMX_MAX_ROWS if onednn_uses_amx() else MAX_ROWS
         return cls(lib, max_rows)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
