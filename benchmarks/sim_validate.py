@@ -164,7 +164,7 @@ def compare(out: Path, fit_dir: Path | None = None, fit_trace: Path | None = Non
     print(format_table([r for r in rows if not r["figure"].startswith("e2e")],
                        ["fit on", "run", "figure", "measured", "simulated", "error"]))
     name = ("validation.json" if fit_dir == out and fit_trace is None else
-            f"validation-fit-{fit_trace.stem if fit_trace else fit_dir.name}.json")
+            f"validation-fit-{next(iter(sources)) if fit_trace else fit_dir.name}.json")
     write_json(out / name, report)
     return report
 
