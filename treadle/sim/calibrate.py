@@ -3,8 +3,8 @@
 A step-time model fitted on one workload's trace knows only the step shapes that workload
 made: a light replay seldom decodes more than a few requests at once, so its fit never sees
 what a 24-request decode step costs, and the cost of a step is not linear across that range
-(the bf16 linears switch from the C small-row kernels to oneDNN above 16 rows,
-treadle/worker/native_linear.py). `calibrate` runs the engine, with the options it will
+(the bf16 linears switch from the C small-row kernels to oneDNN above 16 rows, above 4
+where oneDNN has AMX: treadle/worker/native_linear.py). `calibrate` runs the engine, with the options it will
 serve with, on closed batches of every size in `rows` (random prompts of `prompt_len`
 tokens; outputs long enough that the whole batch decodes together, then thinning out one
 request at a time): prefill chunks up to the step budget, prefill mixed with decodes, and
