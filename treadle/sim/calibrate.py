@@ -4,13 +4,14 @@ A step-time model fitted on one workload's trace knows only the step shapes that
 made: a light replay seldom decodes more than a few requests at once, so its fit never sees
 what a 24-request decode step costs, and the cost of a step is not linear across that range
 (the bf16 linears switch from the C small-row kernels to oneDNN above 16 rows, above 4
-where oneDNN has AMX: treadle/worker/native_linear.py). `calibrate` runs the engine, with the options it will
-serve with, on closed batches of every size in `rows` (random prompts of `prompt_len`
-tokens; outputs long enough that the whole batch decodes together, then thinning out one
-request at a time): prefill chunks up to the step budget, prefill mixed with decodes, and
-decode steps of every row count up to the largest batch, at short and long contexts. The trace it
-writes is the source of `treadle simulate --step-model fit:TRACE.jsonl` for any workload
-on that engine. It measures steps; nothing here fits or simulates.
+where oneDNN has AMX: treadle/worker/native_linear.py). `calibrate` runs the engine, with
+the options it will serve with, on closed batches of every size in `rows` (random prompts
+of `prompt_len` tokens; outputs long enough that the whole batch decodes together, then
+thinning out one request at a time): prefill chunks up to the step budget, prefill mixed
+with decodes, and decode steps of every row count up to the largest batch, at short and
+long contexts. The trace it writes is the source of `treadle simulate --step-model
+fit:TRACE.jsonl` for any workload on that engine. It measures steps; nothing here fits or
+simulates.
 """
 
 from __future__ import annotations
@@ -83,17 +84,20 @@ def calibrate(trace: str | Path, rows: tuple[int, ...] = DEFAULT_ROWS,
     started = time.perf_counter()
     prompt_tokens = output_tokens = 0
     errors = []
-    for size, batch in zip(swept, batches):
-        outputs = llm.generate([{"prompt_token_ids": ids} for ids, _ in batch],
-                               [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
-                                for _, n in batch], use_tqdm=False)
-        errors += [o.error for o in outputs if o.error]
-        prompt_tokens += sum(len(ids) for ids, _ in batch)
-        output_tokens += sum(len(o.outputs[0].token_ids) for o in outputs if not o.error)
-        if progress:
-            print(f"batch of {size}: {time.perf_counter() - started:.1f} s", flush=True)
-    stats = llm.get_stats()
-    llm.engine.shutdown()
+    try:
+        for size, batch in zip(swept, batches):
+            outputs = llm.generate([{"prompt_token_ids": ids} for ids, _ in batch],
+                                   [SamplingParams(max_tokens=n, ignore_eos=True,
+                                                   temperature=0.0) for _, n in batch],
+                                   use_tqdm=False)
+            errors += [o.error for o in outputs if o.error]
+            prompt_tokens += sum(len(ids) for ids, _ in batch)
+            output_tokens += sum(len(o.outputs[0].token_ids) for o in outputs if not o.error)
+            if progress:
+                print(f"batch of {size}: {time.perf_counter() - started:.1f} s", flush=True)
+        stats = llm.get_stats()
+    finally:
+        llm.engine.shutdown()  # closes the trace file, a partial sweep's included
     return {"trace": str(trace), "rows": list(swept), "num_requests": sum(swept),
             "num_errors": len(errors), "errors": errors[:5], "prompt_tokens": prompt_tokens,
             "output_tokens": output_tokens, "num_steps": stats.get("num_steps"),

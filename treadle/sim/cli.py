@@ -21,7 +21,8 @@ import platform
 from pathlib import Path
 
 from treadle.config import (CacheConfig, SchedulerConfig, SimConfig, SizingConfig,
-                            add_config_arguments, add_dataclass_arguments, dataclass_from_args)
+                            add_config_arguments, add_dataclass_arguments, dataclass_from_args,
+                            parse_int_list)
 from treadle.sim.calibrate import DEFAULT_ROWS
 
 _ENGINE_TYPES = (SchedulerConfig, CacheConfig)
@@ -160,7 +161,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
                          "is required")
     options = options_from_args(args)
     trace = options.pop("trace")
-    result = calibrate(trace, rows=tuple(args.rows), prompt_len=tuple(args.prompt_len),
+    result = calibrate(trace, rows=args.rows, prompt_len=tuple(args.prompt_len),
                        max_tokens=tuple(args.max_tokens), sweep_seed=options.get("seed") or 0,
                        **options)
     print(json.dumps(result, indent=2))
@@ -180,14 +181,11 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _int_list(text: str) -> list[int]:
+def _batch_sizes(text: str) -> tuple[int, ...]:
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
+        return parse_int_list(text, "--rows")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -215,7 +213,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     cal = sub.add_parser("calibrate", help="run the real engine through a sweep of step "
                                            "shapes and write its --trace (a fit source for "
                                            "any workload)")
-    cal.add_argument("--rows", type=_int_list, default=list(DEFAULT_ROWS),
+    cal.add_argument("--rows", type=_batch_sizes, default=DEFAULT_ROWS,
                      help="batch sizes swept, comma-separated (those above max_num_seqs "
                           "are dropped)")
     cal.add_argument("--prompt-len", type=int, nargs=2, default=[16, 1024],
