@@ -228,3 +228,77 @@ def test_onednn_counts_as_amx_only_where_the_cpu_has_it_and_nothing_caps_it(monk
     monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     assert not onednn_uses_amx()  # a torch that cannot say: the general rule
+
+
+def _amx_gemm(ops):
+    fn = ops.lib.gemm_bf16_amx
+    fn.argtypes, fn.restype = ops._gemv.argtypes, ops._gemv.restype
+
+    def call(x, w, b, m=None, n=None, k=None):
+        m = x.shape[0] if m is None else m
+        n = w.shape[0] if n is None else n
+        k = x.shape[1] if k is None else k
+        y = torch.empty(max(m, 1), max(n, 1), dtype=torch.bfloat16)
+        status = fn(x.data_ptr(), x.stride(0), w.data_ptr(),
+                    None if b is None else b.data_ptr(), y.data_ptr(), y.shape[1], m, n, k, 0)
+        return status, y
+    return call
+
+
+@pytest.mark.parametrize("n, k", [(16, 32), (960, 576), (576, 1536), (3072, 576)])
+def test_amx_kernel_matches_float32_reference(ops, n, k):
+    """The AMX tile kernel (gemm_bf16_amx.c) at every row count it takes, with and without
+    bias, and as `linear` routes those rows to it. Needs AMX-BF16 (the twin below runs
+    everywhere)."""
+    if ops.amx_rows is None:
+        pytest.skip("no AMX-BF16 here (or oneDNN is capped below it)")
+    gemm = _amx_gemm(ops)
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16)
+    for m in (1, 2, 3, 15, 16, 17, 31, 32, 33, 64):
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        for bias in (None, b):
+            status, got = gemm(x, w, bias)
+            ref = reference(x, w, bias)
+            assert status == 0
+            assert_bf16_close(got, ref)
+            assert (got != ref.to(torch.bfloat16)).float().mean() < 0.01
+        if ops.amx_covers(m, n, k):
+            assert torch.equal(ops.linear(x, w, b), gemm(x, w, b)[1])
+
+
+def test_amx_kernel_strided_rows_and_refusals(ops):
+    if ops.amx_rows is None:
+        pytest.skip("no AMX-BF16 here (or oneDNN is capped below it)")
+    gemm = _amx_gemm(ops)
+    gen = torch.Generator().manual_seed(3)
+    wide = torch.randn(20, 700, generator=gen).to(torch.bfloat16)
+    x = wide[:, 7:583]  # rows 700 apart, K = 576
+    w = torch.randn(48, 576, generator=gen).to(torch.bfloat16)
+    status, got = gemm(x, w, None)
+    assert status == 0
+    assert_bf16_close(got, reference(x, w, None))
+    # Shapes it does not take: K not a multiple of 32, N not of 16, more than 64 rows.
+    assert gemm(x, w, None, k=575)[0] == -1
+    assert gemm(x, w, None, n=40)[0] == -1
+    assert gemm(torch.zeros(65, 576, dtype=torch.bfloat16), w, None)[0] == -1
+
+
+def test_linear_rows_without_amx_stay_on_the_dot_product_kernel(level_kernels):
+    """Twin of the AMX tests for every CPU: with no AMX rows the layer ops never route to
+    it, and take exactly the dot-product kernel's rows."""
+    ops = NativeLayerOps.load(level_kernels.lib, max_rows=4)
+    if ops is None:
+        pytest.skip("this build has no vector unit")
+    plain = NativeLayerOps(level_kernels.lib, max_rows=4, amx_rows=None)
+    assert not plain.amx_covers(8, 960, 576) and plain.linear_rows == 4
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(960, 576, generator=gen).to(torch.bfloat16)
+    assert plain.linear(torch.randn(8, 576, generator=gen).to(torch.bfloat16), w, None) is None
+    x = torch.randn(3, 576, generator=gen).to(torch.bfloat16)
+    assert_bf16_close(plain.linear(x, w, None), reference(x, w, None))
+    with_amx = NativeLayerOps(level_kernels.lib, max_rows=4, amx_rows=(2, 32))
+    assert with_amx.amx_covers(8, 960, 576) and with_amx.linear_rows == 32
+    assert not with_amx.amx_covers(8, 960, 577) and not with_amx.amx_covers(8, 968, 576)
+    assert not with_amx.amx_covers(1, 960, 576) and not with_amx.amx_covers(33, 960, 576)

@@ -231,6 +231,11 @@ _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 class LlamaForCausalLM(nn.Module):
     """Llama / Mistral / Qwen2 / Qwen3 causal LM on a flat, unpadded batch."""
 
+    decode_stack: Any = None
+    """Set by the worker (worker/decode_stack.py), or None: called with (hidden, rotary,
+    kv_caches, attn_metadata) after the embedding, it runs every layer and the final norm
+    of a step it covers in one kernel call and returns the result, else None."""
+
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype,
                  parallel: ParallelContext | None = None) -> None:
         super().__init__()
@@ -287,6 +292,10 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryInputs(*self.rotary.cos_sin(positions, self.dtype))  # once per step
         if self.parallel.is_first_stage:
             hidden = self.model.embed_tokens(input_ids)
+            if self.decode_stack is not None and self.parallel.is_last_stage:
+                out = self.decode_stack(hidden, rotary, kv_caches, attn_metadata)
+                if out is not None:
+                    return out
         for layer, kv_cache in zip(self.model.layers.values(), kv_caches):
             hidden = layer.forward(hidden, rotary, kv_cache, attn_metadata)
         if not self.parallel.is_last_stage:

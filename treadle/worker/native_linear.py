@@ -31,6 +31,17 @@ AMX_MAX_ROWS = 4
 while the C kernel's cost grows with each row. All of a SmolLM2-135M step's linears, 2
 threads, on an AMX Xeon: C 10.9 / 12.3 / 15.1 / 18.2 / 30.2 ms at 1 / 4 / 6 / 8 / 16 rows,
 oneDNN 14.2 / 13.9 / 13.9 / 14.4 / 15.7 (docs/benchmarks.md, "Every CPU")."""
+AMX_GEMM_ROWS = (4, 64)
+"""Rows (first, last) for which the AMX tile kernel (kernels/gemm_bf16_amx.c) takes a
+linear where the CPU has AMX-BF16 and the shape fits it (K % 32, N % 16). All of a
+SmolLM2-135M step's linears, 2 threads, on an AMX Xeon, ms at 1 / 2 / 4 / 8 / 16 / 32 /
+48 / 64 rows (`python -m treadle.bench.linear_kernel --rows 1,2,4,8,16,32,48,64 --isa
+avx512bf16 --repeats 5`, model_ms): AMX 8.0 / 7.7 / 8.5 / 9.7 / 10.8 / 13.8 / 18.2 / 21.9,
+the dot-product kernel 7.5 / 7.7 / 9.2 / 14.9 / 25.6 / 46.8 / 69 / 94, oneDNN's packed
+kernel 13.5 / 13.4 / 13.6 / 13.7 / 14.5 / 17.3 / 18.6 / 20.8. Alone it is level with
+oneDNN from ~48 rows (it re-reads the packed x from L2 for every 16 weight rows), but in
+whole decode steps it lets the decode stack take them: 48 and 64 requests' steps 12% and
+10% shorter (docs/benchmarks.md, "A decode step without Python between the kernels")."""
 WIDENING_MAX_ROWS = 65536
 """Rows up to which the widening kernel (AVX-512F or AVX2, no bf16 instructions) is used:
 every step's rows in practice. Without bf16 instructions torch's bf16 linear was 2-6x slower
@@ -54,8 +65,14 @@ def onednn_uses_amx() -> bool:
 class NativeLayerOps:
     """The bf16 layer kernels of one loaded library."""
 
-    def __init__(self, lib: ctypes.CDLL, max_rows: int = MAX_ROWS) -> None:
+    def __init__(self, lib: ctypes.CDLL, max_rows: int = MAX_ROWS,
+                 amx_rows: tuple[int, int] | None = None) -> None:
         self.max_rows = max_rows
+        """Rows up to which the dot-product kernel (gemv_bf16.c) runs a linear."""
+        self.amx_rows = amx_rows
+        """(first, last) rows the AMX tile kernel takes, or None (no AMX here)."""
+        self.lib = lib
+        """The library (worker/decode_stack.py finds its layer driver there)."""
         self._gemv = lib.gemv_bf16
         self._gemv.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int]
         self._gemv.restype = ctypes.c_int
@@ -71,6 +88,9 @@ class NativeLayerOps:
         self._rope_kv_q8 = lib.rope_kv_q8_bf16
         self._rope_kv_q8.argtypes = self._rope_kv.argtypes
         self._rope_kv_q8.restype = ctypes.c_int
+        self._amx = lib.gemm_bf16_amx
+        self._amx.argtypes = self._gemv.argtypes
+        self._amx.restype = ctypes.c_int
 
     @classmethod
     def load(cls, lib: ctypes.CDLL | None, max_rows: int | None = None) -> NativeLayerOps | None:
@@ -82,21 +102,35 @@ class NativeLayerOps:
         lib.gemv_bf16_available.restype = ctypes.c_int
         if not lib.gemv_bf16_available():
             return None
+        lib.kernels_have_dpbf16.restype = ctypes.c_int
+        dpbf16 = bool(lib.kernels_have_dpbf16())
         if max_rows is None:
-            lib.kernels_have_dpbf16.restype = ctypes.c_int
-            if not lib.kernels_have_dpbf16():
+            if not dpbf16:
                 max_rows = WIDENING_MAX_ROWS
             else:
                 max_rows = AMX_MAX_ROWS if onednn_uses_amx() else MAX_ROWS
-        return cls(lib, max_rows)
+        lib.gemm_bf16_amx_available.restype = ctypes.c_int
+        amx = dpbf16 and bool(lib.gemm_bf16_amx_available()) and onednn_uses_amx()
+        return cls(lib, max_rows, AMX_GEMM_ROWS if amx else None)
+
+    def amx_covers(self, rows: int, n: int, k: int) -> bool:
+        """Whether the AMX tile kernel takes an [rows, k] x [n, k]^T linear."""
+        return (self.amx_rows is not None and self.amx_rows[0] <= rows <= self.amx_rows[1]
+                and k % 32 == 0 and n % 16 == 0)
+
+    @property
+    def linear_rows(self) -> int:
+        """Rows up to which `linear` covers every shape the AMX kernel takes."""
+        return max(self.max_rows, 0 if self.amx_rows is None else self.amx_rows[1])
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                threads: int = 0) -> torch.Tensor | None:
-        """x [M, K] @ weight[N, K].T + bias as bf16 [M, N], or None when not covered:
-        not bf16, M > max_rows, x not 2-D with unit stride along K, weight or bias not
+        """x [M, K] @ weight[N, K].T + bias as bf16 [M, N] on the AMX tile kernel
+        (`amx_covers`) or the dot-product one, or None when not covered: not bf16, M past
+        both kernels' rows, x not 2-D with unit stride along K, weight or bias not
         contiguous. threads: 0 = OpenMP's default."""
         if (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() != 2
-                or x.shape[0] > self.max_rows or x.stride(1) != 1
+                or x.stride(1) != 1
                 or not weight.is_contiguous() or weight.shape[1] != x.shape[1]
                 or (bias is not None and (bias.dtype != torch.bfloat16
                                           or bias.shape != weight.shape[:1]
@@ -104,8 +138,11 @@ class NativeLayerOps:
             return None
         m, k = x.shape
         n = weight.shape[0]
+        amx = self.amx_covers(m, n, k)
+        if not amx and m > self.max_rows:
+            return None
         y = torch.empty(m, n, dtype=torch.bfloat16)
-        self._gemv(x.data_ptr(), x.stride(0), weight.data_ptr(),
+        (self._amx if amx else self._gemv)(x.data_ptr(), x.stride(0), weight.data_ptr(),
                    None if bias is None else bias.data_ptr(), y.data_ptr(), n, m, n, k, threads)
         return y
 

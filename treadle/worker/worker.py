@@ -44,6 +44,7 @@ from treadle.worker.grammar import GrammarState
 from treadle.worker.cpu_isa import describe_kernels
 from treadle.worker.cost_probe import measure_copy_bytes_per_s, measure_matmul_flops_per_s
 from treadle.worker.kv_cache import KVCacheSpec, allocate_kv_caches, allocate_swap_space
+from treadle.worker.decode_stack import DecodeStack
 from treadle.worker.linear_kernels import DenseLinearKernel, dense_kernel_factory
 from treadle.worker.model_runner import ModelRunner
 from treadle.worker.native_linear import NativeLayerOps
@@ -132,6 +133,7 @@ class Worker:
             config.model.attention_backend, self.platform, self.model.num_kv_heads,
             self.model.head_dim, dtype, kernels=self.native, layer_ops=self.layer_ops,
             kv_cache_dtype=config.cache.kv_cache_dtype)
+        self.model.decode_stack = DecodeStack.build(self.model, self.layer_ops, self.attention)
         self.eos_token_id = read_eos_token_id(self.model_dir, self.hf_config)
         self.max_model_len = self._resolve_max_model_len()
         cache = config.cache
@@ -456,5 +458,7 @@ class Worker:
         if isinstance(self.attention, CpuNativeBackend):
             self.attention.kernels = kernels
             self.attention.layer_ops = layer_ops
+        if hasattr(self.model, "decode_stack"):
+            self.model.decode_stack = DecodeStack.build(self.model, layer_ops, self.attention)
         if self.runner is not None and self.runner.sampler.kernels is not None:
             self.runner.sampler.kernels = kernels

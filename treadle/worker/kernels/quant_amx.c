@@ -18,6 +18,7 @@
  */
 
 #include "quant_simd.h"
+#include "amx_pack.h"
 
 #if QK_AMX || QK_AMX_INT8
 #include <sys/syscall.h>
@@ -99,21 +100,9 @@ int quant_gemm_amx(int fmt, const uint8_t *w, int64_t row_bytes, const float *sc
     threads = qk_threads(threads, num_blocks);
     #pragma omp parallel num_threads(threads) if(threads > 1)
     {
-        /* x into B tiles: pair j of chunk c of row m at xb[g][c][j][m % 16][0..1]. */
         #pragma omp for schedule(static)
-        for (int64_t g = 0; g < ngroups; g++) {
-            uint32_t *dst = (uint32_t *)(xb + g * gstride);
-            memset(dst, 0, (size_t)gstride * 2);
-            for (int64_t r = 0; r < 16 && g * 16 + r < M; r++) {
-                const uint16_t *xr = x + (g * 16 + r) * ldx;
-                for (int64_t k = 0; k + 1 < K; k += 2) {
-                    uint32_t pair;
-                    memcpy(&pair, xr + k, 4);
-                    dst[(k / 32) * 256 + ((k % 32) / 2) * 16 + r] = pair;
-                }
-                if (K % 2) dst[((K - 1) / 32) * 256 + (((K - 1) % 32) / 2) * 16 + r] = xr[K - 1];
-            }
-        }
+        for (int64_t g = 0; g < ngroups; g++)
+            amx_pack_group(x, ldx, M, K, g, xb + g * gstride, gstride);
         int64_t b0, b1;
         qk_split(num_blocks, &b0, &b1);
         const uint8_t *range_end = w + (b1 * 16 < N ? b1 * 16 : N) * row_bytes;

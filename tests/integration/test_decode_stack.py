@@ -1,0 +1,140 @@
+"""The decode stack (worker/decode_stack.py, kernels/decode_stack.c): every layer of a
+decode step in one C call gives the same log-probabilities, bit for bit, as the model's
+layers run one by one on the same kernels, at every ISA level this CPU runs; and it stays
+out of the steps and models it does not cover."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_tiny_checkpoint
+
+from treadle.config import EngineConfig
+from treadle.engine.core import EngineCore
+from treadle.request import Request
+from treadle.sampling_params import SamplingParams
+from treadle.worker.decode_stack import DecodeStack
+
+
+def _core(path, level, **options) -> EngineCore:
+    return EngineCore(EngineConfig.from_options(model=path, dtype="bfloat16",
+                                                kv_cache_memory="64MiB", kernel_isa=level,
+                                                distributed_executor_backend="uni", **options))
+
+
+class _Counting:
+    """Wraps a stack, counting the steps it ran and the ones it left to the layers."""
+
+    def __init__(self, stack: DecodeStack) -> None:
+        self.stack, self.ran, self.declined = stack, 0, 0
+
+    def __call__(self, *args):
+        out = self.stack(*args)
+        if out is None:
+            self.declined += 1
+        else:
+            self.ran += 1
+        return out
+
+
+def _generate(core: EngineCore, tag: str, prompts, max_tokens: int = 10, spread: int = 0):
+    """Greedy tokens and top log-probabilities per prompt; request i asks for max_tokens +
+    i * spread tokens (the batch then shrinks one request at a time)."""
+    for i, prompt in enumerate(prompts):
+        core.add_request(Request(f"{tag}-{i}", prompt, SamplingParams(
+            max_tokens=max_tokens + i * spread, temperature=0.0, ignore_eos=True,
+            logprobs=5)))
+    got: dict[str, list] = {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            (lp,) = out.new_logprobs
+            got.setdefault(out.request_id, []).append(
+                (out.new_token_ids[0], lp.token_ids, lp.logprobs))
+    return [got[f"{tag}-{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_stack_matches_layer_by_layer_bit_for_bit(kernel_level, level_kernels, family,
+                                                  tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp(f"stack-{family}"), family,
+                                hidden_size=256)  # head_dim 64: the kernels' vector path
+    # No prefix caching: the second run would otherwise prefill less of each prompt.
+    core = _core(path, kernel_level, enable_prefix_caching=False)
+    model = core.executor.worker.model
+    if core.executor.worker.layer_ops is None:
+        pytest.skip(f"the {kernel_level} build has no vector unit")
+    assert model.decode_stack is not None, "a plain bf16 model on cpu-native gets a stack"
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # distinct norm weights (a fresh checkpoint's are all ones)
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
+    counting = _Counting(model.decode_stack)
+    # 6 requests finishing one after another: steps of 6 down to 1 rows, on both linear
+    # kernels where the CPU has AMX (tile kernel from 4 rows, dot products below).
+    prompts = [[5 + 7 * i + j for j in range(9 + 13 * i)] for i in range(6)]
+    model.decode_stack = counting
+    fused = _generate(core, "stack", prompts, max_tokens=4, spread=2)
+    model.decode_stack = None
+    plain = _generate(core, "layers", prompts, max_tokens=4, spread=2)
+    assert counting.ran >= 9, "every all-decode step should run in the stack"
+    assert counting.declined >= 1, "the prefill steps are left to the layers"
+    assert fused == plain
+
+
+def test_stack_declines_rows_past_the_linear_kernel(kernel_level, level_kernels,
+                                                    tmp_path_factory):
+    """More decode rows than the C linear kernel takes run layer by layer (oneDNN)."""
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("stack-rows"), "llama")
+    core = _core(path, kernel_level)
+    model = core.executor.worker.model
+    if model.decode_stack is None:
+        pytest.skip(f"no stack at {kernel_level}")
+    counting = _Counting(model.decode_stack)
+    counting.stack.max_rows = 2
+    model.decode_stack = counting
+    _generate(core, "rows", [[3 + i, 4, 5] for i in range(3)], max_tokens=4)
+    assert counting.ran == 0 and counting.declined > 0
+
+
+@pytest.mark.parametrize("case", ["qwen3-qk-norms", "int8-cache", "torch-attention",
+                                  "lora", "float32"])
+def test_models_and_setups_it_does_not_cover_get_none(kernel_level, level_kernels, case,
+                                                      tmp_path_factory):
+    base = tmp_path_factory.mktemp(f"stack-{case}")
+    options: dict = {}
+    family = "llama"
+    if case == "qwen3-qk-norms":
+        family = "qwen3"
+    elif case == "int8-cache":
+        options["kv_cache_dtype"] = "int8"
+    elif case == "torch-attention":
+        options["attention_backend"] = "torch"
+    elif case == "lora":
+        options.update(enable_lora=True, max_lora_rank=8)
+    path = make_tiny_checkpoint(base, family)
+    if case == "float32":
+        core = EngineCore(EngineConfig.from_options(model=path, dtype="float32",
+                                                    kv_cache_memory="64MiB",
+                                                    kernel_isa=kernel_level))
+    else:
+        core = _core(path, kernel_level, **options)
+    assert core.executor.worker.model.decode_stack is None
+    # ... and the engine still decodes there.
+    (tokens,) = _generate(core, case, [[5, 6, 7, 8]], max_tokens=3)
+    assert len(tokens) == 3
+
+
+def test_switching_the_layer_kernels_off_drops_the_stack(kernel_level, level_kernels,
+                                                         tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("stack-off"), "llama")
+    core = _core(path, kernel_level)
+    worker = core.executor.worker
+    if worker.layer_ops is None:
+        pytest.skip(f"the {kernel_level} build has no vector unit")
+    assert worker.model.decode_stack is not None
+    worker.set_layer_kernels(False)
+    assert worker.model.decode_stack is None
+    worker.set_layer_kernels(True)
+    assert isinstance(worker.model.decode_stack, DecodeStack)

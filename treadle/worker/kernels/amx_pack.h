@@ -1,0 +1,34 @@
+/* x rows as AMX B tiles for tdpbf16ps: pair j (elements 2j, 2j + 1) of K chunk c of row m
+ * at xb[m / 16][c][j][m % 16][0..1], each group of 16 rows gstride elements (K rounded up
+ * to 32, times 16 rows) apart, zero padded past M and K. Shared by gemm_bf16_amx.c and
+ * quant_amx.c. */
+#ifndef TREADLE_AMX_PACK_H
+#define TREADLE_AMX_PACK_H
+
+#include <stdint.h>
+#include <string.h>
+
+/* Group g (rows 16 g .. 16 g + 15 of the M rows of x, ldx apart) into dst. */
+static inline void amx_pack_group(const uint16_t *x, int64_t ldx, int64_t M, int64_t K,
+                                  int64_t g, uint16_t *dst16, int64_t gstride) {
+    uint32_t *dst = (uint32_t *)dst16;
+    memset(dst, 0, (size_t)gstride * 2);
+    for (int64_t r = 0; r < 16 && g * 16 + r < M; r++) {
+        const uint16_t *xr = x + (g * 16 + r) * ldx;
+        for (int64_t k = 0; k + 1 < K; k += 2) {
+            uint32_t pair;
+            memcpy(&pair, xr + k, 4);
+            dst[(k / 32) * 256 + ((k % 32) / 2) * 16 + r] = pair;
+        }
+        if (K % 2) dst[((K - 1) / 32) * 256 + (((K - 1) % 32) / 2) * 16 + r] = xr[K - 1];
+    }
+}
+
+/* Every group of x into xb. */
+static inline void amx_pack_rows(const uint16_t *x, int64_t ldx, int64_t M, int64_t K,
+                                 uint16_t *xb, int64_t gstride) {
+    for (int64_t g = 0; g < (M + 15) / 16; g++)
+        amx_pack_group(x, ldx, M, K, g, xb + g * gstride, gstride);
+}
+
+#endif

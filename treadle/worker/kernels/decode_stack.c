@@ -1,0 +1,116 @@
+/* Every decoder layer of a bf16 Llama-family model for a decode step, in one call.
+ *
+ * At the few rows of a decode step (one per request) each layer is ten kernel calls of a
+ * few to a few hundred microseconds, and the Python between them (module calls, the
+ * wrappers' checks, ctypes' argument conversion) cost about 2 ms of a 20 ms step of
+ * SmolLM2-135M's 30 layers (docs/benchmarks.md, "A decode step without Python between
+ * the kernels"). This driver runs the same kernels in the same order with the same
+ * roundings, so its results are bit-identical to the layer-by-layer path:
+ *
+ *   x = rms_norm(h += down_prev)        add_rms_norm_bf16 (no add on the first layer)
+ *   qkv = x . Wqkv^T (+ b)              gemv_bf16 or gemm_bf16_amx (by rows)
+ *   q = rope(q); cache <- rope(k), v    rope_kv_bf16
+ *   a = attention(q, cache)             paged_decode_bf16
+ *   x = rms_norm(h += a . Wo^T (+ b))   gemv_bf16, add_rms_norm_bf16
+ *   down = silu_mul(x . Wgu^T) . Wd^T   gemv_bf16, silu_mul_bf16, gemv_bf16
+ *
+ * and after the last layer out = final_norm(h += down). The caller checks that the step
+ * qualifies (every row one decoded token, rows within the linear kernel's limit, a bf16
+ * cache, no sliding window, no adapters, one rank): see worker/decode_stack.py.
+ */
+
+#include <stdint.h>
+#include <stdlib.h>
+
+typedef uint16_t bf16_t;
+
+/* The kernels this driver calls (gemv_bf16.c, norm_bf16.c, paged_decode.c). */
+int gemv_bf16(const bf16_t *x, int64_t ldx, const bf16_t *w, const bf16_t *bias, bf16_t *y,
+              int64_t ldy, int64_t M, int64_t N, int64_t K, int threads);
+int gemm_bf16_amx(const bf16_t *x, int64_t ldx, const bf16_t *w, const bf16_t *bias,
+                  bf16_t *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads);
+int add_rms_norm_bf16(bf16_t *hidden, const bf16_t *delta, const bf16_t *weight, bf16_t *out,
+                      int64_t M, int64_t H, float eps);
+int silu_mul_bf16(const bf16_t *gate_up, bf16_t *out, int64_t M, int64_t I);
+int rope_kv_bf16(const bf16_t *qk, int64_t qk_row, const bf16_t *v, int64_t v_row,
+                 const bf16_t *cos, const bf16_t *sin, int64_t cs_row, const int64_t *slots,
+                 bf16_t *q_out, bf16_t *k_cache, bf16_t *v_cache, int64_t M, int64_t heads,
+                 int64_t kv_heads, int64_t D, int64_t slots_per_head);
+int paged_decode_bf16(const bf16_t *q, const bf16_t *k_cache, const bf16_t *v_cache,
+                      const int64_t *block_table, const int64_t *ctx_lens, bf16_t *out,
+                      int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
+                      int64_t head_dim, int64_t num_blocks, int64_t block_size,
+                      int64_t max_blocks, float scale);
+
+/* One layer's parameters and cache, as the model holds them. Biases may be NULL. */
+typedef struct {
+    const bf16_t *input_norm, *post_norm;       /* [H] */
+    const bf16_t *qkv_w, *qkv_b;                 /* [(heads + 2 kv_heads) D, H] */
+    const bf16_t *o_w, *o_b;                     /* [H, heads D] */
+    const bf16_t *gate_up_w, *gate_up_b;         /* [2 I, H] */
+    const bf16_t *down_w, *down_b;               /* [H, I] */
+    bf16_t *k_cache, *v_cache;                   /* [kv_heads, num_blocks, block_size, D] */
+} decode_layer;
+
+/* The model's sizes (one rank holds the whole model). */
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, num_blocks, block_size;
+    int64_t amx_first, amx_last;  /* rows the AMX tile kernel takes (0, 0: none) */
+    float eps, scale;
+} decode_dims;
+
+/* One linear: on AMX tiles where the caller enabled them for these rows (it checked the
+ * shapes), else the dot-product kernel. */
+static int linear(const decode_dims *d, const bf16_t *x, int64_t ldx, const bf16_t *w,
+                  const bf16_t *b, bf16_t *y, int64_t M, int64_t N, int64_t K, int threads) {
+    if (M >= d->amx_first && M <= d->amx_last && d->amx_last)
+        return gemm_bf16_amx(x, ldx, w, b, y, N, M, N, K, threads);
+    return gemv_bf16(x, ldx, w, b, y, N, M, N, K, threads);
+}
+
+/* hidden [M, H]: the embedded tokens, updated in place into the residual stream; out
+ * [M, H]: final_norm of it. cos, sin: [M, D / 2] rows cs_row apart; slots [M];
+ * block_table [M, max_blocks]; ctx_lens [M]. Returns 0, or the first kernel's non-zero
+ * status (-2: out of memory), in which case the caches may hold this step's keys. */
+int decode_stack_bf16(const decode_layer *layers, int64_t num_layers, const decode_dims *d,
+                      const bf16_t *final_norm, bf16_t *hidden, bf16_t *out, int64_t M,
+                      const bf16_t *cos, const bf16_t *sin, int64_t cs_row,
+                      const int64_t *slots, const int64_t *block_table, int64_t max_blocks,
+                      const int64_t *ctx_lens, int threads) {
+    const int64_t H = d->hidden, D = d->head_dim, I = d->intermediate;
+    const int64_t q_size = d->heads * D, qkv_n = (d->heads + 2 * d->kv_heads) * D;
+    const int64_t slots_per_head = d->num_blocks * d->block_size;
+    bf16_t *buf = malloc(sizeof(bf16_t) * M * (H + qkv_n + 2 * q_size + H + 3 * I));
+    if (!buf) return -2;
+    bf16_t *x = buf, *qkv = x + M * H, *q = qkv + M * qkv_n, *attn = q + M * q_size;
+    bf16_t *delta = attn + M * q_size, *gate_up = delta + M * H, *act = gate_up + 2 * M * I;
+    int status = 0;
+    for (int64_t l = 0; l < num_layers && !status; l++) {
+        const decode_layer *L = &layers[l];
+        status = add_rms_norm_bf16(hidden, l ? delta : 0, L->input_norm, x, M, H, d->eps);
+        if (!status)
+            status = linear(d, x, H, L->qkv_w, L->qkv_b, qkv, M, qkv_n, H, threads);
+        if (!status)
+            status = rope_kv_bf16(qkv, qkv_n, qkv + q_size + d->kv_heads * D, qkv_n, cos, sin,
+                                  cs_row, slots, q, L->k_cache, L->v_cache, M, d->heads,
+                                  d->kv_heads, D, slots_per_head);
+        if (!status)
+            status = paged_decode_bf16(q, L->k_cache, L->v_cache, block_table, ctx_lens, attn,
+                                       M, d->heads, d->kv_heads, D, d->num_blocks,
+                                       d->block_size, max_blocks, d->scale);
+        if (!status)
+            status = linear(d, attn, q_size, L->o_w, L->o_b, delta, M, H, q_size, threads);
+        if (!status)
+            status = add_rms_norm_bf16(hidden, delta, L->post_norm, x, M, H, d->eps);
+        if (!status)
+            status = linear(d, x, H, L->gate_up_w, L->gate_up_b, gate_up, M, 2 * I, H, threads);
+        if (!status) status = silu_mul_bf16(gate_up, act, M, I);
+        if (!status)
+            status = linear(d, act, I, L->down_w, L->down_b, delta, M, H, I, threads);
+    }
+    if (!status)
+        status = add_rms_norm_bf16(hidden, num_layers ? delta : 0, final_norm, out, M, H,
+                                   d->eps);
+    free(buf);
+    return status;
+}
