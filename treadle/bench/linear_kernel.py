@@ -23,7 +23,9 @@ Owns two measurements, reported as they come (nothing here is a target):
 - steps (`--steps N`): an EngineCore on the demo model in bf16 with R requests of
   600-token prompts decoding together (R in --requests, default 4 and 16); after prefill,
   N decode steps per variant, alternating in blocks: each ISA level's kernels (layers,
-  decode attention and sampling of that build), torch's layers (`Worker.use_native_kernels(k, None)`,
+  decode attention and sampling of that build; with the decode stack, worker/
+  decode_stack.py, where it applies), the same kernels called layer by layer
+  (`*_layer_by_layer`: no decode stack), torch's layers (`Worker.use_native_kernels(k, None)`,
   attention of the first level) and, with --fp32, a float32 engine on the first level's
   attention; the median step ms of each.
 
@@ -214,6 +216,8 @@ def steps(num_requests: int, num_steps: int, prompt_len: int = 600, block: int =
     levels = load_levels(isa)
     first = next(iter(levels.values()))[0]
     variants = {level: (ops, k) for level, (k, ops) in levels.items()}
+    for level, (k, ops) in levels.items():  # the same kernels called layer by layer
+        variants[f"{level}_layer_by_layer"] = (ops, k)
     variants["torch_layers"] = (None, first)
     max_tokens = (len(variants) + 1) * (num_steps + block) + 8
     first_ops = next(iter(levels.values()))[1]
@@ -227,6 +231,8 @@ def steps(num_requests: int, num_steps: int, prompt_len: int = 600, block: int =
         for name, (ops, k) in variants.items():
             core = cores["fp32" if name == "fp32" else "bf16"]
             _use(core, ops, k)
+            if name.endswith("_layer_by_layer"):
+                core.executor.worker.model.decode_stack = None
             for _ in range(block):
                 t0, c0 = time.perf_counter(), time.process_time()
                 out = core.step()
