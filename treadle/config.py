@@ -18,6 +18,9 @@ from typing import Any
 
 from treadle.worker.cpu_isa import KERNEL_ISA_CHOICES
 
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8")
+"""--quantization: weights kept quantized in memory (worker/quantized_linears.py)."""
+
 _SIZE_UNITS = {
     "": 1, "b": 1,
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -94,6 +97,12 @@ class ModelConfig:
     kernel_isa: str = field(default="auto", metadata=_help(
         "Instruction set of the C kernels: auto (the best this CPU runs), avx512bf16, "
         "avx512, avx2, or native (gcc -march=native)"))
+    quantization: str = field(default="auto", metadata=_help(
+        "Linear weights kept quantized and run on the C quantized kernels (CPU, one rank): "
+        "none, gguf (a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K blocks as they are), int8 (one "
+        "symmetric scale per output row, made at load from any checkpoint), or auto "
+        "(none for now: on the CPUs measured the bf16 path is faster, docs/benchmarks.md "
+        "'Quantized weights in the engine')"))
     enforce_eager: bool = field(default=False, metadata=_help(
         "GPU: run every step eagerly (no CUDA graphs for decode steps)"))
     cuda_graph_sizes: str | None = field(default=None, metadata=_help(
@@ -113,6 +122,9 @@ class ModelConfig:
                              f"got {self.attention_backend!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be one of auto, cpu, cuda, got {self.device!r}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                             f"got {self.quantization!r}")
         if self.kernel_isa not in KERNEL_ISA_CHOICES:
             raise ValueError(f"kernel_isa must be one of {', '.join(KERNEL_ISA_CHOICES)}, "
                              f"got {self.kernel_isa!r}")

@@ -135,6 +135,46 @@ def resolve_model(model: str | None, revision: str | None = None,
                             "config.json, a .gguf file, 'demo', nor a Hugging Face id (org/name)")
 
 
+def gguf_source(model: str | None, revision: str | None = None,
+                download_dir: str | None = None) -> Path | None:
+    """The GGUF file `model` names (resolve_model's rules: the default model, a .gguf file,
+    a folder or Hub snapshot holding one without config.json, or treadle's cached
+    conversion of one), or None when it names a checkpoint of another kind."""
+    if model is None:
+        from treadle.models import default_model
+        try:
+            return default_model.default_model_gguf()
+        except default_model.FetchError:
+            return None
+    if model == DEMO:
+        return None
+    path = Path(model).expanduser()
+    if not path.exists() and is_hub_id(model):
+        path = hub_snapshot(model, revision, download_dir)
+    if path.is_file():
+        return path if path.suffix.lower() == ".gguf" else None
+    if path.is_dir() and not (path / "config.json").is_file():
+        return _gguf_in(path)
+    return _converted_from(path) if path.is_dir() else None
+
+
+def _converted_from(checkpoint: Path) -> Path | None:
+    """The GGUF file a cached conversion was made from (its treadle_gguf.json), while that
+    file still has the recorded sha256; else None."""
+    import json
+
+    from treadle.models.gguf_convert import SOURCE_FILE, file_sha256
+
+    record = checkpoint / SOURCE_FILE
+    if not record.is_file():
+        return None
+    info = json.loads(record.read_text(encoding="utf-8"))
+    source = Path(info.get("source", ""))
+    if not source.is_file() or file_sha256(source) != info.get("sha256"):
+        return None
+    return source
+
+
 def served_model_name(model: str | None, model_dir: Path) -> str:
     """The name clients use: the Hub id as given, else the checkpoint folder's name."""
     if model is not None and model != DEMO and is_hub_id(model):

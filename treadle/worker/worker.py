@@ -34,6 +34,7 @@ from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 from treadle.core.policy import PreemptionCosts
 from treadle.config import parse_layer_partition
 from treadle.models.loader import build_model, read_config
+from treadle.models.resolve import gguf_source
 from treadle.models.registry import resolve_model_class
 from treadle.worker.attention import make_attention_backend
 from treadle.worker.attention.cpu_native import CpuNativeBackend
@@ -44,10 +45,12 @@ from treadle.worker.grammar import GrammarState
 from treadle.worker.cpu_isa import describe_kernels
 from treadle.worker.cost_probe import measure_copy_bytes_per_s, measure_matmul_flops_per_s
 from treadle.worker.kv_cache import KVCacheSpec, allocate_kv_caches, allocate_swap_space
+from treadle.worker import quantized_linears
 from treadle.worker.decode_stack import DecodeStack
 from treadle.worker.linear_kernels import DenseLinearKernel, dense_kernel_factory
 from treadle.worker.model_runner import ModelRunner
 from treadle.worker.native_linear import NativeLayerOps
+from treadle.worker.native_quant import QuantKernels
 from treadle.worker.parallel_state import ParallelContext, init_parallel
 from treadle.worker.platform import get_platform
 from treadle.worker.profile_step import profile_lengths, profile_steps
@@ -128,6 +131,7 @@ class Worker:
             logger.info("linear layers: %d kernels attached (oneDNN prepacked bf16%s)",
                         num_kernels, ", C kernels at <= %d rows" % self.layer_ops.max_rows
                         if self.layer_ops is not None else "")
+        self.quantized = self._quantize(dtype)
         self.lora = self._make_lora_manager(dtype)
         self.attention = make_attention_backend(
             config.model.attention_backend, self.platform, self.model.num_kv_heads,
@@ -154,6 +158,8 @@ class Worker:
             kernels += "; " + describe_kernels(
                 self.native, dtype, self.model.head_dim, self.layer_ops,
                 native_attention=self.attention.name == "cpu-native")
+        if self.quantized is not None:
+            kernels += "; " + self.quantized.describe()
         if self.lora is not None:
             kernels += f"; LoRA {self.lora.ops_name} ({self.lora.num_slots} slots)"
         return WorkerInfo(
@@ -168,6 +174,23 @@ class Worker:
             num_layers=self.model.num_layers,
             spec_costs=self._spec_costs(num_kv_blocks),
             layer_windows=tuple(getattr(self.model, "layer_windows", ())))
+
+    def _quantize(self, dtype: torch.dtype):
+        """--quantization: the linear layers on quantized weights (worker/
+        quantized_linears.py); None when they stay dense."""
+        m = self.config.model
+        if m.quantization in ("auto", "none"):  # auto: none for now (quantized_linears.py)
+            return None
+        if self.platform.device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"quantization={m.quantization} runs on the CPU in bfloat16 or "
+                             f"float32 (device {self.platform.device.type}, dtype {dtype})")
+        gguf = gguf_source(m.model, m.revision, m.download_dir)
+        mode = quantized_linears.resolve_mode(m.quantization, gguf)
+        kernels = QuantKernels.load(self.native.lib) if self.native is not None else None
+        report = quantized_linears.attach(self.model, mode, kernels, gguf)
+        if report is not None:
+            logger.info("%s", report.describe())
+        return report
 
     def _make_lora_manager(self, dtype: torch.dtype):
         """The LoRA manager (it wraps the adapted layers' kernels), or None without LoRA."""
