@@ -1,12 +1,33 @@
 /* x rows as AMX B tiles for tdpbf16ps: pair j (elements 2j, 2j + 1) of K chunk c of row m
  * at xb[m / 16][c][j][m % 16][0..1], each group of 16 rows gstride elements (K rounded up
  * to 32, times 16 rows) apart, zero padded past M and K. Shared by gemm_bf16_amx.c and
- * quant_amx.c. */
+ * quant_amx.c, with the tile configuration both load (amx_configure_tiles). */
 #ifndef TREADLE_AMX_PACK_H
 #define TREADLE_AMX_PACK_H
 
 #include <stdint.h>
 #include <string.h>
+
+#if defined(__x86_64__) && defined(__linux__)
+#include <immintrin.h>
+
+/* Palette 1 with tiles 0 .. ntiles - 1 of 16 rows x 64 bytes, for this thread (the
+ * kernels' C, A and B tiles are all that size). */
+__attribute__((target("amx-tile"))) static inline void amx_configure_tiles(int ntiles) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < ntiles; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+#endif
 
 /* Group g (rows 16 g .. 16 g + 15 of the M rows of x, ldx apart) into dst. */
 static inline void amx_pack_group(const uint16_t *x, int64_t ldx, int64_t M, int64_t K,

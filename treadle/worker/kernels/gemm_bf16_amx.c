@@ -52,23 +52,8 @@ int gemm_bf16_amx_available(void) {
     return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
 }
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
 /* Tiles 0-3: C; 4: A (16 weight rows x 32 bf16); 5-7: B (16 pairs x 16 x rows). */
-AMX_TARGET static void configure(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
+AMX_TARGET static void configure(void) { amx_configure_tiles(8); }
 
 /* B tiles rotate over 5-7 so that a load need not wait for the product before it to
  * finish reading. */

@@ -35,24 +35,9 @@ int quant_amx_available(void) {
 }
 
 #if QK_AMX
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
 /* Tiles 0-3: C (fp32 16 x 16); 4: A (16 weight rows x 32 bf16); 5, 6: B (16 pairs x 16
  * x rows). */
-static void configure_tiles(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 7; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
+static void configure_tiles(void) { amx_configure_tiles(7); }
 
 /* B tiles alternate between tiles 5 and 6 (literal tile numbers: the intrinsics take them as
  * immediates) so that a load need not wait for the previous product to finish reading. */
