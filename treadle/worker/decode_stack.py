@@ -5,7 +5,7 @@ Such a step runs ten small kernels per layer; between them the layer-by-layer pa
 Python (module calls, the wrappers' checks, ctypes' argument conversion) that was about
 2 ms of a 20 ms four-request step of SmolLM2-135M. The C driver calls the same kernels
 in the same order, so the hidden states are bit-identical to that path's
-(tests/unit/test_decode_stack.py).
+(tests/integration/test_decode_stack.py).
 
 `DecodeStack.build` says whether a model qualifies (the plain Llama layer: no per-head
 q/k norms, no sliding window or softcap, every linear on the C kernel's `DenseLinearKernel`
