@@ -30,6 +30,9 @@ def test_levels_a_cpu_executes_follow_its_flags():
     assert executable_levels(V3) == ["avx2"]
     assert executable_levels(V3 - {"fma"}) == []  # AVX2 without FMA is not x86-64-v3
     assert executable_levels(V3 | {"avx512f", "avx512_bf16"}) == ["avx2"]  # no BW/VL/DQ/CD
+    # The avx512bf16 build also has VNNI (the quantized kernels' int8 dot products); every
+    # CPU with AVX-512 BF16 has it, and one without it does not get that build.
+    assert executable_levels(V4 | {"avx512_bf16"}) == ["avx512", "avx2"]
 
 
 def test_candidates_in_the_order_auto_tries_them():

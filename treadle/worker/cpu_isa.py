@@ -26,11 +26,13 @@ WIDENING_LEVELS = ("avx512", "avx2")
 _X86_V2 = ("cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3")
 _X86_V3 = _X86_V2 + ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")
 _X86_V4 = _X86_V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
-REQUIRED_CPU_FLAGS = {"avx512bf16": _X86_V4 + ("avx512_bf16",), "avx512": _X86_V4,
+REQUIRED_CPU_FLAGS = {"avx512bf16": _X86_V4 + ("avx512_bf16", "avx512_vnni"), "avx512": _X86_V4,
                       "avx2": _X86_V3}
-"""level -> the /proc/cpuinfo flags a CPU needs to execute its build."""
+"""level -> the /proc/cpuinfo flags a CPU needs to execute its build. The avx512bf16 build
+also has AVX-512 VNNI (every CPU with AVX-512 BF16 has it: Cooper Lake, Sapphire Rapids,
+Zen 4), which the quantized kernels' int8 dot products use (quant_dot.c)."""
 
-_MARCH = {"avx512bf16": ["-march=x86-64-v4", "-mavx512bf16", "-mtune=native"],
+_MARCH = {"avx512bf16": ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mtune=native"],
           "avx512": ["-march=x86-64-v4", "-mtune=native"],
           "avx2": ["-march=x86-64-v3", "-mtune=native"],
           "native": ["-march=native"]}
