@@ -11,7 +11,7 @@ one row per token). The dense weights stay loaded beside the quantized ones (LoR
 the torch fallbacks read them); a decode step reads only the quantized blocks.
 
 `auto` is `none` for now: the issue asked for `gguf` by default for a quantized GGUF
-file, but on the CPU measured (an AMX Xeon) the engine-core run was 240 tok/s on the
+file, but on the CPU measured (an AMX Xeon) the engine-core run was 326 tok/s on the
 default model's Q4_1 blocks against 393 on its bf16 dequantization, which takes the decode
 stack (docs/benchmarks.md, "Quantized weights in the engine"). The worker decides, never
 the model; CPU only, one rank (a shard of GGUF blocks is not cut).
