@@ -78,10 +78,10 @@ class DecodeStack:
             entry.down_w, entry.down_b = _ptr(down.weight), _ptr(down.bias)
         self._cache_ptrs: tuple[int, ...] = ()
         first = layers[0]
-        self._eps = float(first.input_layernorm.eps)
         self._dims = _Dims(hidden=model.hidden_size, heads=model.num_heads,
                            kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-                           intermediate=first.mlp.intermediate, eps=self._eps,
+                           intermediate=first.mlp.intermediate,
+                           eps=float(first.input_layernorm.eps),
                            scale=float(first.self_attn.scale))
         # The AMX rows only when every projection fits that kernel, as the layers' own
         # calls would choose it (NativeLayerOps.linear): the same kernel for the same rows.
@@ -102,9 +102,7 @@ class DecodeStack:
                 or attention.layer_ops is None or attention.kv_cache_dtype != "auto"
                 or not isinstance(model, LlamaForCausalLM)
                 or getattr(model, "family", None) not in ("llama", "mistral", "qwen2")
-                or model.dtype != torch.bfloat16 or model.parallel.world_size != 1
-                or not hasattr(layer_ops, "lib") or not hasattr(layer_ops.lib,
-                                                                "decode_stack_bf16")):
+                or model.dtype != torch.bfloat16 or model.parallel.world_size != 1):
             return None
         layers = list(model.model.layers.values())
         if not layers or any(type(layer) is not DecoderLayer for layer in layers):

@@ -87,7 +87,7 @@ def _linears(model) -> list[tuple[str, object]]:
 
 
 def _bias(linear) -> torch.Tensor | None:
-    bias = getattr(linear, "kernel_bias", linear.bias)
+    bias = linear.kernel_bias  # a row-parallel layer's own bias is added after its sum
     return None if bias is None else bias.detach().float()
 
 

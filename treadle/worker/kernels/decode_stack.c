@@ -63,7 +63,7 @@ typedef struct {
  * shapes), else the dot-product kernel. */
 static int linear(const decode_dims *d, const bf16_t *x, int64_t ldx, const bf16_t *w,
                   const bf16_t *b, bf16_t *y, int64_t M, int64_t N, int64_t K, int threads) {
-    if (M >= d->amx_first && M <= d->amx_last && d->amx_last)
+    if (M >= d->amx_first && M <= d->amx_last)
         return gemm_bf16_amx(x, ldx, w, b, y, N, M, N, K, threads);
     return gemv_bf16(x, ldx, w, b, y, N, M, N, K, threads);
 }

@@ -1,4 +1,4 @@
-/* bf16 linear layer on AMX tiles for a decode step's 5-64 rows: y[M, N] = x[M, K] .
+/* bf16 linear layer on AMX tiles for a decode step's 4-64 rows: y[M, N] = x[M, K] .
  * W[N, K]^T (+ bias), the weight read once, straight from its row-major bf16 layout.
  *
  * At these rows a linear layer is still bound by reading its weight, but the dot-product
