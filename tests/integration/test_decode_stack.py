@@ -1,7 +1,8 @@
 """The decode stack (worker/decode_stack.py, kernels/decode_stack.c): every layer of a
 decode step in one C call gives the same log-probabilities, bit for bit, as the model's
-layers run one by one on the same kernels, at every ISA level this CPU runs; and it stays
-out of the steps and models it does not cover."""
+layers run one by one on the same kernels, at every ISA level this CPU runs, with dense
+and with quantized weights (`--quantization`); and it stays out of the steps and models
+it does not cover."""
 
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ import pytest
 import torch
 
 from conftest import make_tiny_checkpoint
+from gguf_files import write_tiny_gguf
 
 from treadle.config import EngineConfig
 from treadle.engine.core import EngineCore
 from treadle.request import Request
 from treadle.sampling_params import SamplingParams
-from treadle.worker.decode_stack import DecodeStack
+from treadle.models.quant_weights import choose_path
+from treadle.worker.decode_stack import QUANT_PATH_CODES, DecodeStack
+from treadle.worker.quantized_linears import QuantizedLinearKernel
 
 
 def _core(path, level, **options) -> EngineCore:
@@ -80,6 +84,50 @@ def test_stack_matches_layer_by_layer_bit_for_bit(kernel_level, level_kernels, f
     plain = _generate(core, "layers", prompts, max_tokens=4, spread=2)
     assert counting.ran >= 9, "every all-decode step should run in the stack"
     assert counting.declined >= 1, "the prefill steps are left to the layers"
+    assert fused == plain
+
+
+# Each projection in its own format, so that every format's paths run in one model; the
+# down projection's Q5_0 has no kernel and stays dense (the stack mixes both kinds).
+_GGUF_TYPES = {"self_attn.q": "Q8_0", "self_attn.k": "Q8_0", "self_attn.v": "Q8_0",
+               "self_attn.o": "Q4_0", "mlp.gate": "Q4_1", "mlp.up": "Q4_1",
+               "mlp.down": "Q5_0"}
+
+
+@pytest.mark.parametrize("mode", ["gguf", "int8"])
+def test_quantized_stack_matches_layer_by_layer_bit_for_bit(kernel_level, level_kernels, mode,
+                                                            tmp_path_factory):
+    base = tmp_path_factory.mktemp(f"stack-quant-{mode}")
+    path = make_tiny_checkpoint(base / "hf", "llama", hidden_size=256, intermediate_size=512)
+    if mode == "gguf":
+        path = str(write_tiny_gguf(path, base / "tiny.gguf", "llama", _GGUF_TYPES))
+    core = _core(path, kernel_level, enable_prefix_caching=False, quantization=mode)
+    worker = core.executor.worker
+    model = worker.model
+    if worker.layer_ops is None:
+        pytest.skip(f"the {kernel_level} build has no vector unit")
+    layer = model.model.layers["0"]
+    kinds = [type(linear.kernel) for linear in (layer.self_attn.qkv_proj,
+                                                layer.self_attn.o_proj, layer.mlp.down_proj)]
+    assert kinds[:2] == [QuantizedLinearKernel] * 2
+    assert (kinds[2] is QuantizedLinearKernel) == (mode == "int8")
+    stack = model.decode_stack
+    assert stack is not None, "quantized linears on the same library's kernels get a stack"
+    counting = _Counting(stack)
+    # 36 requests finishing one after another: steps of 36 down to 1 rows, so that each
+    # format crosses its paths (with AMX: dot, amx_dot from 4 or 8 rows, amx from 33).
+    prompts = [[5 + 3 * i + j for j in range(3 + i % 5)] for i in range(36)]
+    rows = min(stack.max_rows, len(prompts))
+    kernels = layer.self_attn.qkv_proj.kernel.weight.kernels
+    paths = {choose_path(kernels, fmt, m) for fmt in ("Q8_0", "Q4_0", "Q4_1", "INT8")
+             for m in range(1, rows + 1)}
+    assert paths <= set(QUANT_PATH_CODES) and len(paths) >= 2
+    model.decode_stack = counting
+    fused = _generate(core, "stack", prompts, max_tokens=2, spread=1)
+    model.decode_stack = None
+    plain = _generate(core, "layers", prompts, max_tokens=2, spread=1)
+    # one all-decode step per row count, from 36 rows down; those within max_rows are ours
+    assert counting.ran >= rows - 1, "the all-decode steps within its rows run in the stack"
     assert fused == plain
 
 

@@ -216,3 +216,24 @@ def test_unsupported_architecture_and_tensor_type_are_named(tmp_path):
     not_gguf.write_bytes(b"not a gguf file at all")
     with pytest.raises(ValueError, match="not a readable GGUF file"):
         resolve_model(str(not_gguf), dtype="float32")
+
+
+def test_file_sha256_reads_a_file_once_until_it_changes(tmp_path, monkeypatch):
+    import hashlib
+    from types import SimpleNamespace
+
+    reads = []
+
+    def counting_sha256():
+        reads.append(1)
+        return hashlib.sha256()
+
+    monkeypatch.setattr(gguf_convert, "hashlib", SimpleNamespace(sha256=counting_sha256))
+    path = tmp_path / "f.gguf"
+    path.write_bytes(b"a" * 10)
+    assert gguf_convert.file_sha256(path) == hashlib.sha256(b"a" * 10).hexdigest()
+    assert gguf_convert.file_sha256(str(path)) == hashlib.sha256(b"a" * 10).hexdigest()
+    assert len(reads) == 1
+    path.write_bytes(b"b" * 11)  # another size (and mtime): read again
+    assert gguf_convert.file_sha256(path) == hashlib.sha256(b"b" * 11).hexdigest()
+    assert len(reads) == 2

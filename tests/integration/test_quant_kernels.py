@@ -47,7 +47,16 @@ def expected_isa(name: str, kernels: QuantKernels) -> None:
     level = {"avx512-bf16": "avx512+bf16+vnni", "avx512-vnni": "avx512+vnni",
              "avx512f": "avx512", "avx2-vnni": "avx2+vnni", "avx2": "avx2", "scalar": "scalar"}
     if name in level:
-        assert kernels.isa == level[name]
+        # AMX is compiled into every AVX-512 BF16 build and runs where the CPU has it
+        amx = "+amx" if name == "avx512-bf16" and _cpu_has_amx() else ""
+        assert kernels.isa == level[name] + amx
+
+
+def _cpu_has_amx() -> bool:
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")),
+                     [])
+    return all(flag in flags for flag in ("amx_tile", "amx_bf16", "amx_int8"))
 
 
 def test_each_build_runs_its_own_level(kernels, request):
@@ -213,3 +222,16 @@ def test_random_q4k_blocks_are_what_gguf_dequantizes():
     assert np.isfinite(ref).all() and ref.std() > 0
     assert torch.equal(weight.dequantize(), torch.from_numpy(ref)) or torch.allclose(
         weight.dequantize(), torch.from_numpy(ref), rtol=3e-7, atol=1e-9)
+
+
+def test_quant_kernel_benchmark_measures_every_path(tmp_path, monkeypatch):
+    """bench/quant_kernel.py runs (its figures set choose_path's thresholds) and reports a
+    time for each quantized path and the dense kernels it compares them with."""
+    from treadle.bench import quant_kernel
+
+    (row,) = quant_kernel.gemv(rows=(2,), formats=("Q8_0",), shapes=("kv",), repeats=1,
+                               copies_per_layer=1)
+    assert row["shape"] == "kv" and row["m"] == 2
+    labels = set(row["kernels"])
+    assert {"onednn_linear", "onednn_packed", "Q8_0_dot", "Q8_0_deq_buffered"} <= labels
+    assert all(v["ms"] > 0 for v in row["kernels"].values())

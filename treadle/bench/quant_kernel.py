@@ -87,7 +87,7 @@ def gemv(rows=(1, 4, 16), formats=FORMATS, shapes=tuple(SHAPES), repeats: int = 
     import torch
     import torch.nn.functional as F
 
-    from treadle.models.packed_linear import _pack, _packed_linear
+    from treadle.worker.linear_kernels import _pack, _packed_linear
 
     quant, bf16_ops = _kernels(variant)
     paths = ("dot", "deq", "deq_buffered") + (("amx", "amx_dot") if quant.has_amx else ())
@@ -141,7 +141,7 @@ def prefill(rows=(64, 256, 512), formats=("Q8_0", "Q4_0"), shapes=("gate_up", "d
     import torch
     import torch.nn.functional as F
 
-    from treadle.models.packed_linear import _pack, _packed_linear
+    from treadle.worker.linear_kernels import _pack, _packed_linear
 
     quant, _ = _kernels()
     gen = torch.Generator().manual_seed(1)

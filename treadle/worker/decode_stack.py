@@ -9,10 +9,13 @@ in the same order, so the hidden states are bit-identical to that path's
 
 `DecodeStack.build` says whether a model qualifies (the plain Llama layer: no per-head
 q/k norms, no sliding window or softcap, every linear on the C kernel's `DenseLinearKernel`
-and so no adapters, one rank, a bf16 `cpu-native` cache); calling the stack says whether
-a step does (every row a single-token decode in the kernel's row order, at most the
-linear kernel's rows, no heavy-hitter observer) and returns None otherwise, when the
-model runs its layers one by one as before.
+or on a quantized weight with the same library's kernels (`--quantization`), and so no
+adapters, one rank, a bf16 `cpu-native` cache); calling the stack says whether a step
+does (every row a single-token decode in the kernel's row order, at most the linear
+kernels' rows, no heavy-hitter observer) and returns None otherwise, when the model runs
+its layers one by one as before. A quantized linear runs the path `QuantizedLinear.apply`
+would choose for the step's rows (models/quant_weights.py `choose_path`), so quantized
+models stay bit-identical to their layer-by-layer run too.
 """
 
 from __future__ import annotations
@@ -23,32 +26,51 @@ from typing import Any
 import torch
 
 from treadle.models.llama import DecoderLayer, LlamaForCausalLM
+from treadle.models.quant_weights import QuantizedLinear, choose_path
 from treadle.worker.attention.cpu_native import CpuNativeBackend, CpuNativeMetadata
 from treadle.worker.linear_kernels import DenseLinearKernel
+from treadle.worker.native_quant import FORMAT_CODES
+from treadle.worker.quantized_linears import QuantizedLinearKernel
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
+QUANT_PATH_CODES = {"dot": 0, "amx_dot": 1, "amx": 2, "deq": 3, "deq_buffered": 4}
+"""The quantized kernel paths the C driver calls (decode_stack.c's QP_*); a step whose
+rows would take another path (prefill, torch) runs layer by layer."""
+_MAX_QUANT_ROWS = 256  # rows up to which the stack looks for quantized paths it can call
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("w", _P), ("bias", _P), ("scales", _P), ("row_bytes", _I64), ("fmt", _I64)]
+
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, _P) for name in (
-        "input_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b",
-        "down_w", "down_b", "k_cache", "v_cache")]
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Linear), ("o", _Linear),
+                ("gate_up", _Linear), ("down", _Linear), ("k_cache", _P), ("v_cache", _P)]
 
 
 class _Dims(ctypes.Structure):
     _fields_ = [(name, _I64) for name in (
         "hidden", "heads", "kv_heads", "head_dim", "intermediate", "num_blocks",
-        "block_size", "amx_first", "amx_last")] + [("eps", ctypes.c_float),
-                                                   ("scale", ctypes.c_float)]
+        "block_size", "amx_first", "amx_last")] + [
+        ("quant_path", _I64 * len(FORMAT_CODES)), ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float)]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _dense(linear) -> DenseLinearKernel | None:
-    """The layer's kernel when it is the C-backed dense kernel (not under an adapter)."""
+def _kernel(linear, lib) -> DenseLinearKernel | QuantizedLinear | None:
+    """What the driver runs for `linear`: its C-backed dense kernel, or its quantized
+    weight when that runs on `lib`'s kernels; None for anything else (an adapter's
+    kernel, torch's layers, another library)."""
     kernel = getattr(linear, "kernel", None)
+    if type(kernel) is QuantizedLinearKernel:
+        q = kernel.weight
+        if q.kernels is None or q.kernels.lib is not lib or not q.blocks.is_contiguous():
+            return None
+        return q
     if type(kernel) is not DenseLinearKernel or kernel.native is None:
         return None
     if kernel.bias is not None and not kernel.bias.is_contiguous():
@@ -56,11 +78,39 @@ def _dense(linear) -> DenseLinearKernel | None:
     return kernel
 
 
+def _entry(entry: _Linear, kernel: DenseLinearKernel | QuantizedLinear) -> None:
+    if isinstance(kernel, QuantizedLinear):
+        entry.w, entry.bias, entry.scales = (kernel.blocks.data_ptr(), _ptr(kernel.bias),
+                                             _ptr(kernel.scales))
+        entry.row_bytes, entry.fmt = kernel.blocks.stride(0), FORMAT_CODES[kernel.format.name]
+    else:
+        entry.w, entry.bias, entry.scales = kernel.weight.data_ptr(), _ptr(kernel.bias), None
+        entry.row_bytes, entry.fmt = 0, -1
+
+
+def _quant_paths(quantized: list[QuantizedLinear]) -> list[tuple[int, ...]]:
+    """Per row count m (index m - 1): each format's path code, up to the first m where a
+    format in use takes a path the driver does not call."""
+    if not quantized:
+        return []
+    kernels, names = quantized[0].kernels, {q.format.name for q in quantized}
+    table = []
+    for m in range(1, _MAX_QUANT_ROWS + 1):
+        codes = [0] * len(FORMAT_CODES)
+        for name in names:
+            path = choose_path(kernels, name, m, torch.bfloat16)
+            if path not in QUANT_PATH_CODES:
+                return table
+            codes[FORMAT_CODES[name]] = QUANT_PATH_CODES[path]
+        table.append(tuple(codes))
+    return table
+
+
 class DecodeStack:
     """One model's layers as the C driver reads them; `__call__` runs a qualifying step."""
 
     def __init__(self, layer_ops: Any, model: LlamaForCausalLM,
-                 kernels: list[tuple[DenseLinearKernel, ...]]) -> None:
+                 kernels: list[tuple[DenseLinearKernel | QuantizedLinear, ...]]) -> None:
         lib = layer_ops.lib
         self._fn = lib.decode_stack_bf16
         self._fn.argtypes = [_P, _I64, _P, _P, _P, _P, _I64, _P, _P, _I64, _P, _P, _I64, _P,
@@ -72,10 +122,10 @@ class DecodeStack:
         for entry, layer, (qkv, o, gate_up, down) in zip(self._layers, layers, kernels):
             entry.input_norm = _ptr(layer.input_layernorm.weight)
             entry.post_norm = _ptr(layer.post_attention_layernorm.weight)
-            entry.qkv_w, entry.qkv_b = _ptr(qkv.weight), _ptr(qkv.bias)
-            entry.o_w, entry.o_b = _ptr(o.weight), _ptr(o.bias)
-            entry.gate_up_w, entry.gate_up_b = _ptr(gate_up.weight), _ptr(gate_up.bias)
-            entry.down_w, entry.down_b = _ptr(down.weight), _ptr(down.bias)
+            _entry(entry.qkv, qkv)
+            _entry(entry.o, o)
+            _entry(entry.gate_up, gate_up)
+            _entry(entry.down, down)
         self._cache_ptrs: tuple[int, ...] = ()
         first = layers[0]
         self._dims = _Dims(hidden=model.hidden_size, heads=model.num_heads,
@@ -83,14 +133,20 @@ class DecodeStack:
                            intermediate=first.mlp.intermediate,
                            eps=float(first.input_layernorm.eps),
                            scale=float(first.self_attn.scale))
+        flat = [k for layer in kernels for k in layer]
+        dense = [k for k in flat if isinstance(k, DenseLinearKernel)]
+        self._quant_paths = _quant_paths([k for k in flat if isinstance(k, QuantizedLinear)])
+        self._paths_for = 0  # the rows whose paths _dims holds
         # The AMX rows only when every projection fits that kernel, as the layers' own
         # calls would choose it (NativeLayerOps.linear): the same kernel for the same rows.
-        shapes = [k.weight.shape for layer in kernels for k in layer]
         amx = layer_ops.amx_rows is not None and all(
-            layer_ops.amx_covers(layer_ops.amx_rows[0], n, k) for n, k in shapes)
+            layer_ops.amx_covers(layer_ops.amx_rows[0], *k.weight.shape) for k in dense)
         if amx:
             self._dims.amx_first, self._dims.amx_last = layer_ops.amx_rows
-        self.max_rows = layer_ops.linear_rows if amx else layer_ops.max_rows
+        limits = [layer_ops.linear_rows if amx else layer_ops.max_rows] if dense else []
+        if len(dense) < len(flat):
+            limits.append(len(self._quant_paths))
+        self.max_rows = min(limits)
         """Rows up to which a step runs here."""
 
     @classmethod
@@ -117,7 +173,7 @@ class DecodeStack:
             if (attn.q_norm is not None or attn.attn.sliding_window is not None
                     or attn.attn.logit_softcap is not None):
                 return None
-            found = tuple(_dense(linear) for linear in (
+            found = tuple(_kernel(linear, layer_ops.lib) for linear in (
                 attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
             if any(k is None for k in found):
                 return None
@@ -166,6 +222,9 @@ class DecodeStack:
             return None
         if not self._bind_caches(kv_caches):
             return None
+        if self._quant_paths and self._paths_for != m:
+            self._dims.quant_path[:] = self._quant_paths[m - 1]
+            self._paths_for = m
         out = torch.empty_like(hidden)
         status = self._fn(self._layers, len(self._layers), ctypes.byref(self._dims),
                           self.model.model.norm.weight.data_ptr(), hidden.data_ptr(),

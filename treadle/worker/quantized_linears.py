@@ -10,11 +10,13 @@ them. Activations stay in the engine's dtype; the embedding lookup stays dense (
 one row per token). The dense weights stay loaded beside the quantized ones (LoRA and
 the torch fallbacks read them); a decode step reads only the quantized blocks.
 
-`auto` is `none` for now: the issue asked for `gguf` by default for a quantized GGUF
-file, but on the CPU measured (an AMX Xeon) the engine-core run was 326 tok/s on the
-default model's Q4_1 blocks against 393 on its bf16 dequantization, which takes the decode
-stack (docs/benchmarks.md, "Quantized weights in the engine"). The worker decides, never
-the model; CPU only, one rank (a shard of GGUF blocks is not cut).
+Decode steps run quantized linears inside the decode stack (worker/decode_stack.py) like
+dense ones. `auto` is `none` for now: the issue asked for `gguf` by default for a
+quantized GGUF file, but on the CPU measured (an AMX Xeon) the engine-core run on the
+default model's Q4_1 blocks (468-471 tok/s) only tied its bf16 dequantization (470-480):
+the quantized kernels run at ~12 GB/s of blocks where the bf16 ones stream 23-35 GB/s
+(docs/benchmarks.md, "Quantized weights in the engine"). The worker decides, never the
+model; CPU only, one rank (a shard of GGUF blocks is not cut).
 """
 
 from __future__ import annotations

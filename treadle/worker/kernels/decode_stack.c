@@ -14,9 +14,12 @@
  *   x = rms_norm(h += a . Wo^T (+ b))   gemv_bf16, add_rms_norm_bf16
  *   down = silu_mul(x . Wgu^T) . Wd^T   gemv_bf16, silu_mul_bf16, gemv_bf16
  *
- * and after the last layer out = final_norm(h += down). The caller checks that the step
- * qualifies (every row one decoded token, rows within the linear kernel's limit, a bf16
- * cache, no sliding window, no adapters, one rank): see worker/decode_stack.py.
+ * and after the last layer out = final_norm(h += down). A linear whose weight is kept
+ * quantized (--quantization: GGUF blocks or INT8) calls the quantized kernel of the path
+ * the caller chose for this step's rows and that format (quant_dot.c, quant_amx_dot.c,
+ * quant_amx.c, quant_gemv.c), as QuantizedLinear.apply would. The caller checks that the
+ * step qualifies (every row one decoded token, rows within the linear kernels' limits, a
+ * bf16 cache, no sliding window, no adapters, one rank): see worker/decode_stack.py.
  */
 
 #include <stdint.h>
@@ -36,36 +39,86 @@ int rope_kv_bf16(const bf16_t *qk, int64_t qk_row, const bf16_t *v, int64_t v_ro
                  const bf16_t *cos, const bf16_t *sin, int64_t cs_row, const int64_t *slots,
                  bf16_t *q_out, bf16_t *k_cache, bf16_t *v_cache, int64_t M, int64_t heads,
                  int64_t kv_heads, int64_t D, int64_t slots_per_head);
+/* The quantized kernels (quant_*.c): x and y bf16 here. */
+int quant_gemv_dot(int fmt, const uint8_t *w, int64_t row_bytes, const float *scales,
+                   const void *x, int64_t ldx, int x_bf16, const float *bias, void *y,
+                   int64_t ldy, int y_bf16, int64_t M, int64_t N, int64_t K, int threads);
+int quant_gemm_amx_dot(int fmt, const uint8_t *w, int64_t row_bytes, const float *scales,
+                       const void *x, int64_t ldx, int x_bf16, const float *bias, void *y,
+                       int64_t ldy, int y_bf16, int64_t M, int64_t N, int64_t K, int threads);
+int quant_gemm_amx(int fmt, const uint8_t *w, int64_t row_bytes, const float *scales,
+                   const uint16_t *x, int64_t ldx, const float *bias, void *y, int64_t ldy,
+                   int y_bf16, int64_t M, int64_t N, int64_t K, int threads);
+int quant_gemv_deq(int fmt, const uint8_t *w, int64_t row_bytes, const float *scales,
+                   const void *x, int64_t ldx, int x_bf16, const float *bias, void *y,
+                   int64_t ldy, int y_bf16, int64_t M, int64_t N, int64_t K, int buffered,
+                   int threads);
 int paged_decode_bf16(const bf16_t *q, const bf16_t *k_cache, const bf16_t *v_cache,
                       const int64_t *block_table, const int64_t *ctx_lens, bf16_t *out,
                       int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
                       int64_t head_dim, int64_t num_blocks, int64_t block_size,
                       int64_t max_blocks, float scale);
 
-/* One layer's parameters and cache, as the model holds them. Biases may be NULL. */
+/* One linear layer's weight [N, K]: dense bf16 (fmt < 0; bias bf16 [N] or NULL) or
+ * quantized (fmt: quant_simd.h's format number; w: N rows of row_bytes; scales: INT8's
+ * row scales, else NULL; bias fp32 [N] or NULL). */
+typedef struct {
+    const void *w, *bias;
+    const float *scales;
+    int64_t row_bytes, fmt;
+} stack_linear;
+
+/* One layer's parameters and cache, as the model holds them. */
 typedef struct {
     const bf16_t *input_norm, *post_norm;       /* [H] */
-    const bf16_t *qkv_w, *qkv_b;                 /* [(heads + 2 kv_heads) D, H] */
-    const bf16_t *o_w, *o_b;                     /* [H, heads D] */
-    const bf16_t *gate_up_w, *gate_up_b;         /* [2 I, H] */
-    const bf16_t *down_w, *down_b;               /* [H, I] */
+    stack_linear qkv;                            /* [(heads + 2 kv_heads) D, H] */
+    stack_linear o;                              /* [H, heads D] */
+    stack_linear gate_up;                        /* [2 I, H] */
+    stack_linear down;                           /* [H, I] */
     bf16_t *k_cache, *v_cache;                   /* [kv_heads, num_blocks, block_size, D] */
 } decode_layer;
+
+/* Quantized kernel paths, as worker/decode_stack.py numbers them. */
+enum { QP_DOT = 0, QP_AMX_DOT = 1, QP_AMX = 2, QP_DEQ = 3, QP_DEQ_BUFFERED = 4 };
+#define NUM_QUANT_FORMATS 5
 
 /* The model's sizes (one rank holds the whole model). */
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, num_blocks, block_size;
     int64_t amx_first, amx_last;  /* rows the AMX tile kernel takes (0, 0: none) */
+    int64_t quant_path[NUM_QUANT_FORMATS];  /* this step's path per quantized format */
     float eps, scale;
 } decode_dims;
 
-/* One linear: on AMX tiles where the caller enabled them for these rows (it checked the
- * shapes), else the dot-product kernel. */
-static int linear(const decode_dims *d, const bf16_t *x, int64_t ldx, const bf16_t *w,
-                  const bf16_t *b, bf16_t *y, int64_t M, int64_t N, int64_t K, int threads) {
-    if (M >= d->amx_first && M <= d->amx_last)
-        return gemm_bf16_amx(x, ldx, w, b, y, N, M, N, K, threads);
-    return gemv_bf16(x, ldx, w, b, y, N, M, N, K, threads);
+/* One linear, y [M, N] rows N apart. Dense: on AMX tiles where the caller enabled them
+ * for these rows (it checked the shapes), else the dot-product kernel. Quantized: the
+ * path the caller chose for this format and these rows. */
+static int linear(const decode_dims *d, const bf16_t *x, int64_t ldx, const stack_linear *L,
+                  bf16_t *y, int64_t M, int64_t N, int64_t K, int threads) {
+    if (L->fmt < 0) {
+        if (M >= d->amx_first && M <= d->amx_last)
+            return gemm_bf16_amx(x, ldx, L->w, L->bias, y, N, M, N, K, threads);
+        return gemv_bf16(x, ldx, L->w, L->bias, y, N, M, N, K, threads);
+    }
+    if (L->fmt >= NUM_QUANT_FORMATS) return -1;
+    const int fmt = (int)L->fmt;
+    switch (d->quant_path[fmt]) {
+    case QP_DOT:
+        return quant_gemv_dot(fmt, L->w, L->row_bytes, L->scales, x, ldx, 1, L->bias, y, N, 1,
+                              M, N, K, threads);
+    case QP_AMX_DOT:
+        return quant_gemm_amx_dot(fmt, L->w, L->row_bytes, L->scales, x, ldx, 1, L->bias, y,
+                                  N, 1, M, N, K, threads);
+    case QP_AMX:
+        return quant_gemm_amx(fmt, L->w, L->row_bytes, L->scales, x, ldx, L->bias, y, N, 1,
+                              M, N, K, threads);
+    case QP_DEQ:
+    case QP_DEQ_BUFFERED:
+        return quant_gemv_deq(fmt, L->w, L->row_bytes, L->scales, x, ldx, 1, L->bias, y, N,
+                              1, M, N, K, d->quant_path[fmt] == QP_DEQ_BUFFERED, threads);
+    default:
+        return -1;
+    }
 }
 
 /* hidden [M, H]: the embedded tokens, updated in place into the residual stream; out
@@ -89,7 +142,7 @@ int decode_stack_bf16(const decode_layer *layers, int64_t num_layers, const deco
         const decode_layer *L = &layers[l];
         status = add_rms_norm_bf16(hidden, l ? delta : 0, L->input_norm, x, M, H, d->eps);
         if (!status)
-            status = linear(d, x, H, L->qkv_w, L->qkv_b, qkv, M, qkv_n, H, threads);
+            status = linear(d, x, H, &L->qkv, qkv, M, qkv_n, H, threads);
         if (!status)
             status = rope_kv_bf16(qkv, qkv_n, qkv + q_size + d->kv_heads * D, qkv_n, cos, sin,
                                   cs_row, slots, q, L->k_cache, L->v_cache, M, d->heads,
@@ -99,14 +152,14 @@ int decode_stack_bf16(const decode_layer *layers, int64_t num_layers, const deco
                                        M, d->heads, d->kv_heads, D, d->num_blocks,
                                        d->block_size, max_blocks, d->scale);
         if (!status)
-            status = linear(d, attn, q_size, L->o_w, L->o_b, delta, M, H, q_size, threads);
+            status = linear(d, attn, q_size, &L->o, delta, M, H, q_size, threads);
         if (!status)
             status = add_rms_norm_bf16(hidden, delta, L->post_norm, x, M, H, d->eps);
         if (!status)
-            status = linear(d, x, H, L->gate_up_w, L->gate_up_b, gate_up, M, 2 * I, H, threads);
+            status = linear(d, x, H, &L->gate_up, gate_up, M, 2 * I, H, threads);
         if (!status) status = silu_mul_bf16(gate_up, act, M, I);
         if (!status)
-            status = linear(d, act, I, L->down_w, L->down_b, delta, M, H, I, threads);
+            status = linear(d, act, I, &L->down, delta, M, H, I, threads);
     }
     if (!status)
         status = add_rms_norm_bf16(hidden, num_layers ? delta : 0, final_norm, out, M, H,

@@ -21,12 +21,21 @@
 #include "amx_pack.h"
 
 #if QK_AMX || QK_AMX_INT8
+#include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
 
+/* Whether this CPU has the AMX units compiled in (AMX-TILE, and AMX-BF16 / AMX-INT8 for
+ * the paths built) and Linux granted this process the tile state. */
 int quant_amx_available(void) {
 #if QK_AMX || QK_AMX_INT8
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24))) return 0;
+#if QK_AMX
+    if (!(d & (1u << 22))) return 0;  /* AMX-BF16 */
+#endif
+    if (!(d & (1u << 25))) return 0;  /* AMX-INT8 */
     /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: process-wide, idempotent. */
     return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
 #else
@@ -37,7 +46,7 @@ int quant_amx_available(void) {
 #if QK_AMX
 /* Tiles 0-3: C (fp32 16 x 16); 4: A (16 weight rows x 32 bf16); 5, 6: B (16 pairs x 16
  * x rows). */
-static void configure_tiles(void) { amx_configure_tiles(7); }
+QK_AMX_TARGET static void configure_tiles(void) { amx_configure_tiles(7); }
 
 /* B tiles alternate between tiles 5 and 6 (literal tile numbers: the intrinsics take them as
  * immediates) so that a load need not wait for the previous product to finish reading. */
@@ -46,7 +55,7 @@ static void configure_tiles(void) { amx_configure_tiles(7); }
 #define STORE(C) _tile_stored(C, tmp[C], 64)
 
 /* x rows [16 g0, 16 (g0 + G)) against the 16 dequantized weight rows in a. */
-static void group_pass(int G, const uint16_t *a, int64_t kp, const uint16_t *xb, int64_t g0,
+QK_AMX_TARGET static void group_pass(int G, const uint16_t *a, int64_t kp, const uint16_t *xb, int64_t g0,
                        int64_t gstride, float tmp[4][16][16]) {
     int64_t nchunks = kp / 32;
     _tile_zero(0);
@@ -71,6 +80,9 @@ static void group_pass(int G, const uint16_t *a, int64_t kp, const uint16_t *xb,
  * (fp32 [N] or NULL). W: N rows of row_bytes; scales: INT8's row scales. threads <= 0:
  * OpenMP's default. Returns 0; -1 for a bad format, K or row size; -2 where this build
  * has no AMX; -3 when out of memory. */
+#if QK_AMX
+QK_AMX_TARGET
+#endif
 int quant_gemm_amx(int fmt, const uint8_t *w, int64_t row_bytes, const float *scales,
                    const uint16_t *x, int64_t ldx, const float *bias, void *y, int64_t ldy,
                    int y_bf16, int64_t M, int64_t N, int64_t K, int threads) {

@@ -27,7 +27,7 @@ typedef struct {
 } tile_config;
 
 /* Tiles 0, 1: C (16 x 16 int32); 4, 5: A (16 rows x 32 bytes); 6, 7: B (8 x 64 bytes). */
-static void configure_tiles(void) {
+QK_AMX_INT8_TARGET static void configure_tiles(void) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
@@ -130,7 +130,7 @@ static inline __attribute__((always_inline)) void scale_chunk(
 
 /* One block of 16 weight rows (A tiles at a_base + c * a_step, rows a_stride apart)
  * against every 16-row group of x; writes y rows' columns n0 .. n0 + nvalid. */
-static inline __attribute__((always_inline)) void block_groups(
+QK_AMX_INT8_TARGET static inline __attribute__((always_inline)) void block_groups(
         const int FMT, const uint8_t *a_base, int64_t a_step, int64_t a_stride,
         const int8_t *xb, const float *xs, int64_t nchunks, int64_t M, const float *s,
         const float *b, const float *scales, const float *bias, void *y, int64_t ldy,
@@ -174,6 +174,9 @@ static inline __attribute__((always_inline)) void block_groups(
 /* y[M, N] (rows ldy apart; bf16 or fp32) = x[M, K] (bf16 or fp32, rows ldx apart) . W^T
  * + bias (fp32 [N] or NULL), x quantized per chunk to int8. Returns 0; -1 for a bad
  * format, K or row size; -2 where this build has no AMX-INT8; -3 when out of memory. */
+#if QK_AMX_INT8
+QK_AMX_INT8_TARGET
+#endif
 int quant_gemm_amx_dot(int fmt, const uint8_t *w, int64_t row_bytes, const float *scales,
                        const void *x, int64_t ldx, int x_bf16, const float *bias, void *y,
                        int64_t ldy, int y_bf16, int64_t M, int64_t N, int64_t K, int threads) {

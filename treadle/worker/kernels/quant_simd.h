@@ -56,12 +56,17 @@ enum { QF_Q8_0 = 0, QF_Q4_0 = 1, QF_Q4_1 = 2, QF_Q4_K = 3, QF_INT8 = 4, QF_COUNT
 #define QK_SCALAR 1
 #endif
 /* AMX (quant_amx.c: bf16 tiles; quant_amx_dot.c: int8 tiles), Linux only (the tile state
- * must be requested from the kernel). */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && QK_BF16 && defined(__linux__)
+ * must be requested from the kernel). Compiled in by function target attributes on every
+ * AVX-512 BF16 (tiles of bf16) or AVX-512 (tiles of int8) x86-64 build, or by the -mamx
+ * flags; quant_amx_available() says whether this CPU runs them. */
+#if QK_AVX512 && defined(__linux__) && defined(__x86_64__) && \
+    (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
+#if QK_BF16
 #define QK_AMX 1
+#define QK_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && QK_AVX512 && defined(__linux__)
 #define QK_AMX_INT8 1
+#define QK_AMX_INT8_TARGET __attribute__((target("amx-tile,amx-int8")))
 #endif
 
 /* Bit flags of what this build runs (quant_isa()). */
