@@ -4,9 +4,20 @@ same file dequantized to bf16 (--quantization none), on the real SmolLM2-135M-In
 The default model ships as Q4_1; this writes it again as Q8_0 and as Q4_0 (from its own
 values, as `llama-quantize --allow-requantize` would: the GGUF writer of the tests,
 tests/integration/gguf_files.py, with gguf-py's quantizers), then decodes the same chat
-prompts greedily for `--max-tokens` new tokens (EOS ignored) both ways and counts the
-positions whose tokens agree. Prints JSON: per file, the fraction of agreeing tokens, the
-number of requests identical throughout, and each request's first differing position.
+prompts greedily for `--max-tokens` new tokens (EOS ignored) both ways. Prints JSON, per
+file:
+- `agreement`: the fraction of positions whose free-running tokens agree (once two runs
+  pick different tokens at a near-tie, the rest of the request differs too), the number
+  of requests identical throughout, and each request's first differing position;
+- `noise_floor`: the same count for the bf16 run against itself with only the batching
+  changed (each prompt alone, so its linears run on the 1-row kernels instead of the
+  batch's): how much disagreement rounding alone causes, with no quantization;
+- `teacher_forced`: each prompt followed by the bf16 run's tokens, scored by the
+  quantized model (prompt_logprobs): the fraction of positions where its own greedy
+  choice is the bf16 run's token, so that a near-tie counts once, not for the rest of
+  the request. (Scoring runs the tokens as prefill rows, so the kernels are the quantized
+  prefill paths, not the decode ones.) `teacher_forced_noise_floor`: the bf16 model
+  scoring its own tokens the same way (prefill kernels instead of decode ones).
 
 Run: `python benchmarks/quant_agreement.py [--formats Q8_0,Q4_0,Q4_1] [--max-tokens 64]
 [--out DIR]`
@@ -26,6 +37,11 @@ PROMPTS = [
     "Give me a recipe for pancakes.", "What causes the seasons on Earth?",
     "Translate 'good morning, my friend' into Spanish and French.",
     "Write a short story about a robot who learns to paint.",
+    "How do vaccines work?", "Summarize the plot of Romeo and Juliet in two sentences.",
+    "What is the difference between weather and climate?",
+    "Write a Python function that reverses a string.",
+    "Why is the sky blue?", "Name five animals that live in the ocean.",
+    "Describe how a bicycle works.", "What are the benefits of regular exercise?",
 ]
 
 
@@ -53,7 +69,7 @@ def main() -> None:
         path = shipped if fmt == "Q4_1" else out / f"SmolLM2-135M-Instruct.{fmt}.gguf"
         if not path.is_file():
             write_tiny_gguf(checkpoint, path, "llama", {"": fmt})
-        tokens = {}
+        tokens, alone, scoring, self_scored = {}, None, None, None
         for mode in ("gguf", "none"):
             llm = LLM(model=str(path), quantization=mode, dtype="bfloat16",
                       kv_cache_memory="512MiB")
@@ -67,15 +83,47 @@ def main() -> None:
                                 SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
                                                ignore_eos=True), use_tqdm=False)
             tokens[mode] = [o.outputs[0].token_ids for o in outs]
-        same = sum(a == b for q, d in zip(tokens["gguf"], tokens["none"]) for a, b in zip(q, d))
-        total = sum(len(d) for d in tokens["none"])
-        first = [next((i for i, (a, b) in enumerate(zip(q, d)) if a != b), None)
-                 for q, d in zip(tokens["gguf"], tokens["none"])]
-        report[fmt] = {"file": str(path), "agreeing_tokens": same, "tokens": total,
-                       "agreement": round(same / total, 4),
-                       "identical_requests": sum(f is None for f in first),
-                       "first_difference": first}
+            if mode == "none":
+                alone = [llm.generate([{"prompt_token_ids": list(p)}], SamplingParams(
+                    max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True),
+                    use_tqdm=False)[0].outputs[0].token_ids for p in prompt_ids]
+                self_scored = _teacher_forced(llm, prompt_ids, tokens["none"])
+            else:
+                scoring = llm
+        report[fmt] = {"file": str(path),
+                       "agreement": _agreement(tokens["gguf"], tokens["none"]),
+                       "noise_floor": _agreement(alone, tokens["none"]),
+                       "teacher_forced": _teacher_forced(scoring, prompt_ids, tokens["none"]),
+                       "teacher_forced_noise_floor": self_scored}
+        del scoring
     print(json.dumps(report, indent=1))
+
+
+def _agreement(runs, reference) -> dict:
+    same = sum(a == b for q, d in zip(runs, reference) for a, b in zip(q, d))
+    total = sum(len(d) for d in reference)
+    first = [next((i for i, (a, b) in enumerate(zip(q, d)) if a != b), None)
+             for q, d in zip(runs, reference)]
+    return {"agreeing_tokens": same, "tokens": total, "fraction": round(same / total, 4),
+            "identical_requests": sum(f is None for f in first), "first_difference": first}
+
+
+def _teacher_forced(llm, prompt_ids, reference) -> dict:
+    """Positions of the reference continuations where `llm`'s top token is the reference's."""
+    from treadle import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": list(p) + list(r)}
+                         for p, r in zip(prompt_ids, reference)],
+                        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1),
+                        use_tqdm=False)
+    same = total = 0
+    for out, prompt, ref in zip(outs, prompt_ids, reference):
+        for position, token in enumerate(ref, start=len(prompt)):
+            entries = out.prompt_logprobs[position]
+            top = min(entries.items(), key=lambda item: item[1].rank)[0]
+            same += top == token
+            total += 1
+    return {"agreeing_tokens": same, "tokens": total, "fraction": round(same / total, 4)}
 
 
 if __name__ == "__main__":
