@@ -5,6 +5,7 @@ permutation; the converted checkpoint is cached; unsupported files fail with the
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import random
 
 import numpy as np
@@ -237,3 +238,23 @@ def test_file_sha256_reads_a_file_once_until_it_changes(tmp_path, monkeypatch):
     path.write_bytes(b"b" * 11)  # another size (and mtime): read again
     assert gguf_convert.file_sha256(path) == hashlib.sha256(b"b" * 11).hexdigest()
     assert len(reads) == 2
+
+
+def test_a_copy_of_a_converted_gguf_is_its_own_quantization_source(tmp_path, monkeypatch):
+    """The conversion cache is keyed by content: a copy of the file elsewhere reuses it,
+    and --quantization gguf then reads the copy (the first file may be gone)."""
+    import shutil
+
+    from treadle.models.resolve import gguf_source
+
+    use_fresh_cache_dir(tmp_path / "cache", monkeypatch)
+    hf_dir = tiny_hf(tmp_path / "hf", "llama")
+    first = write_tiny_gguf(hf_dir, tmp_path / "a.gguf", "llama", {"mlp.": "Q8_0"})
+    checkpoint = resolve_model(str(first), dtype="float32")
+    assert gguf_source(str(checkpoint)) == first.resolve()
+    (tmp_path / "copy").mkdir()
+    copy = Path(shutil.copy(first, tmp_path / "copy" / "a.gguf"))
+    first.unlink()
+    assert gguf_source(str(checkpoint)) is None  # the recorded file is gone
+    assert resolve_model(str(copy), dtype="float32") == checkpoint  # same content: reused
+    assert gguf_source(str(checkpoint)) == copy.resolve()

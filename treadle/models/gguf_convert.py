@@ -157,6 +157,7 @@ def cached_checkpoint(gguf_path: str | Path, dtype: torch.dtype, name: str | Non
     key = f"{file_sha256(gguf_path)[:24]}-{_DTYPE_NAMES[dtype]}-v{CONVERTER_VERSION}"
     path = root / key / (name or gguf_path.stem)
     if (path / SOURCE_FILE).is_file():
+        _record_source(path, gguf_path)
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(root / f"{key}.lock", "w") as lock:
@@ -177,3 +178,24 @@ def cached_checkpoint(gguf_path: str | Path, dtype: torch.dtype, name: str | Non
             shutil.rmtree(tmp, ignore_errors=True)
         logger.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - start)
     return path
+
+
+def _record_source(checkpoint: Path, gguf_path: Path) -> None:
+    """Point a cached conversion's record at `gguf_path`, a file with the recorded content
+    found at another path (a copy, or the first converter's file since moved), so that
+    `--quantization gguf` reads the blocks from the file this start was given
+    (models/resolve.py `gguf_source`). Written whole with a rename: a concurrent reader
+    sees the old record or the new one, both naming a file with this content."""
+    record = checkpoint / SOURCE_FILE
+    info = json.loads(record.read_text(encoding="utf-8"))
+    source = str(gguf_path.resolve())
+    if info.get("source") == source:
+        return
+    info["source"] = source
+    tmp = record.with_name(f".{record.name}.{os.getpid()}.tmp")
+    try:
+        _write_json(tmp, info)
+        os.replace(tmp, record)
+    except OSError as exc:  # a read-only cache: the old record stays, and says where
+        logger.warning("could not update %s to name %s: %s", record, source, exc)
+        tmp.unlink(missing_ok=True)
