@@ -115,7 +115,8 @@ def test_quantized_stack_matches_layer_by_layer_bit_for_bit(kernel_level, level_
     assert stack is not None, "quantized linears on the same library's kernels get a stack"
     counting = _Counting(stack)
     # 36 requests finishing one after another: steps of 36 down to 1 rows, so that each
-    # format crosses its paths (with AMX: dot, amx_dot from 4 or 8 rows, amx from 33).
+    # format crosses its paths (with AMX: dot at 1, 2 (and 4) rows, else amx_dot, amx
+    # from 33).
     prompts = [[5 + 3 * i + j for j in range(3 + i % 5)] for i in range(36)]
     rows = min(stack.max_rows, len(prompts))
     kernels = layer.self_attn.qkv_proj.kernel.weight.kernels

@@ -76,9 +76,10 @@ def test_path_rule():
     plain = SimpleNamespace(has_amx=False, has_vnni=False)
     rows = (1, 3, 4, 8, 16, 17, 32, 33, 128, 129, 512)
     assert [choose_path(amx, "Q8_0", m) for m in rows] == [
-        "dot", "dot", "amx_dot", "amx_dot", "amx_dot", "amx_dot", "amx_dot", "amx", "amx",
+        "dot", "amx_dot", "dot", "amx_dot", "amx_dot", "amx_dot", "amx_dot", "amx", "amx",
         "prefill", "prefill"]
-    assert [choose_path(amx, "Q4_K", m) for m in rows[:4]] == ["dot", "dot", "dot", "amx_dot"]
+    assert [choose_path(amx, "Q4_K", m) for m in (1, 2, 3, 4, 5)] == [
+        "dot", "dot", "amx_dot", "dot", "amx_dot"]
     assert [choose_path(vnni, "Q4_0", m) for m in rows[:6]] == ["dot"] * 5 + ["prefill"]
     assert [choose_path(plain, "INT8", m) for m in (1, 2, 3, 16, 17)] == [
         "dot", "dot", "deq_buffered", "deq_buffered", "prefill"]

@@ -4,13 +4,18 @@ Q4_1, Q4_K blocks, or INT8 made at load), with `apply(x) -> x @ W.T + b` and
 
 Owns which kernel path runs for how many rows, per what the CPU has (`choose_path`; the
 figures behind it: `python -m treadle.bench.quant_kernel`, summarized in the report of
-the commit that set them). Measured on one core of a Xeon with AVX-512 BF16, VNNI and
-AMX, each ISA level's build run there:
-- AMX: `dot` (int8 dot products, kernels/quant_dot.c) below 4 rows (8 for the 4-bit
-  formats, whose unpacking costs the AMX path more), then `amx_dot` (AMX-INT8 tiles on
-  per-chunk int8 activations) to 32 rows, `amx` (dequantized bf16 tiles, AMX-BF16) to
-  128: from 16 rows these are 2-3x faster than `dot`, whose per-chunk scaling is paid
-  per row, while AMX pays it per 16 rows.
+the commit that set them). Measured on a Xeon with AVX-512 BF16, VNNI and AMX, each ISA
+level's build run there (one core; the AMX row counts again with 2 threads):
+- AMX: `dot` (int8 dot products, kernels/quant_dot.c) at the row counts its register
+  tiles cover in one pass over the weight (1, 2 and 4 rows), else `amx_dot` (AMX-INT8
+  tiles on per-chunk int8 activations), whose cost is flat from 1 to 16 rows: at 3 rows
+  `dot` reads the weight twice (a 2-row and a 1-row tile) and took 1.1-1.6x `amx_dot`'s
+  time, at 6-8 rows 1.3-2.3x (SmolLM2-135M's o, down and gate_up shapes, 2 threads). At
+  4 rows of Q4_1 `amx_dot` won the kernel benchmark by 7% but lost the engine's 4-row
+  decode steps (14.9 against 14.1 ms), so 4 rows stay on `dot` for every format.
+  `amx_dot` runs to 32 rows, `amx` (dequantized bf16 tiles, AMX-BF16) to 128: from 16
+  rows these are 2-3x faster than `dot`, whose per-chunk scaling is paid per row, while
+  AMX pays it per 16 rows.
 - AVX-512 or AVX2 with VNNI: `dot` up to 16 rows; it beat the dequantize-in-register
   paths (`deq`, `deq_buffered`) by 1.5-2x at every row count there: vpdpbusd does 4
   products per lane, the bf16 / fp32 paths 2 / 1 after paying the widening.
@@ -41,8 +46,9 @@ import torch.nn.functional as F
 
 from treadle.models.quant_formats import QuantFormat, dequantize_torch, format_of, quantize_int8
 
-AMX_DOT_MIN_ROWS = {"Q8_0": 4, "INT8": 4, "Q4_0": 8, "Q4_1": 8, "Q4_K": 8}
-"""With AMX: rows from which `amx_dot` replaces `dot`."""
+AMX_DOT_ROWS = (1, 2, 4)
+"""With AMX: the row counts that take `dot`; the others up to AMX_DOT_MAX_ROWS take
+`amx_dot`."""
 AMX_DOT_MAX_ROWS = 32
 """With AMX: rows up to which `amx_dot` runs, then `amx`."""
 AMX_MAX_ROWS = 128
@@ -65,7 +71,7 @@ def choose_path(kernels, fmt: str, rows: int, dtype: torch.dtype = torch.bfloat1
     if kernels is None:
         return "torch"
     if kernels.has_amx:
-        if rows < AMX_DOT_MIN_ROWS[fmt]:
+        if rows in AMX_DOT_ROWS:
             return "dot"
         if rows <= AMX_DOT_MAX_ROWS:
             return "amx_dot"
