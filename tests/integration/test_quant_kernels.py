@@ -127,6 +127,31 @@ def test_gemv_paths_match_reference(kernels, fmt):
                     y = kernels.gemv(fmt, weight.blocks, weight.scales, k, x, bias, path)
                     assert y.dtype == dtype and y.shape == (m, n)
                     assert_matches(y, *_reference(kernels, path, weight, w_ref, x, bias))
+                if fmt in kernels.r16_formats:  # the same activations as dot, other layout
+                    y = kernels.gemv_r16(fmt, weight.packed, weight.scales, n, k, x, bias)
+                    assert y.dtype == dtype and y.shape == (m, n)
+                    assert_matches(y, *_reference(kernels, "dot", weight, w_ref, x, bias))
+
+
+def test_r16_runs_where_avx512_vnni_does(kernels, request):
+    """The repacked path exists exactly on the AVX-512 VNNI builds; elsewhere the weight
+    keeps no second copy and the path rule never picks it."""
+    name = request.node.callspec.params["kernels"]
+    expected = {"avx512-bf16": True, "avx512-vnni": True, "avx512f": False,
+                "avx2-vnni": False, "avx2": False, "scalar": False}
+    if name in expected:
+        assert kernels.has_r16 == expected[name]
+    weight, _ = make_weight("Q4_0", 20, 64, seed=2, kernels=kernels)
+    assert (weight.packed is not None) == kernels.has_r16
+    if kernels.has_r16:
+        assert weight.packed.numel() == 2 * 2 * 288  # two groups of 16 rows, 2 chunks each
+        assert kernels.r16_formats == ("Q8_0", "Q4_0", "Q4_1", "INT8")
+        with pytest.raises(QuantKernelError, match="Q4_K"):
+            kernels.r16_pack("Q4_K", weight.blocks, 64)
+        with pytest.raises(ValueError, match="r16_pack"):
+            kernels.gemv_r16("Q4_0", weight.packed[:-1], None, 20, 64, torch.randn(1, 64), None)
+        with pytest.raises(ValueError, match="gemv_r16"):
+            kernels.gemv("Q4_0", weight.blocks, None, 64, torch.randn(1, 64), None, "r16")
 
 
 def test_strided_input_rows(kernels):
@@ -139,6 +164,11 @@ def test_strided_input_rows(kernels):
         assert torch.equal(y, kernels.gemv("Q8_0", weight.blocks, None, 256, x.contiguous(),
                                            None, path))
         assert_matches(y, *_reference(kernels, path, weight, w_ref, x, None))
+    if kernels.has_r16:
+        y = kernels.gemv_r16("Q8_0", weight.packed, None, 40, 256, x, None)
+        assert torch.equal(y, kernels.gemv_r16("Q8_0", weight.packed, None, 40, 256,
+                                               x.contiguous(), None))
+        assert_matches(y, *_reference(kernels, "dot", weight, w_ref, x, None))
 
 
 def test_activation_quantizer(kernels):
@@ -167,6 +197,10 @@ def test_threads_do_not_change_results(kernels):
         one = kernels.gemv("Q4_1", weight.blocks, None, 512, x, None, path, threads=1)
         assert torch.equal(kernels.gemv("Q4_1", weight.blocks, None, 512, x, None, path,
                                         threads=2), one)
+    if kernels.has_r16:
+        one = kernels.gemv_r16("Q4_1", weight.packed, None, 333, 512, x, None, threads=1)
+        assert torch.equal(kernels.gemv_r16("Q4_1", weight.packed, None, 333, 512, x, None,
+                                            threads=2), one)
 
 
 def test_kernels_refuse_inconsistent_shapes(kernels):

@@ -7,7 +7,8 @@ random, which does not change the speed of these kernels):
 - gemv (default): for each SmolLM2-135M weight shape (N x K: o 576x576, down 576x1536,
   up 1536x576, k/v 192x576, gate_up 3072x576, LM head 49152x576), each format (Q8_0,
   Q4_0, Q4_1, Q4_K where K allows it, INT8) and M in --rows, the median ms per call of
-  each quantized path (`dot`, `deq`, `deq_buffered`), of the bf16 C kernel
+  each quantized path (`dot`, `deq`, `deq_buffered`, the AMX ones where the CPU has AMX,
+  `r16` on the repacked weight where the build has AVX-512 VNNI), of the bf16 C kernel
   (`NativeLayerOps.linear`) and of oneDNN (`F.linear` on bf16, and its prepacked kernel
   as the engine calls it); and GB/s = the bytes of the weight as that kernel reads it
   (quantized or bf16) per second (and the same at the fastest repeat: on a shared
@@ -100,6 +101,8 @@ def gemv(rows=(1, 4, 16), formats=FORMATS, shapes=tuple(SHAPES), repeats: int = 
         packed = [_pack(w) for w in dense]
         weights = {fmt: [random_blocks(fmt, n, k, gen) for _ in range(copies)]
                    for fmt in formats if k % (256 if fmt == "Q4_K" else 32) == 0}
+        r16 = {fmt: [quant.r16_pack(fmt, w.blocks, k) for w in ws]
+               for fmt, ws in weights.items() if fmt in quant.r16_formats}
         for m in rows:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
             runs = {"onednn_linear": (lambda i: F.linear(x, dense[i]), n * k * 2),
@@ -111,6 +114,11 @@ def gemv(rows=(1, 4, 16), formats=FORMATS, shapes=tuple(SHAPES), repeats: int = 
                     runs[f"{fmt}_{path}"] = (
                         lambda i, ws=ws, path=path: quant.gemv(
                             ws[i].format.name, ws[i].blocks, ws[i].scales, k, x, None, path),
+                        ws[0].nbytes)
+                if fmt in quant.r16_formats:
+                    runs[f"{fmt}_r16"] = (
+                        lambda i, fmt=fmt: quant.gemv_r16(fmt, r16[fmt][i], weights[fmt][i].scales,
+                                                          n, k, x, None),
                         ws[0].nbytes)
             times: dict[str, list[float]] = {label: [] for label in runs}
             for _ in range(repeats):

@@ -6,6 +6,13 @@ Owns which kernel path runs for how many rows, per what the CPU has (`choose_pat
 figures behind it: `python -m treadle.bench.quant_kernel`, summarized in the report of
 the commit that set them). Measured on a Xeon with AVX-512 BF16, VNNI and AMX, each ISA
 level's build run there (one core; the AMX row counts again with 2 threads):
+- AVX-512 VNNI builds, for Q8_0, Q4_0, Q4_1 and INT8: `r16` (kernels/quant_r16.c: the
+  same int8 activations as `dot`, on a copy of the weight repacked at load with 16 rows
+  per vector) up to 8 rows with AMX, up to 16 without. With 2 threads on SmolLM2-135M's
+  shapes it took 0.5-0.7x `dot`'s time at 1-4 rows (gate_up at 4 rows: Q4_1 0.064 ms
+  against 0.122, 17 GB/s of blocks; the bf16 C kernel 0.149 ms) and 0.3-0.6x at 8-16;
+  with AMX it beat `amx_dot` up to 8 rows (Q8_0 tied at 8) and lost to it at 16 on Q8_0.
+  Q4_K keeps the paths below.
 - AMX: `dot` (int8 dot products, kernels/quant_dot.c) at the row counts its register
   tiles cover in one pass over the weight (1, 2 and 4 rows), else `amx_dot` (AMX-INT8
   tiles on per-chunk int8 activations), whose cost is flat from 1 to 16 rows: at 3 rows
@@ -16,7 +23,7 @@ level's build run there (one core; the AMX row counts again with 2 threads):
   `amx_dot` runs to 32 rows, `amx` (dequantized bf16 tiles, AMX-BF16) to 128: from 16
   rows these are 2-3x faster than `dot`, whose per-chunk scaling is paid per row, while
   AMX pays it per 16 rows.
-- AVX-512 or AVX2 with VNNI: `dot` up to 16 rows; it beat the dequantize-in-register
+- AVX-512 or AVX2 with VNNI (`r16` aside): `dot` up to 16 rows; it beat the dequantize-in-register
   paths (`deq`, `deq_buffered`) by 1.5-2x at every row count there: vpdpbusd does 4
   products per lane, the bf16 / fp32 paths 2 / 1 after paying the widening.
 - no VNNI (pmaddubsw): `dot` up to 2 rows (2x faster than `deq` at 1 row, even at 4),
@@ -46,6 +53,8 @@ import torch.nn.functional as F
 
 from treadle.models.quant_formats import QuantFormat, dequantize_torch, format_of, quantize_int8
 
+AMX_R16_MAX_ROWS = 8
+"""With AMX: rows up to which `r16` runs, for the formats it holds."""
 AMX_DOT_ROWS = (1, 2, 4)
 """With AMX: the row counts that take `dot`; the others up to AMX_DOT_MAX_ROWS take
 `amx_dot`."""
@@ -65,12 +74,15 @@ TILE_ROWS = 1024
 
 def choose_path(kernels, fmt: str, rows: int, dtype: torch.dtype = torch.bfloat16) -> str:
     """The kernel path for `rows` rows of `dtype` activations and a `fmt` weight on
-    `kernels` (see the module docstring): dot, deq_buffered, amx_dot, amx, prefill, or
-    torch (no kernels). The bf16 AMX tiles take bf16 activations only: fp32 ones stay on
+    `kernels` (see the module docstring): r16, dot, deq_buffered, amx_dot, amx, prefill,
+    or torch (no kernels). The bf16 AMX tiles take bf16 activations only: fp32 ones stay on
     amx_dot there."""
     if kernels is None:
         return "torch"
+    r16 = fmt in getattr(kernels, "r16_formats", ())
     if kernels.has_amx:
+        if r16 and rows <= AMX_R16_MAX_ROWS:
+            return "r16"
         if rows in AMX_DOT_ROWS:
             return "dot"
         if rows <= AMX_DOT_MAX_ROWS:
@@ -81,7 +93,9 @@ def choose_path(kernels, fmt: str, rows: int, dtype: torch.dtype = torch.bfloat1
     if rows > GEMV_MAX_ROWS:
         return "prefill"
     if kernels.has_vnni:
-        return "dot" if rows <= VNNI_DOT_MAX_ROWS else "prefill"
+        if rows > VNNI_DOT_MAX_ROWS:
+            return "prefill"
+        return "r16" if r16 else "dot"
     return "dot" if rows <= PLAIN_DOT_MAX_ROWS else "deq_buffered"
 
 
@@ -112,6 +126,11 @@ class QuantizedLinear:
         self.bias = None if bias is None else bias.float().contiguous()
         self.kernels = kernels
         self.tile_rows = max(1, tile_rows)
+        self.packed: torch.Tensor | None = None
+        """The weight in the r16 layout, where the kernels run that path for this format
+        (a second copy of the blocks: the other paths read the GGUF layout)."""
+        if kernels is not None and self.format.name in getattr(kernels, "r16_formats", ()):
+            self.packed = kernels.r16_pack(self.format.name, self.blocks, in_features)
         self._dense: torch.Tensor | None = None  # the fallback's copy
         self._bias_as: dict[torch.dtype, torch.Tensor] = {}
 
@@ -186,15 +205,18 @@ class QuantizedLinear:
                                            dtype=out_dtype).to(dtype)
         return rows.reshape(*ids.shape, self.in_features)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes the weight holds in memory (blocks and scales; not the bias)."""
-        extra = 0 if self.scales is None else self.scales.numel() * 4
-        return self.blocks.numel() + extra
 
     def path(self, rows: int, dtype: torch.dtype = torch.bfloat16) -> str:
         """The path `apply` takes for this many rows of `dtype` (`choose_path`)."""
         return choose_path(self.kernels, self.format.name, rows, dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the weight holds in memory (blocks, scales and the r16 copy; not the
+        bias)."""
+        extra = 0 if self.scales is None else self.scales.numel() * 4
+        packed = 0 if self.packed is None else self.packed.numel()
+        return self.blocks.numel() + extra + packed
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] (bfloat16 or float32) @ W.T + bias, in x's dtype."""
@@ -212,6 +234,9 @@ class QuantizedLinear:
             y = F.linear(x2, self._dense_copy(x.dtype), self._bias_in(x.dtype))
         elif path == "prefill":
             y = self._prefill(x2)
+        elif path == "r16":
+            y = self.kernels.gemv_r16(self.format.name, self.packed, self.scales,
+                                      self.out_features, self.in_features, x2, self.bias)
         else:
             y = self.kernels.gemv(self.format.name, self.blocks, self.scales, self.in_features,
                                   x2, self.bias, path)

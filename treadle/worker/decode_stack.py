@@ -34,14 +34,15 @@ from treadle.worker.quantized_linears import QuantizedLinearKernel
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
-QUANT_PATH_CODES = {"dot": 0, "amx_dot": 1, "amx": 2, "deq": 3, "deq_buffered": 4}
+QUANT_PATH_CODES = {"dot": 0, "amx_dot": 1, "amx": 2, "deq": 3, "deq_buffered": 4, "r16": 5}
 """The quantized kernel paths the C driver calls (decode_stack.c's QP_*); a step whose
 rows would take another path (prefill, torch) runs layer by layer."""
 _MAX_QUANT_ROWS = 256  # rows up to which the stack looks for quantized paths it can call
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("w", _P), ("bias", _P), ("scales", _P), ("row_bytes", _I64), ("fmt", _I64)]
+    _fields_ = [("w", _P), ("bias", _P), ("scales", _P), ("packed", _P), ("row_bytes", _I64),
+                ("fmt", _I64)]
 
 
 class _Layer(ctypes.Structure):
@@ -82,9 +83,11 @@ def _entry(entry: _Linear, kernel: DenseLinearKernel | QuantizedLinear) -> None:
     if isinstance(kernel, QuantizedLinear):
         entry.w, entry.bias, entry.scales = (kernel.blocks.data_ptr(), _ptr(kernel.bias),
                                              _ptr(kernel.scales))
+        entry.packed = _ptr(kernel.packed)
         entry.row_bytes, entry.fmt = kernel.blocks.stride(0), FORMAT_CODES[kernel.format.name]
     else:
         entry.w, entry.bias, entry.scales = kernel.weight.data_ptr(), _ptr(kernel.bias), None
+        entry.packed = None
         entry.row_bytes, entry.fmt = 0, -1
 
 

@@ -1,6 +1,7 @@
 """Typed wrappers of the weight-only quantized kernels (kernels/quant_dequant.c,
-kernels/quant_gemv.c, kernels/quant_dot.c): the two decode-row GEMV paths, tile
-dequantization for the prefill path, and the activation quantizer (for tests).
+kernels/quant_gemv.c, kernels/quant_dot.c, kernels/quant_r16.c, the AMX ones): the
+decode-row GEMV paths, the r16 repacking they read on AVX-512 VNNI, tile dequantization
+for the prefill path, and the activation quantizer (for tests).
 
 Owns the calling convention only: which path runs for which rows is decided by
 treadle/models/quant_weights.py, and the weight layouts (GGUF blocks, treadle's INT8) by
@@ -28,12 +29,17 @@ from treadle.paths import cache_dir
 FORMAT_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "INT8": 4}
 """Format name -> the kernels' format number (quant_simd.h)."""
 
-PATHS = ("dot", "deq", "deq_buffered", "amx", "amx_dot")
+PATHS = ("dot", "deq", "deq_buffered", "amx", "amx_dot", "r16")
 """Kernel paths: int8 dot products on per-chunk quantized activations (vpdpbusd /
 pmaddubsw); dequantize in registers per tile; dequantize each block of weight rows once
 into a buffer and run dense tiles on it (vdpbf16ps / FMA); AMX-BF16 tiles on the
-dequantized rows (bf16 x only); AMX-INT8 tiles on per-chunk quantized activations. The
-AMX paths run where `has_amx`."""
+dequantized rows (bf16 x only); AMX-INT8 tiles on per-chunk quantized activations; int8
+dot products with 16 weight rows per vector, on the weight repacked by `r16_pack` (the
+same activations as `dot`). The AMX paths run where `has_amx`, r16 where `has_r16` and
+for R16_FORMATS."""
+
+R16_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "INT8")
+"""The formats the r16 layout holds (Q4_K keeps the row-major paths)."""
 
 ISA_VARIANTS = {
     "avx512-bf16": (["-march=cooperlake"],
@@ -125,6 +131,20 @@ class QuantKernels:
         self._amx_dot = lib.quant_gemm_amx_dot
         self._amx_dot.argtypes = gemv_args + [_I]
         self._amx_dot.restype = _I
+        self._r16 = lib.quant_gemv_r16
+        self._r16.argtypes = [_I, _P, _P, _P, _I64, _I, _P, _P, _I64, _I, _I64, _I64, _I64, _I]
+        self._r16.restype = _I
+        self._r16_bytes = lib.quant_r16_bytes
+        self._r16_bytes.argtypes = [_I, _I64, _I64]
+        self._r16_bytes.restype = _I64
+        self._r16_pack = lib.quant_r16_pack
+        self._r16_pack.argtypes = [_I, _P, _I64, _I64, _I64, _P]
+        self._r16_pack.restype = _I
+        lib.quant_r16_available.restype = _I
+        self.has_r16 = bool(lib.quant_r16_available())
+        """Whether the r16 path runs here (AVX-512 with VNNI)."""
+        self.r16_formats = R16_FORMATS if self.has_r16 else ()
+        """The formats the r16 path runs here."""
         lib.quant_isa.restype = _I
         lib.quant_amx_available.restype = _I
         self.isa_flags = int(lib.quant_isa())
@@ -191,9 +211,55 @@ class QuantKernels:
                                m, n, k, threads)
         elif path in ("deq", "deq_buffered"):
             status = self._deq(*args, int(path == "deq_buffered"), threads)
+        elif path == "r16":
+            raise ValueError("the r16 path reads the repacked weight: use gemv_r16")
         else:
             raise ValueError(f"path must be one of {PATHS}, not {path!r}")
         self._check(status, fmt, k, blocks)
+        return y
+
+    def r16_pack(self, fmt: str, blocks: torch.Tensor, k: int) -> torch.Tensor:
+        """The weight `blocks` [N, row_bytes] repacked for the r16 path: a flat uint8
+        tensor (16 rows per vector; N padded to 16; the same bytes per weight)."""
+        self._check_weight(blocks, None)
+        n = blocks.shape[0]
+        size = self._r16_bytes(FORMAT_CODES[fmt], n, k) if fmt in R16_FORMATS else -1
+        if size < 0:
+            raise QuantKernelError(f"the r16 layout does not hold {fmt} with K={k}")
+        out = torch.empty(size, dtype=torch.uint8)
+        status = self._r16_pack(FORMAT_CODES[fmt], blocks.data_ptr(), blocks.stride(0), n, k,
+                                out.data_ptr())
+        self._check(status, fmt, k, blocks)
+        return out
+
+    def gemv_r16(self, fmt: str, packed: torch.Tensor, scales: torch.Tensor | None, n: int,
+                 k: int, x: torch.Tensor, bias: torch.Tensor | None,
+                 threads: int = 0) -> torch.Tensor:
+        """`gemv` on the r16 path: x [M, k] times the weight `packed` (r16_pack of an
+        [n, k] weight; INT8: `scales` fp32 [n]) transposed, plus bias: [M, n] in x's
+        dtype."""
+        if not self.has_r16:
+            raise ValueError("the r16 path needs AVX-512 VNNI (has_r16)")
+        if packed.dtype != torch.uint8 or not packed.is_contiguous() or packed.numel() != \
+                self._r16_bytes(FORMAT_CODES[fmt], n, k):
+            raise ValueError(f"packed must be r16_pack's output for a {fmt} [{n}, {k}] weight")
+        if (x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1
+                or x.dtype not in (torch.bfloat16, torch.float32)):
+            raise ValueError(f"x must be [M, {k}] bfloat16 or float32 with unit stride along "
+                             f"K, got {tuple(x.shape)} {x.dtype} strides {x.stride()}")
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)
+                                 or not bias.is_contiguous()):
+            raise ValueError(f"bias must be contiguous float32 [{n}]")
+        m, x_bf16 = x.shape[0], int(x.dtype == torch.bfloat16)
+        y = torch.empty(m, n, dtype=x.dtype)
+        status = self._r16(FORMAT_CODES[fmt], packed.data_ptr(),
+                           None if scales is None else scales.data_ptr(), x.data_ptr(),
+                           x.stride(0), x_bf16, None if bias is None else bias.data_ptr(),
+                           y.data_ptr(), n, x_bf16, m, n, k, threads)
+        if status == -3:
+            raise MemoryError("quantized kernel: could not allocate its scratch buffers")
+        if status != 0:
+            raise QuantKernelError(f"the r16 kernel refused {fmt} with K={k} (status {status})")
         return y
 
     def dequantize(self, fmt: str, blocks: torch.Tensor, scales: torch.Tensor | None, k: int,

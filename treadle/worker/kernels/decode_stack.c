@@ -17,7 +17,7 @@
  * and after the last layer out = final_norm(h += down). A linear whose weight is kept
  * quantized (--quantization: GGUF blocks or INT8) calls the quantized kernel of the path
  * the caller chose for this step's rows and that format (quant_dot.c, quant_amx_dot.c,
- * quant_amx.c, quant_gemv.c), as QuantizedLinear.apply would. The caller checks that the
+ * quant_amx.c, quant_gemv.c, quant_r16.c), as QuantizedLinear.apply would. The caller checks that the
  * step qualifies (every row one decoded token, rows within the linear kernels' limits, a
  * bf16 cache, no sliding window, no adapters, one rank): see worker/decode_stack.py.
  */
@@ -49,6 +49,9 @@ int quant_gemm_amx_dot(int fmt, const uint8_t *w, int64_t row_bytes, const float
 int quant_gemm_amx(int fmt, const uint8_t *w, int64_t row_bytes, const float *scales,
                    const uint16_t *x, int64_t ldx, const float *bias, void *y, int64_t ldy,
                    int y_bf16, int64_t M, int64_t N, int64_t K, int threads);
+int quant_gemv_r16(int fmt, const uint8_t *packed, const float *scales, const void *x,
+                   int64_t ldx, int x_bf16, const float *bias, void *y, int64_t ldy,
+                   int y_bf16, int64_t M, int64_t N, int64_t K, int threads);
 int quant_gemv_deq(int fmt, const uint8_t *w, int64_t row_bytes, const float *scales,
                    const void *x, int64_t ldx, int x_bf16, const float *bias, void *y,
                    int64_t ldy, int y_bf16, int64_t M, int64_t N, int64_t K, int buffered,
@@ -60,11 +63,13 @@ int paged_decode_bf16(const bf16_t *q, const bf16_t *k_cache, const bf16_t *v_ca
                       int64_t max_blocks, float scale);
 
 /* One linear layer's weight [N, K]: dense bf16 (fmt < 0; bias bf16 [N] or NULL) or
- * quantized (fmt: quant_simd.h's format number; w: N rows of row_bytes; scales: INT8's
- * row scales, else NULL; bias fp32 [N] or NULL). */
+ * quantized (fmt: quant_simd.h's format number; w: N rows of row_bytes; packed: the r16
+ * layout (quant_r16.c) or NULL; scales: INT8's row scales, else NULL; bias fp32 [N] or
+ * NULL). */
 typedef struct {
     const void *w, *bias;
     const float *scales;
+    const uint8_t *packed;
     int64_t row_bytes, fmt;
 } stack_linear;
 
@@ -79,7 +84,7 @@ typedef struct {
 } decode_layer;
 
 /* Quantized kernel paths, as worker/decode_stack.py numbers them. */
-enum { QP_DOT = 0, QP_AMX_DOT = 1, QP_AMX = 2, QP_DEQ = 3, QP_DEQ_BUFFERED = 4 };
+enum { QP_DOT = 0, QP_AMX_DOT = 1, QP_AMX = 2, QP_DEQ = 3, QP_DEQ_BUFFERED = 4, QP_R16 = 5 };
 #define NUM_QUANT_FORMATS 5
 
 /* The model's sizes (one rank holds the whole model). */
@@ -112,6 +117,10 @@ static int linear(const decode_dims *d, const bf16_t *x, int64_t ldx, const stac
     case QP_AMX:
         return quant_gemm_amx(fmt, L->w, L->row_bytes, L->scales, x, ldx, L->bias, y, N, 1,
                               M, N, K, threads);
+    case QP_R16:
+        if (!L->packed) return -1;
+        return quant_gemv_r16(fmt, L->packed, L->scales, x, ldx, 1, L->bias, y, N, 1, M, N, K,
+                              threads);
     case QP_DEQ:
     case QP_DEQ_BUFFERED:
         return quant_gemv_deq(fmt, L->w, L->row_bytes, L->scales, x, ldx, 1, L->bias, y, N,
