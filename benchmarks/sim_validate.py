@@ -5,6 +5,7 @@
     python benchmarks/sim_validate.py compare --out DIR   # fit each, simulate the other
     python benchmarks/sim_validate.py compare --out DIR --fit-dir DIR2   # fit on DIR2's runs
     python benchmarks/sim_validate.py calibrate --out DIR  # a sweep of step shapes
+    python benchmarks/sim_validate.py calibrate --served --out DIR  # ... through the server
     python benchmarks/sim_validate.py compare --out DIR --fit-trace DIR/calibration.trace.jsonl
 
 `real` runs, with the same model options (`--model demo`: the SmolLM2-135M shape with
@@ -119,14 +120,16 @@ def simulate_run(fit_trace: Path, target: str, out: Path) -> dict:
     return simulate(config, options)
 
 
-def calibration(out: Path) -> dict:
+def calibration(out: Path, served: bool = False) -> dict:
     """`treadle simulate calibrate` with the real runs' model options: its trace is a fit
-    source that has seen every step shape (compare --fit-trace)."""
-    from treadle.sim.calibrate import calibrate
+    source that has seen every step shape (compare --fit-trace). served: through the
+    server and the load generator, as the real runs are served."""
+    from treadle.sim.calibrate import calibrate, calibrate_served
 
     before = _load()
-    result = calibrate(out / "calibration.trace.jsonl", **MODEL_OPTIONS)
-    return result | {"load_before": before, "load_after": _load()}
+    run = calibrate_served if served else calibrate
+    result = run(out / "calibration.trace.jsonl", **MODEL_OPTIONS)
+    return result | {"load_before": before, "load_after": _load(), "served": served}
 
 
 def compare(out: Path, fit_dir: Path | None = None, fit_trace: Path | None = None) -> dict:
@@ -181,6 +184,8 @@ def main() -> int:
     parser.add_argument("--fit-trace", default=None,
                         help="compare: fit every simulation on this one trace (e.g. "
                              "`calibrate`'s DIR/calibration.trace.jsonl)")
+    parser.add_argument("--served", action="store_true",
+                        help="calibrate: through the server and the load generator")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -198,7 +203,7 @@ def main() -> int:
         azure.join()
         real["concurrent"] = {"mixed_delay_s": args.mixed_delay}
     elif args.what == "calibrate":
-        result = calibration(out)
+        result = calibration(out, served=args.served)
         (out / "calibration.json").write_text(json.dumps(result, indent=2))
         print(json.dumps(result, indent=2))
     if args.what in ("real", "real-concurrent"):

@@ -79,6 +79,15 @@ def test_gguf_blocks_run_the_linears_and_the_rest_stays_dense(tiny_gguf, dtype, 
     assert isinstance(worker.model.lm_head_kernel, QuantizedLinearKernel)
     report = worker.quantized
     assert report.num_quantized == 2 * 3 + 1 and len(report.dense) == 2
+    # the quantized layers' dense weights are freed (shape kept); the dense ones stay
+    assert layer.self_attn.qkv_proj.weight.is_meta and layer.mlp.gate_up_proj.weight.is_meta
+    assert not layer.mlp.down_proj.weight.is_meta
+    assert tuple(layer.self_attn.qkv_proj.weight.shape) == (64 + 2 * 32, 64)
+    assert worker.model.lm_head.weight.is_meta  # untied here
+    assert report.dropped_bytes == sum(
+        linear.weight.numel() * linear.weight.element_size()
+        for name, linear in worker.model.named_modules() if getattr(linear, "weight", None)
+        is not None and linear.weight.is_meta)
     assert "quantization gguf" in core.info.kernels
     # bf16 decode steps run every layer in one C call, quantized linears included
     # (tests/integration/test_decode_stack.py compares it with the layers bit for bit)

@@ -1,7 +1,7 @@
-"""`treadle simulate calibrate` on a tiny demo model: the sweep's batches thin out one
-request at a time, so its trace holds decode steps of every row count up to the largest
-batch, prefill chunks within the step budget, and a fit on it runs; bad sweep ranges are
-refused with the field named."""
+"""`treadle simulate calibrate` on a tiny demo model, in process and through a server
+(`--served`): the sweep's batches thin out one request at a time, so its trace holds
+decode steps of every row count up to the largest batch, prefill chunks within the step
+budget, and a fit on it runs; bad sweep ranges are refused with the field named."""
 
 from __future__ import annotations
 
@@ -20,13 +20,15 @@ def _tiny_model(path):
         num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2))
 
 
-def test_calibration_covers_every_row_count_up_to_its_largest_batch(tmp_path, capsys):
+@pytest.mark.parametrize("served", [False, True], ids=["in-process", "served"])
+def test_calibration_covers_every_row_count_up_to_its_largest_batch(tmp_path, capsys, served):
     model = _tiny_model(tmp_path / "m")
     trace_path = tmp_path / "cal.jsonl"
     rc = cli_main(["simulate", "calibrate", "--trace", str(trace_path), "--model", str(model),
                    "--dtype", "float32", "--num-threads", "1", "--kv-cache-memory", "64MiB",
                    "--max-num-seqs", "6", "--max-num-batched-tokens", "64",
-                   "--rows", "1,3,6,9", "--prompt-len", "4", "90", "--max-tokens", "2", "12"])
+                   "--rows", "1,3,6,9", "--prompt-len", "4", "90", "--max-tokens", "2", "12",
+                   *(["--served"] if served else [])])
     assert rc == 0
     assert '"num_requests": 10' in capsys.readouterr().out  # 9 is above max_num_seqs
     trace = read_trace(trace_path)

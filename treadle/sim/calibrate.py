@@ -10,8 +10,11 @@ of `prompt_len` tokens; outputs long enough that the whole batch decodes togethe
 thinning out one request at a time): prefill chunks up to the step budget, prefill mixed
 with decodes, and decode steps of every row count up to the largest batch, at short and
 long contexts. The trace it writes is the source of `treadle simulate --step-model
-fit:TRACE.jsonl` for any workload on that engine. It measures steps; nothing here fits or
-simulates.
+fit:TRACE.jsonl` for any workload on that engine. `calibrate_served` runs the same sweep
+through `treadle serve` and the load generator of `treadle bench serve` instead of the
+in-process engine, so that its steps pay what a served run's do (the event loop, HTTP
+and the client sharing the cores): the path the real runs it should predict take. It
+measures steps; nothing here fits or simulates.
 """
 
 from __future__ import annotations
@@ -101,4 +104,54 @@ def calibrate(trace: str | Path, rows: tuple[int, ...] = DEFAULT_ROWS,
     return {"trace": str(trace), "rows": list(swept), "num_requests": sum(swept),
             "num_errors": len(errors), "errors": errors[:5], "prompt_tokens": prompt_tokens,
             "output_tokens": output_tokens, "num_steps": stats.get("num_steps"),
+            "wall_s": time.perf_counter() - started}
+
+
+def calibrate_served(trace: str | Path, rows: tuple[int, ...] = DEFAULT_ROWS,
+                     prompt_len: tuple[int, int] = (16, 1024),
+                     max_tokens: tuple[int, int] = (4, 64), sweep_seed: int = 0,
+                     progress: bool = True, **engine_options: Any) -> dict:
+    """`calibrate`'s sweep through a server: `treadle serve` launched with
+    `engine_options` and `--trace trace`, each batch sent at once over HTTP by the load
+    generator and awaited before the next. Returns what `calibrate` returns."""
+    import asyncio
+
+    from treadle.bench.launch import launched_server
+    from treadle.bench.serve import run_load, served_model
+    from treadle.bench.workloads import Workload, WorkloadRequest
+    from treadle.config import EngineConfig
+
+    scheduler = EngineConfig.from_options(**engine_options).scheduler
+    args = ["--trace", str(trace)]
+    for key, value in engine_options.items():
+        flag = key.replace("_", "-")
+        if isinstance(value, bool):
+            args.append(f"--{flag}" if value else f"--no-{flag}")
+        elif value is not None:
+            args += [f"--{flag}", str(value)]
+    swept = tuple(r for r in rows if 1 <= r <= scheduler.max_num_seqs)
+    if not swept:
+        raise ValueError(f"no batch size in rows {list(rows)} is within 1..max_num_seqs "
+                         f"({scheduler.max_num_seqs})")
+    started = time.perf_counter()
+    prompt_tokens = output_tokens = 0
+    errors: list[str] = []
+    with launched_server(args) as (url, _):
+        card = served_model(url)
+        batches = calibration_batches(swept, prompt_len, max_tokens, card["vocab_size"],
+                                      card["max_model_len"],
+                                      scheduler.max_num_batched_tokens, sweep_seed)
+        started = time.perf_counter()
+        for size, batch in zip(swept, batches):
+            workload = Workload("calibration", [WorkloadRequest(ids, n) for ids, n in batch])
+            results, _ = asyncio.run(run_load(url, workload, card["id"], progress=False))
+            errors += [r.error for r in results if r.error]
+            prompt_tokens += sum(len(ids) for ids, _ in batch)
+            output_tokens += sum(r.output_tokens for r in results if not r.error)
+            if progress:
+                print(f"batch of {size}: {time.perf_counter() - started:.1f} s", flush=True)
+    steps = sum(1 for line in Path(trace).read_text().splitlines() if '"type":"step"' in line)
+    return {"trace": str(trace), "rows": list(swept), "num_requests": sum(swept),
+            "num_errors": len(errors), "errors": errors[:5], "prompt_tokens": prompt_tokens,
+            "output_tokens": output_tokens, "num_steps": steps,
             "wall_s": time.perf_counter() - started}

@@ -154,16 +154,17 @@ def _cmd_measure(args: argparse.Namespace) -> int:
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from treadle.config import options_from_args
-    from treadle.sim.calibrate import calibrate
+    from treadle.sim.calibrate import calibrate, calibrate_served
 
     if not args.trace:
         raise SystemExit("treadle simulate calibrate: --trace FILE (the trace to write) "
                          "is required")
     options = options_from_args(args)
     trace = options.pop("trace")
-    result = calibrate(trace, rows=args.rows, prompt_len=tuple(args.prompt_len),
-                       max_tokens=tuple(args.max_tokens), sweep_seed=options.get("seed") or 0,
-                       **options)
+    run = calibrate_served if args.served else calibrate
+    result = run(trace, rows=args.rows, prompt_len=tuple(args.prompt_len),
+                 max_tokens=tuple(args.max_tokens), sweep_seed=options.get("seed") or 0,
+                 **options)
     print(json.dumps(result, indent=2))
     print(f"fit it: treadle simulate fit {trace}; simulate with it: treadle simulate "
           f"--step-model fit:{trace} ...")
@@ -220,6 +221,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                      metavar=("MIN", "MAX"), help="prompt lengths, drawn uniformly")
     cal.add_argument("--max-tokens", type=int, nargs=2, default=[4, 64],
                      metavar=("MIN", "MAX"), help="output lengths, drawn per request")
+    cal.add_argument("--served", action="store_true",
+                     help="run the sweep through `treadle serve` and the load generator "
+                          "(the steps of a served run) instead of the in-process engine")
     add_config_arguments(cal)
     cal.set_defaults(func=_cmd_calibrate)
     cmp_ = sub.add_parser("compare", help="a simulated result against a measured one "

@@ -7,8 +7,10 @@ group), `int8` quantizes the loaded weights per output row. A layer whose tensor
 kernels cannot hold (another GGML type, formats that differ inside a fused group, K that
 a format's block does not divide) keeps its dense kernel, and the start-up log counts
 them. Activations stay in the engine's dtype; the embedding lookup stays dense (it reads
-one row per token). The dense weights stay loaded beside the quantized ones (LoRA and
-the torch fallbacks read them); a decode step reads only the quantized blocks.
+one row per token, and a tied LM head shares it). A quantized layer's dense weight is
+then dropped (its parameter kept on the meta device, for its shape): nothing reads it
+after this (LoRA wraps the layer's kernel, the torch fallback dequantizes its own copy),
+so the weights take the memory of their blocks.
 
 Decode steps run quantized linears inside the decode stack (worker/decode_stack.py) like
 dense ones. `auto` is `none` for now: the issue asked for `gguf` by default for a
@@ -55,10 +57,13 @@ class QuantizedModel:
     dense: tuple[str, ...] = ()
     formats: tuple[str, ...] = ()
     quantized_bytes: int = 0
+    dropped_bytes: int = 0
+    """Bytes of dense weights freed (the quantized layers')."""
 
     def describe(self) -> str:
         text = (f"quantization {self.mode}: {self.num_quantized} linears quantized "
-                f"({', '.join(self.formats)}; {self.quantized_bytes / 2**20:.1f} MiB)")
+                f"({', '.join(self.formats)}; {self.quantized_bytes / 2**20:.1f} MiB, "
+                f"{self.dropped_bytes / 2**20:.1f} MiB of dense weights freed)")
         if self.dense:
             text += f", {len(self.dense)} dense ({', '.join(self.dense[:4])}"
             text += ", ...)" if len(self.dense) > 4 else ")"
@@ -129,6 +134,7 @@ def attach(model, mode: str, kernels, gguf_path: Path | None) -> QuantizedModel 
             report.dense += (name,)
             continue
         linear.kernel = QuantizedLinearKernel(q)
+        report.dropped_bytes += _drop_dense(linear)
         formats.add(q.format.name)
         report.num_quantized += 1
         report.quantized_bytes += q.nbytes
@@ -139,13 +145,24 @@ def attach(model, mode: str, kernels, gguf_path: Path | None) -> QuantizedModel 
             report.dense += (head,)
         else:
             model.lm_head_kernel = QuantizedLinearKernel(q)
-            if hasattr(model, "lm_head"):
+            if hasattr(model, "lm_head"):  # untied: its own weight goes; a tied one embeds
                 model.lm_head.kernel = model.lm_head_kernel
+                report.dropped_bytes += _drop_dense(model.lm_head)
             formats.add(q.format.name)
             report.num_quantized += 1
             report.quantized_bytes += q.nbytes
     report.formats = tuple(sorted(formats))
     return report
+
+
+def _drop_dense(linear) -> int:
+    """Free `linear`'s dense weight, keeping a parameter of its shape on the meta device
+    (no memory; parameter counts still see it). Returns the bytes freed."""
+    weight = linear.weight
+    freed = weight.numel() * weight.element_size()
+    linear.weight = torch.nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype,
+                                                   device="meta"), requires_grad=False)
+    return freed
 
 
 def _parts(name: str) -> tuple[str, ...]:
