@@ -101,8 +101,9 @@ class ModelConfig:
         "Linear weights kept quantized and run on the C quantized kernels (CPU, one rank): "
         "none, gguf (a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K blocks as they are), int8 (one "
         "symmetric scale per output row, made at load from any checkpoint), or auto "
-        "(none for now: on the CPUs measured the bf16 path is faster, docs/benchmarks.md "
-        "'Quantized weights in the engine')"))
+        "(gguf for a GGUF file with Q8_0/Q4_0/Q4_1 linears where the C kernels have AVX-512 "
+        "VNNI, in bfloat16 on one CPU rank without LoRA, where it measured faster; else "
+        "none)"))
     enforce_eager: bool = field(default=False, metadata=_help(
         "GPU: run every step eagerly (no CUDA graphs for decode steps)"))
     cuda_graph_sizes: str | None = field(default=None, metadata=_help(

@@ -5,7 +5,10 @@ naming the option."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from conftest import make_tiny_checkpoint, use_fresh_cache_dir
 from gguf_files import write_tiny_gguf
@@ -15,7 +18,8 @@ from treadle.engine.core import EngineCore
 from treadle.request import Request
 from treadle.sampling_params import SamplingParams
 from treadle.worker.linear_kernels import DenseLinearKernel
-from treadle.worker.quantized_linears import QuantizedLinearKernel
+from treadle.worker.native_quant import QuantKernels
+from treadle.worker.quantized_linears import QuantizedLinearKernel, resolve_mode
 
 # q/k/v of one format fuse; v in another format keeps qkv dense; Q5_0 has no kernel.
 TYPES = {"self_attn.q": "Q8_0", "self_attn.k": "Q8_0", "self_attn.v": "Q8_0",
@@ -112,13 +116,40 @@ def test_int8_is_made_at_load_from_any_checkpoint(tmp_path):
                     tolerance=0.2)
 
 
-def test_auto_and_none_keep_dense_kernels(tiny_gguf, tmp_path, monkeypatch):
+def test_none_keeps_dense_kernels_and_auto_quantizes_where_r16_runs(tiny_gguf, tmp_path,
+                                                                      monkeypatch):
     use_fresh_cache_dir(tmp_path / "cache", monkeypatch)
-    for mode in ("auto", "none"):
-        core = _core(tiny_gguf, quantization=mode, dtype="bfloat16")
-        layer = core.executor.worker.model.model.layers["0"]
-        assert isinstance(layer.self_attn.qkv_proj.kernel, DenseLinearKernel)
-        assert core.executor.worker.quantized is None
+    core = _core(tiny_gguf, quantization="none", dtype="bfloat16")
+    layer = core.executor.worker.model.model.layers["0"]
+    assert isinstance(layer.self_attn.qkv_proj.kernel, DenseLinearKernel)
+    assert core.executor.worker.quantized is None
+    core = _core(tiny_gguf, quantization="auto", dtype="bfloat16")
+    worker = core.executor.worker
+    kernels = QuantKernels.load(worker.native.lib) if worker.native is not None else None
+    r16 = kernels is not None and kernels.has_r16
+    qkv = worker.model.model.layers["0"].self_attn.qkv_proj.kernel
+    assert isinstance(qkv, QuantizedLinearKernel) == r16
+    assert (worker.quantized is not None) == r16
+    # float32, or a checkpoint that is not GGUF: auto stays dense
+    core = _core(tiny_gguf, quantization="auto", dtype="float32")
+    assert core.executor.worker.quantized is None
+
+
+def test_auto_rule(tiny_gguf, tmp_path):
+    r16 = SimpleNamespace(r16_formats=("Q8_0", "Q4_0", "Q4_1", "INT8"))
+    assert resolve_mode("auto", tiny_gguf, r16) == "gguf"  # its q/k/v are Q8_0
+    assert resolve_mode("auto", tiny_gguf, SimpleNamespace(r16_formats=())) == "none"
+    assert resolve_mode("auto", tiny_gguf, None) == "none"
+    assert resolve_mode("auto", None, r16) == "none"
+    assert resolve_mode("auto", tiny_gguf, r16, dtype=torch.float32) == "none"
+    assert resolve_mode("auto", tiny_gguf, r16, world_size=2) == "none"
+    assert resolve_mode("auto", tiny_gguf, r16, lora=True) == "none"
+    assert resolve_mode("none", tiny_gguf, r16) == "none"
+    assert resolve_mode("int8", None, None) == "int8"
+    # a file whose projections are all F32 has nothing to keep quantized
+    hf_dir = tiny_hf(tmp_path / "hf", "llama", hidden=64, inter=128)
+    plain = write_tiny_gguf(hf_dir, tmp_path / "plain.gguf", "llama", {})
+    assert resolve_mode("auto", plain, r16) == "none"
 
 
 def test_wrong_uses_name_the_option(tmp_path):

@@ -13,12 +13,14 @@ after this (LoRA wraps the layer's kernel, the torch fallback dequantizes its ow
 so the weights take the memory of their blocks.
 
 Decode steps run quantized linears inside the decode stack (worker/decode_stack.py) like
-dense ones. `auto` is `none` for now: the issue asked for `gguf` by default for a
-quantized GGUF file, but on the CPU measured (an AMX Xeon) the engine-core run on the
-default model's Q4_1 blocks (468-471 tok/s) only tied its bf16 dequantization (470-480):
-the quantized kernels run at ~12 GB/s of blocks where the bf16 ones stream 23-35 GB/s
-(docs/benchmarks.md, "Quantized weights in the engine"). The worker decides, never the
-model; CPU only, one rank (a shard of GGUF blocks is not cut).
+dense ones. `auto` (`resolve_mode`) is `gguf` for a GGUF file whose linears hold blocks
+of the formats the r16 kernel runs (Q8_0, Q4_0, Q4_1), where the kernels have it (an
+AVX-512 VNNI build), in bfloat16 on one CPU rank without LoRA; else `none`. That is where
+it was measured faster: the engine-core run on the default model's Q4_1 file, 528.8 /
+555.7 output tok/s against 461.0 / 480.4 dequantized to bf16 (an AMX Xeon; without r16
+the quantized kernels ran at ~12 GB/s of blocks and only tied bf16; docs/benchmarks.md,
+"Quantized weights in the decode stack, with AMX"). The worker decides, never the model;
+CPU only, one rank (a shard of GGUF blocks is not cut).
 """
 
 from __future__ import annotations
@@ -70,10 +72,19 @@ class QuantizedModel:
         return text
 
 
-def resolve_mode(requested: str, gguf_path: Path | None) -> str:
-    """none, gguf or int8 for `requested` (config.QUANTIZATION_CHOICES)."""
-    if requested in ("auto", "none"):
+def resolve_mode(requested: str, gguf_path: Path | None, kernels=None, *,
+                 dtype: torch.dtype = torch.bfloat16, world_size: int = 1,
+                 lora: bool = False) -> str:
+    """none, gguf or int8 for `requested` (config.QUANTIZATION_CHOICES); `auto` per the
+    module docstring (kernels: worker.native_quant.QuantKernels or None)."""
+    if requested == "none":
         return "none"
+    if requested == "auto":
+        formats = getattr(kernels, "r16_formats", ())
+        if (gguf_path is None or not formats or dtype != torch.bfloat16 or world_size != 1
+                or lora):
+            return "none"
+        return "gguf" if _has_quantized_linears(gguf_path, formats) else "none"
     if requested == "gguf" and gguf_path is None:
         raise ValueError("quantization=gguf needs a GGUF model (a .gguf file, or the "
                          "default model); use int8 to quantize another checkpoint")
@@ -170,6 +181,14 @@ def _parts(name: str) -> tuple[str, ...]:
     prefix, _, last = name.rpartition(".")
     lead = f"{prefix}." if prefix else ""
     return tuple(f"{lead}{p}.weight" for p in _FUSED.get(last, (last,)))
+
+
+def _has_quantized_linears(path: Path, formats: tuple[str, ...]) -> bool:
+    """Whether any projection of the GGUF file at `path` is stored in one of `formats`."""
+    from treadle.models.gguf_reader import open_gguf, raw_tensors
+
+    return any(t.hf_name.endswith("_proj.weight") and t.tensor_type in formats
+               for t in raw_tensors(open_gguf(path)))
 
 
 def _gguf_rows(model, path: Path | None) -> dict:

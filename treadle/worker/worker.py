@@ -179,14 +179,19 @@ class Worker:
         """--quantization: the linear layers on quantized weights (worker/
         quantized_linears.py); None when they stay dense."""
         m = self.config.model
-        if m.quantization in ("auto", "none"):  # auto: none for now (quantized_linears.py)
+        if m.quantization == "none":
             return None
-        if self.platform.device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
+        on_cpu = self.platform.device.type == "cpu"
+        if m.quantization != "auto" and (not on_cpu or dtype not in (torch.bfloat16,
+                                                                      torch.float32)):
             raise ValueError(f"quantization={m.quantization} runs on the CPU in bfloat16 or "
                              f"float32 (device {self.platform.device.type}, dtype {dtype})")
+        kernels = (QuantKernels.load(self.native.lib)
+                   if self.native is not None and on_cpu else None)
         gguf = gguf_source(m.model, m.revision, m.download_dir)
-        mode = quantized_linears.resolve_mode(m.quantization, gguf)
-        kernels = QuantKernels.load(self.native.lib) if self.native is not None else None
+        mode = quantized_linears.resolve_mode(
+            m.quantization, gguf, kernels, dtype=dtype, world_size=self.parallel.world_size,
+            lora=self.config.lora.enable_lora)
         report = quantized_linears.attach(self.model, mode, kernels, gguf)
         if report is not None:
             logger.info("%s", report.describe())
