@@ -75,6 +75,17 @@ def random_blocks(fmt: str, n: int, k: int, gen):
     return QuantizedLinear(fmt, raw.reshape(n, -1).contiguous(), k)
 
 
+def _packed_copies(dense: list) -> list:
+    """oneDNN's packed copies of the bf16 weights `dense`, or [] where oneDNN cannot pack
+    bf16 (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: not on an AVX2-only CPU), and then
+    only F.linear is timed."""
+    import torch
+
+    from treadle.worker.linear_kernels import _pack, packed_kernel_works
+
+    return [_pack(w) for w in dense] if packed_kernel_works(torch.bfloat16) else []
+
+
 def _median_ms(times: list[float]) -> float:
     return round(statistics.median(times) * 1e3, 4)
 
@@ -88,7 +99,7 @@ def gemv(rows=(1, 4, 16), formats=FORMATS, shapes=tuple(SHAPES), repeats: int = 
     import torch
     import torch.nn.functional as F
 
-    from treadle.worker.linear_kernels import _pack, _packed_linear
+    from treadle.worker.linear_kernels import _packed_linear
 
     quant, bf16_ops = _kernels(variant)
     paths = ("dot", "deq", "deq_buffered") + (("amx", "amx_dot") if quant.has_amx else ())
@@ -98,15 +109,16 @@ def gemv(rows=(1, 4, 16), formats=FORMATS, shapes=tuple(SHAPES), repeats: int = 
         n, k = SHAPES[name]
         copies = min(3, copies_per_layer) if name == "lm_head" else copies_per_layer
         dense = [torch.randn(n, k, generator=gen).to(torch.bfloat16) for _ in range(copies)]
-        packed = [_pack(w) for w in dense]
+        packed = _packed_copies(dense)
         weights = {fmt: [random_blocks(fmt, n, k, gen) for _ in range(copies)]
                    for fmt in formats if k % (256 if fmt == "Q4_K" else 32) == 0}
         r16 = {fmt: [quant.r16_pack(fmt, w.blocks, k) for w in ws]
                for fmt, ws in weights.items() if fmt in quant.r16_formats}
         for m in rows:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-            runs = {"onednn_linear": (lambda i: F.linear(x, dense[i]), n * k * 2),
-                    "onednn_packed": (lambda i: _packed_linear(x, packed[i], None), n * k * 2)}
+            runs = {"onednn_linear": (lambda i: F.linear(x, dense[i]), n * k * 2)}
+            if packed:
+                runs["onednn_packed"] = (lambda i: _packed_linear(x, packed[i], None), n * k * 2)
             if bf16_ops is not None:
                 runs["bf16_native"] = (lambda i: bf16_ops.linear(x, dense[i], None), n * k * 2)
             for fmt, ws in weights.items():
@@ -149,7 +161,7 @@ def prefill(rows=(64, 256, 512), formats=("Q8_0", "Q4_0"), shapes=("gate_up", "d
     import torch
     import torch.nn.functional as F
 
-    from treadle.worker.linear_kernels import _pack, _packed_linear
+    from treadle.worker.linear_kernels import _packed_linear
 
     quant, _ = _kernels()
     gen = torch.Generator().manual_seed(1)
@@ -158,7 +170,7 @@ def prefill(rows=(64, 256, 512), formats=("Q8_0", "Q4_0"), shapes=("gate_up", "d
         n, k = SHAPES[name]
         copies = 3 if name == "lm_head" else 6
         dense = [torch.randn(n, k, generator=gen).to(torch.bfloat16) for _ in range(copies)]
-        packed = [_pack(w) for w in dense]
+        packed = _packed_copies(dense)
         for fmt in formats:
             if k % (256 if fmt == "Q4_K" else 32):
                 continue
@@ -168,8 +180,9 @@ def prefill(rows=(64, 256, 512), formats=("Q8_0", "Q4_0"), shapes=("gate_up", "d
             for m in rows:
                 x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
                 runs = {"bf16_copy_linear": lambda i: F.linear(x, dense[i]),
-                        "bf16_copy_packed": lambda i: _packed_linear(x, packed[i], None),
                         "dequant_whole": lambda i: F.linear(x, ws[i].dequantize(torch.bfloat16))}
+                if packed:
+                    runs["bf16_copy_packed"] = lambda i: _packed_linear(x, packed[i], None)
                 for t in tile_rows:
                     def tiled(i, t=t):
                         ws[i].tile_rows = t
