@@ -18,6 +18,7 @@ from treadle.request import Request
 from treadle.sampling_params import SamplingParams
 from treadle.models.quant_weights import choose_path
 from treadle.worker.decode_stack import QUANT_PATH_CODES, DecodeStack
+from treadle.worker.native_linear import WIDENING_GEMM_ROWS
 from treadle.worker.quantized_linears import QuantizedLinearKernel
 
 
@@ -31,7 +32,7 @@ class _Counting:
     """Wraps a stack, counting the steps it ran and the ones it left to the layers."""
 
     def __init__(self, stack: DecodeStack) -> None:
-        self.stack, self.ran, self.declined = stack, 0, 0
+        self.stack, self.ran, self.declined, self.max_rows_ran = stack, 0, 0, 0
 
     def __call__(self, *args):
         out = self.stack(*args)
@@ -39,6 +40,7 @@ class _Counting:
             self.declined += 1
         else:
             self.ran += 1
+            self.max_rows_ran = max(self.max_rows_ran, out.shape[0])
         return out
 
 
@@ -75,14 +77,16 @@ def test_stack_matches_layer_by_layer_bit_for_bit(kernel_level, level_kernels, f
             if name.endswith("norm.weight"):
                 param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
     counting = _Counting(model.decode_stack)
-    # 6 requests finishing one after another: steps of 6 down to 1 rows, on both linear
-    # kernels where the CPU has AMX (tile kernel from 4 rows, dot products below).
-    prompts = [[5 + 7 * i + j for j in range(9 + 13 * i)] for i in range(6)]
+    # 24 requests finishing one after another: steps of 24 down to 1 rows, on both linear
+    # kernels of each level (with AMX the tile kernel from 4 rows, dot products below;
+    # without bf16 arithmetic the widening GEMM from WIDENING_GEMM_ROWS, dot products below).
+    prompts = [[5 + 7 * i + j for j in range(9 + 3 * i)] for i in range(24)]
     model.decode_stack = counting
     fused = _generate(core, "stack", prompts, max_tokens=4, spread=2)
     model.decode_stack = None
     plain = _generate(core, "layers", prompts, max_tokens=4, spread=2)
     assert counting.ran >= 9, "every all-decode step should run in the stack"
+    assert counting.max_rows_ran >= WIDENING_GEMM_ROWS
     assert counting.declined >= 1, "the prefill steps are left to the layers"
     assert fused == plain
 

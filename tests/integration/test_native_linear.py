@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from treadle.models.llama import rms_norm
 from treadle.worker.linear_kernels import DenseLinearKernel, dense_kernel_factory
 from treadle.worker.native import load_kernels
-from treadle.worker.native_linear import (AMX_MAX_ROWS, MAX_ROWS, WIDENING_MAX_ROWS,
+from treadle.worker.native_linear import (AMX_MAX_ROWS, MAX_ROWS, WIDENING_GEMM_ROWS,
+                                         WIDENING_MAX_ROWS,
                                          NativeLayerOps, onednn_uses_amx)
 
 @pytest.fixture(scope="module")
@@ -302,3 +303,78 @@ def test_linear_rows_without_amx_stay_on_the_dot_product_kernel(level_kernels):
     assert with_amx.amx_covers(8, 960, 576) and with_amx.linear_rows == 32
     assert not with_amx.amx_covers(8, 960, 577) and not with_amx.amx_covers(8, 968, 576)
     assert not with_amx.amx_covers(1, 960, 576) and not with_amx.amx_covers(33, 960, 576)
+
+
+def _widen_gemm(ops):
+    fn = ops.lib.gemm_bf16_widen
+    fn.argtypes, fn.restype = ops._gemv.argtypes, ops._gemv.restype
+
+    def call(x, w, b, threads=0):
+        m, k = x.shape
+        n = w.shape[0]
+        y = torch.empty(m, n, dtype=torch.bfloat16)
+        status = fn(x.data_ptr(), x.stride(0), w.data_ptr(),
+                    None if b is None else b.data_ptr(), y.data_ptr(), n, m, n, k, threads)
+        return status, y
+    return call
+
+
+@pytest.mark.parametrize("n, k", [(1, 1), (5, 31), (17, 33), (49, 100), (100, 577),
+                                  (960, 576), (576, 1536)])
+def test_widening_gemm_matches_float32_reference(level_kernels, n, k):
+    """The register-tiled GEMM of the levels without bf16 arithmetic (gemm_bf16_widen.c)
+    at row counts around its micro-kernel's (6 or 12 rows) and panel's (16 or 32 weight
+    rows) edges, with and without bias, on one thread and on OpenMP's default. It is
+    built at every level that has a vector unit (the dpbf16 level's engine never routes
+    to it), so it runs wherever AVX2 does."""
+    ops = NativeLayerOps.load(level_kernels.lib)
+    if ops is None:
+        pytest.skip("this build has no vector unit")
+    gemm = _widen_gemm(ops)
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16)
+    for m in (1, 5, 6, 7, 12, 13, 20, 64, 131):
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        for bias in (None, b):
+            ref = reference(x, w, bias)
+            for threads in (1, 0):
+                status, got = gemm(x, w, bias, threads)
+                assert status == 0
+                assert_bf16_close(got, ref)
+                assert (got != ref.to(torch.bfloat16)).float().mean() < 0.01
+
+
+def test_widening_gemm_strided_rows(level_kernels):
+    ops = NativeLayerOps.load(level_kernels.lib)
+    if ops is None:
+        pytest.skip("this build has no vector unit")
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(45, 700, generator=gen).to(torch.bfloat16)[:, 9:585]  # rows 700 apart
+    w = torch.randn(70, 576, generator=gen).to(torch.bfloat16)
+    status, got = _widen_gemm(ops)(x, w, None)
+    assert status == 0
+    assert_bf16_close(got, reference(x, w, None))
+
+
+def test_linear_routes_batches_to_the_widening_gemm_only_without_bf16_arithmetic(level,
+                                                                                  level_kernels):
+    """Levels without vdpbf16ps send WIDENING_GEMM_ROWS rows and more to the GEMM and
+    fewer to the dot-product kernel (bit for bit what each kernel gives alone); the
+    avx512bf16 level never routes there."""
+    ops = NativeLayerOps.load(level_kernels.lib)
+    if ops is None:
+        pytest.skip("this build has no vector unit")
+    if level_kernels.has_dpbf16:
+        assert ops.gemm_rows is None and not ops.gemm_covers(WIDENING_GEMM_ROWS)
+        return
+    assert ops.gemm_rows == WIDENING_GEMM_ROWS
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(96, 576, generator=gen).to(torch.bfloat16)
+    b = torch.randn(96, generator=gen).to(torch.bfloat16)
+    dot = NativeLayerOps(level_kernels.lib, max_rows=WIDENING_MAX_ROWS)
+    for m in (WIDENING_GEMM_ROWS - 1, WIDENING_GEMM_ROWS, 70):
+        x = torch.randn(m, 576, generator=gen).to(torch.bfloat16)
+        expected = _widen_gemm(ops)(x, w, b)[1] if m >= WIDENING_GEMM_ROWS else dot.linear(x, w, b)
+        assert ops.gemm_covers(m) == (m >= WIDENING_GEMM_ROWS)
+        assert torch.equal(ops.linear(x, w, b), expected)

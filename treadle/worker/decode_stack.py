@@ -53,7 +53,7 @@ class _Layer(ctypes.Structure):
 class _Dims(ctypes.Structure):
     _fields_ = [(name, _I64) for name in (
         "hidden", "heads", "kv_heads", "head_dim", "intermediate", "num_blocks",
-        "block_size", "amx_first", "amx_last")] + [
+        "block_size", "amx_first", "amx_last", "widen_first")] + [
         ("quant_path", _I64 * len(FORMAT_CODES)), ("eps", ctypes.c_float),
         ("scale", ctypes.c_float)]
 
@@ -146,6 +146,8 @@ class DecodeStack:
             layer_ops.amx_covers(layer_ops.amx_rows[0], *k.weight.shape) for k in dense)
         if amx:
             self._dims.amx_first, self._dims.amx_last = layer_ops.amx_rows
+        if layer_ops.gemm_rows is not None:  # the rows NativeLayerOps.linear gives it
+            self._dims.widen_first = layer_ops.gemm_rows
         limits = [layer_ops.linear_rows if amx else layer_ops.max_rows] if dense else []
         if len(dense) < len(flat):
             limits.append(len(self._quant_paths))

@@ -1,6 +1,6 @@
-"""Typed wrappers of the C kernels for small-batch bf16 layers (kernels/gemv_bf16.c,
-kernels/norm_bf16.c): the linear layer, fused residual-add + RMSNorm, silu(gate) * up, and
-rotary embedding fused with the K/V cache write.
+"""Typed wrappers of the C kernels for bf16 layers (kernels/gemv_bf16.c, gemm_bf16_amx.c,
+gemm_bf16_widen.c, norm_bf16.c): the linear layer, fused residual-add + RMSNorm,
+silu(gate) * up, and rotary embedding fused with the K/V cache write.
 
 A decode step runs every layer on a few rows (one per request), where a linear layer is
 bound by reading its weight and the elementwise steps by per-op dispatch. `NativeLayerOps`
@@ -10,7 +10,9 @@ set_kernels`, worker/linear_kernels.py) and to the cpu-native attention backend
 (`rope_kv`); each method returns None where it does not apply (dtype, rows, layout)
 so that the caller runs its torch path instead. How many rows the linear kernel takes
 depends on the library's ISA level and on whether oneDNN has AMX (`MAX_ROWS`,
-`AMX_MAX_ROWS`, `WIDENING_MAX_ROWS`).
+`AMX_MAX_ROWS`, `WIDENING_MAX_ROWS`); where the level has no bf16 arithmetic, batches
+from `WIDENING_GEMM_ROWS` rows on take the register-tiled GEMM instead of the
+dot-product kernel.
 """
 
 from __future__ import annotations
@@ -49,6 +51,14 @@ than fp32 at 16-512 rows and 1.5-4.7x slower than this kernel at every row count
 (docs/benchmarks.md, "Every CPU"), so the torch path would be the slow one at any row
 count."""
 
+WIDENING_GEMM_ROWS = 20
+"""Rows from which the register-tiled GEMM (kernels/gemm_bf16_widen.c) takes a linear at
+the widening levels, instead of the dot-product kernel. All of a SmolLM2-135M step's
+layer linears, 2 threads, AVX2 on an AMD EPYC (Zen 3), ms at 8 / 16 / 20 / 24 / 32 / 64 /
+512 rows: dot-product kernel 20.4 / 36.0 / 48.5 / 55.0 / 79.8 / 150 / 1,547, GEMM 28.4 /
+37.5 / 47.0 / 47.2 / 64.6 / 117 / 1,006, torch fp32 (MKL) 68.7 / 63.1 / 80.7 / 77.9 /
+101 / 190 / 1,072 (docs/benchmarks.md, "A CPU with AVX2 only")."""
+
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -66,11 +76,15 @@ class NativeLayerOps:
     """The bf16 layer kernels of one loaded library."""
 
     def __init__(self, lib: ctypes.CDLL, max_rows: int = MAX_ROWS,
-                 amx_rows: tuple[int, int] | None = None) -> None:
+                 amx_rows: tuple[int, int] | None = None, gemm_rows: int | None = None) -> None:
         self.max_rows = max_rows
-        """Rows up to which the dot-product kernel (gemv_bf16.c) runs a linear."""
+        """Rows up to which the dot-product kernel (gemv_bf16.c) runs a linear (or, from
+        `gemm_rows` on, the widening GEMM)."""
         self.amx_rows = amx_rows
         """(first, last) rows the AMX tile kernel takes, or None (no AMX here)."""
+        self.gemm_rows = gemm_rows
+        """Rows from which the widening GEMM (gemm_bf16_widen.c) takes a linear, or None
+        (a level with bf16 arithmetic, where oneDNN has the batches)."""
         self.lib = lib
         """The library (worker/decode_stack.py finds its layer driver there)."""
         self._gemv = lib.gemv_bf16
@@ -91,12 +105,16 @@ class NativeLayerOps:
         self._amx = lib.gemm_bf16_amx
         self._amx.argtypes = self._gemv.argtypes
         self._amx.restype = ctypes.c_int
+        self._widen = lib.gemm_bf16_widen
+        self._widen.argtypes = self._gemv.argtypes
+        self._widen.restype = ctypes.c_int
 
     @classmethod
     def load(cls, lib: ctypes.CDLL | None, max_rows: int | None = None) -> NativeLayerOps | None:
         """The kernels of `lib`, or None when it lacks them or was built without a vector
         unit (neither AVX-512 nor AVX2). max_rows: None for the level's default (MAX_ROWS
-        with vdpbf16ps, AMX_MAX_ROWS where oneDNN has AMX too, else WIDENING_MAX_ROWS)."""
+        with vdpbf16ps, AMX_MAX_ROWS where oneDNN has AMX too, else WIDENING_MAX_ROWS, with
+        the widening GEMM from WIDENING_GEMM_ROWS rows on)."""
         if lib is None or not hasattr(lib, "gemv_bf16_available"):
             return None
         lib.gemv_bf16_available.restype = ctypes.c_int
@@ -111,7 +129,8 @@ class NativeLayerOps:
                 max_rows = AMX_MAX_ROWS if onednn_uses_amx() else MAX_ROWS
         lib.gemm_bf16_amx_available.restype = ctypes.c_int
         amx = dpbf16 and bool(lib.gemm_bf16_amx_available()) and onednn_uses_amx()
-        return cls(lib, max_rows, AMX_GEMM_ROWS if amx else None)
+        return cls(lib, max_rows, AMX_GEMM_ROWS if amx else None,
+                   None if dpbf16 else WIDENING_GEMM_ROWS)
 
     def amx_covers(self, rows: int, n: int, k: int) -> bool:
         """Whether the AMX tile kernel takes an [rows, k] x [n, k]^T linear."""
@@ -126,9 +145,10 @@ class NativeLayerOps:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                threads: int = 0) -> torch.Tensor | None:
         """x [M, K] @ weight[N, K].T + bias as bf16 [M, N] on the AMX tile kernel
-        (`amx_covers`) or the dot-product one, or None when not covered: not bf16, M past
-        both kernels' rows, x not 2-D with unit stride along K, weight or bias not
-        contiguous. threads: 0 = OpenMP's default."""
+        (`amx_covers`), the widening GEMM (from `gemm_rows` rows) or the dot-product
+        kernel, or None when not covered: not bf16, M past every kernel's rows, x not 2-D
+        with unit stride along K, weight or bias not contiguous. threads: 0 = OpenMP's
+        default."""
         if (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() != 2
                 or x.stride(1) != 1
                 or not weight.is_contiguous() or weight.shape[1] != x.shape[1]
@@ -142,9 +162,17 @@ class NativeLayerOps:
         if not amx and m > self.max_rows:
             return None
         y = torch.empty(m, n, dtype=torch.bfloat16)
-        (self._amx if amx else self._gemv)(x.data_ptr(), x.stride(0), weight.data_ptr(),
-                   None if bias is None else bias.data_ptr(), y.data_ptr(), n, m, n, k, threads)
+        fn = (self._amx if amx else self._widen if self.gemm_covers(m) else self._gemv)
+        status = fn(x.data_ptr(), x.stride(0), weight.data_ptr(),
+                    None if bias is None else bias.data_ptr(), y.data_ptr(), n, m, n, k, threads)
+        if status:
+            raise RuntimeError(f"bf16 linear kernel failed with status {status} (-2: out of "
+                               f"memory) at {m} x {k} by {n}")
         return y
+
+    def gemm_covers(self, rows: int) -> bool:
+        """Whether the widening GEMM takes a linear of `rows` rows (within max_rows)."""
+        return self.gemm_rows is not None and self.gemm_rows <= rows <= self.max_rows
 
     def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None,
                      weight: torch.Tensor, eps: float) -> torch.Tensor | None:
