@@ -92,6 +92,11 @@ def test_path_rule():
         "r16", "r16", "amx_dot", "amx"]
     assert choose_path(amx16, "Q4_K", 1) == "dot"
     assert [choose_path(vnni16, "Q4_0", m) for m in (1, 16, 17)] == ["r16", "r16", "prefill"]
+    plain16 = SimpleNamespace(has_amx=False, has_vnni=False, r16_formats=("Q8_0", "Q4_0"))
+    assert [choose_path(plain16, "Q8_0", m) for m in (1, 17, 128, 129)] == [
+        "r16", "r16", "r16", "prefill"]
+    assert [choose_path(plain16, "Q4_K", m) for m in (1, 3, 17)] == [
+        "dot", "deq_buffered", "prefill"]
 
 
 def test_fp32_input_never_takes_the_bf16_amx_tiles(kernels):
@@ -217,3 +222,20 @@ def test_concat_rows_and_embedding(kernels, fmt):
     other, _ = make_weight("Q4_0", 4, 64, seed=1)
     with pytest.raises(ValueError, match="cannot fuse"):
         QuantizedLinear.concat_rows([parts[0][0], other])
+
+
+def test_prefill_tiles_multiply_in_fp32_where_the_build_has_no_bf16_arithmetic(rule_kernels):
+    """Without bf16 arithmetic torch's bf16 linear is emulated (several times slower than
+    fp32), so bf16 activations meet fp32 tiles there; with it, bf16 tiles. Both give the
+    dequantized weight's product."""
+    weight, ref = make_weight("Q4_1", 40, 256, seed=3, kernels=rule_kernels)
+    expected = torch.bfloat16 if rule_kernels.has_bf16 else torch.float32
+    assert weight.tile_dtype(torch.bfloat16) == expected
+    assert weight.tile_dtype(torch.float32) == torch.float32
+    x = torch.randn(300, 256).to(torch.bfloat16)
+    assert weight.path(300) == "prefill"
+    want = F.linear(x.double(), torch.from_numpy(ref).double())
+    scale = x.double().abs() @ torch.from_numpy(ref).double().abs().T
+    got = weight.apply(x)
+    assert got.dtype == torch.bfloat16
+    assert ((got.double() - want).abs() <= 2 ** -7 * scale + 2 ** -8 * want.abs()).all()

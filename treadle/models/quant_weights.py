@@ -26,12 +26,18 @@ level's build run there (one core; the AMX row counts again with 2 threads):
 - AVX-512 or AVX2 with VNNI (`r16` aside): `dot` up to 16 rows; it beat the dequantize-in-register
   paths (`deq`, `deq_buffered`) by 1.5-2x at every row count there: vpdpbusd does 4
   products per lane, the bf16 / fp32 paths 2 / 1 after paying the widening.
-- no VNNI (pmaddubsw): `dot` up to 2 rows (2x faster than `deq` at 1 row, even at 4),
-  then `deq_buffered` (each block of 16 weight rows dequantized once into an L1 buffer,
-  then FMA tiles) to 16 rows, 15-25% faster than `dot` at 16.
+- AVX2 without VNNI (pmaddubsw), measured on an AMD EPYC (Zen 3), 2 threads: `r16` (the
+  same layout as 8-row halves, quant_r16.c) up to 128 rows for Q8_0, Q4_0, Q4_1 and INT8.
+  It beat `dot` at every row count from 1 to 128 and every SmolLM2-135M shape (gate_up
+  at 4 rows: Q4_1 0.171 ms against 0.321, Q8_0 0.224 against 0.282; the bf16 C kernel
+  0.286), and the fp32 prefill tiles up to 128 rows (gate_up at 128: Q4_1 4.0 against
+  5.4 ms, Q8_0 4.9 against 7.3). Q4_K: `dot` up to 2 rows (2x faster than `deq` at 1 row,
+  even at 4), then `deq_buffered` (each block of 16 weight rows dequantized once into an
+  L1 buffer, then FMA tiles) to 16 rows, 15-25% faster than `dot` at 16.
 - above those: `prefill`, tiles of `tile_rows` weight rows dequantized into a bf16
-  (fp32 for fp32 activations) buffer and multiplied by oneDNN (`F.linear`), so the
-  dense copy is never larger than one tile; 1024-row tiles cost about what dequantizing
+  (fp32 for fp32 activations, and where the CPU has no bf16 arithmetic: `tile_dtype`)
+  buffer and multiplied by torch (`F.linear`: oneDNN, MKL), so the dense copy is never
+  larger than one tile; 1024-row tiles cost about what dequantizing
   the whole weight per call costs (smaller tiles pay oneDNN's per-call overhead).
 The in-register `deq` path is never chosen (it lost or tied everywhere measured); it
 stays callable for measurements. Paths round differently (int8 activations on the dot
@@ -65,7 +71,9 @@ AMX_MAX_ROWS = 128
 VNNI_DOT_MAX_ROWS = 16
 """With VNNI, no AMX: rows up to which `dot` runs, then `prefill`."""
 PLAIN_DOT_MAX_ROWS = 2
-"""Without VNNI: rows up to which `dot` runs, then `deq_buffered`."""
+"""Without VNNI (and r16): rows up to which `dot` runs, then `deq_buffered`."""
+PLAIN_R16_MAX_ROWS = 128
+"""Without VNNI (AVX2's pmaddubsw): rows up to which `r16` runs, then `prefill`."""
 GEMV_MAX_ROWS = 16
 """Without AMX: rows up to which a GEMV path runs, then `prefill`."""
 TILE_ROWS = 1024
@@ -90,12 +98,14 @@ def choose_path(kernels, fmt: str, rows: int, dtype: torch.dtype = torch.bfloat1
         if rows > AMX_MAX_ROWS:
             return "prefill"
         return "amx" if dtype == torch.bfloat16 else "amx_dot"
-    if rows > GEMV_MAX_ROWS:
-        return "prefill"
     if kernels.has_vnni:
         if rows > VNNI_DOT_MAX_ROWS:
             return "prefill"
         return "r16" if r16 else "dot"
+    if r16:
+        return "r16" if rows <= PLAIN_R16_MAX_ROWS else "prefill"
+    if rows > GEMV_MAX_ROWS:
+        return "prefill"
     return "dot" if rows <= PLAIN_DOT_MAX_ROWS else "deq_buffered"
 
 
@@ -254,17 +264,30 @@ class QuantizedLinear:
         return w.to(dtype)
 
     def _prefill(self, x: torch.Tensor) -> torch.Tensor:
-        """Many rows: dequantize tiles of weight rows and let oneDNN multiply each."""
+        """Many rows: dequantize tiles of weight rows and let torch multiply each (oneDNN
+        in bf16; in fp32 where the CPU has no bf16 arithmetic, `tile_dtype`)."""
         n, k = self.out_features, self.in_features
         y = torch.empty(x.shape[0], n, dtype=x.dtype)
-        tile = torch.empty(min(self.tile_rows, n), k, dtype=x.dtype)
-        bias = self._bias_in(x.dtype)
+        dtype = self.tile_dtype(x.dtype)
+        xt = x.to(dtype)
+        tile = torch.empty(min(self.tile_rows, n), k, dtype=dtype)
+        bias = self._bias_in(dtype)
         for n0 in range(0, n, self.tile_rows):
             n1 = min(n, n0 + self.tile_rows)
             w = self.kernels.dequantize(self.format.name, self.blocks, self.scales, k,
                                         rows=(n0, n1), out=tile[:n1 - n0])
-            y[:, n0:n1] = F.linear(x, w, None if bias is None else bias[n0:n1])
+            y[:, n0:n1] = F.linear(xt, w, None if bias is None else bias[n0:n1])
         return y
+
+    def tile_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype the prefill path multiplies `dtype` activations in: bf16 tiles where
+        the kernels' build has bf16 arithmetic (then the CPU has it, and oneDNN runs bf16
+        at full speed), else fp32. Without it torch's bf16 linear is emulated: on an
+        AVX2-only AMD EPYC (Zen 3) 16.6 GFLOP/s against 110 in fp32 (MKL) on SmolLM2-135M's
+        shapes at 256-1024 rows (`treadle.bench.peak.measure_peak_matmul`)."""
+        if dtype == torch.bfloat16 and not getattr(self.kernels, "has_bf16", True):
+            return torch.float32
+        return dtype
 
     def _bias_in(self, dtype: torch.dtype) -> torch.Tensor | None:
         if self.bias is None:

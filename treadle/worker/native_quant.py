@@ -1,6 +1,7 @@
 """Typed wrappers of the weight-only quantized kernels (kernels/quant_dequant.c,
 kernels/quant_gemv.c, kernels/quant_dot.c, kernels/quant_r16.c, the AMX ones): the
-decode-row GEMV paths, the r16 repacking they read on AVX-512 VNNI, tile dequantization
+decode-row GEMV paths, the r16 repacking they read on AVX-512 VNNI and plain AVX2, tile
+dequantization
 for the prefill path, and the activation quantizer (for tests).
 
 Owns the calling convention only: which path runs for which rows is decided by
@@ -142,7 +143,7 @@ class QuantKernels:
         self._r16_pack.restype = _I
         lib.quant_r16_available.restype = _I
         self.has_r16 = bool(lib.quant_r16_available())
-        """Whether the r16 path runs here (AVX-512 with VNNI)."""
+        """Whether the r16 path runs here (AVX-512 with VNNI, or AVX2 without VNNI)."""
         self.r16_formats = R16_FORMATS if self.has_r16 else ()
         """The formats the r16 path runs here."""
         lib.quant_isa.restype = _I
@@ -239,7 +240,7 @@ class QuantKernels:
         [n, k] weight; INT8: `scales` fp32 [n]) transposed, plus bias: [M, n] in x's
         dtype."""
         if not self.has_r16:
-            raise ValueError("the r16 path needs AVX-512 VNNI (has_r16)")
+            raise ValueError("the r16 path needs AVX-512 VNNI or AVX2 without VNNI (has_r16)")
         if packed.dtype != torch.uint8 or not packed.is_contiguous() or packed.numel() != \
                 self._r16_bytes(FORMAT_CODES[fmt], n, k):
             raise ValueError(f"packed must be r16_pack's output for a {fmt} [{n}, {k}] weight")

@@ -23,14 +23,37 @@
  * 16 mins x dx * sum(qx)); weights are loaded and unpacked once per chunk for up to 8 x
  * rows. Q4_K is not covered (its 6-bit sub-block scales; it keeps quant_dot.c).
  *
+ * AVX2 without VNNI (R16_AVX2) runs the same layout as two 8-row halves per vector: one
+ * 32-byte load is 4 values of each of 8 rows. pmaddubsw multiplies unsigned by signed
+ * bytes into saturating int16 pairs, so Q4_0 / Q4_1 nibbles (0..15) times qx (-127..127)
+ * are summed over a chunk's 8 groups in int16 (16 products of at most 1,905 each: no
+ * saturation) and widened once by pmaddwd; Q8_0 and INT8 are flipped back to signed
+ * bytes and multiplied as |w| times qx with w's sign (at most 2 x 128 x 127 per pair),
+ * widened per group, with no unsigned offset to correct. The sums are the same integers
+ * as the VNNI build's. Up to R16_AVX2_MT x rows per pass (their accumulators stay in the
+ * 16 registers).
+ *
  * OpenMP splits the 16-row groups statically; each thread streams its part in order.
- * Built where the level has AVX-512 VNNI; elsewhere the entry points return -2 and the
- * path rule (models/quant_weights.py) never picks this path.
+ * Built where the level has AVX-512 VNNI or AVX2 without VNNI (AVX-VNNI builds keep
+ * quant_dot.c's path, as measured before this existed); elsewhere the entry points
+ * return -2 and the path rule (models/quant_weights.py) never picks this path.
  */
 
 #include "quant_xq.h"
 
-#define R16_MAX_MT 8 /* x rows per pass over the weights */
+#define R16_MAX_MT 8   /* x rows per pass over the weights (AVX-512) */
+#define R16_AVX2_MT 4  /* the same with AVX2: 2 x 4 accumulators */
+
+#if QK_AVX512 && QK_VNNI
+#define R16_BUILT 1
+#define R16_AVX2 0
+#elif QK_AVX2 && !QK_VNNI
+#define R16_BUILT 1
+#define R16_AVX2 1
+#else
+#define R16_BUILT 0
+#define R16_AVX2 0
+#endif
 
 static int r16_covered(int fmt) {
     return fmt == QF_Q8_0 || fmt == QF_INT8 || fmt == QF_Q4_0 || fmt == QF_Q4_1;
@@ -176,21 +199,131 @@ static inline __attribute__((always_inline)) void r16_rows(
 }
 #endif
 
+#if R16_AVX2
+/* x rows m0 .. m0 + MT against group g: out[2 * i + h] = the 8 sums of row i and half h
+ * (fp32, before row scales and bias). */
+static inline __attribute__((always_inline)) void r16_group_avx2(
+        const int FMT, const int MT, const uint8_t *gw, int64_t nchunks, const qk_xq *xq,
+        const int32_t *ci, const float *cdx, const float *ct, int64_t m0, __m256 *out,
+        const uint8_t *pf_end) {
+    const int64_t cb = r16_chunk_bytes(FMT), kp = xq->kp;
+    const int q8 = FMT == QF_Q8_0 || FMT == QF_INT8;
+    for (int i = 0; i < 2 * MT; i++) out[i] = _mm256_setzero_ps();
+    const __m256i low4 = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t c = 0; c < nchunks; c++) {
+        const uint8_t *ch = gw + c * cb;
+        const char *pf = (const char *)ch + QK_PF_DIST;
+        for (int64_t p = 0; p < cb; p += 64)
+            if (pf + p < (const char *)pf_end) _mm_prefetch(pf + p, _MM_HINT_T1);
+        int32_t xg[R16_AVX2_MT][8];  /* each row's chunk of qx as 8 groups of 4 */
+        for (int i = 0; i < MT; i++) memcpy(xg[i], xq->q + (m0 + i) * kp + c * 32, sizeof xg[i]);
+        for (int h = 0; h < 2; h++) {  /* rows 8h .. 8h + 7 of the group */
+            __m256i wv[8], aw[8];
+            __m256 d = _mm256_setzero_ps(), mn = _mm256_setzero_ps();
+            if (q8) {
+                for (int j = 0; j < 8; j++) {
+                    wv[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(ch + j * 64 + h * 32)),
+                                             flip);
+                    aw[j] = _mm256_abs_epi8(wv[j]);
+                }
+            } else {
+                for (int j = 0; j < 4; j++) {
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(ch + j * 64 + h * 32));
+                    wv[j] = _mm256_and_si256(v, low4);
+                    wv[4 + j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                }
+            }
+            if (FMT == QF_Q8_0)
+                d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ch + 512 + h * 16)));
+            else if (FMT != QF_INT8)
+                d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ch + 256 + h * 16)));
+            if (FMT == QF_Q4_1)
+                mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ch + 288 + h * 16)));
+            for (int i = 0; i < MT; i++) {
+                const int64_t at = (m0 + i) * nchunks + c;
+                __m256i acc;
+                if (q8) {
+                    acc = _mm256_setzero_si256();
+                    for (int j = 0; j < 8; j++) {
+                        const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xg[i][j]), wv[j]);
+                        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(aw[j], xs),
+                                                                      ones));
+                    }
+                } else {
+                    __m256i s16 = _mm256_maddubs_epi16(wv[0], _mm256_set1_epi32(xg[i][0]));
+                    for (int j = 1; j < 8; j++)
+                        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[j],
+                                                                         _mm256_set1_epi32(xg[i][j])));
+                    acc = _mm256_add_epi32(_mm256_madd_epi16(s16, ones), _mm256_set1_epi32(ci[at]));
+                }
+                const __m256 f = _mm256_cvtepi32_ps(acc), dx = _mm256_set1_ps(cdx[at]);
+                __m256 *o = &out[2 * i + h];
+                if (FMT == QF_INT8) {
+                    *o = _mm256_fmadd_ps(f, dx, *o);
+                } else {
+                    *o = _mm256_fmadd_ps(f, _mm256_mul_ps(d, dx), *o);
+                    if (FMT == QF_Q4_1) *o = _mm256_fmadd_ps(mn, _mm256_set1_ps(ct[at]), *o);
+                }
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void r16_rows(
+        const int FMT, const uint8_t *gw, int64_t nchunks, const qk_xq *xq, const int32_t *ci,
+        const float *cdx, const float *ct, int64_t M, int64_t n0, int64_t N,
+        const float *scales, const float *bias, void *y, int64_t ldy, int y_bf16,
+        const uint8_t *pf_end) {
+    const int nvalid = N - n0 < 16 ? (int)(N - n0) : 16;
+    float sc[16], b[16];
+    for (int r = 0; r < 16; r++) {
+        sc[r] = FMT == QF_INT8 && r < nvalid ? scales[n0 + r] : 1.0f;
+        b[r] = bias && r < nvalid ? bias[n0 + r] : 0.0f;
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += R16_AVX2_MT) {
+        const int64_t mt = M - m0 < R16_AVX2_MT ? M - m0 : R16_AVX2_MT;
+        __m256 out[2 * R16_AVX2_MT];
+        switch (mt) {  /* literal row counts, so that the accumulators stay in registers */
+        case 1: r16_group_avx2(FMT, 1, gw, nchunks, xq, ci, cdx, ct, m0, out, pf_end); break;
+        case 2: r16_group_avx2(FMT, 2, gw, nchunks, xq, ci, cdx, ct, m0, out, pf_end); break;
+        case 3: r16_group_avx2(FMT, 3, gw, nchunks, xq, ci, cdx, ct, m0, out, pf_end); break;
+        default: r16_group_avx2(FMT, 4, gw, nchunks, xq, ci, cdx, ct, m0, out, pf_end); break;
+        }
+        for (int64_t i = 0; i < mt; i++) {
+            float v[16];
+            for (int h = 0; h < 2; h++)
+                _mm256_storeu_ps(v + 8 * h, _mm256_add_ps(
+                    _mm256_mul_ps(out[2 * i + h], _mm256_loadu_ps(sc + 8 * h)),
+                    _mm256_loadu_ps(b + 8 * h)));
+            const int64_t m = m0 + i;
+            if (y_bf16)
+                qk_store_bf16((uint16_t *)y + m * ldy + n0, v, nvalid);
+            else
+                memcpy((float *)y + m * ldy + n0, v, sizeof(float) * (size_t)nvalid);
+        }
+    }
+}
+#endif
+
 /* y[M, N] (rows ldy apart; bf16 or fp32) = x[M, K] (rows ldx apart; bf16 or fp32) .
  * W^T + bias (fp32 [N] or NULL), W in the r16 layout (quant_r16_pack); scales: INT8's
  * fp32 row scales. threads <= 0: OpenMP's default. Returns 0; -1 for a format or K the
- * layout does not hold; -2 where this build has no AVX-512 VNNI; -3 out of memory. */
+ * layout does not hold; -2 where this build has neither AVX-512 VNNI nor plain AVX2
+ * (R16_BUILT); -3 out of memory. */
 int quant_gemv_r16(int fmt, const uint8_t *packed, const float *scales, const void *x,
                    int64_t ldx, int x_bf16, const float *bias, void *y, int64_t ldy,
                    int y_bf16, int64_t M, int64_t N, int64_t K, int threads) {
     if (quant_r16_bytes(fmt, N > 0 ? N : 1, K) < 0 || (fmt == QF_INT8 && !scales)) return -1;
-#if QK_AVX512 && QK_VNNI
+#if R16_BUILT
     if (M <= 0 || N <= 0) return 0;
     qk_xq xq;
     if (alloc_xq(&xq, M, K)) return -3;
     const int64_t nchunks = r16_nchunks(fmt, K), ngroups = (N + 15) / 16;
     const int64_t gstride = nchunks * r16_chunk_bytes(fmt);
-    const int offset = fmt == QF_Q4_0 ? 8 : fmt == QF_Q4_1 ? 0 : 128;
+    /* the unsigned weights' offset, subtracted through each chunk's start (the AVX2 path
+     * multiplies Q8_0 / INT8 as signed bytes: none there) */
+    const int offset = fmt == QF_Q4_0 ? 8 : fmt == QF_Q4_1 ? 0 : R16_AVX2 ? 0 : 128;
     /* per x row and chunk: the int32 start, dx, and dx * sum(qx) (Q4_1's min term) */
     int32_t *ci = malloc(sizeof(int32_t) * (size_t)(M * nchunks));
     float *cdx = malloc(sizeof(float) * (size_t)(M * nchunks));
@@ -239,9 +372,9 @@ int quant_gemv_r16(int fmt, const uint8_t *packed, const float *scales, const vo
 #endif
 }
 
-/* Whether quant_gemv_r16 runs in this build (AVX-512 with VNNI). */
+/* Whether quant_gemv_r16 runs in this build (AVX-512 with VNNI, or AVX2 without VNNI). */
 int quant_r16_available(void) {
-#if QK_AVX512 && QK_VNNI
+#if R16_BUILT
     return 1;
 #else
     return 0;
