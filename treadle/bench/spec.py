@@ -24,7 +24,6 @@ import argparse
 import inspect
 import json
 import logging
-import os
 import random
 import shutil
 import statistics
@@ -33,6 +32,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from treadle.bench.lockstep import run_closed_loop, run_lockstep
 from treadle.bench.report import environment, format_table, write_json
 
 logger = logging.getLogger(__name__)
@@ -176,98 +176,6 @@ def _speculative_config(system: str, args, draft_dir: str | None) -> dict | None
     if system == "draft":
         return {"method": "draft", "model": draft_dir, **k}
     return {"method": "self", "draft_layers": args.draft_layers, **k}
-
-
-def _load_average() -> float:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return float("nan")
-
-
-class ClosedLoop:
-    """One system's closed loop over every prompt, at most `concurrency` in flight: a new
-    request starts as soon as one ends. `step()` tops the batch up and runs one engine
-    step, timed (wall and CPU); output tokens/s counts only this loop's timed steps, so
-    loops of several systems can take turns step by step (`run_lockstep`)."""
-
-    def __init__(self, llm, prompts: list[list[int]], max_tokens: int,
-                 concurrency: int) -> None:
-        from treadle.sampling_params import SamplingParams
-
-        self.llm, self.concurrency = llm, concurrency
-        self.params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        self.pending = list(enumerate(prompts))
-        self.in_flight: set[str] = set()
-        self.output_tokens = 0
-        self.busy_s = self.cpu_s = 0.0
-        self.tag = f"b{time.monotonic_ns()}"
-        self.stats_before = llm.get_stats()
-        self.load_before = _load_average()
-        self.start = time.perf_counter()
-
-    @property
-    def done(self) -> bool:
-        return not (self.pending or self.in_flight)
-
-    def step(self) -> None:
-        driver = self.llm.driver
-        t0, c0 = time.perf_counter(), time.process_time()
-        while self.pending and len(self.in_flight) < self.concurrency:
-            i, prompt = self.pending.pop(0)
-            rid = f"{self.tag}-{i}"
-            assert driver.add(rid, None, prompt, self.params, time.monotonic()) is None
-            self.in_flight.add(rid)
-        outputs = driver.step()
-        self.busy_s += time.perf_counter() - t0
-        self.cpu_s += time.process_time() - c0
-        for out in outputs:
-            if out.finished and out.request_id in self.in_flight:
-                self.in_flight.discard(out.request_id)
-                self.output_tokens += len(out.outputs[0].token_ids)
-
-    def result(self) -> dict:
-        after = self.llm.get_stats()
-        delta = {k: after[k] - self.stats_before.get(k, 0) for k in after
-                 if k.startswith(("spec_num", "time_", "num_steps", "num_preemptions"))}
-        drafts = delta.get("spec_num_drafts", 0)
-        proposed = delta.get("spec_num_draft_tokens", 0)
-        accepted = delta.get("spec_num_accepted_tokens", 0)
-        return {"output_tokens": self.output_tokens, "busy_s": self.busy_s,
-                "wall_s": time.perf_counter() - self.start, "cpu_s": self.cpu_s,
-                "output_tokens_per_s": self.output_tokens / self.busy_s,
-                "acceptance_rate": accepted / proposed if proposed else 0.0,
-                "mean_accepted_length": 1.0 + accepted / drafts if drafts else 0.0,
-                "drafts": drafts, "draft_tokens": proposed, "accepted_tokens": accepted,
-                "steps": delta.get("num_steps", 0),
-                "forward_s": delta.get("time_forward_s", 0.0),
-                "propose_s": delta.get("time_propose_s", 0.0),
-                "preemptions": delta.get("num_preemptions", 0),
-                "load_average": [self.load_before, _load_average()]}
-
-
-def run_closed_loop(llm, prompts: list[list[int]], max_tokens: int, concurrency: int) -> dict:
-    """One system's closed loop on its own (see `ClosedLoop`)."""
-    loop = ClosedLoop(llm, prompts, max_tokens, concurrency)
-    while not loop.done:
-        loop.step()
-    return loop.result()
-
-
-def run_lockstep(llms: dict[str, Any], prompts: list[list[int]], max_tokens: int,
-                 concurrency: int) -> dict[str, dict]:
-    """The same closed loop for every system at once, the systems taking one engine step
-    each in turn (in the order of `llms`) until all are done. Each system's time is its
-    own steps only, and every system's steps sample the same minutes of the machine, so
-    the machine's drift, which moves back-to-back runs of one system by 10-25%, moves
-    the systems together instead of into their ratios."""
-    loops = {name: ClosedLoop(llm, prompts, max_tokens, concurrency)
-             for name, llm in llms.items()}
-    while not all(loop.done for loop in loops.values()):
-        for loop in loops.values():
-            if not loop.done:
-                loop.step()
-    return {name: loop.result() for name, loop in loops.items()}
 
 
 def run(args) -> dict:
