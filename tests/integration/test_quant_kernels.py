@@ -124,6 +124,8 @@ def test_gemv_paths_match_reference(kernels, fmt):
                 paths = ["dot", "deq", "deq_buffered"]
                 if kernels.has_amx:
                     paths += ["amx_dot"] + (["amx"] if dtype == torch.bfloat16 else [])
+                if kernels.has_gemm and dtype == torch.bfloat16:
+                    paths += ["gemm"]
                 for path in paths:
                     y = kernels.gemv(fmt, weight.blocks, weight.scales, k, x, bias, path)
                     assert y.dtype == dtype and y.shape == (m, n)
@@ -132,6 +134,17 @@ def test_gemv_paths_match_reference(kernels, fmt):
                     y = kernels.gemv_r16(fmt, weight.packed, weight.scales, n, k, x, bias)
                     assert y.dtype == dtype and y.shape == (m, n)
                     assert_matches(y, *_reference(kernels, "dot", weight, w_ref, x, bias))
+
+
+def test_gemm_runs_wherever_a_vector_unit_does(kernels, request):
+    """The fused dequantizing GEMM is built at every AVX2 and AVX-512 level and refuses
+    fp32 input; the scalar build has none."""
+    name = request.node.callspec.params["kernels"]
+    assert kernels.has_gemm == (name != "scalar" and kernels.isa != "scalar")
+    weight, _ = make_weight("Q8_0", 20, 64, seed=2, kernels=kernels)
+    if kernels.has_gemm:
+        with pytest.raises(ValueError, match="bfloat16"):
+            kernels.gemv("Q8_0", weight.blocks, None, 64, torch.randn(3, 64), None, "gemm")
 
 
 def test_r16_runs_where_avx512_vnni_or_plain_avx2_does(kernels, request):
@@ -161,6 +174,7 @@ def test_strided_input_rows(kernels):
     wide = torch.randn(5, 300).to(torch.bfloat16)
     x = wide[:, 20:276]  # rows 300 apart
     paths = ["dot", "deq", "deq_buffered"] + (["amx", "amx_dot"] if kernels.has_amx else [])
+    paths += ["gemm"] if kernels.has_gemm else []
     for path in paths:
         y = kernels.gemv("Q8_0", weight.blocks, None, 256, x, None, path)
         assert torch.equal(y, kernels.gemv("Q8_0", weight.blocks, None, 256, x.contiguous(),
@@ -195,6 +209,7 @@ def test_threads_do_not_change_results(kernels):
     weight, _ = make_weight("Q4_1", 333, 512, seed=4, kernels=kernels)
     x = torch.randn(9, 512).to(torch.bfloat16)
     paths = ["dot", "deq", "deq_buffered"] + (["amx", "amx_dot"] if kernels.has_amx else [])
+    paths += ["gemm"] if kernels.has_gemm else []
     for path in paths:
         one = kernels.gemv("Q4_1", weight.blocks, None, 512, x, None, path, threads=1)
         assert torch.equal(kernels.gemv("Q4_1", weight.blocks, None, 512, x, None, path,

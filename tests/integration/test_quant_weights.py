@@ -92,9 +92,11 @@ def test_path_rule():
         "r16", "r16", "amx_dot", "amx"]
     assert choose_path(amx16, "Q4_K", 1) == "dot"
     assert [choose_path(vnni16, "Q4_0", m) for m in (1, 16, 17)] == ["r16", "r16", "prefill"]
-    plain16 = SimpleNamespace(has_amx=False, has_vnni=False, r16_formats=("Q8_0", "Q4_0"))
-    assert [choose_path(plain16, "Q8_0", m) for m in (1, 17, 128, 129)] == [
-        "r16", "r16", "r16", "prefill"]
+    plain16 = SimpleNamespace(has_amx=False, has_vnni=False, r16_formats=("Q8_0", "Q4_0"),
+                              has_gemm=True)
+    assert [choose_path(plain16, "Q8_0", m) for m in (1, 16, 17)] == ["r16", "r16", "gemm"]
+    assert [choose_path(plain16, "Q4_0", m) for m in (1, 32, 33)] == ["r16", "r16", "gemm"]
+    assert choose_path(plain16, "Q4_0", 33, torch.float32) == "prefill"  # gemm: bf16 only
     assert [choose_path(plain16, "Q4_K", m) for m in (1, 3, 17)] == [
         "dot", "deq_buffered", "prefill"]
 
@@ -233,9 +235,8 @@ def test_prefill_tiles_multiply_in_fp32_where_the_build_has_no_bf16_arithmetic(r
     assert weight.tile_dtype(torch.bfloat16) == expected
     assert weight.tile_dtype(torch.float32) == torch.float32
     x = torch.randn(300, 256).to(torch.bfloat16)
-    assert weight.path(300) == "prefill"
     want = F.linear(x.double(), torch.from_numpy(ref).double())
     scale = x.double().abs() @ torch.from_numpy(ref).double().abs().T
-    got = weight.apply(x)
+    got = weight._prefill(x)  # what the prefill path runs (AVX2 takes `gemm` at these rows)
     assert got.dtype == torch.bfloat16
     assert ((got.double() - want).abs() <= 2 ** -7 * scale + 2 ** -8 * want.abs()).all()

@@ -103,6 +103,7 @@ def gemv(rows=(1, 4, 16), formats=FORMATS, shapes=tuple(SHAPES), repeats: int = 
 
     quant, bf16_ops = _kernels(variant)
     paths = ("dot", "deq", "deq_buffered") + (("amx", "amx_dot") if quant.has_amx else ())
+    paths += ("gemm",) if quant.has_gemm else ()
     gen = torch.Generator().manual_seed(0)
     results = []
     for name in shapes:

@@ -72,8 +72,9 @@ VNNI_DOT_MAX_ROWS = 16
 """With VNNI, no AMX: rows up to which `dot` runs, then `prefill`."""
 PLAIN_DOT_MAX_ROWS = 2
 """Without VNNI (and r16): rows up to which `dot` runs, then `deq_buffered`."""
-PLAIN_R16_MAX_ROWS = 128
-"""Without VNNI (AVX2's pmaddubsw): rows up to which `r16` runs, then `prefill`."""
+PLAIN_R16_MAX_ROWS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 16, "INT8": 16}
+"""AVX2 without VNNI (pmaddubsw): rows up to which `r16` runs per format, then `gemm`
+(bf16 activations) or `prefill`."""
 GEMV_MAX_ROWS = 16
 """Without AMX: rows up to which a GEMV path runs, then `prefill`."""
 TILE_ROWS = 1024
@@ -82,8 +83,8 @@ TILE_ROWS = 1024
 
 def choose_path(kernels, fmt: str, rows: int, dtype: torch.dtype = torch.bfloat16) -> str:
     """The kernel path for `rows` rows of `dtype` activations and a `fmt` weight on
-    `kernels` (see the module docstring): r16, dot, deq_buffered, amx_dot, amx, prefill,
-    or torch (no kernels). The bf16 AMX tiles take bf16 activations only: fp32 ones stay on
+    `kernels` (see the module docstring): r16, dot, deq_buffered, amx_dot, amx, gemm,
+    prefill, or torch (no kernels). The bf16 AMX tiles take bf16 activations only: fp32 ones stay on
     amx_dot there."""
     if kernels is None:
         return "torch"
@@ -102,8 +103,11 @@ def choose_path(kernels, fmt: str, rows: int, dtype: torch.dtype = torch.bfloat1
         if rows > VNNI_DOT_MAX_ROWS:
             return "prefill"
         return "r16" if r16 else "dot"
-    if r16:
-        return "r16" if rows <= PLAIN_R16_MAX_ROWS else "prefill"
+    if r16:  # AVX2 without VNNI
+        if rows <= PLAIN_R16_MAX_ROWS.get(fmt, 0):
+            return "r16"
+        return ("gemm" if dtype == torch.bfloat16 and getattr(kernels, "has_gemm", False)
+                else "prefill")
     if rows > GEMV_MAX_ROWS:
         return "prefill"
     return "dot" if rows <= PLAIN_DOT_MAX_ROWS else "deq_buffered"

@@ -34,7 +34,8 @@ from treadle.worker.quantized_linears import QuantizedLinearKernel
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
-QUANT_PATH_CODES = {"dot": 0, "amx_dot": 1, "amx": 2, "deq": 3, "deq_buffered": 4, "r16": 5}
+QUANT_PATH_CODES = {"dot": 0, "amx_dot": 1, "amx": 2, "deq": 3, "deq_buffered": 4, "r16": 5,
+                    "gemm": 6}
 """The quantized kernel paths the C driver calls (decode_stack.c's QP_*); a step whose
 rows would take another path (prefill, torch) runs layer by layer."""
 _MAX_QUANT_ROWS = 256  # rows up to which the stack looks for quantized paths it can call

@@ -30,14 +30,15 @@ from treadle.paths import cache_dir
 FORMAT_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "INT8": 4}
 """Format name -> the kernels' format number (quant_simd.h)."""
 
-PATHS = ("dot", "deq", "deq_buffered", "amx", "amx_dot", "r16")
+PATHS = ("dot", "deq", "deq_buffered", "amx", "amx_dot", "r16", "gemm")
 """Kernel paths: int8 dot products on per-chunk quantized activations (vpdpbusd /
 pmaddubsw); dequantize in registers per tile; dequantize each block of weight rows once
 into a buffer and run dense tiles on it (vdpbf16ps / FMA); AMX-BF16 tiles on the
 dequantized rows (bf16 x only); AMX-INT8 tiles on per-chunk quantized activations; int8
 dot products with 16 weight rows per vector, on the weight repacked by `r16_pack` (the
-same activations as `dot`). The AMX paths run where `has_amx`, r16 where `has_r16` and
-for R16_FORMATS."""
+same activations as `dot`); the register-tiled fp32 GEMM on panels dequantized from the
+blocks (quant_gemm_widen.c; bf16 x only). The AMX paths run where `has_amx`, r16 where
+`has_r16` and for R16_FORMATS, gemm where `has_gemm`."""
 
 R16_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "INT8")
 """The formats the r16 layout holds (Q4_K keeps the row-major paths)."""
@@ -86,7 +87,7 @@ def build_variant(flags: list[str]) -> QuantKernels | None:
     kernel_dir = Path(__file__).with_name("kernels")
     sources = sorted(kernel_dir.glob("quant_*.c"))
     digest = hashlib.sha256(" ".join([compiler, *flags]).encode())
-    for path in sources + sorted(kernel_dir.glob("quant_*.h")):
+    for path in sources + sorted(kernel_dir.glob("*.h")):  # quant_gemm_widen.c takes simd.h
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     target = cache_dir() / "kernels" / f"quant-{digest.hexdigest()[:16]}.so"
     if not target.exists():
@@ -146,6 +147,12 @@ class QuantKernels:
         """Whether the r16 path runs here (AVX-512 with VNNI, or AVX2 without VNNI)."""
         self.r16_formats = R16_FORMATS if self.has_r16 else ()
         """The formats the r16 path runs here."""
+        self._gemm = lib.quant_gemm_widen
+        self._gemm.argtypes = [_I, _P, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I]
+        self._gemm.restype = _I
+        lib.quant_gemm_widen_available.restype = _I
+        self.has_gemm = bool(lib.quant_gemm_widen_available())
+        """Whether the gemm path runs here (a build with AVX2 or AVX-512)."""
         lib.quant_isa.restype = _I
         lib.quant_amx_available.restype = _I
         self.isa_flags = int(lib.quant_isa())
@@ -212,6 +219,15 @@ class QuantKernels:
                                m, n, k, threads)
         elif path in ("deq", "deq_buffered"):
             status = self._deq(*args, int(path == "deq_buffered"), threads)
+        elif path == "gemm":
+            if not self.has_gemm or x.dtype != torch.bfloat16:
+                raise ValueError("the gemm path needs AVX2 or AVX-512 (has_gemm) and bfloat16 "
+                                 "input")
+            status = self._gemm(FORMAT_CODES[fmt], blocks.data_ptr(), blocks.stride(0), scales_p,
+                                x.data_ptr(), x.stride(0), bias_p, y.data_ptr(), n, m, n, k,
+                                threads)
+            if status == -2:
+                raise MemoryError("quantized GEMM: could not allocate its buffers")
         elif path == "r16":
             raise ValueError("the r16 path reads the repacked weight: use gemv_r16")
         else:

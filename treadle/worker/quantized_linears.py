@@ -15,12 +15,14 @@ so the weights take the memory of their blocks.
 Decode steps run quantized linears inside the decode stack (worker/decode_stack.py) like
 dense ones. `auto` (`resolve_mode`) is `gguf` for a GGUF file whose linears hold blocks
 of the formats the r16 kernel runs (Q8_0, Q4_0, Q4_1), where the kernels have it (an
-AVX-512 VNNI build), in bfloat16 on one CPU rank without LoRA; else `none`. That is where
-it was measured faster: the engine-core run on the default model's Q4_1 file, 528.8 /
-555.7 output tok/s against 461.0 / 480.4 dequantized to bf16 (an AMX Xeon; without r16
-the quantized kernels ran at ~12 GB/s of blocks and only tied bf16; docs/benchmarks.md,
-"Quantized weights in the decode stack, with AMX"). The worker decides, never the model;
-CPU only, one rank (a shard of GGUF blocks is not cut).
+AVX-512 VNNI build, or AVX2 without VNNI), in bfloat16 on one CPU rank without LoRA; else
+`none`. That is where it was measured faster: the engine-core run on the default model's
+Q4_1 file, 528.8 / 555.7 output tok/s against 461.0 / 480.4 dequantized to bf16 on an AMX
+Xeon (without r16 the quantized kernels ran at ~12 GB/s of blocks and only tied bf16;
+docs/benchmarks.md, "Quantized weights in the decode stack, with AMX"), and 1.03-1.05x
+the bf16 run's output tok/s on an AVX2-only AMD EPYC, the two engines stepping in turn
+(docs/benchmarks.md, "A CPU with AVX2 only"). The worker decides, never the model; CPU
+only, one rank (a shard of GGUF blocks is not cut).
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@
  * and after the last layer out = final_norm(h += down). A linear whose weight is kept
  * quantized (--quantization: GGUF blocks or INT8) calls the quantized kernel of the path
  * the caller chose for this step's rows and that format (quant_dot.c, quant_amx_dot.c,
- * quant_amx.c, quant_gemv.c, quant_r16.c), as QuantizedLinear.apply would. The caller checks that the
+ * quant_amx.c, quant_gemv.c, quant_r16.c, quant_gemm_widen.c), as QuantizedLinear.apply
+ * would. The caller checks that the
  * step qualifies (every row one decoded token, rows within the linear kernels' limits, a
  * bf16 cache, no sliding window, no adapters, one rank): see worker/decode_stack.py.
  */
@@ -55,6 +56,9 @@ int quant_gemm_amx(int fmt, const uint8_t *w, int64_t row_bytes, const float *sc
 int quant_gemv_r16(int fmt, const uint8_t *packed, const float *scales, const void *x,
                    int64_t ldx, int x_bf16, const float *bias, void *y, int64_t ldy,
                    int y_bf16, int64_t M, int64_t N, int64_t K, int threads);
+int quant_gemm_widen(int fmt, const uint8_t *w, int64_t row_bytes, const float *scales,
+                     const uint16_t *x, int64_t ldx, const float *bias, uint16_t *y,
+                     int64_t ldy, int64_t M, int64_t N, int64_t K, int threads);
 int quant_gemv_deq(int fmt, const uint8_t *w, int64_t row_bytes, const float *scales,
                    const void *x, int64_t ldx, int x_bf16, const float *bias, void *y,
                    int64_t ldy, int y_bf16, int64_t M, int64_t N, int64_t K, int buffered,
@@ -87,7 +91,8 @@ typedef struct {
 } decode_layer;
 
 /* Quantized kernel paths, as worker/decode_stack.py numbers them. */
-enum { QP_DOT = 0, QP_AMX_DOT = 1, QP_AMX = 2, QP_DEQ = 3, QP_DEQ_BUFFERED = 4, QP_R16 = 5 };
+enum { QP_DOT = 0, QP_AMX_DOT = 1, QP_AMX = 2, QP_DEQ = 3, QP_DEQ_BUFFERED = 4, QP_R16 = 5,
+       QP_GEMM = 6 };
 #define NUM_QUANT_FORMATS 5
 
 /* The model's sizes (one rank holds the whole model). */
@@ -128,6 +133,9 @@ static int linear(const decode_dims *d, const bf16_t *x, int64_t ldx, const stac
         if (!L->packed) return -1;
         return quant_gemv_r16(fmt, L->packed, L->scales, x, ldx, 1, L->bias, y, N, 1, M, N, K,
                               threads);
+    case QP_GEMM:
+        return quant_gemm_widen(fmt, L->w, L->row_bytes, L->scales, x, ldx, L->bias, y, N, M, N,
+                                K, threads);
     case QP_DEQ:
     case QP_DEQ_BUFFERED:
         return quant_gemv_deq(fmt, L->w, L->row_bytes, L->scales, x, ldx, 1, L->bias, y, N,
