@@ -56,6 +56,7 @@ def main() -> None:
     from gguf_files import write_tiny_gguf
 
     from treadle import LLM, SamplingParams
+    from treadle.bench.quality import teacher_forced_agreement
     from treadle.models import default_model
     from treadle.models.resolve import resolve_model
 
@@ -87,13 +88,13 @@ def main() -> None:
                 alone = [llm.generate([{"prompt_token_ids": list(p)}], SamplingParams(
                     max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True),
                     use_tqdm=False)[0].outputs[0].token_ids for p in prompt_ids]
-                self_scored = _teacher_forced(llm, prompt_ids, tokens["none"])
+                self_scored = teacher_forced_agreement(llm, prompt_ids, tokens["none"])
             else:
                 scoring = llm
         report[fmt] = {"file": str(path),
                        "agreement": _agreement(tokens["gguf"], tokens["none"]),
                        "noise_floor": _agreement(alone, tokens["none"]),
-                       "teacher_forced": _teacher_forced(scoring, prompt_ids, tokens["none"]),
+                       "teacher_forced": teacher_forced_agreement(scoring, prompt_ids, tokens["none"]),
                        "teacher_forced_noise_floor": self_scored}
         del scoring
     print(json.dumps(report, indent=1))
@@ -106,24 +107,6 @@ def _agreement(runs, reference) -> dict:
              for q, d in zip(runs, reference)]
     return {"agreeing_tokens": same, "tokens": total, "fraction": round(same / total, 4),
             "identical_requests": sum(f is None for f in first), "first_difference": first}
-
-
-def _teacher_forced(llm, prompt_ids, reference) -> dict:
-    """Positions of the reference continuations where `llm`'s top token is the reference's."""
-    from treadle import SamplingParams
-
-    outs = llm.generate([{"prompt_token_ids": list(p) + list(r)}
-                         for p, r in zip(prompt_ids, reference)],
-                        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1),
-                        use_tqdm=False)
-    same = total = 0
-    for out, prompt, ref in zip(outs, prompt_ids, reference):
-        for position, token in enumerate(ref, start=len(prompt)):
-            entries = out.prompt_logprobs[position]
-            top = min(entries.items(), key=lambda item: item[1].rank)[0]
-            same += top == token
-            total += 1
-    return {"agreeing_tokens": same, "tokens": total, "fraction": round(same / total, 4)}
 
 
 if __name__ == "__main__":

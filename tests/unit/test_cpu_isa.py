@@ -16,7 +16,7 @@ from treadle.worker import cpu_isa
 from treadle.worker.cpu_isa import (REQUIRED_CPU_FLAGS, candidate_levels, cpu_flags,
                                     describe_kernels, executable_levels)
 from treadle.worker.native import load_kernels
-from treadle.worker.native_linear import NativeLayerOps
+from treadle.worker.native_linear import WIDENING_GEMM_ROWS, NativeLayerOps
 
 LEVELS = executable_levels() or ["native"]
 V3 = frozenset(REQUIRED_CPU_FLAGS["avx2"])
@@ -111,7 +111,12 @@ def test_describe_kernels_names_the_dtype_level_and_active_kernels(level):
     if kernels.simd_width:
         assert ("vdpbf16ps" in line) is kernels.has_dpbf16
         assert (f"widened to fp32 in {kernels.simd_width}-lane" in line) is not kernels.has_dpbf16
-        assert f"linear (<= {ops.max_rows} rows)" in line and "rope+kv write" in line
+        assert f"linear ({ops.describe()})" in line and "rope+kv write" in line
+        if kernels.has_dpbf16:
+            assert "tiled GEMM" not in line
+        else:  # the widening levels: dot products for few rows, the tiled GEMM for more
+            assert (f"dot products <= {WIDENING_GEMM_ROWS - 1} rows, tiled GEMM "
+                    f"{WIDENING_GEMM_ROWS}-{ops.max_rows}") in line
         assert "decode attention, prefill attention, sampling" in line and "torch:" not in line
     line = describe_kernels(kernels, torch.float32, head_dim=80)
     assert line.startswith("dtype float32;")

@@ -89,6 +89,30 @@ def greedy_agreement(a: Sequence[int], b: Sequence[int]) -> dict[str, Any]:
             "length_a": len(a), "length_b": len(b)}
 
 
+def teacher_forced_agreement(llm, prompt_ids: Sequence[Sequence[int]],
+                             reference: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """Each prompt followed by its reference continuation, scored by `llm` (prompt
+    logprobs): the positions of the continuations where `llm`'s own greedy choice is the
+    reference's token. Unlike free-running agreement, a near-tie counts once, not for the
+    rest of the request. (The tokens run as prefill rows, so the kernels are the prefill
+    paths.)"""
+    from treadle import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": list(p) + list(r)}
+                         for p, r in zip(prompt_ids, reference)],
+                        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1),
+                        use_tqdm=False)
+    same = total = 0
+    for out, prompt, ref in zip(outs, prompt_ids, reference):
+        for position, token in enumerate(ref, start=len(prompt)):
+            entries = out.prompt_logprobs[position]
+            top = min(entries.items(), key=lambda item: item[1].rank)[0]
+            same += top == token
+            total += 1
+    return {"agreeing_tokens": same, "tokens": total,
+            "fraction": round(same / total, 4) if total else 1.0}
+
+
 def mean_kl_divergence(p_logits, q_logits) -> float:
     """Mean over rows of KL(P || Q), P and Q the softmaxes of two [rows, vocab] logits
     (e.g. a reference model and a quantized one on the same tokens), in nats."""

@@ -118,7 +118,7 @@ def describe_kernels(kernels, dtype, head_dim: int | None = None, layer_ops=None
            else "no SIMD fast paths")
     active, on_torch = [], []
     if layer_ops is not None:
-        active.append(f"linear (<= {layer_ops.max_rows} rows), add+rmsnorm, silu*mul, "
+        active.append(f"linear ({layer_ops.describe()}), add+rmsnorm, silu*mul, "
                       f"rope+kv write")
     else:
         on_torch.append("layers")

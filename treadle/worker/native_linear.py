@@ -170,6 +170,18 @@ class NativeLayerOps:
                                f"memory) at {m} x {k} by {n}")
         return y
 
+    def describe(self) -> str:
+        """Which kernel takes which rows, for the start-up log."""
+        parts = []
+        if self.gemm_rows is not None:
+            parts.append(f"dot products <= {min(self.max_rows, self.gemm_rows - 1)} rows, "
+                         f"tiled GEMM {self.gemm_rows}-{self.max_rows}")
+        else:
+            parts.append(f"dot products <= {self.max_rows} rows")
+        if self.amx_rows is not None:
+            parts.append(f"AMX tiles {self.amx_rows[0]}-{self.amx_rows[1]}")
+        return ", ".join(parts)
+
     def gemm_covers(self, rows: int) -> bool:
         """Whether the widening GEMM takes a linear of `rows` rows (within max_rows)."""
         return self.gemm_rows is not None and self.gemm_rows <= rows <= self.max_rows
