@@ -378,3 +378,29 @@ def test_linear_routes_batches_to_the_widening_gemm_only_without_bf16_arithmetic
         expected = _widen_gemm(ops)(x, w, b)[1] if m >= WIDENING_GEMM_ROWS else dot.linear(x, w, b)
         assert ops.gemm_covers(m) == (m >= WIDENING_GEMM_ROWS)
         assert torch.equal(ops.linear(x, w, b), expected)
+
+
+def test_linear_kernel_bench_times_each_routed_kernel_alone(level, level_kernels):
+    """bench/linear_kernel's `dot_*` and `gemm_*` variants are the two kernels a widening
+    level routes between, each taking every row count: at a row count the ops send to
+    the GEMM, `gemm` gives the ops' result and `dot` the dot-product kernel's; below it,
+    the reverse."""
+    from treadle.bench.linear_kernel import kernel_choices
+
+    ops = NativeLayerOps.load(level_kernels.lib)
+    if ops is None:
+        pytest.skip("this build has no vector unit")
+    choices = kernel_choices(ops, 64)
+    if level_kernels.has_dpbf16:
+        assert "gemm" not in choices
+        return
+    assert set(choices) >= {"dot", "gemm"}
+    gen = torch.Generator().manual_seed(10)
+    w = torch.randn(80, 576, generator=gen).to(torch.bfloat16)
+    dot = NativeLayerOps(level_kernels.lib, max_rows=WIDENING_MAX_ROWS)
+    for m in (4, WIDENING_GEMM_ROWS + 4):
+        x = torch.randn(m, 576, generator=gen).to(torch.bfloat16)
+        assert torch.equal(choices["gemm"].linear(x, w, None), _widen_gemm(ops)(x, w, None)[1])
+        assert torch.equal(choices["dot"].linear(x, w, None), dot.linear(x, w, None))
+        routed = choices["gemm"] if m >= WIDENING_GEMM_ROWS else choices["dot"]
+        assert torch.equal(ops.linear(x, w, None), routed.linear(x, w, None))

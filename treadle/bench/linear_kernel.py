@@ -8,9 +8,10 @@ Owns two measurements, reported as they come (nothing here is a target):
   rows, the best-of-`repeats` ms per call and the weight bytes read per second, of
   oneDNN's packed kernel (`torch.ops.mkldnn._linear_pointwise`, what the engine used
   before; where it does not exist, as without AVX-512, bf16 F.linear: `torch_bf16`), of
-  `NativeLayerOps.linear` of each ISA level in --isa (where the CPU has AMX-BF16 also its
-  two kernels alone: `dot_*`, the dot-product kernel, and `amx_*`, the AMX tile kernel
-  where the shape fits it), and with --fp32 of
+  `NativeLayerOps.linear` of each ISA level in --isa (where it routes rows between two
+  kernels, each alone: `dot_*`, the dot-product kernel, and `amx_*`, the AMX tile kernel
+  where the CPU has AMX-BF16 and the shape fits it, or `gemm_*`, the widening GEMM at the
+  levels without bf16 arithmetic), and with --fp32 of
   F.linear on float32 copies of the weights (what a CPU on the float32 fallback of
   dtype=auto ran). Each call reads another of `copies` copies of the weight (30 per layer
   shape, as the model's 30 layers; 3 of the LM head), so the weights come from memory, or
@@ -103,12 +104,18 @@ def read_bandwidth(kernels, num_bytes: int, repeats: int = 7,
 
 
 def kernel_choices(ops, max_rows: int) -> dict:
-    """The dot-product kernel alone (`dot`, every row up to max_rows) and the AMX tile
-    kernel alone (`amx`, every row count it takes) of one library's layer ops."""
+    """The kernels one library's layer ops route between, each alone at every row count:
+    the dot-product kernel (`dot`), and the AMX tile kernel (`amx`) where the ops have AMX
+    or the widening GEMM (`gemm`) where they have it (levels without bf16 arithmetic)."""
     from treadle.worker.native_linear import NativeLayerOps
 
-    return {"dot": NativeLayerOps(ops.lib, max_rows=max_rows, amx_rows=None),
-            "amx": NativeLayerOps(ops.lib, max_rows=0, amx_rows=(1, 64))}
+    choices = {"dot": NativeLayerOps(ops.lib, max_rows=max_rows, amx_rows=None)}
+    if ops.amx_rows is not None:
+        choices["amx"] = NativeLayerOps(ops.lib, max_rows=0, amx_rows=(1, 64))
+    if ops.gemm_rows is not None:
+        choices["gemm"] = NativeLayerOps(ops.lib, max_rows=max(max_rows, ops.max_rows),
+                                         gemm_rows=1)
+    return choices
 
 
 def kernels(repeats: int = 15, rows: tuple[int, ...] = (1, 4, 8, 16), isa: str = "auto",
@@ -140,7 +147,8 @@ def kernels(repeats: int = 15, rows: tuple[int, ...] = (1, 4, 8, 16), isa: str =
                     else {"torch_bf16": (lambda i: F.linear(x, weights[i]), 2)})
             for level, (_, ops) in levels.items():
                 runs[f"native_{level}"] = (lambda i, ops=ops: ops.linear(x, weights[i], None), 2)
-                if ops.amx_rows is not None:  # each of the two kernels it routes between
+                if ops.amx_rows is not None or ops.gemm_rows is not None:
+                    # each of the kernels it routes between, alone
                     for label, one in kernel_choices(ops, max(rows)).items():
                         runs[f"{label}_{level}"] = (
                             lambda i, one=one: one.linear(x, weights[i], None), 2)
@@ -161,7 +169,7 @@ def kernels(repeats: int = 15, rows: tuple[int, ...] = (1, 4, 8, 16), isa: str =
                 row[f"{label}_ms"] = round(seconds * 1e3, 4)
                 row[f"{label}_cpu_ms"] = round(best_cpu[label] * 1e3, 4)
                 row[f"{label}_gb_s"] = round(gb_s, 1)
-                if label.startswith(("native_", "dot_", "amx_")):
+                if label.startswith(("native_", "dot_", "amx_", "gemm_")):
                     row[f"{label}_read_fraction"] = round(gb_s / reference_gb_s, 2)
                 per_step = LAYERS if name != "lm_head" else 1
                 key = f"{label}_m{m}"
