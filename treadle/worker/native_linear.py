@@ -55,9 +55,10 @@ WIDENING_GEMM_ROWS = 20
 """Rows from which the register-tiled GEMM (kernels/gemm_bf16_widen.c) takes a linear at
 the widening levels, instead of the dot-product kernel. All of a SmolLM2-135M step's
 layer linears, 2 threads, AVX2 on an AMD EPYC (Zen 3), ms at 8 / 16 / 20 / 24 / 32 / 64 /
-512 rows: dot-product kernel 20.4 / 36.0 / 48.5 / 55.0 / 79.8 / 150 / 1,547, GEMM 28.4 /
-37.5 / 47.0 / 47.2 / 64.6 / 117 / 1,006, torch fp32 (MKL) 68.7 / 63.1 / 80.7 / 77.9 /
-101 / 190 / 1,072 (docs/benchmarks.md, "A CPU with AVX2 only")."""
+512 rows: dot-product kernel 21.3 / 45.4 / 52.8 / 61.5 / 74.2 / 170 / 1,271, GEMM 31.8 /
+47.2 / 52.6 / 56.0 / 68.3 / 121 / 841, torch fp32 (MKL) 83.5 / 97.2 / 107 / 114 / 134 /
+202 / 1,070 (`python -m treadle.bench.linear_kernel --isa avx2 --fp32`; docs/benchmarks.md,
+"A CPU with AVX2 only")."""
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
