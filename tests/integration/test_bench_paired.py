@@ -46,6 +46,9 @@ def test_two_systems_in_turn_generate_every_token(tmp_path, capsys):
     assert "ratio_to_first" in capsys.readouterr().out
     with pytest.raises(ValueError, match="at least two"):
         paired.main(["--model", str(model), "--system", "a:dtype=float32"])
+    with pytest.raises(ValueError, match="distinct names"):  # one would silently replace the other
+        paired.main(["--model", str(model), "--system", "a:dtype=float32",
+                     "--system", "a:dtype=bfloat16", "--system", "b:dtype=float32"])
 
 
 def test_closed_loop_takes_a_limit_per_prompt(tmp_path):

@@ -52,8 +52,9 @@ def run(args) -> dict:
     from treadle import LLM
 
     systems = dict(parse_system(s) for s in args.system)
-    if len(systems) < 2:
-        raise ValueError("--system: give at least two systems (distinct names)")
+    if len(systems) < 2 or len(systems) < len(args.system):
+        raise ValueError(f"--system: give at least two systems with distinct names, got "
+                         f"{[s.partition(':')[0] for s in args.system]}")
     common = dict(model=args.model, dtype=args.dtype, num_threads=args.num_threads)
     llms, load_s = {}, {}
     for name, options in systems.items():

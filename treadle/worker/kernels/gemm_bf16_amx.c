@@ -27,9 +27,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+
+#include "omp_team.h"
 
 #if defined(__x86_64__) && defined(__linux__) && defined(__AVX512BF16__)
 #define GEMM_AMX 1
@@ -92,20 +91,11 @@ AMX_TARGET int gemm_bf16_amx(const uint16_t *x, int64_t ldx, const uint16_t *w,
     uint16_t *xb = aligned_alloc(64, (size_t)(ngroups * gstride * 2));
     if (!xb) return -3;
     amx_pack_rows(x, ldx, M, K, xb, gstride);
-#ifdef _OPENMP
-    if (threads <= 0) threads = omp_get_max_threads();
-    if (threads > num_blocks) threads = (int)num_blocks;
-#else
-    threads = 1;
-#endif
+    threads = team_size(threads, num_blocks);
     #pragma omp parallel num_threads(threads) if(threads > 1)
     {
-#ifdef _OPENMP
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        const int t = 0, nt = 1;
-#endif
-        const int64_t b0 = num_blocks * t / nt, b1 = num_blocks * (t + 1) / nt;
+        int64_t b0, b1;
+        team_share(num_blocks, &b0, &b1);
         float tmp[4][16][16];
         /* Output row m of a block is column m % 16 of its group's C tile. */
         const __m512i column = _mm512_mullo_epi32(

@@ -19,10 +19,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
+#include "omp_team.h"
 #include "simd.h"
 
 #define GW_NR (2 * SIMD_WIDTH) /* columns of y (rows of W) per panel */
@@ -141,20 +139,10 @@ static int gw_gemm(const uint16_t *x, int64_t ldx, uint16_t *y, int64_t ldy, int
     const int64_t num_panels = (N + GW_NR - 1) / GW_NR;
     float *xf = aligned_alloc(64, (size_t)((M * K * sizeof(float) + 63) / 64 * 64));
     if (!xf) return -2;
-#ifdef _OPENMP
-    if (threads <= 0) threads = omp_get_max_threads();
-    if (threads > num_panels) threads = (int)num_panels;
-#else
-    threads = 1;
-#endif
+    threads = team_size(threads, num_panels);
     int status = 0;
     #pragma omp parallel num_threads(threads) if(threads > 1)
     {
-#ifdef _OPENMP
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        int t = 0, nt = 1;
-#endif
         #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) {
             const uint16_t *src = x + m * ldx;
@@ -164,7 +152,8 @@ static int gw_gemm(const uint16_t *x, int64_t ldx, uint16_t *y, int64_t ldy, int
             for (; k < K; k++) dst[k] = gw_bf16_to_float(src[k]);
         }
         /* (the loop's barrier: every row of xf is written before any panel reads it) */
-        const int64_t p0 = num_panels * t / nt, p1 = num_panels * (t + 1) / nt;
+        int64_t p0, p1;
+        team_share(num_panels, &p0, &p1);
         float *panel = aligned_alloc(64, (size_t)(K * GW_NR * sizeof(float)));
         float *scratch = malloc(sizeof(float) * (size_t)gw_scratch_floats(K));
         float bias[GW_NR] __attribute__((aligned(64)));

@@ -27,10 +27,8 @@
 
 #include <stdint.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
+#include "omp_team.h"
 #include "simd.h"
 
 #if SIMD_WIDTH
@@ -252,20 +250,11 @@ int gemv_bf16(const bf16_t *x, int64_t ldx, const bf16_t *w, const bf16_t *bias,
               int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
     if (M <= 0 || N <= 0) return 0;
     int64_t num_blocks = (N + BLOCK_N - 1) / BLOCK_N;
-#ifdef _OPENMP
-    if (threads <= 0) threads = omp_get_max_threads();
-    if (threads > num_blocks) threads = (int)num_blocks;
-#else
-    threads = 1;
-#endif
+    threads = team_size(threads, num_blocks);
     #pragma omp parallel num_threads(threads) if(threads > 1)
     {
-#ifdef _OPENMP
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        int t = 0, nt = 1;
-#endif
-        int64_t b0 = num_blocks * t / nt, b1 = num_blocks * (t + 1) / nt;
+        int64_t b0, b1;
+        team_share(num_blocks, &b0, &b1);
         /* The first blocks of this thread's part, which no earlier block prefetches. */
         int64_t warm_end = (b0 + PF_BLOCKS < b1 ? b0 + PF_BLOCKS : b1) * BLOCK_N;
         const char *p = (const char *)(w + b0 * BLOCK_N * K);

@@ -21,10 +21,8 @@
 
 #include <stdint.h>
 #include <stdlib.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
+#include "omp_team.h"
 #include "simd.h"
 
 #define LORA_MAX_PARTS 3
@@ -125,12 +123,7 @@ int lora_bf16(const bf16_t *x, int64_t ldx, int64_t K, bf16_t *y, int64_t ldy,
             n++;
         }
     }
-#ifdef _OPENMP
-    if (threads <= 0) threads = omp_get_max_threads();
-    if (threads > num_tasks) threads = (int)num_tasks;
-#else
-    threads = 1;
-#endif
+    threads = team_size(threads, num_tasks);
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if(threads > 1)
     for (int64_t i = 0; i < num_tasks; i++) {
         const int64_t *seg = segs + task[2 * i] * LORA_SEG_FIELDS;

@@ -94,14 +94,14 @@ int quant_gemm_amx(int fmt, const uint8_t *w, int64_t row_bytes, const float *sc
     uint16_t *xb = aligned_alloc(64, (size_t)(ngroups * gstride * 2));
     if (!xb) return -3;
     int status = 0;
-    threads = qk_threads(threads, num_blocks);
+    threads = team_size(threads, num_blocks);
     #pragma omp parallel num_threads(threads) if(threads > 1)
     {
         #pragma omp for schedule(static)
         for (int64_t g = 0; g < ngroups; g++)
             amx_pack_group(x, ldx, M, K, g, xb + g * gstride, gstride);
         int64_t b0, b1;
-        qk_split(num_blocks, &b0, &b1);
+        team_share(num_blocks, &b0, &b1);
         const uint8_t *range_end = w + (b1 * 16 < N ? b1 * 16 : N) * row_bytes;
         uint16_t *a = aligned_alloc(64, (size_t)(16 * kp * 2));
         if (!a) {

@@ -196,7 +196,7 @@ int quant_gemm_amx_dot(int fmt, const uint8_t *w, int64_t row_bytes, const float
         return -3;
     }
     int status = 0;
-    threads = qk_threads(threads, num_blocks);
+    threads = team_size(threads, num_blocks);
     #pragma omp parallel num_threads(threads) if(threads > 1)
     {
         #pragma omp for schedule(static)
@@ -218,7 +218,7 @@ int quant_gemm_amx_dot(int fmt, const uint8_t *w, int64_t row_bytes, const float
             }
         }
         int64_t b0, b1;
-        qk_split(num_blocks, &b0, &b1);
+        team_share(num_blocks, &b0, &b1);
         const uint8_t *range_end = w + (b1 * 16 < N ? b1 * 16 : N) * row_bytes;
         int64_t kp = nchunks * 32;
         float *s = aligned_alloc(64, (size_t)(nchunks * 16 * 4 * 2));

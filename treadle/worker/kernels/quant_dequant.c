@@ -40,7 +40,7 @@ int quant_dequant(int fmt, const uint8_t *w, int64_t row_bytes, const float *sca
     if (qk_check(fmt, K, row_bytes) || n0 < 0 || n1 < n0 || (fmt == QF_INT8 && !scales))
         return -1;
     int64_t rows = n1 - n0, esize = out_bf16 ? 2 : 4;
-    threads = qk_threads(threads, rows / 8);
+    threads = team_size(threads, rows / 8);
     #pragma omp parallel for schedule(static) num_threads(threads) if(threads > 1)
     for (int64_t r = 0; r < rows; r++) {
         int64_t n = n0 + r;

@@ -285,13 +285,13 @@ int quant_gemv_dot(int fmt, const uint8_t *w, int64_t row_bytes, const float *sc
     int64_t nchunks = fmt == QF_INT8 ? xq.kp / 32 : K / 32;
     int64_t num_blocks = (N + BLOCK_N - 1) / BLOCK_N;
     int offset = offset_of(fmt);
-    threads = qk_threads(threads, num_blocks);
+    threads = team_size(threads, num_blocks);
     #pragma omp parallel num_threads(threads) if(threads > 1)
     {
         #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) quantize_row(x, ldx, x_bf16, m, K, &xq, offset);
         int64_t b0, b1;
-        qk_split(num_blocks, &b0, &b1);
+        team_share(num_blocks, &b0, &b1);
         const uint8_t *range_end = w + (b1 * BLOCK_N < N ? b1 * BLOCK_N : N) * row_bytes;
         if (b0 < b1) qk_pf_warm(w + b0 * BLOCK_N * row_bytes, range_end);
         for (int64_t blk = b0; blk < b1; blk++) {

@@ -204,7 +204,7 @@ int quant_gemv_deq(int fmt, const uint8_t *w, int64_t row_bytes, const float *sc
     char *xs = aligned_alloc(64, (size_t)((M * kp * xsize + 63) / 64 * 64));
     if (!xs) return -3;
     int status = 0;
-    threads = qk_threads(threads, num_blocks);
+    threads = team_size(threads, num_blocks);
     #pragma omp parallel num_threads(threads) if(threads > 1)
     {
         #pragma omp for schedule(static)
@@ -222,7 +222,7 @@ int quant_gemv_deq(int fmt, const uint8_t *w, int64_t row_bytes, const float *sc
             }
         }
         int64_t b0, b1;
-        qk_split(num_blocks, &b0, &b1);
+        team_share(num_blocks, &b0, &b1);
         const uint8_t *range_end = w + (b1 * BLOCK_N < N ? b1 * BLOCK_N : N) * row_bytes;
         char *buf = 0;
         if (buffered && M > 0) {

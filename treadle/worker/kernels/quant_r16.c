@@ -332,7 +332,7 @@ int quant_gemv_r16(int fmt, const uint8_t *packed, const float *scales, const vo
         free(ci); free(cdx); free(ct); free(xq.q);
         return -3;
     }
-    threads = qk_threads(threads, ngroups);
+    threads = team_size(threads, ngroups);
     #pragma omp parallel num_threads(threads) if(threads > 1)
     {
         #pragma omp for schedule(static)
@@ -348,7 +348,7 @@ int quant_gemv_r16(int fmt, const uint8_t *packed, const float *scales, const vo
             }
         }
         int64_t g0, g1;
-        qk_split(ngroups, &g0, &g1);
+        team_share(ngroups, &g0, &g1);
         const uint8_t *pf_end = packed + g1 * gstride;
         for (int64_t g = g0; g < g1; g++) {
             const uint8_t *gw = packed + g * gstride;

@@ -29,9 +29,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+
+#include "omp_team.h"
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -468,28 +467,6 @@ static inline void qk_pf_range(const uint8_t *begin, int64_t bytes, const uint8_
 
 static inline void qk_pf_warm(const uint8_t *begin, const uint8_t *range_end) {
     qk_pf_range(begin, QK_PF_DIST, range_end);
-}
-
-/* This thread's share [b0, b1) of num_blocks work blocks. */
-static inline void qk_split(int64_t num_blocks, int64_t *b0, int64_t *b1) {
-#ifdef _OPENMP
-    int t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-    int t = 0, nt = 1;
-#endif
-    *b0 = num_blocks * t / nt;
-    *b1 = num_blocks * (t + 1) / nt;
-}
-
-static inline int qk_threads(int threads, int64_t work) {
-#ifdef _OPENMP
-    if (threads <= 0) threads = omp_get_max_threads();
-    if (threads > work) threads = (int)(work > 0 ? work : 1);
-    return threads;
-#else
-    (void)threads; (void)work;
-    return 1;
-#endif
 }
 
 /* Checks shared by the entry points: 0, or -1 for an unknown format / K the format
