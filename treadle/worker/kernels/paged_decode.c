@@ -17,8 +17,9 @@
  *    specialised at compile time (constant trip counts, accumulators in registers where
  *    they fit). Keys are walked in chunks of one vector's width of tokens (any
  *    block_size): the scores of a chunk come from vector dot products (bf16 pairs with
- *    vdpbf16ps on AVX-512 BF16, exact products, fp32 sums; elsewhere bf16 widened to fp32
- *    in registers) folded by one transpose-reduce, one online-softmax update per chunk
+ *    vdpbf16ps on AVX-512 BF16, exact products, fp32 sums; elsewhere each key vector is
+ *    widened to fp32 once and scored against every query head of the group) folded by one
+ *    transpose-reduce, one online-softmax update per chunk
  *    with a vectorised exp2, values accumulated in fp32; the next block is prefetched when
  *    it does not follow the current one in memory. Work is split over (request, KV head) and, when there are too few of those to
  *    keep every thread busy (small batches, long contexts), over context ranges too, whose
@@ -247,52 +248,96 @@ ALWAYS_INLINE void store_vec(void *base, int64_t i, vf x, const int bf16) {
     else vf_storeu((float *)base + i, x);
 }
 
-/* Raw scores (q . k, unscaled) of the CHUNK tokens at k for query head qg, token t in
-   lane t. */
-ALWAYS_INLINE vf chunk_scores(const void *qg, const void *k, const int HD, const int bf16) {
-    vf a[CHUNK];
-#if defined(__AVX512BF16__) && SIMD_WIDTH == 16
-    if (bf16) {  /* bf16 pairs: exact products, fp32 sums */
-        __m512i qv[HD / 32];
-        #pragma GCC unroll 64
-        for (int j = 0; j < HD / 32; j++)
-            qv[j] = _mm512_loadu_si512((const uint16_t *)qg + 32 * j);
-        #pragma GCC unroll 64
-        for (int t = 0; t < CHUNK; t++) {
-            const uint16_t *kt = (const uint16_t *)k + (int64_t)t * HD;
-            a[t] = _mm512_setzero_ps();
-            #pragma GCC unroll 64
-            for (int j = 0; j < HD / 32; j++)
-                a[t] = _mm512_dpbf16_ps(a[t], (__m512bh)_mm512_loadu_si512(kt + 32 * j),
-                                        (__m512bh)qv[j]);
-        }
-        return vf_transpose_reduce(a);
-    }
+#define KEYS_F32 0
+#define KEYS_BF16 1
+#define KEYS_I8 2  /* int8 rows of HD values and a float16 scale (row stride HD + 2) */
+
+/* VW consecutive key elements from element i of a row, as fp32. */
+ALWAYS_INLINE vf load_key(const void *row, int64_t i, const int kind) {
+    if (kind == KEYS_I8) {
+        const int8_t *p = (const int8_t *)row + i;
+#if SIMD_WIDTH == 16
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#else
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 #endif
-    vf qv[HD / VW];
-    #pragma GCC unroll 64
-    for (int j = 0; j < HD / VW; j++) qv[j] = load_vec(qg, VW * j, bf16);
+    }
+    return load_vec(row, i, kind == KEYS_BF16);
+}
+
+/* Raw scores (q . k, unscaled) of the CHUNK tokens at k for each of the G query heads of
+   a group: scores[g] has token t in lane t. qf: the group's query heads widened to fp32.
+   Each key vector is widened once and used by every head (scoring head by head widened
+   the same keys G times: on CPUs without bf16 dot products the widening, not the memory,
+   bounded the kernel). */
+ALWAYS_INLINE void chunk_scores(const float *qf, const void *k, vf *scores, const int HD,
+                                const int G, const int kind) {
+    const int64_t row = kind == KEYS_I8 ? HD + 2 : (int64_t)HD * (kind == KEYS_BF16 ? 2 : 4);
+    vf a[FAST_GROUP_MAX * CHUNK];
     #pragma GCC unroll 64
     for (int t = 0; t < CHUNK; t++) {
-        a[t] = vf_mul(load_vec(k, (int64_t)t * HD, bf16), qv[0]);
+        const char *kt = (const char *)k + t * row;
+        vf kv[HD / VW];
         #pragma GCC unroll 64
-        for (int j = 1; j < HD / VW; j++)
-            a[t] = vf_fmadd(load_vec(k, (int64_t)t * HD + VW * j, bf16), qv[j], a[t]);
+        for (int j = 0; j < HD / VW; j++) kv[j] = load_key(kt, VW * j, kind);
+        #pragma GCC unroll 64
+        for (int g = 0; g < G; g++) {
+            vf s = vf_mul(kv[0], vf_load(qf + g * HD));
+            #pragma GCC unroll 64
+            for (int j = 1; j < HD / VW; j++) s = vf_fmadd(kv[j], vf_load(qf + g * HD + VW * j), s);
+            a[g * CHUNK + t] = s;
+        }
+    }
+    #pragma GCC unroll 64
+    for (int g = 0; g < G; g++) scores[g] = vf_transpose_reduce(a + g * CHUNK);
+}
+
+#if defined(__AVX512BF16__) && SIMD_WIDTH == 16
+/* chunk_scores for one bf16 query head qg with bf16 pairs: exact products, fp32 sums. */
+ALWAYS_INLINE vf chunk_scores_dpbf16(const uint16_t *qg, const uint16_t *k, const int HD) {
+    vf a[CHUNK];
+    __m512i qv[HD / 32];
+    #pragma GCC unroll 64
+    for (int j = 0; j < HD / 32; j++) qv[j] = _mm512_loadu_si512(qg + 32 * j);
+    #pragma GCC unroll 64
+    for (int t = 0; t < CHUNK; t++) {
+        const uint16_t *kt = k + (int64_t)t * HD;
+        a[t] = _mm512_setzero_ps();
+        #pragma GCC unroll 64
+        for (int j = 0; j < HD / 32; j++)
+            a[t] = _mm512_dpbf16_ps(a[t], (__m512bh)_mm512_loadu_si512(kt + 32 * j),
+                                    (__m512bh)qv[j]);
     }
     return vf_transpose_reduce(a);
+}
+#endif
+
+/* The group's query heads at q (G x HD, bf16 or fp32) as fp32 in qf. */
+ALWAYS_INLINE void widen_queries(const void *q, float *qf, const int HD, const int G,
+                                 const int bf16) {
+    #pragma GCC unroll 64
+    for (int j = 0; j < G * (HD / VW); j++) vf_store(qf + VW * j, load_vec(q, VW * j, bf16));
 }
 
 /* Fold the first n of the CHUNK tokens at k (keys) and v (values) into the group's online
    softmax. All CHUNK rows are read: the caller pads a short chunk with zeros. */
-ALWAYS_INLINE void fold_chunk(const void *q, const void *k, const void *v, int64_t n, float c,
-                              float *m, vf *l, vf *acc, const int HD, const int G,
-                              const int bf16) {
+ALWAYS_INLINE void fold_chunk(const void *q, const float *qf, const void *k, const void *v,
+                              int64_t n, float c, float *m, vf *l, vf *acc, const int HD,
+                              const int G, const int bf16) {
     float p_buf[FAST_GROUP_MAX * CHUNK] __attribute__((aligned(64)));
-    const int esz = bf16 ? 2 : 4;
+    vf scores[FAST_GROUP_MAX];
+#if defined(__AVX512BF16__) && SIMD_WIDTH == 16
+    if (bf16) {
+        #pragma GCC unroll 64
+        for (int g = 0; g < G; g++)
+            scores[g] = chunk_scores_dpbf16((const uint16_t *)q + (int64_t)g * HD, k, HD);
+    } else
+#endif
+    chunk_scores(qf, k, scores, HD, G, bf16 ? KEYS_BF16 : KEYS_F32);
+    (void)q;
     #pragma GCC unroll 64
     for (int g = 0; g < G; g++) {
-        vf x = vf_mul(chunk_scores((const char *)q + (int64_t)g * HD * esz, k, HD, bf16),
-                      vf_set1(c));
+        vf x = vf_mul(scores[g], vf_set1(c));
         x = vf_first(x, n, NEG_BIG);
         const float cmax = vf_reduce_max(x);
         const float new_max = cmax > m[g] ? cmax : m[g];
@@ -335,6 +380,8 @@ ALWAYS_INLINE void run_item(const decode_args *a, int64_t h, const work_item *w,
     const char *kh = (const char *)a->k_cache + h * a->num_blocks * bs * row;
     const char *vh = (const char *)a->v_cache + h * a->num_blocks * bs * row;
     const int64_t *table = a->block_table + w->r * a->max_blocks;
+    float qf[FAST_GROUP_MAX * 128] __attribute__((aligned(64)));
+    widen_queries(q, qf, HD, G, bf16);
     float m[FAST_GROUP_MAX];
     vf l[FAST_GROUP_MAX], acc[FAST_GROUP_MAX * MAX_HDV];
     #pragma GCC unroll 64
@@ -365,7 +412,7 @@ ALWAYS_INLINE void run_item(const decode_args *a, int64_t h, const work_item *w,
                 kc = kpad;
                 vc = vpad;
             }
-            fold_chunk(q, kc, vc, n, a->c, m, l, acc, HD, G, bf16);
+            fold_chunk(q, qf, kc, vc, n, a->c, m, l, acc, HD, G, bf16);
         }
     }
 
@@ -394,30 +441,6 @@ ALWAYS_INLINE void run_item(const decode_args *a, int64_t h, const work_item *w,
 
 /* ---- int8 cache: rows of HD int8 values and a float16 scale ---------------------- */
 
-/* VW int8 as fp32. */
-ALWAYS_INLINE vf vf_i8_load(const int8_t *p) {
-#if SIMD_WIDTH == 16
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-#else
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-#endif
-}
-
-/* Raw q . k_int of the CHUNK int8 rows at k (row stride HD + 2), token t in lane t;
-   qf: the query head widened to fp32. */
-ALWAYS_INLINE vf chunk_scores_q8(const float *qf, const int8_t *k, const int HD) {
-    vf a[CHUNK];
-    #pragma GCC unroll 64
-    for (int t = 0; t < CHUNK; t++) {
-        const int8_t *kt = k + (int64_t)t * (HD + 2);
-        a[t] = vf_mul(vf_i8_load(kt), vf_load(qf));
-        #pragma GCC unroll 64
-        for (int j = 1; j < HD / VW; j++)
-            a[t] = vf_fmadd(vf_i8_load(kt + VW * j), vf_load(qf + VW * j), a[t]);
-    }
-    return vf_transpose_reduce(a);
-}
-
 /* fold_chunk over int8 rows: the key scales multiply the chunk's scores, the value
    scales the probabilities (the softmax sums keep the unscaled ones). */
 ALWAYS_INLINE void fold_chunk_q8(const float *qf, const int8_t *k, const int8_t *v, int64_t n,
@@ -429,9 +452,11 @@ ALWAYS_INLINE void fold_chunk_q8(const float *qf, const int8_t *k, const int8_t 
         vs[t] = row_scale(v + (int64_t)t * (HD + 2), HD);
     }
     const vf kscale = vf_mul(vf_load(ks), vf_set1(c)), vscale = vf_load(vs);
+    vf scores[FAST_GROUP_MAX];
+    chunk_scores(qf, k, scores, HD, G, KEYS_I8);
     #pragma GCC unroll 64
     for (int g = 0; g < G; g++) {
-        vf x = vf_mul(chunk_scores_q8(qf + g * HD, k, HD), kscale);
+        vf x = vf_mul(scores[g], kscale);
         x = vf_first(x, n, NEG_BIG);
         const float cmax = vf_reduce_max(x);
         const float new_max = cmax > m[g] ? cmax : m[g];
@@ -449,7 +474,7 @@ ALWAYS_INLINE void fold_chunk_q8(const float *qf, const int8_t *k, const int8_t 
         vf vt[HD / VW];
         const int8_t *vr = v + (int64_t)t * (HD + 2);
         #pragma GCC unroll 64
-        for (int j = 0; j < HD / VW; j++) vt[j] = vf_i8_load(vr + VW * j);
+        for (int j = 0; j < HD / VW; j++) vt[j] = load_key(vr, VW * j, KEYS_I8);
         #pragma GCC unroll 64
         for (int g = 0; g < G; g++) {
             const vf pt = vf_set1(p_buf[g * CHUNK + t]);
@@ -470,9 +495,7 @@ ALWAYS_INLINE void run_item_q8(const decode_args *a, int64_t h, const work_item 
     const int8_t *vh = (const int8_t *)a->v_cache + h * a->num_blocks * bs * row;
     const int64_t *table = a->block_table + w->r * a->max_blocks;
     float qf[FAST_GROUP_MAX * 128] __attribute__((aligned(64)));
-    #pragma GCC unroll 64
-    for (int j = 0; j < G * (HD / VW); j++)
-        vf_store(qf + VW * j, load_vec(a->q, head0 * HD + VW * j, bf16));
+    widen_queries((const char *)a->q + head0 * HD * (bf16 ? 2 : 4), qf, HD, G, bf16);
     float m[FAST_GROUP_MAX];
     vf l[FAST_GROUP_MAX], acc[FAST_GROUP_MAX * MAX_HDV];
     #pragma GCC unroll 64
