@@ -278,8 +278,17 @@ ALWAYS_INLINE void chunk_scores(const float *qf, const void *k, vf *scores, cons
     for (int t = 0; t < CHUNK; t++) {
         const char *kt = (const char *)k + t * row;
         vf kv[HD / VW];
-        #pragma GCC unroll 64
-        for (int j = 0; j < HD / VW; j++) kv[j] = load_key(kt, VW * j, kind);
+        if (kind == KEYS_BF16) {  /* bf16 pairs: even elements by a shift, odd by an and */
+            #pragma GCC unroll 64
+            for (int j = 0; j < HD / VW; j += 2) {
+                const vi w = vi_loadu((const uint16_t *)kt + VW * j);
+                kv[j] = vf_pair_lo(w);
+                kv[j + 1] = vf_pair_hi(w);
+            }
+        } else {
+            #pragma GCC unroll 64
+            for (int j = 0; j < HD / VW; j++) kv[j] = load_key(kt, VW * j, kind);
+        }
         #pragma GCC unroll 64
         for (int g = 0; g < G; g++) {
             vf s = vf_mul(kv[0], vf_load(qf + g * HD));
@@ -312,9 +321,20 @@ ALWAYS_INLINE vf chunk_scores_dpbf16(const uint16_t *qg, const uint16_t *k, cons
 }
 #endif
 
-/* The group's query heads at q (G x HD, bf16 or fp32) as fp32 in qf. */
+/* The group's query heads at q (G x HD, bf16 or fp32) as fp32 in qf. pairs: in the order
+   chunk_scores reads bf16 keys, each 2 * VW elements as their VW even ones then their VW
+   odd ones (a dot product's terms in another order). */
 ALWAYS_INLINE void widen_queries(const void *q, float *qf, const int HD, const int G,
-                                 const int bf16) {
+                                 const int bf16, const int pairs) {
+    if (pairs) {
+        #pragma GCC unroll 64
+        for (int j = 0; j < G * (HD / VW); j += 2) {
+            const vi w = vi_loadu((const uint16_t *)q + VW * j);
+            vf_store(qf + VW * j, vf_pair_lo(w));
+            vf_store(qf + VW * (j + 1), vf_pair_hi(w));
+        }
+        return;
+    }
     #pragma GCC unroll 64
     for (int j = 0; j < G * (HD / VW); j++) vf_store(qf + VW * j, load_vec(q, VW * j, bf16));
 }
@@ -381,7 +401,7 @@ ALWAYS_INLINE void run_item(const decode_args *a, int64_t h, const work_item *w,
     const char *vh = (const char *)a->v_cache + h * a->num_blocks * bs * row;
     const int64_t *table = a->block_table + w->r * a->max_blocks;
     float qf[FAST_GROUP_MAX * 128] __attribute__((aligned(64)));
-    widen_queries(q, qf, HD, G, bf16);
+    widen_queries(q, qf, HD, G, bf16, bf16);
     float m[FAST_GROUP_MAX];
     vf l[FAST_GROUP_MAX], acc[FAST_GROUP_MAX * MAX_HDV];
     #pragma GCC unroll 64
@@ -495,7 +515,7 @@ ALWAYS_INLINE void run_item_q8(const decode_args *a, int64_t h, const work_item 
     const int8_t *vh = (const int8_t *)a->v_cache + h * a->num_blocks * bs * row;
     const int64_t *table = a->block_table + w->r * a->max_blocks;
     float qf[FAST_GROUP_MAX * 128] __attribute__((aligned(64)));
-    widen_queries((const char *)a->q + head0 * HD * (bf16 ? 2 : 4), qf, HD, G, bf16);
+    widen_queries((const char *)a->q + head0 * HD * (bf16 ? 2 : 4), qf, HD, G, bf16, 0);
     float m[FAST_GROUP_MAX];
     vf l[FAST_GROUP_MAX], acc[FAST_GROUP_MAX * MAX_HDV];
     #pragma GCC unroll 64
