@@ -104,6 +104,9 @@ class ModelConfig:
         "(gguf for a GGUF file with Q8_0/Q4_0/Q4_1 linears where the C kernels have AVX-512 "
         "VNNI, in bfloat16 on one CPU rank without LoRA, where it measured faster; else "
         "none)"))
+    keep_freed_memory: bool = field(default=True, metadata=_help(
+        "CPU: keep the memory a step frees in the heap for the next step (glibc mallopt; "
+        "without it a prefill step faults its activations in again, page by page)"))
     enforce_eager: bool = field(default=False, metadata=_help(
         "GPU: run every step eagerly (no CUDA graphs for decode steps)"))
     cuda_graph_sizes: str | None = field(default=None, metadata=_help(

@@ -42,6 +42,7 @@ from treadle.worker.attention.triton_backend import TritonBackend
 from treadle.worker.cuda_support import default_cuda_graph_sizes
 from treadle.worker.decode_graphs import DecodeGraphs
 from treadle.worker.grammar import GrammarState
+from treadle.worker.heap import keep_freed_memory
 from treadle.worker.cpu_isa import describe_kernels
 from treadle.worker.cost_probe import measure_copy_bytes_per_s, measure_matmul_flops_per_s
 from treadle.worker.kv_cache import KVCacheSpec, allocate_kv_caches, allocate_swap_space
@@ -91,6 +92,9 @@ class Worker:
         self.config = config
         self.rank = rank
         self.platform = get_platform(config.model.device, rank)
+        if self.platform.device.type == "cpu" and config.model.keep_freed_memory:
+            if not keep_freed_memory():
+                logger.info("keep_freed_memory: not glibc, the C library's malloc left as is")
         self.runner: ModelRunner | None = None
         self.draft_model = None
         """The draft checkpoint's model (speculative method draft, output rank)."""
