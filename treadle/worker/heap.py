@@ -10,7 +10,7 @@ in again, page by page, each zeroed. How often depends on the history of the pro
 allocations: on an AMD EPYC KVM guest, 1,024-token prefill steps of the demo model took
 1.5 to 121 thousand page faults each from one process to the next (121 thousand: 485 MB
 and 2.6 s a step, against 1.85 s with none); with `mallopt` as below, none in every
-process (docs/benchmarks.md, "Round 14").
+process (docs/benchmarks.md, "The same AVX2 host, round 14").
 
 So a process that runs the model on the CPU sets, once, before its first step:
 M_MMAP_THRESHOLD = 32 MiB (glibc's largest: below it, requests come from the heap),
