@@ -248,13 +248,13 @@ ALWAYS_INLINE void store_vec(void *base, int64_t i, vf x, const int bf16) {
     else vf_storeu((float *)base + i, x);
 }
 
-#define KEYS_F32 0
-#define KEYS_BF16 1
-#define KEYS_I8 2  /* int8 rows of HD values and a float16 scale (row stride HD + 2) */
+#define CACHE_F32 0
+#define CACHE_BF16 1
+#define CACHE_I8 2  /* int8 rows of HD values and a float16 scale (row stride HD + 2) */
 
-/* VW consecutive key elements from element i of a row, as fp32. */
-ALWAYS_INLINE vf load_key(const void *row, int64_t i, const int kind) {
-    if (kind == KEYS_I8) {
+/* VW consecutive elements from element i of a cached K or V row of this kind, as fp32. */
+ALWAYS_INLINE vf load_cached(const void *row, int64_t i, const int kind) {
+    if (kind == CACHE_I8) {
         const int8_t *p = (const int8_t *)row + i;
 #if SIMD_WIDTH == 16
         return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
@@ -262,7 +262,7 @@ ALWAYS_INLINE vf load_key(const void *row, int64_t i, const int kind) {
         return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 #endif
     }
-    return load_vec(row, i, kind == KEYS_BF16);
+    return load_vec(row, i, kind == CACHE_BF16);
 }
 
 /* Raw scores (q . k, unscaled) of the CHUNK tokens at k for each of the G query heads of
@@ -272,13 +272,13 @@ ALWAYS_INLINE vf load_key(const void *row, int64_t i, const int kind) {
    bounded the kernel). */
 ALWAYS_INLINE void chunk_scores(const float *qf, const void *k, vf *scores, const int HD,
                                 const int G, const int kind) {
-    const int64_t row = kind == KEYS_I8 ? HD + 2 : (int64_t)HD * (kind == KEYS_BF16 ? 2 : 4);
+    const int64_t row = kind == CACHE_I8 ? HD + 2 : (int64_t)HD * (kind == CACHE_BF16 ? 2 : 4);
     vf a[FAST_GROUP_MAX * CHUNK];
     #pragma GCC unroll 64
     for (int t = 0; t < CHUNK; t++) {
         const char *kt = (const char *)k + t * row;
         vf kv[HD / VW];
-        if (kind == KEYS_BF16) {  /* bf16 pairs: even elements by a shift, odd by an and */
+        if (kind == CACHE_BF16) {  /* bf16 pairs: even elements by a shift, odd by an and */
             #pragma GCC unroll 64
             for (int j = 0; j < HD / VW; j += 2) {
                 const vi w = vi_loadu((const uint16_t *)kt + VW * j);
@@ -287,7 +287,7 @@ ALWAYS_INLINE void chunk_scores(const float *qf, const void *k, vf *scores, cons
             }
         } else {
             #pragma GCC unroll 64
-            for (int j = 0; j < HD / VW; j++) kv[j] = load_key(kt, VW * j, kind);
+            for (int j = 0; j < HD / VW; j++) kv[j] = load_cached(kt, VW * j, kind);
         }
         #pragma GCC unroll 64
         for (int g = 0; g < G; g++) {
@@ -353,8 +353,8 @@ ALWAYS_INLINE void fold_chunk(const void *q, const float *qf, const void *k, con
             scores[g] = chunk_scores_dpbf16((const uint16_t *)q + (int64_t)g * HD, k, HD);
     } else
 #endif
-    chunk_scores(qf, k, scores, HD, G, bf16 ? KEYS_BF16 : KEYS_F32);
-    (void)q;
+    chunk_scores(qf, k, scores, HD, G, bf16 ? CACHE_BF16 : CACHE_F32);
+    (void)q;  /* only the vdpbf16ps path reads the bf16 queries themselves */
     #pragma GCC unroll 64
     for (int g = 0; g < G; g++) {
         vf x = vf_mul(scores[g], vf_set1(c));
@@ -473,7 +473,7 @@ ALWAYS_INLINE void fold_chunk_q8(const float *qf, const int8_t *k, const int8_t 
     }
     const vf kscale = vf_mul(vf_load(ks), vf_set1(c)), vscale = vf_load(vs);
     vf scores[FAST_GROUP_MAX];
-    chunk_scores(qf, k, scores, HD, G, KEYS_I8);
+    chunk_scores(qf, k, scores, HD, G, CACHE_I8);
     #pragma GCC unroll 64
     for (int g = 0; g < G; g++) {
         vf x = vf_mul(scores[g], kscale);
@@ -494,7 +494,7 @@ ALWAYS_INLINE void fold_chunk_q8(const float *qf, const int8_t *k, const int8_t 
         vf vt[HD / VW];
         const int8_t *vr = v + (int64_t)t * (HD + 2);
         #pragma GCC unroll 64
-        for (int j = 0; j < HD / VW; j++) vt[j] = load_key(vr, VW * j, KEYS_I8);
+        for (int j = 0; j < HD / VW; j++) vt[j] = load_cached(vr, VW * j, CACHE_I8);
         #pragma GCC unroll 64
         for (int g = 0; g < G; g++) {
             const vf pt = vf_set1(p_buf[g * CHUNK + t]);
