@@ -303,18 +303,21 @@ ALWAYS_INLINE void rows_kernel(const prefill_args *a, const uint16_t *q0, uint16
     for (int64_t t = 0; t < num_tiles; t++) {
         const uint32_t *kt = kp + t * KT * (HD / 2);
         for (int v = 0; v < KT / VW; v++) {  /* VW keys' scores for every row */
-            vf s[R];
-            for (int r = 0; r < R; r++) s[r] = vf_zero();
+            /* Even and odd dims in separate sums: one chain of two dependent FMAs per
+               row and pair held the FMA units to half their rate (latency, not ports). */
+            vf s0[R], s1[R];
+            for (int r = 0; r < R; r++) s0[r] = s1[r] = vf_zero();
             #pragma GCC unroll 4
             for (int dp = 0; dp < HD / 2; dp++) {
                 const vi w = vi_load(kt + dp * KT + v * VW);
                 const vf k0 = vf_pair_lo(w), k1 = vf_pair_hi(w);
                 for (int r = 0; r < R; r++) {
-                    s[r] = vf_fmadd(vf_set1(qf[r][2 * dp]), k0, s[r]);
-                    s[r] = vf_fmadd(vf_set1(qf[r][2 * dp + 1]), k1, s[r]);
+                    s0[r] = vf_fmadd(vf_set1(qf[r][2 * dp]), k0, s0[r]);
+                    s1[r] = vf_fmadd(vf_set1(qf[r][2 * dp + 1]), k1, s1[r]);
                 }
             }
-            for (int r = 0; r < R; r++) vf_store(sbuf[r] + v * VW, vf_mul(s[r], cv));
+            for (int r = 0; r < R; r++)
+                vf_store(sbuf[r] + v * VW, vf_mul(vf_add(s0[r], s1[r]), cv));
         }
         const int64_t key0 = t * KT;
         const int diagonal = key0 + KT - 1 > first_pos;
@@ -345,18 +348,21 @@ ALWAYS_INLINE void rows_kernel(const prefill_args *a, const uint16_t *q0, uint16
         }
         const uint32_t *vt = vp + t * (KT / 2) * HD;
         for (int d = 0; d < HD; d += VW) {  /* one vector of dims over the tile's keys */
-            vf o[R];
-            for (int r = 0; r < R; r++) o[r] = vf_load(acc[r] + d);
+            vf o0[R], o1[R];  /* even and odd keys, as the scores above */
+            for (int r = 0; r < R; r++) {
+                o0[r] = vf_load(acc[r] + d);
+                o1[r] = vf_zero();
+            }
             #pragma GCC unroll 4
             for (int jp = 0; jp < KT / 2; jp++) {
                 const vi w = vi_load(vt + jp * HD + d);
                 const vf v0 = vf_pair_lo(w), v1 = vf_pair_hi(w);
                 for (int r = 0; r < R; r++) {
-                    o[r] = vf_fmadd(vf_set1(sbuf[r][2 * jp]), v0, o[r]);
-                    o[r] = vf_fmadd(vf_set1(sbuf[r][2 * jp + 1]), v1, o[r]);
+                    o0[r] = vf_fmadd(vf_set1(sbuf[r][2 * jp]), v0, o0[r]);
+                    o1[r] = vf_fmadd(vf_set1(sbuf[r][2 * jp + 1]), v1, o1[r]);
                 }
             }
-            for (int r = 0; r < R; r++) vf_store(acc[r] + d, o[r]);
+            for (int r = 0; r < R; r++) vf_store(acc[r] + d, vf_add(o0[r], o1[r]));
         }
     }
     for (int r = 0; r < valid && r < R; r++) {
