@@ -339,13 +339,67 @@ ALWAYS_INLINE void widen_queries(const void *q, float *qf, const int HD, const i
     for (int j = 0; j < G * (HD / VW); j++) vf_store(qf + VW * j, load_vec(q, VW * j, bf16));
 }
 
+/* Accumulators one pass of the value loop keeps in registers, beside a value vector and
+   the group's probabilities: 16 vector registers on AVX2, 32 on AVX-512. */
+#if SIMD_WIDTH == 16
+#define VALUE_ACC_REGS 24
+#else
+#define VALUE_ACC_REGS 12
+#endif
+
+/* Vectors of dims per pass: all of a head's, halved until every head of the group fits. */
+ALWAYS_INLINE int value_block(const int HD, const int G) {
+    int jb = HD / VW;
+    while (jb > 1 && G * jb > VALUE_ACC_REGS) jb /= 2;
+    return jb;
+}
+
+/* acc[g] = acc[g] * corr[g] + the CHUNK tokens' values at v weighted by p_buf[g] (token
+   by token, in order). A pass holds a block of dims of every head of the group in
+   registers over the whole chunk, so each accumulator is loaded and stored once per
+   chunk: updated in memory token by token (24 of them at head_dim 64 and a group of 3 on
+   AVX2, past its 16 registers) the stores, not the FMAs, set the pace. */
+ALWAYS_INLINE void fold_values(vf *acc, const vf *corr, const float *p_buf, const void *v,
+                               const int HD, const int G, const int kind) {
+    const int JB = value_block(HD, G);
+    const int64_t row = kind == CACHE_I8 ? HD + 2 : (int64_t)HD * (kind == CACHE_BF16 ? 2 : 4);
+    #pragma GCC unroll 16
+    for (int j0 = 0; j0 < HD / VW; j0 += JB) {
+        vf o[FAST_GROUP_MAX * MAX_HDV];
+        #pragma GCC unroll 64
+        for (int g = 0; g < G; g++) {
+            #pragma GCC unroll 64
+            for (int jj = 0; jj < JB; jj++)
+                o[g * JB + jj] = vf_mul(acc[g * (HD / VW) + j0 + jj], corr[g]);
+        }
+        UNROLL(V_UNROLL)
+        for (int t = 0; t < CHUNK; t++) {
+            const char *vr = (const char *)v + t * row;
+            vf pt[FAST_GROUP_MAX];
+            #pragma GCC unroll 64
+            for (int g = 0; g < G; g++) pt[g] = vf_set1(p_buf[g * CHUNK + t]);
+            #pragma GCC unroll 64
+            for (int jj = 0; jj < JB; jj++) {
+                const vf vt = load_cached(vr, VW * (j0 + jj), kind);
+                #pragma GCC unroll 64
+                for (int g = 0; g < G; g++) o[g * JB + jj] = vf_fmadd(pt[g], vt, o[g * JB + jj]);
+            }
+        }
+        #pragma GCC unroll 64
+        for (int g = 0; g < G; g++) {
+            #pragma GCC unroll 64
+            for (int jj = 0; jj < JB; jj++) acc[g * (HD / VW) + j0 + jj] = o[g * JB + jj];
+        }
+    }
+}
+
 /* Fold the first n of the CHUNK tokens at k (keys) and v (values) into the group's online
    softmax. All CHUNK rows are read: the caller pads a short chunk with zeros. */
 ALWAYS_INLINE void fold_chunk(const void *q, const float *qf, const void *k, const void *v,
                               int64_t n, float c, float *m, vf *l, vf *acc, const int HD,
                               const int G, const int bf16) {
     float p_buf[FAST_GROUP_MAX * CHUNK] __attribute__((aligned(64)));
-    vf scores[FAST_GROUP_MAX];
+    vf scores[FAST_GROUP_MAX], corr[FAST_GROUP_MAX];
 #if defined(__AVX512BF16__) && SIMD_WIDTH == 16
     if (bf16) {
         #pragma GCC unroll 64
@@ -361,28 +415,13 @@ ALWAYS_INLINE void fold_chunk(const void *q, const float *qf, const void *k, con
         x = vf_first(x, n, NEG_BIG);
         const float cmax = vf_reduce_max(x);
         const float new_max = cmax > m[g] ? cmax : m[g];
-        const vf corr = vf_exp2(vf_set1(m[g] - new_max));
+        corr[g] = vf_exp2(vf_set1(m[g] - new_max));
         const vf p = vf_first(vf_exp2(vf_sub(x, vf_set1(new_max))), n, 0.f);
         m[g] = new_max;
-        l[g] = vf_fmadd(l[g], corr, p);
-        #pragma GCC unroll 64
-        for (int j = 0; j < HD / VW; j++)
-            acc[g * (HD / VW) + j] = vf_mul(acc[g * (HD / VW) + j], corr);
+        l[g] = vf_fmadd(l[g], corr[g], p);
         vf_store(p_buf + g * CHUNK, p);
     }
-    UNROLL(V_UNROLL)
-    for (int t = 0; t < CHUNK; t++) {
-        vf vt[HD / VW];
-        #pragma GCC unroll 64
-        for (int j = 0; j < HD / VW; j++) vt[j] = load_vec(v, (int64_t)t * HD + VW * j, bf16);
-        #pragma GCC unroll 64
-        for (int g = 0; g < G; g++) {
-            const vf pt = vf_set1(p_buf[g * CHUNK + t]);
-            #pragma GCC unroll 64
-            for (int j = 0; j < HD / VW; j++)
-                acc[g * (HD / VW) + j] = vf_fmadd(pt, vt[j], acc[g * (HD / VW) + j]);
-        }
-    }
+    fold_values(acc, corr, p_buf, v, HD, G, bf16 ? CACHE_BF16 : CACHE_F32);
 }
 
 ALWAYS_INLINE void prefetch_rows(const char *p, int64_t bytes) {
@@ -472,7 +511,7 @@ ALWAYS_INLINE void fold_chunk_q8(const float *qf, const int8_t *k, const int8_t 
         vs[t] = row_scale(v + (int64_t)t * (HD + 2), HD);
     }
     const vf kscale = vf_mul(vf_load(ks), vf_set1(c)), vscale = vf_load(vs);
-    vf scores[FAST_GROUP_MAX];
+    vf scores[FAST_GROUP_MAX], corr[FAST_GROUP_MAX];
     chunk_scores(qf, k, scores, HD, G, CACHE_I8);
     #pragma GCC unroll 64
     for (int g = 0; g < G; g++) {
@@ -480,29 +519,13 @@ ALWAYS_INLINE void fold_chunk_q8(const float *qf, const int8_t *k, const int8_t 
         x = vf_first(x, n, NEG_BIG);
         const float cmax = vf_reduce_max(x);
         const float new_max = cmax > m[g] ? cmax : m[g];
-        const vf corr = vf_exp2(vf_set1(m[g] - new_max));
+        corr[g] = vf_exp2(vf_set1(m[g] - new_max));
         const vf p = vf_first(vf_exp2(vf_sub(x, vf_set1(new_max))), n, 0.f);
         m[g] = new_max;
-        l[g] = vf_fmadd(l[g], corr, p);
-        #pragma GCC unroll 64
-        for (int j = 0; j < HD / VW; j++)
-            acc[g * (HD / VW) + j] = vf_mul(acc[g * (HD / VW) + j], corr);
+        l[g] = vf_fmadd(l[g], corr[g], p);
         vf_store(p_buf + g * CHUNK, vf_mul(p, vscale));
     }
-    UNROLL(V_UNROLL)
-    for (int t = 0; t < CHUNK; t++) {
-        vf vt[HD / VW];
-        const int8_t *vr = v + (int64_t)t * (HD + 2);
-        #pragma GCC unroll 64
-        for (int j = 0; j < HD / VW; j++) vt[j] = load_cached(vr, VW * j, CACHE_I8);
-        #pragma GCC unroll 64
-        for (int g = 0; g < G; g++) {
-            const vf pt = vf_set1(p_buf[g * CHUNK + t]);
-            #pragma GCC unroll 64
-            for (int j = 0; j < HD / VW; j++)
-                acc[g * (HD / VW) + j] = vf_fmadd(pt, vt[j], acc[g * (HD / VW) + j]);
-        }
-    }
+    fold_values(acc, corr, p_buf, v, HD, G, CACHE_I8);
 }
 
 /* run_item over an int8 cache (queries and output bf16 or fp32). */
