@@ -166,3 +166,16 @@ def test_prefill_benchmark_times_both_paths(kernels):
     # machine can make either path slow, so the ratio itself is not asserted).
     assert row["speedup"] == pytest.approx(row["sdpa_ms"] / row["native_ms"], rel=0.05,
                                            abs=0.006)
+
+
+def test_prefill_benchmark_runs_another_build(kernels, capsys):
+    """--so (a build of other sources, for before/after timings) takes the prefill
+    kernel as well as the decode one."""
+    import json
+
+    from treadle.bench.attention_kernel import main
+
+    main(["--prefill", "8x16", "--rounds", "1", "--so", kernels.lib._name])
+    rows = json.loads(capsys.readouterr().out)["prefill"]
+    assert [(r["positions_before"], r["new_tokens"]) for r in rows] == [(8, 16)]
+    assert rows[0]["native_ms"] > 0

@@ -42,39 +42,21 @@ import argparse
 import ctypes
 import json
 import math
+import re
 import time
+from pathlib import Path
 
 import torch
 
 DEFAULT_SHAPES = ["1x4000", "4x600", "64x400", "256x200"]
 
 
-class SharedObjectKernel:
-    """`paged_decode` of a given shared object (one built from another version of
-    paged_decode.c, say), with NativeKernels.paged_decode's signature."""
-
-    def __init__(self, path: str) -> None:
-        lib = ctypes.CDLL(path)
-        self._decode = {torch.bfloat16: lib.paged_decode_bf16, torch.float32: lib.paged_decode_f32}
-        for fn in self._decode.values():
-            fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float]
-            fn.restype = ctypes.c_int
-
-    def paged_decode(self, query, key_cache, value_cache, block_table, ctx_lens, out, scale):
-        num_reqs, num_heads, head_dim = query.shape
-        num_kv_heads, num_blocks, block_size, _ = key_cache.shape
-        status = self._decode[query.dtype](
-            query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-            block_table.data_ptr(), ctx_lens.data_ptr(), out.data_ptr(), num_reqs, num_heads,
-            num_kv_heads, head_dim, num_blocks, block_size, block_table.shape[1], scale)
-        if status != 0:
-            raise ValueError(f"paged_decode failed with status {status}")
-
-
 def _kernels(so: str | None, isa: str = "auto") -> dict:
     """level name -> kernels (one entry for --so or a single level)."""
-    if so:
-        return {"so": SharedObjectKernel(so)}
+    if so:  # another build (of another version of the sources, say), all its kernels
+        from treadle.worker.native import NativeKernels
+        match = re.match(r"kernels-([a-z0-9]+)-", Path(so).name)
+        return {"so": NativeKernels(ctypes.CDLL(so), match.group(1) if match else "native")}
     from treadle.worker.cpu_isa import executable_levels
     from treadle.worker.native import load_kernels
     levels = (executable_levels() or ["native"]) if isa == "all" else isa.split(",")
