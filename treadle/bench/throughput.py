@@ -60,13 +60,22 @@ def run_throughput(workload: Workload, progress: bool = True, warmup: bool = Tru
     }
 
 
+_GAUGES = ("num_kv_blocks", "num_swapped")
+"""num_* figures of the engine's stats that are states, not running totals."""
+
+
+def _is_counter(key: str) -> bool:
+    return (key.startswith(("num_", "time_", "swap_bytes_", "prefix_cache_", "spec_num_"))
+            and key not in _GAUGES)
+
+
 def _stats_delta(before: dict, after: dict) -> dict:
     """Counters of the timed run only (the warm-up's are subtracted)."""
     delta = dict(after)
     steps = after["num_steps"] - before["num_steps"]
-    for key in ("num_steps", "num_preemptions", "prefix_cache_queried_tokens",
-                "prefix_cache_hit_tokens", "time_prepare_s", "time_forward_s", "time_sample_s"):
-        delta[key] = after[key] - before[key]
+    for key, value in after.items():
+        if _is_counter(key) and isinstance(value, (int, float)) and key in before:
+            delta[key] = value - before[key]
     # Means over the timed run: recover sums from the cumulative means.
     for key in ("mean_batch_size", "batch_slot_efficiency", "mean_tokens_per_step"):
         total = after[key] * after["num_steps"] - before[key] * before["num_steps"]
