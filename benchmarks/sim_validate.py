@@ -5,6 +5,7 @@
     python benchmarks/sim_validate.py real-concurrent --out DIR   # the two at once
     python benchmarks/sim_validate.py compare --out DIR   # fit each, simulate the other
     python benchmarks/sim_validate.py compare --out DIR --fit-dir DIR2   # fit on DIR2's runs
+    python benchmarks/sim_validate.py compare --out DIR --fit-dir DIR2 --pooled  # one fit of both
     python benchmarks/sim_validate.py calibrate --out DIR  # a sweep of step shapes
     python benchmarks/sim_validate.py calibrate --served --out DIR  # ... through the server
     python benchmarks/sim_validate.py compare --out DIR --fit-trace DIR/calibration.trace.jsonl
@@ -133,17 +134,21 @@ def calibration(out: Path, served: bool = False) -> dict:
     return result | {"load_before": before, "load_after": _load(), "served": served}
 
 
-def compare(out: Path, fit_dir: Path | None = None, fit_trace: Path | None = None) -> dict:
+def compare(out: Path, fit_dir: Path | None = None, fit_trace: Path | None = None,
+            pooled: bool = False) -> dict:
     """Fit on each run's trace in `fit_dir` (default: `out` itself), or on the one trace
-    `fit_trace` (a calibration run's), and simulate each run in `out`. With another pair's
-    folder as `fit_dir`, every model comes from a different run, the same workload's
-    included."""
+    `fit_trace` (a calibration run's), or (`pooled`) on both of `fit_dir`'s runs as one
+    pool of steps, and simulate each run in `out`. With another pair's folder as
+    `fit_dir`, every model comes from a different run, the same workload's included."""
     from treadle.bench.report import format_table, write_json
     from treadle.sim.results import compare as compare_results
 
     fit_dir = fit_dir or out
     if fit_trace is not None:
         sources = {fit_trace.name.split(".")[0]: fit_trace}
+    elif pooled:
+        sources = {"pooled": ",".join(str(fit_dir / f"{name}.trace.jsonl")
+                                      for name in ("azure", "mixed"))}
     else:
         sources = {name: fit_dir / f"{name}.trace.jsonl" for name in ("azure", "mixed")}
     report = {"real": json.loads((out / "real.json").read_text())
@@ -167,8 +172,9 @@ def compare(out: Path, fit_dir: Path | None = None, fit_trace: Path | None = Non
     report["rows"] = rows
     print(format_table([r for r in rows if not r["figure"].startswith("e2e")],
                        ["fit on", "run", "figure", "measured", "simulated", "error"]))
-    name = ("validation.json" if fit_dir == out and fit_trace is None else
-            f"validation-fit-{next(iter(sources)) if fit_trace else fit_dir.name}.json")
+    name = ("validation.json" if fit_dir == out and fit_trace is None and not pooled else
+            f"validation-fit-{next(iter(sources)) if fit_trace else fit_dir.name}"
+            f"{'-pooled' if pooled else ''}.json")
     write_json(out / name, report)
     return report
 
@@ -185,6 +191,8 @@ def main() -> int:
     parser.add_argument("--fit-trace", default=None,
                         help="compare: fit every simulation on this one trace (e.g. "
                              "`calibrate`'s DIR/calibration.trace.jsonl)")
+    parser.add_argument("--pooled", action="store_true",
+                        help="compare: one fit of both of the fit folder's runs together")
     parser.add_argument("--served", action="store_true",
                         help="calibrate: through the server and the load generator")
     parser.add_argument("--num-threads", type=int, default=MODEL_OPTIONS["num_threads"],
@@ -218,7 +226,7 @@ def main() -> int:
         print(json.dumps(real, indent=2))
     elif args.what == "compare":
         compare(out, Path(args.fit_dir) if args.fit_dir else None,
-                Path(args.fit_trace) if args.fit_trace else None)
+                Path(args.fit_trace) if args.fit_trace else None, args.pooled)
     return 0
 
 

@@ -774,8 +774,8 @@ class SimConfig:
     seed: int = field(default=0, metadata=_help(
         "Seed of everything random in the simulation (prompts, priorities, acceptance)"))
     step_model: str = field(default="roofline", metadata=_help(
-        "roofline, fit:TRACE.jsonl (least squares on a real run's trace) or "
-        "linear:FILE.json (a saved fit)"))
+        "roofline, fit:TRACE.jsonl (least squares on a real run's trace; "
+        "fit:A.jsonl,B.jsonl pools several runs) or linear:FILE.json (a saved fit)"))
     hardware: str = field(default="h200", metadata=_help(
         "roofline: cpu-here, h200, a100 or a YAML file (treadle/sim/presets)"))
     model_shape: str = field(default="llama-3-8b", metadata=_help(

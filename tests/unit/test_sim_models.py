@@ -25,10 +25,11 @@ NARROW = {"max_rows": 16, "intercept": 0.002, "decode_tokens": 8e-4}
 """Steps of at most 16 linear rows in a trace with a kink: other kernels, steeper per row."""
 
 
-def synthetic_trace(path, num_steps=600, noise=0.01, seed=0, kink=False):
+def synthetic_trace(path, num_steps=600, noise=0.01, seed=0, kink=False, slowdown=1.0):
     """A version-2 trace whose step durations are TRUE's linear function of its features
-    (times `1 + noise * N(0, 1)`), with busy gaps of GAP[0] + GAP[1] per row; with `kink`,
-    steps of at most NARROW's rows cost NARROW's function instead."""
+    (times `1 + noise * N(0, 1)`, and `slowdown`: a machine that much slower), with busy
+    gaps of GAP[0] + GAP[1] per row; with `kink`, steps of at most NARROW's rows cost
+    NARROW's function instead."""
     rng = random.Random(seed)
     lines = [{"type": "header", "version": 2, "policy": "fcfs",
               "engine": {"block_size": 16, "num_kv_blocks": 100, "kv_bytes_per_token": 64,
@@ -55,7 +56,7 @@ def synthetic_trace(path, num_steps=600, noise=0.01, seed=0, kink=False):
         if kink and prefill + rows <= NARROW["max_rows"]:
             y = (NARROW["intercept"] + NARROW["decode_tokens"] * rows
                  + TRUE["decode_context_tokens"] * context)
-        y *= 1 + noise * rng.gauss(0, 1)
+        y *= (1 + noise * rng.gauss(0, 1)) * slowdown
         lines.append({"type": "step", "step": step, "t_start": t, "t_end": t + y,
                       "scheduled": [], "preempted": [], "finished": [], "features": f})
         t += y + GAP[0] + GAP[1] * (rows + prefill_rows)
@@ -87,6 +88,52 @@ def test_fit_recovers_known_coefficients(tmp_path):
     assert saved.step_seconds(f) == pytest.approx(model.step_seconds(f))
     assert make_step_model(f"linear:{tmp_path / 'm.json'}").step_seconds(f) == \
         pytest.approx(model.step_seconds(f))
+
+
+def test_fit_keeps_the_stalls_time_but_not_their_shape(tmp_path):
+    """Steps that stalled (here every 25th, 4x as long) are left out of the regression but
+    their time is not: the model's total over the run is the run's total (`level`)."""
+    path = synthetic_trace(tmp_path / "s.jsonl")
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    stalled = 0.0
+    for line in lines:
+        if line["type"] == "step" and line["step"] % 25 == 0:
+            extra = 3 * (line["t_end"] - line["t_start"])
+            line["t_end"] += extra
+            stalled += extra
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    trace = read_trace(path)
+    model = fit_trace(trace)
+    report = model.fit_report
+    assert report["num_outliers"] >= 20
+    measured = sum(s.t_end - s.t_start for s in trace.steps)
+    assert report["level"] == pytest.approx(measured / (measured - stalled), rel=0.02)
+    assert report["level"] > 1.05
+    assert report["step_time_ratio"] == pytest.approx(1.0, abs=1e-6)
+    # The shape is the clean steps' one, scaled by the level.
+    assert model.coefficients["decode_tokens"] == pytest.approx(
+        TRUE["decode_tokens"] * report["level"], rel=0.05)
+
+
+def test_pooled_fit_takes_the_runs_together(tmp_path):
+    """Two runs of one engine, the second on a machine 20% slower: fitted together (a list
+    of traces, or fit:A,B), the model sits between them and says so on each run."""
+    fast = synthetic_trace(tmp_path / "fast.jsonl")
+    slow = synthetic_trace(tmp_path / "slow.jsonl", seed=1, slowdown=1.2)
+    pooled = fit_trace([read_trace(fast), read_trace(slow)], f"{fast},{slow}")
+    assert pooled.fit_report["num_traces"] == 2
+    assert pooled.fit_report["num_steps"] == 1200
+    assert pooled.name == "fit(fast.jsonl,slow.jsonl)"
+    assert pooled.coefficients["decode_tokens"] == pytest.approx(1.1 * TRUE["decode_tokens"],
+                                                                 rel=0.05)
+    assert evaluate(pooled, read_trace(fast))["step_time_ratio"] == pytest.approx(1.1, abs=0.03)
+    assert evaluate(pooled, read_trace(slow))["step_time_ratio"] == pytest.approx(0.92, abs=0.03)
+    assert pooled.fit_report["step_time_ratio"] == pytest.approx(1.0, abs=0.02)
+    by_spec = make_step_model(f"fit:{fast},{slow}")
+    f = _features(decode=8, context=3000)
+    assert by_spec.step_seconds(f) == pytest.approx(pooled.step_seconds(f))
+    alone = make_step_model(f"fit:{fast}")
+    assert alone.step_seconds(f) < by_spec.step_seconds(f)
 
 
 def test_fit_splits_where_few_row_steps_cost_otherwise(tmp_path):

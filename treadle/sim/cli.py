@@ -2,7 +2,7 @@
 
     treadle simulate [options]            one simulation: JSON result + plots in --output
     treadle simulate size [options]       the smallest fleet meeting an SLO
-    treadle simulate fit TRACE.jsonl      fit a step-time model on a real run's trace
+    treadle simulate fit TRACE.jsonl...   fit a step-time model on real runs' traces
     treadle simulate measure-hardware     measure this machine's roofline preset (YAML)
     treadle simulate calibrate --trace F  the real engine over a sweep of step shapes
     treadle simulate compare SIM.json MEASURED.json   figure by figure, with errors
@@ -108,12 +108,14 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     from treadle.engine.trace import read_trace
     from treadle.sim.fit import evaluate, fit_trace
 
-    model = fit_trace(read_trace(args.trace), args.trace)
+    traces = [read_trace(path) for path in args.trace]
+    source = ",".join(args.trace)
+    model = fit_trace(traces if len(traces) > 1 else traces[0], source)
     report = {"model": model.describe()}
     if args.check:
         report["check"] = {path: evaluate(model, read_trace(path)) for path in args.check}
     fit = model.fit_report
-    print(f"fit on {fit['num_steps']} steps of {args.trace}: intercept "
+    print(f"fit on {fit['num_steps']} steps of {' + '.join(args.trace)}: intercept "
           f"{model.intercept * 1e3:.3f} ms; " + ", ".join(
               f"{k} {v * 1e6:.4g} us" for k, v in model.coefficients.items() if v))
     if model.narrow_max_rows:
@@ -200,8 +202,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     _add_run_arguments(size)
     add_dataclass_arguments(size, SizingConfig, "sizing options")
     size.set_defaults(func=_cmd_size)
-    fit = sub.add_parser("fit", help="fit a step-time model on a --trace file of a real run")
-    fit.add_argument("trace")
+    fit = sub.add_parser("fit", help="fit a step-time model on a --trace file of a real run "
+                         "(several: one fit of all their steps)")
+    fit.add_argument("trace", nargs="+")
     fit.add_argument("--check", action="append", default=[],
                      help="also report the fit's errors on this trace (repeatable)")
     fit.add_argument("--save", default=None, help="write the model as JSON (linear:FILE)")

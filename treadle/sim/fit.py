@@ -113,12 +113,15 @@ def busy_gaps(trace: Trace) -> list[tuple[TraceStep, float]]:
     return gaps
 
 
-def evaluate(model, trace: Trace) -> dict:
-    """How well `model` predicts the trace's step durations (and busy gaps)."""
-    measured = np.array([s.t_end - s.t_start for s in trace.steps])
-    predicted = np.array([model.step_seconds(step_features(s)) for s in trace.steps])
+def evaluate(model, trace: Trace | list[Trace]) -> dict:
+    """How well `model` predicts the trace's step durations (and busy gaps); over several
+    traces, their steps and gaps together."""
+    traces = trace if isinstance(trace, list) else [trace]
+    steps = [s for t in traces for s in t.steps]
+    measured = np.array([s.t_end - s.t_start for s in steps])
+    predicted = np.array([model.step_seconds(step_features(s)) for s in steps])
     report = _errors(predicted, measured)
-    gaps = busy_gaps(trace)
+    gaps = [g for t in traces for g in busy_gaps(t)]
     if gaps:
         g_measured = np.array([g for _, g in gaps])
         g_predicted = np.array([model.gap_seconds(step_features(s)) for s, _ in gaps])
@@ -192,36 +195,56 @@ def choose_split(x: np.ndarray, y: np.ndarray, rows: np.ndarray
     return best[0], best[1], best[2], best[3], tried
 
 
-def fit_trace(trace: Trace, source: str = "") -> LinearStepModel:
+def fit_trace(trace: Trace | list[Trace], source: str = "") -> LinearStepModel:
     """Least-squares LinearStepModel of the trace's steps (and busy gaps), with a narrow
     regime where one fits the steps better (choose_split); the fit's own errors on the
-    trace are in `fit_report`."""
-    if not trace.steps:
+    trace are in `fit_report`. A list of traces (runs of one engine configuration) is
+    fitted as one pool of steps: a model that does not hang on one run's minute of a
+    machine whose speed drifts."""
+    traces = trace if isinstance(trace, list) else [trace]
+    steps = [s for t in traces for s in t.steps]
+    if not steps:
         raise ValueError(f"trace {source or ''} has no steps to fit")
-    feats = [step_features(s) for s in trace.steps]
+    feats = [step_features(s) for s in steps]
     x = np.array([[1.0] + [_column(f, c) for c in FIT_COLUMNS] for f in feats])
-    y = np.array([s.t_end - s.t_start for s in trace.steps])
+    y = np.array([s.t_end - s.t_start for s in steps])
     rows = np.array([linear_rows(f) for f in feats])
     narrow_max_rows, coef, narrow_coef, keep, split_errors = choose_split(x, y, rows)
-    coefficients = _coefficients(coef)
-    gaps = busy_gaps(trace)
+    gaps = [g for t in traces for g in busy_gaps(t)]
     gap_intercept = gap_per_row = 0.0
     if len(gaps) >= 2:
         gx = np.array([[1.0, s.features["decode_rows"] + s.features["prefill_rows"]
                         if s.features else len(s.scheduled)] for s, _ in gaps])
         gap_coef, _ = robust_lstsq(gx, np.array([g for _, g in gaps]))
         gap_intercept, gap_per_row = (float(v) for v in gap_coef)
+    # The outliers are left out of the coefficients' shape but not out of the time: a
+    # robust fit predicts the typical step, and a run's throughput and queues are made of
+    # every step, stalls included. Scaling both regimes by measured / predicted over all
+    # steps makes the model's total the run's total (its `level`).
+    predicted = np.where(rows <= narrow_max_rows,
+                         x @ (coef if narrow_coef is None else narrow_coef),
+                         x @ coef) if narrow_max_rows else x @ coef
+    level = float(y.sum() / predicted.sum()) if predicted.sum() > 0 else 1.0
+    coef = coef * level
+    narrow_coef = None if narrow_coef is None else narrow_coef * level
+    coefficients = _coefficients(coef)
+    names = ",".join(Path(p).name for p in source.split(",") if p) or "trace"
     model = LinearStepModel(float(coef[0]), coefficients, gap_intercept, gap_per_row,
-                            name=f"fit({Path(source).name or 'trace'})", source=source,
+                            name=f"fit({names})", source=source,
                             narrow_max_rows=narrow_max_rows,
                             narrow_intercept=0.0 if narrow_coef is None else float(narrow_coef[0]),
                             narrow_coefficients={} if narrow_coef is None
                             else _coefficients(narrow_coef))
-    outliers = [trace.steps[i] for i in np.flatnonzero(~keep)]
-    kept = Trace(trace.policy, trace.arrivals, [s for s, k in zip(trace.steps, keep) if k],
-                 trace.ends, trace.version, trace.engine)
-    model.fit_report = evaluate(model, trace) | {
-        "trace_version": trace.version, "engine": trace.engine,
+    outliers = [steps[i] for i in np.flatnonzero(~keep)]
+    kept, first = [], 0
+    for t in traces:
+        mask = keep[first:first + len(t.steps)]
+        first += len(t.steps)
+        kept.append(Trace(t.policy, t.arrivals, [s for s, k in zip(t.steps, mask) if k],
+                          t.ends, t.version, t.engine))
+    model.fit_report = evaluate(model, traces) | {
+        "trace_version": min(t.version for t in traces), "engine": traces[0].engine,
+        "num_traces": len(traces), "level": level,
         "num_outliers": len(outliers), "narrow_max_rows": narrow_max_rows,
         "split_abs_error_s": split_errors,
         "outlier_seconds": float(sum(s.t_end - s.t_start for s in outliers)),
@@ -230,4 +253,7 @@ def fit_trace(trace: Trace, source: str = "") -> LinearStepModel:
 
 
 def fit_trace_file(path: str | Path) -> LinearStepModel:
-    return fit_trace(read_trace(path), str(path))
+    """The fit of one trace file, or of several pooled: "A.jsonl,B.jsonl"."""
+    paths = [p for p in str(path).split(",") if p]
+    traces = [read_trace(p) for p in paths]
+    return fit_trace(traces if len(traces) > 1 else traces[0], ",".join(paths))

@@ -5,7 +5,8 @@ treadle.engine.trace.step_features, so that a model fitted on a real trace and t
 simulator read a step the same way), the `LinearStepModel` that `fit` produces, and
 `make_step_model`, which turns a `--step-model` spec into a model:
 
-    fit:TRACE.jsonl   least squares on a real run's trace (treadle/sim/fit.py)
+    fit:TRACE.jsonl   least squares on a real run's trace (treadle/sim/fit.py);
+                      fit:A.jsonl,B.jsonl pools the steps of several runs
     linear:FILE.json  a linear model saved by `treadle simulate fit --save`
     roofline          peak FLOP/s and bandwidth of a `--hardware` preset (treadle/sim/roofline.py)
 
@@ -125,7 +126,8 @@ def make_step_model(spec: str, hardware=None, shape=None, tensor_parallel_size: 
         from treadle.sim.fit import fit_trace_file
 
         if not arg:
-            raise ValueError("--step-model fit:TRACE.jsonl needs the trace file")
+            raise ValueError("--step-model fit:TRACE.jsonl needs the trace file (or "
+                             "several, comma-separated: fit:A.jsonl,B.jsonl)")
         return fit_trace_file(arg)
     if kind == "linear":
         if not arg:
