@@ -6,6 +6,8 @@
     python benchmarks/sim_validate.py compare --out DIR   # fit each, simulate the other
     python benchmarks/sim_validate.py compare --out DIR --fit-dir DIR2   # fit on DIR2's runs
     python benchmarks/sim_validate.py compare --out DIR --fit-dir DIR2 --pooled  # one fit of both
+    python benchmarks/sim_validate.py floor --out DIR --fit-dir DIR2   # DIR2's measured figures
+                                                          # as the prediction of DIR's
     python benchmarks/sim_validate.py calibrate --out DIR  # a sweep of step shapes
     python benchmarks/sim_validate.py calibrate --served --out DIR  # ... through the server
     python benchmarks/sim_validate.py compare --out DIR --fit-trace DIR/calibration.trace.jsonl
@@ -179,9 +181,31 @@ def compare(out: Path, fit_dir: Path | None = None, fit_trace: Path | None = Non
     return report
 
 
+def floor(out: Path, fit_dir: Path) -> dict:
+    """The host's own reproducibility: `fit_dir`'s measured figures taken as the
+    prediction of `out`'s (the same runs, minutes apart), with the errors `compare`
+    prints for a simulation."""
+    from treadle.bench.report import format_table
+
+    rows = []
+    for target in ("azure", "mixed"):
+        other = json.loads((fit_dir / f"{target}.json").read_text())
+        measured = json.loads((out / f"{target}.json").read_text())
+        for figure, stat in (("ttft_ms", "median"), ("ttft_ms", "p99"), ("tpot_ms", "median"),
+                             ("tpot_ms", "p99"), ("output_tokens_per_s", None)):
+            m = measured[figure] if stat is None else measured[figure][stat]
+            p = other[figure] if stat is None else other[figure][stat]
+            rows.append({"run": target, "figure": f"{figure} {stat or ''}".strip(),
+                         "measured": round(m, 2), f"{fit_dir.name} measured": round(p, 2),
+                         "error": round(p / m - 1, 3)})
+    print(format_table(rows, list(rows[0])))
+    return {"rows": rows}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["real", "real-concurrent", "calibrate", "compare"])
+    parser.add_argument("what", choices=["real", "real-concurrent", "calibrate", "compare",
+                                         "floor"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--mixed-delay", type=float, default=20.0,
                         help="real-concurrent: seconds after the azure run's start")
@@ -224,6 +248,10 @@ def main() -> int:
         real["model_options"] = dict(MODEL_OPTIONS)
         (out / "real.json").write_text(json.dumps(real, indent=2))
         print(json.dumps(real, indent=2))
+    elif args.what == "floor":
+        if not args.fit_dir:
+            parser.error("floor needs --fit-dir (the runs whose measured figures predict)")
+        floor(out, Path(args.fit_dir))
     elif args.what == "compare":
         compare(out, Path(args.fit_dir) if args.fit_dir else None,
                 Path(args.fit_trace) if args.fit_trace else None, args.pooled)
