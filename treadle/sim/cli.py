@@ -108,9 +108,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     from treadle.engine.trace import read_trace
     from treadle.sim.fit import evaluate, fit_trace
 
-    traces = [read_trace(path) for path in args.trace]
-    source = ",".join(args.trace)
-    model = fit_trace(traces if len(traces) > 1 else traces[0], source)
+    model = fit_trace([read_trace(path) for path in args.trace], ",".join(args.trace))
     report = {"model": model.describe()}
     if args.check:
         report["check"] = {path: evaluate(model, read_trace(path)) for path in args.check}

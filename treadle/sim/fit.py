@@ -221,9 +221,8 @@ def fit_trace(trace: Trace | list[Trace], source: str = "") -> LinearStepModel:
     # robust fit predicts the typical step, and a run's throughput and queues are made of
     # every step, stalls included. Scaling both regimes by measured / predicted over all
     # steps makes the model's total the run's total (its `level`).
-    predicted = np.where(rows <= narrow_max_rows,
-                         x @ (coef if narrow_coef is None else narrow_coef),
-                         x @ coef) if narrow_max_rows else x @ coef
+    predicted = (np.where(rows <= narrow_max_rows, x @ narrow_coef, x @ coef)
+                 if narrow_max_rows else x @ coef)
     level = float(y.sum() / predicted.sum()) if predicted.sum() > 0 else 1.0
     coef = coef * level
     narrow_coef = None if narrow_coef is None else narrow_coef * level
@@ -255,5 +254,4 @@ def fit_trace(trace: Trace | list[Trace], source: str = "") -> LinearStepModel:
 def fit_trace_file(path: str | Path) -> LinearStepModel:
     """The fit of one trace file, or of several pooled: "A.jsonl,B.jsonl"."""
     paths = [p for p in str(path).split(",") if p]
-    traces = [read_trace(p) for p in paths]
-    return fit_trace(traces if len(traces) > 1 else traces[0], ",".join(paths))
+    return fit_trace([read_trace(p) for p in paths], ",".join(paths))

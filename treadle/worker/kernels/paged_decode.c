@@ -252,6 +252,11 @@ ALWAYS_INLINE void store_vec(void *base, int64_t i, vf x, const int bf16) {
 #define CACHE_BF16 1
 #define CACHE_I8 2  /* int8 rows of HD values and a float16 scale (row stride HD + 2) */
 
+/* Bytes of one cached K or V row (one token, one KV head) of this kind. */
+ALWAYS_INLINE int64_t cache_row_bytes(const int HD, const int kind) {
+    return kind == CACHE_I8 ? HD + 2 : (int64_t)HD * (kind == CACHE_BF16 ? 2 : 4);
+}
+
 /* VW consecutive elements from element i of a cached K or V row of this kind, as fp32. */
 ALWAYS_INLINE vf load_cached(const void *row, int64_t i, const int kind) {
     if (kind == CACHE_I8) {
@@ -272,7 +277,7 @@ ALWAYS_INLINE vf load_cached(const void *row, int64_t i, const int kind) {
    bounded the kernel). */
 ALWAYS_INLINE void chunk_scores(const float *qf, const void *k, vf *scores, const int HD,
                                 const int G, const int kind) {
-    const int64_t row = kind == CACHE_I8 ? HD + 2 : (int64_t)HD * (kind == CACHE_BF16 ? 2 : 4);
+    const int64_t row = cache_row_bytes(HD, kind);
     vf a[FAST_GROUP_MAX * CHUNK];
     #pragma GCC unroll 64
     for (int t = 0; t < CHUNK; t++) {
@@ -362,7 +367,7 @@ ALWAYS_INLINE int value_block(const int HD, const int G) {
 ALWAYS_INLINE void fold_values(vf *acc, const vf *corr, const float *p_buf, const void *v,
                                const int HD, const int G, const int kind) {
     const int JB = value_block(HD, G);
-    const int64_t row = kind == CACHE_I8 ? HD + 2 : (int64_t)HD * (kind == CACHE_BF16 ? 2 : 4);
+    const int64_t row = cache_row_bytes(HD, kind);
     #pragma GCC unroll 16
     for (int j0 = 0; j0 < HD / VW; j0 += JB) {
         vf o[FAST_GROUP_MAX * MAX_HDV];
