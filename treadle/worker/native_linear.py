@@ -22,11 +22,14 @@ import os
 
 import torch
 
-MAX_ROWS = 16
-"""Rows up to which the C linear kernel is used where it has vdpbf16ps (AVX-512 BF16): up
-to here it reads each weight once and beats oneDNN's packed kernel (python -m
-treadle.bench.linear_kernel); above, compute dominates and oneDNN's register blocking (or
-AMX) wins."""
+MAX_ROWS = 64
+"""Rows up to which the C linear kernel is used where it has vdpbf16ps (AVX-512 BF16) and
+oneDNN has no AMX. Up to 16 rows it reads each weight once and beats oneDNN's packed
+kernel; from 17 to 64 it is level with oneDNN or faster, and taking those rows lets the
+decode stack run their steps without Python between the kernels. A SmolLM2-135M step's
+layer linears, 2 threads, Zen 4, ms at 16 / 24 / 32 / 48 / 64 / 128 rows: C 14.3 / 19.1 /
+24.3 / 37.7 / 43.9 / 74.9, oneDNN 15.8 / 20.0 / 28.7 / 39.5 / 42.3 / 72.8; a 48-request
+decode step 78.6 -> 64.4 ms (docs/benchmarks.md, "Round 16")."""
 AMX_MAX_ROWS = 4
 """Rows up to which the C kernel (vdpbf16ps) is used where oneDNN runs bf16 on AMX tiles
 (`onednn_uses_amx`): there oneDNN's packed kernel costs about the same from 1 to 16 rows,
