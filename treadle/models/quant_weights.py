@@ -8,7 +8,12 @@ the commit that set them). Measured on a Xeon with AVX-512 BF16, VNNI and AMX, e
 level's build run there (one core; the AMX row counts again with 2 threads):
 - AVX-512 VNNI builds, for Q8_0, Q4_0, Q4_1 and INT8: `r16` (kernels/quant_r16.c: the
   same int8 activations as `dot`, on a copy of the weight repacked at load with 16 rows
-  per vector) up to 8 rows with AMX, up to 16 without. With 2 threads on SmolLM2-135M's
+  per vector) up to 8 rows with AMX, at every row count without (prefill chunks too:
+  measured on a Zen 4, 2 threads, it beat the bf16 prefill tiles at every row count from
+  16 to 1,024 and every SmolLM2-135M shape: gate_up at 48 rows Q8_0 0.38 ms against
+  oneDNN's packed bf16 0.50, at 1,024 rows 7.7 against 8.6-9.1 ms for the 1,024-row
+  tiles; down at 1,024 4.05 against 4.2-4.4; `python -m treadle.bench.quant_kernel
+  --rows 16,24,32,48,64,128,256,512,1024 --prefill`). With 2 threads on SmolLM2-135M's
   shapes it took 0.5-0.7x `dot`'s time at 1-4 rows (gate_up at 4 rows: Q4_1 0.064 ms
   against 0.122, 17 GB/s of blocks; the bf16 C kernel 0.149 ms) and 0.3-0.6x at 8-16;
   with AMX it beat `amx_dot` up to 8 rows (Q8_0 tied at 8) and lost to it at 16 on Q8_0.
@@ -69,7 +74,8 @@ AMX_DOT_MAX_ROWS = 32
 AMX_MAX_ROWS = 128
 """With AMX: rows up to which an AMX path runs, then `prefill`."""
 VNNI_DOT_MAX_ROWS = 16
-"""With VNNI, no AMX: rows up to which `dot` runs, then `prefill`."""
+"""With VNNI, no AMX: rows up to which `dot` runs (formats r16 does not hold), then
+`prefill`; r16's formats take `r16` at every row count."""
 PLAIN_DOT_MAX_ROWS = 2
 """Without VNNI (and r16): rows up to which `dot` runs, then `deq_buffered`."""
 PLAIN_R16_MAX_ROWS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 16, "INT8": 16}
@@ -100,9 +106,9 @@ def choose_path(kernels, fmt: str, rows: int, dtype: torch.dtype = torch.bfloat1
             return "prefill"
         return "amx" if dtype == torch.bfloat16 else "amx_dot"
     if kernels.has_vnni:
-        if rows > VNNI_DOT_MAX_ROWS:
-            return "prefill"
-        return "r16" if r16 else "dot"
+        if r16:
+            return "r16"
+        return "dot" if rows <= VNNI_DOT_MAX_ROWS else "prefill"
     if r16:  # AVX2 without VNNI
         if rows <= PLAIN_R16_MAX_ROWS.get(fmt, 0):
             return "r16"
