@@ -27,8 +27,8 @@ def level(kernel_level) -> str:
 def ops(level, level_kernels):
     kernels = level_kernels
     # The tests below sweep every row count up to max_rows: the first 16 at every level
-    # (test_linear_any_row_count covers the widening levels' larger default).
-    layer_ops = NativeLayerOps.load(kernels.lib, max_rows=MAX_ROWS)
+    # (test_linear_any_row_count covers the levels' larger defaults).
+    layer_ops = NativeLayerOps.load(kernels.lib, max_rows=16)
     if layer_ops is None:
         pytest.skip(f"the {level} build has no vector unit (neither AVX-512 nor AVX2)")
     return layer_ops
@@ -79,6 +79,49 @@ def test_linear_any_row_count(level):
         got, ref = ops.linear(x, w, b), reference(x, w, b)
         assert_bf16_close(got, ref)
         assert (got != ref.to(torch.bfloat16)).float().mean() < 0.01
+
+
+def test_packed_gemm_matches_float32_reference(ops):
+    """The packed vdpbf16ps GEMM (gemm_bf16_vnni.c) at every row count it takes: N not a
+    multiple of its 16-column groups or 48-column tiles, K odd, strided x rows whose
+    neighbours past K are NaN (never read into a sum), with and without bias."""
+    if not ops.vnni:
+        pytest.skip("the packed GEMM runs with vdpbf16ps and without AMX in oneDNN")
+    gen = torch.Generator().manual_seed(11)
+    for n, k in [(1, 1), (5, 31), (17, 33), (50, 100), (100, 577), (960, 576), (576, 1536)]:
+        w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+        b = torch.randn(n, generator=gen).to(torch.bfloat16)
+        packed = ops.pack(w)
+        assert packed.numel() == (n + 15) // 16 * 16 * (k + k % 2)
+        for m in (*range(1, 26), 64, 129, 300):
+            wide = torch.randn(m, k + 3, generator=gen).to(torch.bfloat16)
+            wide[:, k:] = float("nan")
+            x = wide[:, :k]
+            for bias in (None, b):
+                got, ref = ops.linear(x, w, bias, packed=packed), reference(x, w, bias)
+                assert_bf16_close(got, ref)
+                assert (got != ref.to(torch.bfloat16)).float().mean() < 0.01
+                assert torch.equal(ops.linear(x.contiguous(), w, bias, packed=packed, threads=1),
+                                   got)
+
+
+def test_layer_kernels_take_the_packed_copy(ops):
+    """Where the packed GEMM runs, a layer's kernel holds its packed copy instead of
+    oneDNN's, runs every row count on it, and makes oneDNN's copy only when a call falls
+    back to torch."""
+    if not ops.vnni:
+        pytest.skip("the packed GEMM runs with vdpbf16ps and without AMX in oneDNN")
+    gen = torch.Generator().manual_seed(12)
+    w = torch.randn(70, 96, generator=gen).to(torch.bfloat16)
+    kernel = dense_kernel_factory(torch.bfloat16, ops)(w, None)
+    assert kernel.vnni is not None and kernel.packed is None
+    for m in (1, 16, 65, 700):
+        x = torch.randn(m, 96, generator=gen).to(torch.bfloat16)
+        assert torch.equal(kernel(x), ops.linear(x, w, None, packed=kernel.vnni))
+    kernel.native = None  # torch's layers (set_layer_kernels(False)): oneDNN, packed now
+    x = torch.randn(5, 96, generator=gen).to(torch.bfloat16)
+    assert_bf16_close(kernel(x), reference(x, w, None))
+    assert kernel.packed is not None
 
 
 def test_linear_strided_rows_and_threads(ops):

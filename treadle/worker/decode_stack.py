@@ -39,6 +39,7 @@ QUANT_PATH_CODES = {"dot": 0, "amx_dot": 1, "amx": 2, "deq": 3, "deq_buffered": 
 """The quantized kernel paths the C driver calls (decode_stack.c's QP_*); a step whose
 rows would take another path (prefill, torch) runs layer by layer."""
 _MAX_QUANT_ROWS = 256  # rows up to which the stack looks for quantized paths it can call
+_VNNI_MAX_ROWS = 1 << 16  # dense linears on the packed GEMM: no row limit of the kernel's
 
 
 class _Linear(ctypes.Structure):
@@ -54,7 +55,7 @@ class _Layer(ctypes.Structure):
 class _Dims(ctypes.Structure):
     _fields_ = [(name, _I64) for name in (
         "hidden", "heads", "kv_heads", "head_dim", "intermediate", "num_blocks",
-        "block_size", "amx_first", "amx_last", "widen_first")] + [
+        "block_size", "amx_first", "amx_last", "widen_first", "vnni")] + [
         ("quant_path", _I64 * len(FORMAT_CODES)), ("eps", ctypes.c_float),
         ("scale", ctypes.c_float)]
 
@@ -88,7 +89,7 @@ def _entry(entry: _Linear, kernel: DenseLinearKernel | QuantizedLinear) -> None:
         entry.row_bytes, entry.fmt = kernel.blocks.stride(0), FORMAT_CODES[kernel.format.name]
     else:
         entry.w, entry.bias, entry.scales = kernel.weight.data_ptr(), _ptr(kernel.bias), None
-        entry.packed = None
+        entry.packed = _ptr(kernel.vnni)  # the packed GEMM's copy, where there is one
         entry.row_bytes, entry.fmt = 0, -1
 
 
@@ -149,7 +150,12 @@ class DecodeStack:
             self._dims.amx_first, self._dims.amx_last = layer_ops.amx_rows
         if layer_ops.gemm_rows is not None:  # the rows NativeLayerOps.linear gives it
             self._dims.widen_first = layer_ops.gemm_rows
-        limits = [layer_ops.linear_rows if amx else layer_ops.max_rows] if dense else []
+        # The packed GEMM at every row count, as NativeLayerOps.linear runs it for a weight
+        # with its packed copy: only when every dense projection has one.
+        vnni = bool(dense) and all(layer_ops.packed_fits(k.vnni, k.weight) for k in dense)
+        self._dims.vnni = int(vnni)
+        limits = ([_VNNI_MAX_ROWS if vnni else layer_ops.linear_rows if amx
+                   else layer_ops.max_rows] if dense else [])
         if len(dense) < len(flat):
             limits.append(len(self._quant_paths))
         self.max_rows = min(limits)

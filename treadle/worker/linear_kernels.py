@@ -10,7 +10,10 @@ path is kept wherever the probe fails or the dtype is not bfloat16.
 
 At the few rows of a decode step, a C kernel that streams the original [out, in] weight
 (worker/native_linear.py, `NativeLayerOps.linear`) is faster still; `DenseLinearKernel`
-takes it first wherever it applies. The worker attaches one kernel per layer
+takes it first wherever it applies. Where the C kernels have the packed vdpbf16ps GEMM
+(AVX-512 BF16 without AMX: `NativeLayerOps.vnni`), each weight gets that GEMM's packed
+copy instead of oneDNN's, and the C kernels take every row count; oneDNN's copy is then
+made only if a call ever falls back to it. The worker attaches one kernel per layer
 (models.linear.attach_linear_kernels with `dense_kernel_factory`).
 """
 
@@ -49,20 +52,28 @@ def packed_kernel_works(dtype: torch.dtype) -> bool:
 
 
 class DenseLinearKernel:
-    """One layer's matmul on its dense weight: the small-batch C kernel where it covers the
-    input (few rows, bf16), else the prepacked oneDNN weight when there is one, else
-    F.linear. The packed copy does not follow later changes of the weight; the C kernel
-    reads the weight in place."""
+    """One layer's matmul on its dense weight: the C kernels where they cover the input
+    (bf16; few rows, or any rows on the packed GEMM's copy `vnni`), else the prepacked
+    oneDNN weight when there is one (`packed`; made on first use when `pack_on_use`), else
+    F.linear. The packed copies do not follow later changes of the weight; the
+    dot-product kernel reads the weight in place."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 packed: torch.Tensor | None, native=None) -> None:
+                 packed: torch.Tensor | None, native=None, vnni: torch.Tensor | None = None,
+                 pack_on_use: bool = False) -> None:
         self.weight, self.bias, self.packed, self.native = weight, bias, packed, native
+        self.vnni = vnni
+        """The weight's copy for the packed GEMM (NativeLayerOps.pack), or None."""
+        self.pack_on_use = pack_on_use
+        """Make oneDNN's copy the first time a call falls back to torch."""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None:
-            y = self.native.linear(x, self.weight, self.bias)
+            y = self.native.linear(x, self.weight, self.bias, packed=self.vnni)
             if y is not None:
                 return y
+        if self.packed is None and self.pack_on_use:
+            self.packed, self.pack_on_use = _pack(self.weight.detach()), False
         if self.packed is not None:
             return _packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -78,6 +89,9 @@ def dense_kernel_factory(dtype: torch.dtype, native=None):
         return None
 
     def make(weight: torch.Tensor, bias: torch.Tensor | None) -> DenseLinearKernel:
+        vnni = native.pack(weight.detach()) if native is not None else None
+        if vnni is not None:
+            return DenseLinearKernel(weight, bias, None, native, vnni, pack_on_use=packs)
         return DenseLinearKernel(weight, bias, _pack(weight.detach()) if packs else None,
                                  native)
     return make

@@ -1,6 +1,6 @@
 """Typed wrappers of the C kernels for bf16 layers (kernels/gemv_bf16.c, gemm_bf16_amx.c,
-gemm_bf16_widen.c, norm_bf16.c): the linear layer, fused residual-add + RMSNorm,
-silu(gate) * up, and rotary embedding fused with the K/V cache write.
+gemm_bf16_widen.c, gemm_bf16_vnni.c, norm_bf16.c): the linear layer, fused residual-add +
+RMSNorm, silu(gate) * up, and rotary embedding fused with the K/V cache write.
 
 A decode step runs every layer on a few rows (one per request), where a linear layer is
 bound by reading its weight and the elementwise steps by per-op dispatch. `NativeLayerOps`
@@ -12,7 +12,9 @@ so that the caller runs its torch path instead. How many rows the linear kernel 
 depends on the library's ISA level and on whether oneDNN has AMX (`MAX_ROWS`,
 `AMX_MAX_ROWS`, `WIDENING_MAX_ROWS`); where the level has no bf16 arithmetic, batches
 from `WIDENING_GEMM_ROWS` rows on take the register-tiled GEMM instead of the
-dot-product kernel.
+dot-product kernel. Where it has vdpbf16ps and oneDNN has no AMX (`NativeLayerOps.vnni`),
+a linear whose weight has its packed copy (`pack`, made at load by
+worker/linear_kernels.py) runs on the packed GEMM at every row count, prefill included.
 """
 
 from __future__ import annotations
@@ -63,6 +65,14 @@ layer linears, 2 threads, AVX2 on an AMD EPYC (Zen 3), ms at 8 / 16 / 20 / 24 / 
 202 / 1,070 (`python -m treadle.bench.linear_kernel --isa avx2 --fp32`; docs/benchmarks.md,
 "A CPU with AVX2 only")."""
 
+VNNI_GEMM = "packed vdpbf16ps GEMM at every row count"
+"""What the packed GEMM (kernels/gemm_bf16_vnni.c) takes where it runs. A SmolLM2-135M
+step's layer linears, 2 threads, Zen 4 (no AMX), GFLOP/s at 1 / 4 / 16 / 48 / 64 / 1,024
+rows: packed GEMM 32 / 129 / 328-366 / 396-422 / 415-431 / 439-454, the dot-product
+kernel 27 / 114 / 261-285 / 359-362 / 372 / 383, oneDNN's packed kernel 20 / 92 / 241-257
+/ 316 / 356 / 423 (`python -m treadle.bench.linear_kernel`; docs/benchmarks.md, "Round
+16")."""
+
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -80,7 +90,8 @@ class NativeLayerOps:
     """The bf16 layer kernels of one loaded library."""
 
     def __init__(self, lib: ctypes.CDLL, max_rows: int = MAX_ROWS,
-                 amx_rows: tuple[int, int] | None = None, gemm_rows: int | None = None) -> None:
+                 amx_rows: tuple[int, int] | None = None, gemm_rows: int | None = None,
+                 vnni: bool = False) -> None:
         self.max_rows = max_rows
         """Rows up to which the dot-product kernel (gemv_bf16.c) runs a linear (or, from
         `gemm_rows` on, the widening GEMM)."""
@@ -89,6 +100,9 @@ class NativeLayerOps:
         self.gemm_rows = gemm_rows
         """Rows from which the widening GEMM (gemm_bf16_widen.c) takes a linear, or None
         (a level with bf16 arithmetic, where oneDNN has the batches)."""
+        self.vnni = vnni
+        """Whether a linear with a packed copy of its weight (`pack`) runs on the packed
+        GEMM (gemm_bf16_vnni.c) at every row count: vdpbf16ps here and no AMX in oneDNN."""
         self.lib = lib
         """The library (worker/decode_stack.py finds its layer driver there)."""
         self._gemv = lib.gemv_bf16
@@ -112,6 +126,15 @@ class NativeLayerOps:
         self._widen = lib.gemm_bf16_widen
         self._widen.argtypes = self._gemv.argtypes
         self._widen.restype = ctypes.c_int
+        self._vnni = lib.gemm_bf16_vnni
+        self._vnni.argtypes = self._gemv.argtypes
+        self._vnni.restype = ctypes.c_int
+        self._vnni_elems = lib.gemm_bf16_vnni_packed_elems
+        self._vnni_elems.argtypes = [_I64, _I64]
+        self._vnni_elems.restype = _I64
+        self._vnni_pack = lib.gemm_bf16_vnni_pack
+        self._vnni_pack.argtypes = [_P, _I64, _I64, _P]
+        self._vnni_pack.restype = ctypes.c_int
 
     @classmethod
     def load(cls, lib: ctypes.CDLL | None, max_rows: int | None = None) -> NativeLayerOps | None:
@@ -133,8 +156,28 @@ class NativeLayerOps:
                 max_rows = AMX_MAX_ROWS if onednn_uses_amx() else MAX_ROWS
         lib.gemm_bf16_amx_available.restype = ctypes.c_int
         amx = dpbf16 and bool(lib.gemm_bf16_amx_available()) and onednn_uses_amx()
+        lib.gemm_bf16_vnni_available.restype = ctypes.c_int
+        vnni = dpbf16 and bool(lib.gemm_bf16_vnni_available()) and not onednn_uses_amx()
         return cls(lib, max_rows, AMX_GEMM_ROWS if amx else None,
-                   None if dpbf16 else WIDENING_GEMM_ROWS)
+                   None if dpbf16 else WIDENING_GEMM_ROWS, vnni)
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The packed copy of a bf16 weight [N, K] for the packed GEMM (a flat bf16 tensor
+        of the same size, rounded up to 16 rows and an even K), or None where that GEMM
+        does not run (`vnni` false) or the weight is not a contiguous bf16 matrix."""
+        if (not self.vnni or weight.dtype != torch.bfloat16 or weight.dim() != 2
+                or not weight.is_contiguous()):
+            return None
+        n, k = weight.shape
+        out = torch.empty(self._vnni_elems(n, k), dtype=torch.bfloat16)
+        self._vnni_pack(weight.data_ptr(), n, k, out.data_ptr())
+        return out
+
+    def packed_fits(self, packed: torch.Tensor | None, weight: torch.Tensor) -> bool:
+        """Whether `packed` is `weight`'s packed copy (by size) and the packed GEMM runs."""
+        return (packed is not None and self.vnni and weight.dim() == 2
+                and packed.dtype == torch.bfloat16
+                and packed.numel() == self._vnni_elems(*weight.shape))
 
     def amx_covers(self, rows: int, n: int, k: int) -> bool:
         """Whether the AMX tile kernel takes an [rows, k] x [n, k]^T linear."""
@@ -147,12 +190,12 @@ class NativeLayerOps:
         return max(self.max_rows, 0 if self.amx_rows is None else self.amx_rows[1])
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               threads: int = 0) -> torch.Tensor | None:
-        """x [M, K] @ weight[N, K].T + bias as bf16 [M, N] on the AMX tile kernel
-        (`amx_covers`), the widening GEMM (from `gemm_rows` rows) or the dot-product
-        kernel, or None when not covered: not bf16, M past every kernel's rows, x not 2-D
-        with unit stride along K, weight or bias not contiguous. threads: 0 = OpenMP's
-        default."""
+               threads: int = 0, packed: torch.Tensor | None = None) -> torch.Tensor | None:
+        """x [M, K] @ weight[N, K].T + bias as bf16 [M, N] on the packed GEMM (any M, when
+        `packed` is the weight's copy from `pack`), the AMX tile kernel (`amx_covers`), the
+        widening GEMM (from `gemm_rows` rows) or the dot-product kernel, or None when not
+        covered: not bf16, M past every kernel's rows, x not 2-D with unit stride along K,
+        weight or bias not contiguous. threads: 0 = OpenMP's default."""
         if (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() != 2
                 or x.stride(1) != 1
                 or not weight.is_contiguous() or weight.shape[1] != x.shape[1]
@@ -162,12 +205,14 @@ class NativeLayerOps:
             return None
         m, k = x.shape
         n = weight.shape[0]
-        amx = self.amx_covers(m, n, k)
-        if not amx and m > self.max_rows:
+        vnni = self.packed_fits(packed, weight)
+        amx = not vnni and self.amx_covers(m, n, k)
+        if not (vnni or amx) and m > self.max_rows:
             return None
         y = torch.empty(m, n, dtype=torch.bfloat16)
-        fn = (self._amx if amx else self._widen if self.gemm_covers(m) else self._gemv)
-        status = fn(x.data_ptr(), x.stride(0), weight.data_ptr(),
+        fn = (self._vnni if vnni else self._amx if amx
+              else self._widen if self.gemm_covers(m) else self._gemv)
+        status = fn(x.data_ptr(), x.stride(0), packed.data_ptr() if vnni else weight.data_ptr(),
                     None if bias is None else bias.data_ptr(), y.data_ptr(), n, m, n, k, threads)
         if status:
             raise RuntimeError(f"bf16 linear kernel failed with status {status} (-2: out of "
@@ -176,6 +221,8 @@ class NativeLayerOps:
 
     def describe(self) -> str:
         """Which kernel takes which rows, for the start-up log."""
+        if self.vnni:
+            return f"{VNNI_GEMM} (dot products <= {self.max_rows} rows without a packed copy)"
         parts = []
         if self.gemm_rows is not None:
             parts.append(f"dot products <= {min(self.max_rows, self.gemm_rows - 1)} rows, "

@@ -132,9 +132,9 @@ class Worker:
                    if self.platform.uses_native_kernels else None)  # oneDNN packs host weights
         num_kernels = self.model.set_kernels(factory, self.layer_ops)
         if num_kernels:
-            logger.info("linear layers: %d kernels attached (oneDNN prepacked bf16%s)",
-                        num_kernels, ", C kernels at <= %d rows" % self.layer_ops.max_rows
-                        if self.layer_ops is not None else "")
+            logger.info("linear layers: %d kernels attached (%s)", num_kernels,
+                        "C kernels: " + self.layer_ops.describe() if self.layer_ops is not None
+                        else "oneDNN prepacked bf16")
         self.quantized = self._quantize(dtype)
         self.lora = self._make_lora_manager(dtype)
         self.attention = make_attention_backend(

@@ -8,8 +8,9 @@
  * roundings, so its results are bit-identical to the layer-by-layer path:
  *
  *   x = rms_norm(h += down_prev)        add_rms_norm_bf16 (no add on the first layer)
- *   qkv = x . Wqkv^T (+ b)              gemv_bf16, gemm_bf16_amx or gemm_bf16_widen
- *                                       (by rows, as NativeLayerOps.linear routes them)
+ *   qkv = x . Wqkv^T (+ b)              gemm_bf16_vnni, gemv_bf16, gemm_bf16_amx or
+ *                                       gemm_bf16_widen (by rows and packed copies, as
+ *                                       NativeLayerOps.linear routes them)
  *   q = rope(q); cache <- rope(k), v    rope_kv_bf16
  *   a = attention(q, cache)             paged_decode_bf16
  *   x = rms_norm(h += a . Wo^T (+ b))   gemv_bf16, add_rms_norm_bf16
@@ -36,6 +37,8 @@ int gemm_bf16_amx(const bf16_t *x, int64_t ldx, const bf16_t *w, const bf16_t *b
                   bf16_t *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads);
 int gemm_bf16_widen(const bf16_t *x, int64_t ldx, const bf16_t *w, const bf16_t *bias,
                     bf16_t *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads);
+int gemm_bf16_vnni(const bf16_t *x, int64_t ldx, const bf16_t *wp, const bf16_t *bias,
+                   bf16_t *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads);
 int add_rms_norm_bf16(bf16_t *hidden, const bf16_t *delta, const bf16_t *weight, bf16_t *out,
                       int64_t M, int64_t H, float eps);
 int silu_mul_bf16(const bf16_t *gate_up, bf16_t *out, int64_t M, int64_t I);
@@ -69,10 +72,10 @@ int paged_decode_bf16(const bf16_t *q, const bf16_t *k_cache, const bf16_t *v_ca
                       int64_t head_dim, int64_t num_blocks, int64_t block_size,
                       int64_t max_blocks, float scale);
 
-/* One linear layer's weight [N, K]: dense bf16 (fmt < 0; bias bf16 [N] or NULL) or
- * quantized (fmt: quant_simd.h's format number; w: N rows of row_bytes; packed: the r16
- * layout (quant_r16.c) or NULL; scales: INT8's row scales, else NULL; bias fp32 [N] or
- * NULL). */
+/* One linear layer's weight [N, K]: dense bf16 (fmt < 0; bias bf16 [N] or NULL; packed:
+ * the packed GEMM's copy (gemm_bf16_vnni.c) or NULL) or quantized (fmt: quant_simd.h's
+ * format number; w: N rows of row_bytes; packed: the r16 layout (quant_r16.c) or NULL;
+ * scales: INT8's row scales, else NULL; bias fp32 [N] or NULL). */
 typedef struct {
     const void *w, *bias;
     const float *scales;
@@ -100,17 +103,22 @@ typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, num_blocks, block_size;
     int64_t amx_first, amx_last;  /* rows the AMX tile kernel takes (0, 0: none) */
     int64_t widen_first;          /* rows from which the widening GEMM takes (0: none) */
+    int64_t vnni;                 /* 1: dense linears on their packed copies, every row */
     int64_t quant_path[NUM_QUANT_FORMATS];  /* this step's path per quantized format */
     float eps, scale;
 } decode_dims;
 
-/* One linear, y [M, N] rows N apart. Dense: on AMX tiles where the caller enabled them
- * for these rows (it checked the shapes), the widening GEMM from the rows the caller gave,
+/* One linear, y [M, N] rows N apart. Dense: on the packed GEMM where the caller enabled
+ * it (every dense weight has its copy), on AMX tiles where the caller enabled them for
+ * these rows (it checked the shapes), the widening GEMM from the rows the caller gave,
  * else the dot-product kernel. Quantized: the path the caller chose for this format and
  * these rows. */
 static int linear(const decode_dims *d, const bf16_t *x, int64_t ldx, const stack_linear *L,
                   bf16_t *y, int64_t M, int64_t N, int64_t K, int threads) {
     if (L->fmt < 0) {
+        if (d->vnni)
+            return L->packed ? gemm_bf16_vnni(x, ldx, (const bf16_t *)L->packed, L->bias, y,
+                                              N, M, N, K, threads) : -1;
         if (M >= d->amx_first && M <= d->amx_last)
             return gemm_bf16_amx(x, ldx, L->w, L->bias, y, N, M, N, K, threads);
         if (d->widen_first && M >= d->widen_first)

@@ -1,0 +1,214 @@
+/* bf16 linear layer for many rows on AVX-512 BF16, on a copy of the weight packed at load:
+ * y[M, N] = x[M, K] . W[N, K]^T (+ bias), a register-tiled GEMM on vdpbf16ps.
+ *
+ * gemv_bf16.c reads W in its row-major layout: each (x row, W row) pair accumulates 16
+ * lanes along K and is reduced at the end, and each vector load feeds at most 4
+ * products. Past ~16 rows a linear is bound by arithmetic, and that kernel ran at 60-70%
+ * of vdpbf16ps's rate (SmolLM2-135M's layers, Zen 4). Here the lanes are 16 output
+ * columns instead, as vdpbf16ps wants them for an outer product: the packed layout, per
+ * group of 16 rows of W (N padded to 16 with zeros) and per pair of K positions (K padded
+ * to even with a zero), holds the 16 rows' two values side by side,
+ *     packed[g][p][2 * i + e] = W[16 g + i][2 p + e]      (32 bf16 = one zmm per pair p)
+ * with a group's pairs contiguous (K + 1) / 2 * 64 bytes. One vdpbf16ps multiplies a pair of
+ * one x row, broadcast, into 16 columns' sums; a register tile is MR x rows by NG groups
+ * (12 x 32 outputs, 24 accumulators), so each W vector feeds 12 products and each x
+ * broadcast 2, in fp32, with no reduction at the end: the sums round once to bf16
+ * (nearest-even, as torch) after the bias is added.
+ *
+ * Loops: the rows in blocks of MB (their x stays in L2), then each thread's share of
+ * column tiles (NG groups: the tile's W panel is read from memory once per row block and
+ * from L2 by the block's other row tiles), then the row tiles. OpenMP splits the column
+ * tiles statically. K need not be even nor N a multiple of 16; x rows may be strided
+ * (ldx), W packed by gemm_bf16_vnni_pack, y rows dense.
+ *
+ * Built where the level has AVX-512 BF16; elsewhere gemm_bf16_vnni_available() returns 0
+ * and the callers keep their other kernels.
+ */
+
+#include <stdint.h>
+#include <string.h>
+
+#include "omp_team.h"
+
+typedef uint16_t bf16_t;
+
+/* Elements (bf16) of the packed copy of an N x K weight. */
+int64_t gemm_bf16_vnni_packed_elems(int64_t N, int64_t K) {
+    if (N <= 0 || K <= 0) return 0;
+    return (N + 15) / 16 * ((K + 1) / 2) * 32;
+}
+
+/* w [N, K] row-major into out (gemm_bf16_vnni_packed_elems(N, K) elements). Returns 0.
+ * Runs once per weight at load. */
+int gemm_bf16_vnni_pack(const bf16_t *w, int64_t N, int64_t K, bf16_t *out) {
+    const int64_t groups = (N + 15) / 16, pairs = (K + 1) / 2;
+    #pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        bf16_t *dst = out + g * pairs * 32;
+        for (int64_t p = 0; p < pairs; p++)
+            for (int i = 0; i < 16; i++) {
+                const int64_t n = 16 * g + i;
+                for (int e = 0; e < 2; e++) {
+                    const int64_t k = 2 * p + e;
+                    dst[p * 32 + 2 * i + e] = n < N && k < K ? w[n * K + k] : 0;
+                }
+            }
+    }
+    return 0;
+}
+
+#if defined(__AVX512BF16__)
+
+#include <immintrin.h>
+
+#ifndef MR
+#define MR 8    /* x rows per register tile */
+#endif
+#ifndef NG
+#define NG 3    /* 16-column groups per register tile */
+#endif
+#ifndef MB
+#define MB 128  /* x rows per block */
+#endif
+
+/* One x pair (x[2p], x[2p + 1]) broadcast to every lane; `last`: only x[2p] (K odd), the
+ * other half zero (the packed W is zero there, but x past K may be anything). */
+static inline __m512bh x_pair(const bf16_t *x, int64_t p, int last) {
+    uint32_t v;
+    if (last) {
+        v = x[2 * p];
+    } else {
+        memcpy(&v, x + 2 * p, sizeof v);
+    }
+    return (__m512bh)_mm512_set1_epi32((int)v);
+}
+
+/* Rows x[0 .. R) against groups g .. g + G of the packed weight (wp points at group g),
+ * into y columns n0 .. n0 + 16 G (only those below N stored). */
+static inline __attribute__((always_inline)) void tile(
+        const int R, const int G, const bf16_t *x, int64_t ldx, const bf16_t *wp,
+        int64_t group_elems, int64_t K, const bf16_t *bias, bf16_t *y, int64_t ldy,
+        int64_t n0, int64_t N) {
+    __m512 acc[MR][NG];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < G; j++) acc[r][j] = _mm512_setzero_ps();
+    const int64_t full = K / 2;
+    for (int64_t p = 0; p < full; p++) {
+        __m512bh w[NG];
+        for (int j = 0; j < G; j++)
+            w[j] = (__m512bh)_mm512_loadu_si512(wp + j * group_elems + p * 32);
+        for (int r = 0; r < R; r++) {
+            const __m512bh xb = x_pair(x + r * ldx, p, 0);
+            for (int j = 0; j < G; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xb, w[j]);
+        }
+    }
+    if (K & 1) {
+        __m512bh w[NG];
+        for (int j = 0; j < G; j++)
+            w[j] = (__m512bh)_mm512_loadu_si512(wp + j * group_elems + full * 32);
+        for (int r = 0; r < R; r++) {
+            const __m512bh xb = x_pair(x + r * ldx, full, 1);
+            for (int j = 0; j < G; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xb, w[j]);
+        }
+    }
+    for (int j = 0; j < G; j++) {
+        const int64_t n = n0 + 16 * j;
+        if (n >= N) break;
+        const __mmask16 mask = N - n >= 16 ? (__mmask16)0xFFFF
+                                           : (__mmask16)((1u << (N - n)) - 1);
+        __m512 b = _mm512_setzero_ps();
+        if (bias)
+            b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                    _mm256_maskz_loadu_epi16(mask, bias + n)), 16));
+        for (int r = 0; r < R; r++) {
+            const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][j], b));
+            _mm256_mask_storeu_epi16(y + r * ldy + n, mask, out);
+        }
+    }
+}
+
+/* Rows [0, R) of a row tile against G groups, R and G as literals (registers). */
+static inline __attribute__((always_inline)) void tile_rows(
+        const int R, int G, const bf16_t *x, int64_t ldx, const bf16_t *wp,
+        int64_t group_elems, int64_t K, const bf16_t *bias, bf16_t *y, int64_t ldy,
+        int64_t n0, int64_t N) {
+    switch (G) {
+    case 1: tile(R, 1, x, ldx, wp, group_elems, K, bias, y, ldy, n0, N); break;
+#if NG >= 2
+    case 2: tile(R, 2, x, ldx, wp, group_elems, K, bias, y, ldy, n0, N); break;
+#endif
+#if NG >= 3
+    case 3: tile(R, 3, x, ldx, wp, group_elems, K, bias, y, ldy, n0, N); break;
+#endif
+#if NG >= 4
+    case 4: tile(R, 4, x, ldx, wp, group_elems, K, bias, y, ldy, n0, N); break;
+#endif
+    default: break;
+    }
+}
+
+/* A column tile of G groups for rows [0, M) of a block, in row tiles of MR. */
+static void column_tile(int G, const bf16_t *x, int64_t ldx, const bf16_t *wp,
+                        int64_t group_elems, int64_t K, const bf16_t *bias, bf16_t *y,
+                        int64_t ldy, int64_t n0, int64_t N, int64_t M) {
+    for (int64_t r0 = 0; r0 < M; r0 += MR) {
+        const int64_t left = M - r0;
+        const bf16_t *xr = x + r0 * ldx;
+        bf16_t *yr = y + r0 * ldy;
+#define ROWS(R) case R: tile_rows(R, G, xr, ldx, wp, group_elems, K, bias, yr, ldy, n0, N); break;
+        switch (left < MR ? (int)left : MR) {
+        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6)
+#if MR > 6
+        ROWS(7) ROWS(8)
+#endif
+#if MR > 8
+        ROWS(9) ROWS(10) ROWS(11) ROWS(12)
+#endif
+#if MR > 12
+        ROWS(13) ROWS(14)
+#endif
+        default: break;
+        }
+#undef ROWS
+    }
+}
+
+int gemm_bf16_vnni_available(void) { return 1; }
+
+/* y[M, N] (rows ldy apart) = x[M, K] (rows ldx apart) . W^T + bias[N] (NULL: none), W
+ * packed by gemm_bf16_vnni_pack. threads <= 0: OpenMP's default. Returns 0. */
+int gemm_bf16_vnni(const bf16_t *x, int64_t ldx, const bf16_t *wp, const bf16_t *bias,
+                   bf16_t *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
+    if (M <= 0 || N <= 0) return 0;
+    const int64_t groups = (N + 15) / 16, group_elems = (K + 1) / 2 * 32;
+    const int64_t tiles = (groups + NG - 1) / NG;
+    threads = team_size(threads, tiles);
+    #pragma omp parallel num_threads(threads) if(threads > 1)
+    {
+        int64_t t0, t1;
+        team_share(tiles, &t0, &t1);
+        for (int64_t m0 = 0; m0 < M; m0 += MB) {
+            const int64_t mb = M - m0 < MB ? M - m0 : MB;
+            for (int64_t t = t0; t < t1; t++) {
+                const int64_t g = t * NG;
+                const int G = groups - g < NG ? (int)(groups - g) : NG;
+                column_tile(G, x + m0 * ldx, ldx, wp + g * group_elems, group_elems, K, bias,
+                            y + m0 * ldy, ldy, 16 * g, N, mb);
+            }
+        }
+    }
+    return 0;
+}
+
+#else
+
+int gemm_bf16_vnni_available(void) { return 0; }
+
+int gemm_bf16_vnni(const bf16_t *x, int64_t ldx, const bf16_t *wp, const bf16_t *bias,
+                   bf16_t *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
+    (void)x; (void)ldx; (void)wp; (void)bias; (void)y; (void)ldy; (void)M; (void)N; (void)K;
+    (void)threads;
+    return -1;
+}
+
+#endif
