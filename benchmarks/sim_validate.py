@@ -6,6 +6,7 @@
     python benchmarks/sim_validate.py compare --out DIR   # fit each, simulate the other
     python benchmarks/sim_validate.py compare --out DIR --fit-dir DIR2   # fit on DIR2's runs
     python benchmarks/sim_validate.py compare --out DIR --fit-dir DIR2 --pooled  # one fit of both
+    python benchmarks/sim_validate.py compare ... --no-front-end   # engine-side latencies only
     python benchmarks/sim_validate.py floor --out DIR --fit-dir DIR2   # DIR2's measured figures
                                                           # as the prediction of DIR's
     python benchmarks/sim_validate.py calibrate --out DIR  # a sweep of step shapes
@@ -104,9 +105,24 @@ def real_mixed(out: Path) -> dict:
     return {"load_before": before, "load_after": after, "wall_s": duration}
 
 
-def simulate_run(fit_trace: Path, target: str, out: Path) -> dict:
+def front_end_ms(fit_dir: Path, names: tuple[str, ...]) -> float:
+    """The front end's milliseconds per request measured on `fit_dir`'s served runs `names`
+    (treadle/sim/front_end.py; the median of their medians)."""
+    import statistics
+
+    from treadle.engine.trace import read_trace
+    from treadle.sim.front_end import front_end_seconds
+
+    return 1000.0 * statistics.median(
+        front_end_seconds(read_trace(fit_dir / f"{name}.trace.jsonl"),
+                          json.loads((fit_dir / f"{name}.json").read_text())["requests"])
+        ["front_end_s"] for name in names)
+
+
+def simulate_run(fit_trace: Path, target: str, out: Path, front_end: float = 0.0) -> dict:
     """Simulate run `target` ('azure' or 'mixed') with a model fitted on `fit_trace`, with
-    the target run's own scheduler settings and memory (its trace header)."""
+    the target run's own scheduler settings and memory (its trace header), and `front_end`
+    milliseconds per request outside the engine."""
     from treadle.config import SimConfig
     from treadle.engine.trace import read_trace
     from treadle.sim.simulate import simulate
@@ -117,10 +133,10 @@ def simulate_run(fit_trace: Path, target: str, out: Path) -> dict:
     if target == "azure":
         config = SimConfig(step_model=f"fit:{fit_trace}", num_requests=AZURE["num_requests"],
                            token_scale=AZURE["token_scale"], time_scale=AZURE["time_scale"],
-                           max_model_len=AZURE["max_model_len"])
+                           max_model_len=AZURE["max_model_len"], front_end_ms=front_end)
     else:
         config = SimConfig(step_model=f"fit:{fit_trace}", workload="mixed-priority",
-                           max_model_len=MODEL_OPTIONS["max_model_len"])
+                           max_model_len=MODEL_OPTIONS["max_model_len"], front_end_ms=front_end)
     return simulate(config, options)
 
 
@@ -137,11 +153,13 @@ def calibration(out: Path, served: bool = False) -> dict:
 
 
 def compare(out: Path, fit_dir: Path | None = None, fit_trace: Path | None = None,
-            pooled: bool = False) -> dict:
+            pooled: bool = False, with_front_end: bool = True) -> dict:
     """Fit on each run's trace in `fit_dir` (default: `out` itself), or on the one trace
     `fit_trace` (a calibration run's), or (`pooled`) on both of `fit_dir`'s runs as one
     pool of steps, and simulate each run in `out`. With another pair's folder as
-    `fit_dir`, every model comes from a different run, the same workload's included."""
+    `fit_dir`, every model comes from a different run, the same workload's included.
+    with_front_end: each simulation adds the front end measured on its fit's served runs
+    (none for a calibration trace, which is not served by the load generator)."""
     from treadle.bench.report import format_table, write_json
     from treadle.sim.results import compare as compare_results
 
@@ -158,8 +176,11 @@ def compare(out: Path, fit_dir: Path | None = None, fit_trace: Path | None = Non
               "fit_sources": {k: str(v) for k, v in sources.items()}}
     rows = []
     for fit_on, source in sources.items():
+        front = (0.0 if fit_trace is not None or not with_front_end else
+                 front_end_ms(fit_dir, ("azure", "mixed") if pooled else (fit_on,)))
+        report[f"front_end_ms_{fit_on}"] = front
         for target in ("azure", "mixed"):
-            sim = simulate_run(source, target, out)
+            sim = simulate_run(source, target, out, front)
             measured = json.loads((out / f"{target}.json").read_text())
             fit = sim["simulation"]["step_model"]["fit"]
             for row in compare_results(sim, measured):
@@ -219,6 +240,9 @@ def main() -> int:
                         help="compare: one fit of both of the fit folder's runs together")
     parser.add_argument("--served", action="store_true",
                         help="calibrate: through the server and the load generator")
+    parser.add_argument("--no-front-end", action="store_true",
+                        help="compare: simulate engine-side latencies only (no front end "
+                             "measured on the fit's served runs)")
     parser.add_argument("--num-threads", type=int, default=MODEL_OPTIONS["num_threads"],
                         help="real / calibrate: the server's compute threads (default 1, "
                              "a core left to the load generator; on a 2-core host where the "
@@ -254,7 +278,8 @@ def main() -> int:
         floor(out, Path(args.fit_dir))
     elif args.what == "compare":
         compare(out, Path(args.fit_dir) if args.fit_dir else None,
-                Path(args.fit_trace) if args.fit_trace else None, args.pooled)
+                Path(args.fit_trace) if args.fit_trace else None, args.pooled,
+                not args.no_front_end)
     return 0
 
 

@@ -797,6 +797,11 @@ class SimConfig:
         "Speculative decoding: tokens proposed per decode step (0: none)"))
     spec_acceptance_rate: float = field(default=0.7, metadata=_help(
         "Speculative decoding: probability each proposed token is accepted"))
+    front_end_ms: float = field(default=0.0, metadata=_help(
+        "Milliseconds a request spends outside the engine (HTTP, tokenization, its first "
+        "token's way back), added before it reaches its replica, so that TTFT and E2E are "
+        "what clients measure; `treadle simulate fit TRACE --served-result RESULT.json` "
+        "measures it on a served run (0: engine-side latencies)"))
     slo_ttft_ms: float | None = field(default=None, metadata=_help(
         "TTFT SLO in milliseconds for goodput"))
     slo_tpot_ms: float | None = field(default=None, metadata=_help(
@@ -831,6 +836,8 @@ class SimConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.prefix_zipf < 0:
             raise ValueError(f"prefix_zipf must be >= 0, got {self.prefix_zipf}")
+        if not 0.0 <= self.front_end_ms < 3_600_000:
+            raise ValueError(f"front_end_ms must be in [0, 3600000), got {self.front_end_ms}")
         if self.replicas < 1 or self.tensor_parallel_size < 1:
             raise ValueError("replicas and tensor_parallel_size must be >= 1, got "
                              f"{self.replicas}, {self.tensor_parallel_size}")

@@ -87,6 +87,31 @@ def test_timeline_with_a_gap_and_an_arrival_at_the_step_boundary():
     assert got[1] == pytest.approx((0.015, 0.030, 2))
 
 
+def test_front_end_delays_each_arrival_and_counts_in_its_latencies():
+    # The hand-computed timeline above with 5 ms of front end: A reaches the engine at
+    # .005, B at .020. [.005, .019] A's prompt -> A1; [.019, .031] A decode -> A2 (B joins
+    # the queue at .020); [.031, .045] A decode + B's prompt -> A3, B1; [.045, .057] B2.
+    model = LinearStepModel(0.010, {"prefill_tokens": 0.001, "decode_tokens": 0.002})
+    requests = [SimRequest(0, 0.0, 4, 3), SimRequest(1, 0.015, 2, 2)]
+    clock = SimClock()
+    fleet = Fleet([Replica(0, tiny_spec(), model, clock)], RoundRobinRouter(), clock,
+                  PromptMaker(8), front_end_s=0.005)
+    got = times(fleet.run(requests))
+    assert got[0] == pytest.approx((0.019, 0.045, 3))
+    assert got[1] == pytest.approx((0.045 - 0.015, 0.057 - 0.015, 2))
+
+
+def test_front_end_ms_reaches_the_fleet_through_the_config(trace_csv):
+    base = simulate(SimConfig(trace=trace_csv, step_model="roofline", hardware="a100"))
+    later = simulate(SimConfig(trace=trace_csv, step_model="roofline", hardware="a100",
+                               front_end_ms=40.0))
+    assert later["ttft_ms"]["median"] == pytest.approx(base["ttft_ms"]["median"] + 40.0,
+                                                       abs=1.0)
+    assert later["tpot_ms"]["median"] == pytest.approx(base["tpot_ms"]["median"], rel=0.05)
+    with pytest.raises(ValueError, match="front_end_ms"):
+        SimConfig(trace=trace_csv, front_end_ms=-1.0)
+
+
 def test_chunked_prompt_and_memory_preemption_follow_the_scheduler():
     # A 10-token prompt with an 8-token budget takes two steps (chunked prefill);
     # 4 blocks of 4 tokens cannot hold two requests of 10 + 6 tokens: one is preempted

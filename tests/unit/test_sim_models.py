@@ -277,3 +277,43 @@ def test_arrivals_of_a_trace_replay(tmp_path):
     reqs = from_engine_trace(read_trace(tmp_path / "t.jsonl"))
     assert [(r.arrival, r.prompt_len, r.output_len, r.priority) for r in reqs] == \
         [(0.0, 30, 4, 1), (0.5, 12, 9, 0)]
+
+
+def _served_trace(path, requests):
+    """A trace of `requests` (id, arrival t, prompt tokens, prefill chunks as (t_end,
+    tokens), then decode step ends) as the engine writes it."""
+    lines = [{"type": "header", "version": 2, "policy": "fcfs", "engine": {}}]
+    steps = []
+    for rid, t, prompt, chunks, decodes in requests:
+        lines.append({"type": "arrival", "request_id": rid, "t": t, "num_prompt_tokens": prompt,
+                      "max_tokens": 4})
+        steps += [(end, [rid, n, "prefill"]) for end, n in chunks]
+        steps += [(end, [rid, 1, "decode"]) for end in decodes]
+    for i, (end, entry) in enumerate(sorted(steps, key=lambda s: s[0])):
+        lines.append({"type": "step", "step": i, "t_start": end - 0.001, "t_end": end,
+                      "scheduled": [entry], "preempted": [], "finished": []})
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return read_trace(path)
+
+
+def test_front_end_is_the_client_ttft_beyond_the_engines(tmp_path):
+    from treadle.sim.front_end import engine_ttfts, front_end_seconds
+
+    # Engine TTFTs: a (two chunks, first token at the second's end) 0.30 - 0.10 = 0.20;
+    # b (a one-token prompt, scheduled as a decode at once) 0.25 - 0.20 = 0.05; c 0.45 -
+    # 0.30 = 0.15, its later decodes not counted.
+    trace = _served_trace(tmp_path / "t.jsonl", [
+        ("a", 0.10, 40, [(0.2, 20), (0.3, 20)], [0.4]),
+        ("b", 0.20, 1, [], [0.25, 0.35]),
+        ("c", 0.30, 8, [(0.45, 8)], [0.5, 0.6])])
+    assert engine_ttfts(trace) == pytest.approx([0.20, 0.05, 0.15])
+    # The client sent them 9, 9 and 12 ms before they reached the engine and saw their
+    # first tokens 2, 1 and 3 ms after the steps ended: 11, 10, 15 ms of front end.
+    client = [{"start_s": 5.0, "ttft_s": 0.211, "error": None},
+              {"start_s": 5.1, "ttft_s": 0.060, "error": None},
+              {"start_s": 5.2, "ttft_s": 0.165, "error": None},
+              {"start_s": 5.3, "ttft_s": None, "error": "HTTP 400"}]  # never reached it
+    got = front_end_seconds(trace, client)
+    assert got["front_end_s"] == pytest.approx(0.011) and got["num_requests"] == 3
+    with pytest.raises(ValueError, match="same run"):
+        front_end_seconds(trace, client[:2])

@@ -130,11 +130,39 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         print(f"  {fit['num_outliers']} outlier steps ({fit['outlier_seconds']:.2f} s) left "
               f"out of the fit; without them: mean |error| {clean['mean_abs_pct_error']:.1%}, "
               f"weighted {clean['weighted_abs_pct_error']:.1%}, R^2 {clean['r2']:.3f}")
+    if args.served_result:
+        report["front_end"] = _front_end(args.trace, args.served_result)
+        front = report["front_end"]
+        print(f"  front end (client TTFT - engine TTFT, median of {front['num_requests']} "
+              f"requests): {front['front_end_s'] * 1e3:.2f} ms (p10 {front['p10_s'] * 1e3:.2f}, "
+              f"p90 {front['p90_s'] * 1e3:.2f}); simulate with --front-end-ms "
+              f"{front['front_end_s'] * 1e3:.2f}")
     if args.save:
         print("wrote", model.save(args.save))
     if args.json:
         print(json.dumps(report, indent=1, default=str))
     return 0
+
+
+def _front_end(traces: list[str], results: list[str]) -> dict:
+    """The front end's median over served runs: each trace with the bench serve result of
+    the same run (given in the same order), their per-request differences pooled."""
+    import statistics
+
+    from treadle.engine.trace import read_trace
+    from treadle.sim.front_end import front_end_seconds
+
+    if len(results) != len(traces):
+        raise SystemExit(f"treadle simulate fit: {len(traces)} traces and {len(results)} "
+                         "--served-result files; give one result per trace, in order")
+    runs = [front_end_seconds(read_trace(t), json.loads(Path(r).read_text())["requests"])
+            for t, r in zip(traces, results)]
+    if len(runs) == 1:
+        return runs[0]
+    return {"front_end_s": statistics.median(r["front_end_s"] for r in runs),
+            "num_requests": sum(r["num_requests"] for r in runs),
+            "p10_s": min(r["p10_s"] for r in runs), "p90_s": max(r["p90_s"] for r in runs),
+            "runs": runs}
 
 
 def _cmd_measure(args: argparse.Namespace) -> int:
@@ -206,6 +234,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     fit.add_argument("--check", action="append", default=[],
                      help="also report the fit's errors on this trace (repeatable)")
     fit.add_argument("--save", default=None, help="write the model as JSON (linear:FILE)")
+    fit.add_argument("--served-result", action="append", default=[],
+                     help="the `treadle bench serve` result of a traced run (one per trace, "
+                          "in order): also report the front end's milliseconds per request "
+                          "(for --front-end-ms)")
     fit.add_argument("--json", action="store_true", help="print the whole report as JSON")
     fit.set_defaults(func=_cmd_fit)
     hw = sub.add_parser("measure-hardware", help="measure this CPU's roofline preset (YAML)")

@@ -119,9 +119,12 @@ class Fleet:
                  prompt_maker: PromptMaker, decode_replicas: Sequence[Replica] = (),
                  decode_router: Router | None = None,
                  transfer_seconds: Callable[[int], float] | None = None,
-                 monitor: SloMonitor | None = None) -> None:
+                 monitor: SloMonitor | None = None, front_end_s: float = 0.0) -> None:
         if not replicas:
             raise ValueError("a fleet needs at least one replica")
+        self.front_end_s = front_end_s
+        """Seconds from a request's send to its arrival at the engine (SimConfig.front_end_ms):
+        its latencies, measured from the send, include them."""
         self.replicas = list(replicas)
         self.decode_replicas = list(decode_replicas)
         self.disaggregated = bool(self.decode_replicas)
@@ -151,11 +154,12 @@ class Fleet:
         num_events = 0
         i, n = 0, len(order)
         monitor = self.monitor
+        front_end = self.front_end_s
         while not (monitor is not None and monitor.failed):
-            if i < n and (not heap or order[i].arrival <= heap[0][0]):
+            if i < n and (not heap or order[i].arrival + front_end <= heap[0][0]):
                 request = order[i]
                 i += 1
-                clock.advance_to(request.arrival)
+                clock.advance_to(request.arrival + front_end)
                 records.append(self._arrive(request))
             elif heap:
                 t, _, kind, obj = heapq.heappop(heap)
@@ -189,8 +193,8 @@ class Fleet:
         rid = str(sim.index)
         self._records[rid] = record
         max_tokens = 1 if self.disaggregated else sim.output_len
-        request = replica.make_request(rid, prompt, max_tokens, sim.arrival, sim.priority,
-                                       sim.tenant)
+        request = replica.make_request(rid, prompt, max_tokens, sim.arrival + self.front_end_s,
+                                       sim.priority, sim.tenant)
         self._submit(replica, rid, record, request)
         return record
 
@@ -250,7 +254,8 @@ class Fleet:
         index = self.decode_router.route(routed, self.decode_replicas)
         replica = self.decode_replicas[index]
         record.decode_replica = index
-        request = replica.make_request(rid, prompt, sim.output_len - 1, sim.arrival,
+        request = replica.make_request(rid, prompt, sim.output_len - 1,
+                                       sim.arrival + self.front_end_s,
                                        sim.priority, sim.tenant)
         replica.receive_kv(request, sim.prompt_len)
         self._submit(replica, rid, record, request)

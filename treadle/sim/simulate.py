@@ -175,11 +175,13 @@ def run(setup: SimSetup, monitor=None) -> FleetResult:
                   for i in range(config.decode_replicas)]
         transfer = _transfer_model(setup)
         fleet = Fleet(prefill, make_router(config.routing), clock, maker, decode,
-                      make_router(config.routing), transfer, monitor)
+                      make_router(config.routing), transfer, monitor,
+                      config.front_end_ms / 1000.0)
     else:
         replicas = [Replica(i, spec, setup.step_model, clock, config.seed)
                     for i in range(config.replicas)]
-        fleet = Fleet(replicas, make_router(config.routing), clock, maker, monitor=monitor)
+        fleet = Fleet(replicas, make_router(config.routing), clock, maker, monitor=monitor,
+                      front_end_s=config.front_end_ms / 1000.0)
     return fleet.run(setup.requests)
 
 
