@@ -436,6 +436,16 @@ def test_linear_kernel_bench_times_each_routed_kernel_alone(level, level_kernels
     choices = kernel_choices(ops, 64)
     if level_kernels.has_dpbf16:
         assert "gemm" not in choices
+        assert ("vnni" in choices) == ops.vnni
+        if ops.vnni:  # the packed GEMM, as the engine calls it with a weight's packed copy
+            gen = torch.Generator().manual_seed(9)
+            w = torch.randn(80, 576, generator=gen).to(torch.bfloat16)
+            x = torch.randn(30, 576, generator=gen).to(torch.bfloat16)
+            packed = ops.pack(w)
+            assert torch.equal(choices["vnni"].linear(x, w, None, packed=packed),
+                               ops.linear(x, w, None, packed=packed))
+            assert torch.equal(choices["dot"].linear(x, w, None),
+                               NativeLayerOps(level_kernels.lib, max_rows=64).linear(x, w, None))
         return
     assert set(choices) >= {"dot", "gemm"}
     gen = torch.Generator().manual_seed(10)

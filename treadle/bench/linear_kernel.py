@@ -8,10 +8,11 @@ Owns two measurements, reported as they come (nothing here is a target):
   rows, the best-of-`repeats` ms per call and the weight bytes read per second, of
   oneDNN's packed kernel (`torch.ops.mkldnn._linear_pointwise`, what the engine used
   before; where it does not exist, as without AVX-512, bf16 F.linear: `torch_bf16`), of
-  `NativeLayerOps.linear` of each ISA level in --isa (where it routes rows between two
-  kernels, each alone: `dot_*`, the dot-product kernel, and `amx_*`, the AMX tile kernel
-  where the CPU has AMX-BF16 and the shape fits it, or `gemm_*`, the widening GEMM at the
-  levels without bf16 arithmetic), and with --fp32 of
+  `NativeLayerOps.linear` of each ISA level in --isa as the engine calls it (with the
+  weight's packed copy where the level has the packed vdpbf16ps GEMM; where it routes
+  rows between kernels, each alone: `dot_*`, the dot-product kernel, `vnni_*`, the packed
+  GEMM, and `amx_*`, the AMX tile kernel where the CPU has AMX-BF16 and the shape fits it,
+  or `gemm_*`, the widening GEMM at the levels without bf16 arithmetic), and with --fp32 of
   F.linear on float32 copies of the weights (what a CPU on the float32 fallback of
   dtype=auto ran). Each call reads another of `copies` copies of the weight (30 per layer
   shape, as the model's 30 layers; 3 of the LM head), so the weights come from memory, or
@@ -105,11 +106,14 @@ def read_bandwidth(kernels, num_bytes: int, repeats: int = 7,
 
 def kernel_choices(ops, max_rows: int) -> dict:
     """The kernels one library's layer ops route between, each alone at every row count:
-    the dot-product kernel (`dot`), and the AMX tile kernel (`amx`) where the ops have AMX
-    or the widening GEMM (`gemm`) where they have it (levels without bf16 arithmetic)."""
+    the dot-product kernel (`dot`), the packed GEMM (`vnni`: called with the packed copy)
+    where the ops have it, and the AMX tile kernel (`amx`) where the ops have AMX or the
+    widening GEMM (`gemm`) where they have it (levels without bf16 arithmetic)."""
     from treadle.worker.native_linear import NativeLayerOps
 
     choices = {"dot": NativeLayerOps(ops.lib, max_rows=max_rows, amx_rows=None)}
+    if ops.vnni:
+        choices["vnni"] = ops
     if ops.amx_rows is not None:
         choices["amx"] = NativeLayerOps(ops.lib, max_rows=0, amx_rows=(1, 64))
     if ops.gemm_rows is not None:
@@ -139,6 +143,8 @@ def kernels(repeats: int = 15, rows: tuple[int, ...] = (1, 4, 8, 16), isa: str =
         copies = 3 if name == "lm_head" else LAYERS
         weights = [torch.randn(n, k, generator=gen).to(torch.bfloat16) for _ in range(copies)]
         packed = [_pack(w) for w in weights] if onednn else []
+        vnni = {level: [ops.pack(w) for w in weights] for level, (_, ops) in levels.items()
+                if ops.vnni}
         weights32 = [w.float() for w in weights] if fp32 else []
         for m in rows:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
@@ -146,12 +152,17 @@ def kernels(repeats: int = 15, rows: tuple[int, ...] = (1, 4, 8, 16), isa: str =
             runs = ({"onednn": (lambda i: _packed_linear(x, packed[i], None), 2)} if onednn
                     else {"torch_bf16": (lambda i: F.linear(x, weights[i]), 2)})
             for level, (_, ops) in levels.items():
-                runs[f"native_{level}"] = (lambda i, ops=ops: ops.linear(x, weights[i], None), 2)
-                if ops.amx_rows is not None or ops.gemm_rows is not None:
+                copy = vnni.get(level, [None] * copies)
+                runs[f"native_{level}"] = (
+                    lambda i, ops=ops, copy=copy: ops.linear(x, weights[i], None,
+                                                             packed=copy[i]), 2)
+                if ops.amx_rows is not None or ops.gemm_rows is not None or ops.vnni:
                     # each of the kernels it routes between, alone
                     for label, one in kernel_choices(ops, max(rows)).items():
                         runs[f"{label}_{level}"] = (
-                            lambda i, one=one: one.linear(x, weights[i], None), 2)
+                            lambda i, one=one, copy=copy, label=label: one.linear(
+                                x, weights[i], None,
+                                packed=copy[i] if label == "vnni" else None), 2)
             if fp32:
                 runs["torch_f32"] = (lambda i: F.linear(x32, weights32[i]), 4)
             best = dict.fromkeys(runs, float("inf"))
@@ -169,7 +180,7 @@ def kernels(repeats: int = 15, rows: tuple[int, ...] = (1, 4, 8, 16), isa: str =
                 row[f"{label}_ms"] = round(seconds * 1e3, 4)
                 row[f"{label}_cpu_ms"] = round(best_cpu[label] * 1e3, 4)
                 row[f"{label}_gb_s"] = round(gb_s, 1)
-                if label.startswith(("native_", "dot_", "amx_", "gemm_")):
+                if label.startswith(("native_", "dot_", "vnni_", "amx_", "gemm_")):
                     row[f"{label}_read_fraction"] = round(gb_s / reference_gb_s, 2)
                 per_step = LAYERS if name != "lm_head" else 1
                 key = f"{label}_m{m}"
