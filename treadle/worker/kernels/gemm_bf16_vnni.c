@@ -83,6 +83,20 @@ static inline __m512bh x_pair(const bf16_t *x, int64_t p, int last) {
     return (__m512bh)_mm512_set1_epi32((int)v);
 }
 
+/* One K pair p of the tile: rows x[0 .. R) against groups 0 .. G of wp; `last`: the pair
+ * holds only K's last, odd position. */
+static inline __attribute__((always_inline)) void pair_step(
+        const int R, const int G, const bf16_t *x, int64_t ldx, const bf16_t *wp,
+        int64_t group_elems, int64_t p, int last, __m512 acc[MR][NG]) {
+    __m512bh w[NG];
+    for (int j = 0; j < G; j++)
+        w[j] = (__m512bh)_mm512_loadu_si512(wp + j * group_elems + p * 32);
+    for (int r = 0; r < R; r++) {
+        const __m512bh xb = x_pair(x + r * ldx, p, last);
+        for (int j = 0; j < G; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xb, w[j]);
+    }
+}
+
 /* Rows x[0 .. R) against groups g .. g + G of the packed weight (wp points at group g),
  * into y columns n0 .. n0 + 16 G (only those below N stored). */
 static inline __attribute__((always_inline)) void tile(
@@ -93,24 +107,8 @@ static inline __attribute__((always_inline)) void tile(
     for (int r = 0; r < R; r++)
         for (int j = 0; j < G; j++) acc[r][j] = _mm512_setzero_ps();
     const int64_t full = K / 2;
-    for (int64_t p = 0; p < full; p++) {
-        __m512bh w[NG];
-        for (int j = 0; j < G; j++)
-            w[j] = (__m512bh)_mm512_loadu_si512(wp + j * group_elems + p * 32);
-        for (int r = 0; r < R; r++) {
-            const __m512bh xb = x_pair(x + r * ldx, p, 0);
-            for (int j = 0; j < G; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xb, w[j]);
-        }
-    }
-    if (K & 1) {
-        __m512bh w[NG];
-        for (int j = 0; j < G; j++)
-            w[j] = (__m512bh)_mm512_loadu_si512(wp + j * group_elems + full * 32);
-        for (int r = 0; r < R; r++) {
-            const __m512bh xb = x_pair(x + r * ldx, full, 1);
-            for (int j = 0; j < G; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xb, w[j]);
-        }
-    }
+    for (int64_t p = 0; p < full; p++) pair_step(R, G, x, ldx, wp, group_elems, p, 0, acc);
+    if (K & 1) pair_step(R, G, x, ldx, wp, group_elems, full, 1, acc);
     for (int j = 0; j < G; j++) {
         const int64_t n = n0 + 16 * j;
         if (n >= N) break;
