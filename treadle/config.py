@@ -751,6 +751,8 @@ class SimConfig:
         "of a real run)"))
     num_requests: int | None = field(default=None, metadata=_help(
         "Replay only the first N requests (all when not given; bench workloads: their size)"))
+    mixed_duration_s: float = field(default=40.0, metadata=_help(
+        "mixed-priority workload: seconds of arrivals (both classes)"))
     token_scale: float = field(default=1.0, metadata=_help(
         "Multiply the trace's prompt and output lengths by this"))
     time_scale: float = field(default=1.0, metadata=_help(
@@ -820,7 +822,8 @@ class SimConfig:
                 "azure-conv", "synthetic", "shared-prefix", "mixed-priority"):
             raise ValueError("workload must be one of azure-conv, synthetic, shared-prefix, "
                              f"mixed-priority, got {self.workload!r}")
-        for name in ("token_scale", "time_scale", "rate_scale", "timeseries_interval"):
+        for name in ("token_scale", "time_scale", "rate_scale", "timeseries_interval",
+                     "mixed_duration_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("num_requests", "max_model_len"):

@@ -277,6 +277,19 @@ def test_bad_options_are_clear_errors(trace_csv):
         build(SimConfig(trace=trace_csv, hardware="tpu9"))
 
 
+def test_mixed_priority_duration_sets_the_arrivals():
+    from treadle.sim.simulate import load_requests
+
+    short, _ = load_requests(SimConfig(workload="mixed-priority"), 2048)
+    long, desc = load_requests(SimConfig(workload="mixed-priority", mixed_duration_s=160.0),
+                               2048)
+    assert max(r.arrival for r in short) < 40.0 <= max(r.arrival for r in long) < 160.0
+    assert 3 * len(short) < len(long) < 5 * len(short)
+    assert {r.priority for r in long} == {0, 1} and desc["mixed_duration_s"] == 160.0
+    with pytest.raises(ValueError, match="mixed_duration_s must be > 0"):
+        SimConfig(workload="mixed-priority", mixed_duration_s=0.0)
+
+
 def test_simulator_imports_without_torch():
     from test_core_is_torch_free import _BLOCK_TORCH
 

@@ -62,9 +62,10 @@ def load_requests(config: SimConfig, max_model_len: int | None) -> tuple[list, d
     elif config.workload == "mixed-priority":
         from treadle.bench.scheduling import mixed_priority_workload
 
-        requests = wl.from_replay(mixed_priority_workload(seed=config.seed))
+        requests = wl.from_replay(mixed_priority_workload(duration_s=config.mixed_duration_s,
+                                                          seed=config.seed))
         desc = {"source": "mixed-priority (treadle.bench.scheduling defaults)",
-                "seed": config.seed}
+                "seed": config.seed, "mixed_duration_s": config.mixed_duration_s}
     elif config.workload is not None and config.workload != "azure-conv":
         from treadle.bench import workloads
 
