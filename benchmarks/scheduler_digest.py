@@ -7,6 +7,8 @@ SchedulerOutput, every EngineCoreOutput and the final statistics. Run it on two 
 the digests must be equal.
 
     python benchmarks/scheduler_digest.py            # prints one digest per scenario
+    python benchmarks/scheduler_digest.py --no-contiguous-blocks   # block ids as before
+                                                     # extents (commits before them)
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def _requests(rng: random.Random, count: int, shared: list[int], tenants: int) -
     return sorted(out, key=lambda r: r[0])
 
 
-def run_scenario(policy: str, mode: str, spec: bool, seed: int, num_blocks: int) -> str:
+def run_scenario(policy: str, mode: str, spec: bool, seed: int, num_blocks: int,
+                 contiguous: bool = True) -> str:
     rng = random.Random(seed)
     now = [0.0]
     costs = PreemptionCosts(1e6, 1e9, 1000, 1e9) if mode == "auto" else None
@@ -41,7 +44,7 @@ def run_scenario(policy: str, mode: str, spec: bool, seed: int, num_blocks: int)
         SchedulerConfig(max_num_batched_tokens=rng.choice([16, 48, 96]), max_num_seqs=12,
                         preemption_mode=mode, scheduling_policy=policy,
                         tenant_weights="t0=1,t1=3" if policy == "fair" else ""),
-        CacheConfig(block_size=4, enable_prefix_caching=True),
+        CacheConfig(block_size=4, enable_prefix_caching=True, contiguous_blocks=contiguous),
         num_kv_blocks=num_blocks, max_model_len=4096, num_swap_blocks=24 if mode != "recompute" else 0,
         preemption_costs=costs, clock=lambda: now[0])
     shared = [rng.randrange(3, 500) for _ in range(24)]
@@ -82,12 +85,14 @@ def run_scenario(policy: str, mode: str, spec: bool, seed: int, num_blocks: int)
 
 
 def main() -> int:
+    contiguous = "--no-contiguous-blocks" not in sys.argv[1:]
     total = hashlib.sha256()
     for policy in ("fcfs", "priority", "srpt", "fair"):
         for mode in ("recompute", "swap", "auto"):
             for spec in (False, True):
                 for seed in range(3):
-                    digest = run_scenario(policy, mode, spec, seed, num_blocks=40 + 20 * seed)
+                    digest = run_scenario(policy, mode, spec, seed, num_blocks=40 + 20 * seed,
+                                          contiguous=contiguous)
                     total.update(digest.encode())
                     print(f"{policy:8} {mode:9} spec={int(spec)} seed={seed}: {digest}")
     print("all:", total.hexdigest()[:16])

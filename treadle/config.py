@@ -149,6 +149,10 @@ class CacheConfig:
         "Exact number of KV-cache blocks; overrides kv_cache_memory"))
     enable_prefix_caching: bool = field(default=True, metadata=_help(
         "Reuse the KV blocks of identical prompt prefixes across requests"))
+    contiguous_blocks: bool = field(default=True, metadata=_help(
+        "Give each request a run of consecutive never-used KV blocks, sized for its prompt "
+        "and max_tokens, to grow into (others take it back before any cached block is "
+        "evicted): attention reads its context in long runs"))
     swap_space: int | str = field(default=1024**3, metadata=_help(
         "Bytes of swap memory for the KV of requests preempted by swap, e.g. 1GiB"))
     gpu_memory_utilization: float = field(default=0.9, metadata=_help(

@@ -14,6 +14,20 @@ Blocks never used yet are not objects until first taken: the queue is the untouc
 filled with every id at the start would have. So a pool of a million blocks (a tiny
 model's default cache) costs nothing to make, where building a million objects took 5 s
 of every engine start.
+
+**Runs of consecutive blocks** (`allocate(..., owner=, expected=)`): a request that says
+how many blocks it expects to hold gets a *run* of that many never-used ids set aside for
+it (an extent), and takes its next block from there each time it grows, so its blocks
+lie side by side in the KV tensors: a decode step reads a request's context in a few long
+runs instead of one 16-token block here and another there (interleaved with every other
+request's, as blocks taken one at a time from one queue are), which the attention kernels
+read faster (docs/benchmarks.md, round 17). An extent is only a preference: its blocks
+still count as free, and when the never-used blocks outside extents run out, the others
+take the tail of the largest extent (an owner half of it, as its own extent) before any
+cached block is evicted. So which blocks are *cached* and when they are evicted, how many
+are free, and every count the scheduler reads are exactly what they are without extents;
+only the ids of never-used blocks differ. `release(owner)` hands an extent's unused
+remainder back (`_spare` runs, merged with their neighbours and the untouched tail).
 """
 
 from __future__ import annotations
@@ -77,11 +91,25 @@ class BlockPool:
         self._free: OrderedDict[int, KVBlock] = OrderedDict()
         self._cached: dict[bytes, KVBlock] = {}
         self.num_evictions = 0
+        self._extents: dict[str, list[int]] = {}
+        """Owner -> [next, end): never-used ids set aside for it, taken from `next` up."""
+        self._num_reserved = 0
+        self._spare: dict[int, int] = {}
+        """start -> end of never-used runs below `_fresh` that no owner holds (extents'
+        unused remainders, handed back)."""
+        self._spare_by_end: dict[int, int] = {}
+        self._num_spare = 0
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks no request holds (cached-free ones included: they can be evicted)."""
-        return self.num_blocks - self._fresh + len(self._free)
+        return (self.num_blocks - self._fresh + self._num_spare + self._num_reserved
+                + len(self._free))
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        """Free blocks set aside in owners' extents (counted in num_free_blocks)."""
+        return self._num_reserved
 
     @property
     def num_cached_blocks(self) -> int:
@@ -92,16 +120,21 @@ class BlockPool:
         """Fraction of blocks held by requests."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def allocate(self, num_blocks: int) -> list[KVBlock]:
-        """Take `num_blocks` fresh blocks (reference count 1), evicting cached ones if needed."""
+    def allocate(self, num_blocks: int, owner: str | None = None,
+                 expected: int = 0) -> list[KVBlock]:
+        """Take `num_blocks` fresh blocks (reference count 1), evicting cached ones if needed.
+
+        With an `owner` that `expected` to take that many blocks in all from now on
+        (these included), never-used blocks come from its extent, set up on first need;
+        without, from the lowest never-used id outside extents, as before extents."""
         if num_blocks > self.num_free_blocks:
             raise RuntimeError(
                 f"asked for {num_blocks} blocks with only {self.num_free_blocks} free")
         taken = []
-        for _ in range(num_blocks):
-            if self._fresh < self.num_blocks:
-                block = self.blocks[self._fresh]
-                self._fresh += 1
+        for i in range(num_blocks):
+            block_id = self._take_unused(owner, expected - i)
+            if block_id is not None:
+                block = self.blocks[block_id]
                 block.ref_cnt = 1
                 taken.append(block)
                 continue
@@ -113,6 +146,99 @@ class BlockPool:
             block.ref_cnt = 1
             taken.append(block)
         return taken
+
+    def _take_unused(self, owner: str | None, expected: int) -> int | None:
+        """A never-used id for `owner` (expecting `expected` more blocks), or None when
+        every never-used block is taken: the owner's extent, else a new extent carved
+        from the never-used runs (or, when only extents are left, half the largest one's
+        tail); without an owner the lowest unowned id, else the largest extent's last."""
+        if owner is not None:
+            extent = self._extents.get(owner)
+            if extent is not None and extent[0] < extent[1]:
+                self._num_reserved -= 1
+                extent[0] += 1
+                return extent[0] - 1
+        if self._fresh < self.num_blocks or self._spare:
+            if owner is None or expected <= 1:
+                return self._take_lowest_unowned()
+            start, length = self._carve(expected)
+            self._extents[owner] = [start + 1, start + length]
+            self._num_reserved += length - 1
+            return start
+        if not self._num_reserved:
+            return None
+        victim = max(self._extents.values(), key=lambda e: e[1] - e[0])
+        remaining = victim[1] - victim[0]
+        if owner is None or expected <= 1 or remaining == 1:
+            victim[1] -= 1
+            self._num_reserved -= 1
+            return victim[1]
+        length = min(expected, (remaining + 1) // 2)
+        victim[1] -= length
+        self._extents[owner] = [victim[1] + 1, victim[1] + length]
+        self._num_reserved -= 1
+        return victim[1]
+
+    def _take_lowest_unowned(self) -> int:
+        if self._spare:
+            start = min(self._spare)
+            end = self._remove_spare(start)
+            if start + 1 < end:
+                self._add_spare(start + 1, end)
+            self._num_spare -= 1
+            return start
+        self._fresh += 1
+        return self._fresh - 1
+
+    def _carve(self, length: int) -> tuple[int, int]:
+        """Take the first `length` (or fewer) ids of the never-used run that fits `length`
+        most tightly (else the longest): (start, how many)."""
+        runs = list(self._spare.items()) + [(self._fresh, self.num_blocks)]
+        fitting = [r for r in runs if r[1] - r[0] >= length and r[1] > r[0]]
+        start, end = (min(fitting, key=lambda r: r[1] - r[0]) if fitting
+                      else max(runs, key=lambda r: r[1] - r[0]))
+        length = min(length, end - start)
+        if start == self._fresh:
+            self._fresh += length
+        else:
+            self._remove_spare(start)
+            self._num_spare -= length
+            if start + length < end:
+                self._add_spare(start + length, end)
+        return start, length
+
+    def release(self, owner: str) -> None:
+        """The owner holds no more blocks of its extent: hand back the unused remainder."""
+        extent = self._extents.pop(owner, None)
+        if extent is None or extent[0] >= extent[1]:
+            return
+        start, end = extent
+        self._num_reserved -= end - start
+        self._num_spare += end - start
+        before = self._spare_by_end.get(start)
+        if before is not None:  # merge with the run ending where this one starts
+            self._remove_spare(before)
+            start = before
+        if end in self._spare:  # and with the run starting where it ends
+            after_end = self._spare[end]
+            self._remove_spare(end)
+            end = after_end
+        if end == self._fresh:  # touching the untouched tail: it grows back down
+            self._num_spare -= end - start
+            self._fresh = start
+        else:
+            self._add_spare(start, end)
+
+    def _add_spare(self, start: int, end: int) -> None:
+        self._spare[start] = end
+        self._spare_by_end[end] = start
+
+    def _remove_spare(self, start: int) -> int:
+        """Take the spare run starting at `start` out of the maps (its ids stay counted in
+        _num_spare until the caller takes or re-adds them); returns its end."""
+        end = self._spare.pop(start)
+        del self._spare_by_end[end]
+        return end
 
     def num_reusable_from_free(self, blocks: Iterable[KVBlock]) -> int:
         """How many of these cached blocks would leave the free queue if touched."""
@@ -169,11 +295,25 @@ class BlockPool:
                 dropped += 1
         return dropped
 
+    def _never_used_ranges(self) -> list[tuple[int, int]]:
+        """Every never-used range: the untouched tail, spare runs, extents' remainders."""
+        return ([(self._fresh, self.num_blocks)] + list(self._spare.items())
+                + [(a, b) for a, b in self._extents.values() if a < b])
+
     def check_invariants(self) -> None:
         """Raise AssertionError if the pool's bookkeeping is inconsistent (tests, debugging)."""
+        ranges = sorted(self._never_used_ranges())
+        for (_, end), (start, _) in zip(ranges, ranges[1:]):
+            assert end <= start, f"never-used ranges overlap: {ranges}"
+        assert self._num_spare == sum(b - a for a, b in self._spare.items())
+        assert self._num_reserved == sum(max(b - a, 0) for a, b in self._extents.values())
+        assert all(self._spare_by_end[b] == a for a, b in self._spare.items())
+        assert len(self._spare_by_end) == len(self._spare)
+        assert all(b < self._fresh for b in self._spare.values()), "a spare run past _fresh"
         for block in self.blocks.made():
-            in_free = block.block_id in self._free or block.block_id >= self._fresh
-            assert not (block.block_id in self._free and block.block_id >= self._fresh)
+            never_used = any(a <= block.block_id < b for a, b in ranges)
+            in_free = block.block_id in self._free or never_used
+            assert not (block.block_id in self._free and never_used)
             assert (block.ref_cnt == 0) == in_free, f"{block!r} free-queue mismatch"
             assert block.ref_cnt >= 0, f"{block!r} negative ref count"
             if block.block_hash is not None:

@@ -69,7 +69,10 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
                  num_swap_blocks: int = 0, sliding: SlidingWindowGroup | None = None,
-                 eviction: EvictionBudget | None = None) -> None:
+                 eviction: EvictionBudget | None = None, contiguous: bool = True) -> None:
+        """`contiguous`: each request's blocks come from a run of consecutive ones set
+        aside for its prompt and max_tokens where never-used blocks allow (BlockPool's
+        extents; only the ids differ, never what is cached, evicted or counted free)."""
         if sliding is not None and eviction is not None:
             raise ValueError("kv_eviction h2o does not support models with sliding-window "
                              "layers")
@@ -79,6 +82,7 @@ class KVCacheManager:
         self.sliding = sliding
         """The sliding-window layers' group, or None (every layer sees the whole context)."""
         self.enable_prefix_caching = enable_prefix_caching
+        self.contiguous = contiguous
         self.pool = BlockPool(num_blocks)
         self.swap_pool = BlockPool(num_swap_blocks) if num_swap_blocks > 0 else None
         self._swapped: dict[str, list[KVBlock]] = {}
@@ -217,10 +221,20 @@ class KVCacheManager:
                             + num_new_tokens)
         num_new_blocks = self.num_blocks_for(num_tokens_after) - len(blocks)
         if num_new_blocks > 0:
-            new_blocks = self.pool.allocate(num_new_blocks)
+            new_blocks = self._allocate(request, num_new_blocks, len(blocks))
             blocks.extend(new_blocks)
             block_ids.extend(b.block_id for b in new_blocks)
         return True
+
+    def _allocate(self, request: Request, num_blocks: int, num_held: int) -> list[KVBlock]:
+        """`num_blocks` new blocks for a request holding `num_held`: with `contiguous`,
+        from its extent, sized for its prompt and max_tokens."""
+        if not self.contiguous:
+            return self.pool.allocate(num_blocks)
+        final = self.num_blocks_for(request.num_prompt_tokens
+                                    + request.sampling_params.max_tokens)
+        return self.pool.allocate(num_blocks, request.request_id,
+                                  max(final - num_held, num_blocks))
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's newly completed blocks in the prefix cache; then free the
@@ -302,6 +316,7 @@ class KVCacheManager:
             self.sliding.free(rid)
         if blocks:
             self.pool.free(reversed(blocks))
+        self.pool.release(rid)
 
     # ----- swap ---------------------------------------------------------------------------
 
@@ -325,6 +340,7 @@ class KVCacheManager:
         self._swapped[rid] = swap_blocks
         plan = [(d.block_id, s.block_id) for d, s in zip(blocks, swap_blocks)]
         self.pool.free(reversed(blocks))
+        self.pool.release(rid)
         return plan
 
     def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
@@ -334,7 +350,7 @@ class KVCacheManager:
         swap_blocks = self._swapped[rid]
         if len(swap_blocks) > self.pool.num_free_blocks:
             return None
-        blocks = self.pool.allocate(len(swap_blocks))
+        blocks = self._allocate(request, len(swap_blocks), 0)
         del self._swapped[rid]
         self._blocks[rid] = blocks
         self._block_ids[rid] = [b.block_id for b in blocks]

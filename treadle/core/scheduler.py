@@ -138,7 +138,8 @@ class Scheduler:
             layer_groups.num_sliding_blocks, cache_config.block_size, layer_groups.window))
         self.kv = KVCacheManager(num_kv_blocks, cache_config.block_size,
                                  cache_config.enable_prefix_caching, num_swap_blocks, sliding,
-                                 EvictionBudget.from_cache_config(cache_config))
+                                 EvictionBudget.from_cache_config(cache_config),
+                                 cache_config.contiguous_blocks)
         self.preemption_costs = preemption_costs
         self.preemptor = Preemptor(self.kv, scheduler_config, preemption_costs)
         self.fair_share = FairShareLedger(parse_tenant_weights(scheduler_config.tenant_weights))
