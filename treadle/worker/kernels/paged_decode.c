@@ -282,7 +282,7 @@ ALWAYS_INLINE void chunk_scores(const float *qf, const void *k, vf *scores, cons
     #pragma GCC unroll 64
     for (int t = 0; t < CHUNK; t++) {
         const char *kt = (const char *)k + t * row;
-        vf kv[HD / VW];
+        vf kv[MAX_HDV];  /* a fixed size: a variable-length array stays in memory */
         if (kind == CACHE_BF16) {  /* bf16 pairs: even elements by a shift, odd by an and */
             #pragma GCC unroll 64
             for (int j = 0; j < HD / VW; j += 2) {
@@ -310,7 +310,7 @@ ALWAYS_INLINE void chunk_scores(const float *qf, const void *k, vf *scores, cons
 /* chunk_scores for one bf16 query head qg with bf16 pairs: exact products, fp32 sums. */
 ALWAYS_INLINE vf chunk_scores_dpbf16(const uint16_t *qg, const uint16_t *k, const int HD) {
     vf a[CHUNK];
-    __m512i qv[HD / 32];
+    __m512i qv[128 / 32];
     #pragma GCC unroll 64
     for (int j = 0; j < HD / 32; j++) qv[j] = _mm512_loadu_si512(qg + 32 * j);
     #pragma GCC unroll 64

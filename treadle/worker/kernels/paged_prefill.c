@@ -184,6 +184,13 @@ static void pack_tile_q8(const prefill_args *a, int64_t s, int64_t h, int64_t t,
             vtile[jp * hd + d] = vb[2 * jp][d] | ((uint32_t)vb[2 * jp + 1][d] << 16);
 }
 
+/* Bounds of R and HD: the micro-kernels' arrays have these fixed sizes. Sized by the
+   literal arguments instead, they were variable-length arrays, which gcc keeps in memory:
+   the 16 value accumulators of R = 4, HD = 64 were loaded and stored around every
+   vdpbf16ps. */
+#define RMAX 4
+#define HDMAX 128
+
 #if PREFILL_DPBF16
 
 /* R query rows of one head (rows i0.. of the chunk, `valid` of them real; the others
@@ -192,16 +199,16 @@ ALWAYS_INLINE void rows_kernel(const prefill_args *a, const uint16_t *q0, uint16
                                int64_t valid, int64_t first_pos, const uint32_t *kp,
                                const uint32_t *vp, const int HD, const int R) {
     const int64_t q_stride = a->q_row_stride, o_stride = a->num_heads * HD;
-    const uint32_t *qr[R];
-    int64_t limit[R];
+    const uint32_t *qr[RMAX];
+    int64_t limit[RMAX];
     for (int r = 0; r < R; r++) {
         const int64_t rr = r < valid ? r : valid - 1;
         qr[r] = (const uint32_t *)(q0 + rr * q_stride);
         limit[r] = first_pos + rr;
     }
-    __m512 acc[R][HD / 16];
-    float m[R];
-    __m512 l[R];  /* per-lane partial sums of the probabilities, reduced at the end */
+    __m512 acc[RMAX][HDMAX / 16];
+    float m[RMAX];
+    __m512 l[RMAX];  /* per-lane partial sums of the probabilities, reduced at the end */
     for (int r = 0; r < R; r++) {
         m[r] = NEG_BIG;
         l[r] = _mm512_setzero_ps();
@@ -210,10 +217,10 @@ ALWAYS_INLINE void rows_kernel(const prefill_args *a, const uint16_t *q0, uint16
     const __m512 cv = _mm512_set1_ps(a->c);
     const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const int64_t num_tiles = (first_pos + valid + KT - 1) / KT;
-    uint32_t pbuf[R][KT / 2] __attribute__((aligned(64)));
+    uint32_t pbuf[RMAX][KT / 2] __attribute__((aligned(64)));
     for (int64_t t = 0; t < num_tiles; t++) {
         const uint32_t *kt = kp + t * KT * (HD / 2);
-        __m512 s[R][2];
+        __m512 s[RMAX][2];
         for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_ps();
         #pragma GCC unroll 8
         for (int dp = 0; dp < HD / 2; dp++) {
@@ -255,7 +262,7 @@ ALWAYS_INLINE void rows_kernel(const prefill_args *a, const uint16_t *q0, uint16
         const uint32_t *vt = vp + t * (KT / 2) * HD;
         #pragma GCC unroll 4
         for (int jp = 0; jp < KT / 2; jp++) {
-            __m512bh pv[R];
+            __m512bh pv[RMAX];
             for (int r = 0; r < R; r++) pv[r] = (__m512bh)_mm512_set1_epi32((int)pbuf[r][jp]);
             for (int c = 0; c < HD / 16; c++) {
                 const __m512bh v = (__m512bh)_mm512_load_si512(vt + jp * HD + 16 * c);
@@ -281,12 +288,12 @@ ALWAYS_INLINE void rows_kernel(const prefill_args *a, const uint16_t *q0, uint16
                                int64_t valid, int64_t first_pos, const uint32_t *kp,
                                const uint32_t *vp, const int HD, const int R) {
     const int64_t q_stride = a->q_row_stride, o_stride = a->num_heads * HD;
-    float qf[R][HD] __attribute__((aligned(64)));   /* the queries, widened */
-    float acc[R][HD] __attribute__((aligned(64)));
-    float sbuf[R][KT] __attribute__((aligned(64)));  /* a tile's raw scores, then probabilities */
-    int64_t limit[R];
-    float m[R];
-    vf l[R];  /* per-lane partial sums of the probabilities, reduced at the end */
+    float qf[RMAX][HDMAX] __attribute__((aligned(64)));   /* the queries, widened */
+    float acc[RMAX][HDMAX] __attribute__((aligned(64)));
+    float sbuf[RMAX][KT] __attribute__((aligned(64)));  /* a tile's raw scores, then probabilities */
+    int64_t limit[RMAX];
+    float m[RMAX];
+    vf l[RMAX];  /* per-lane partial sums of the probabilities, reduced at the end */
     for (int r = 0; r < R; r++) {
         const int64_t rr = r < valid ? r : valid - 1;
         const uint16_t *qr = q0 + rr * q_stride;
@@ -305,7 +312,7 @@ ALWAYS_INLINE void rows_kernel(const prefill_args *a, const uint16_t *q0, uint16
         for (int v = 0; v < KT / VW; v++) {  /* VW keys' scores for every row */
             /* Even and odd dims in separate sums: one chain of two dependent FMAs per
                row and pair held the FMA units to half their rate (latency, not ports). */
-            vf s0[R], s1[R];
+            vf s0[RMAX], s1[RMAX];
             for (int r = 0; r < R; r++) s0[r] = s1[r] = vf_zero();
             #pragma GCC unroll 4
             for (int dp = 0; dp < HD / 2; dp++) {
@@ -348,7 +355,7 @@ ALWAYS_INLINE void rows_kernel(const prefill_args *a, const uint16_t *q0, uint16
         }
         const uint32_t *vt = vp + t * (KT / 2) * HD;
         for (int d = 0; d < HD; d += VW) {  /* one vector of dims over the tile's keys */
-            vf o0[R], o1[R];  /* even and odd keys, as the scores above */
+            vf o0[RMAX], o1[RMAX];  /* even and odd keys, as the scores above */
             for (int r = 0; r < R; r++) {
                 o0[r] = vf_load(acc[r] + d);
                 o1[r] = vf_zero();
