@@ -1,7 +1,8 @@
 """`treadle simulate calibrate` on a tiny demo model, in process and through a server
 (`--served`): the sweep's batches thin out one request at a time, so its trace holds
-decode steps of every row count up to the largest batch, prefill chunks within the step
-budget, and a fit on it runs; bad sweep ranges are refused with the field named."""
+decode steps of every row count up to the largest batch (served, where a batch's requests
+arrive up to a step apart, all but at most one), prefill chunks within the step budget,
+and a fit on it runs; bad sweep ranges are refused with the field named."""
 
 from __future__ import annotations
 
@@ -36,7 +37,11 @@ def test_calibration_covers_every_row_count_up_to_its_largest_batch(tmp_path, ca
     assert sum(len(s.finished) for s in trace.steps) == 10
     decode_rows = {s.features["decode_rows"] for s in trace.steps
                    if s.features["prefill_rows"] == 0}
-    assert set(range(1, 7)) <= decode_rows
+    assert 6 in decode_rows  # the largest batch decodes all at once
+    # In process the batch thins out one request at a time. Served, its requests reach
+    # the engine up to a step apart, so two of them may end in one step: one row count
+    # may be skipped.
+    assert len(set(range(1, 7)) - decode_rows) <= (1 if served else 0), decode_rows
     assert max(s.features["prefill_tokens"] + s.features["decode_tokens"]
                for s in trace.steps) <= 64
     assert any(s.features["prefill_rows"] and s.features["decode_rows"] for s in trace.steps)
@@ -55,6 +60,11 @@ def test_calibration_batches_fit_the_context_and_refuse_bad_ranges():
             assert len(ids) + n <= 128 and all(3 <= t < 100 for t in ids)
             assert prefill_steps + 3 <= n <= prefill_steps + 20 or len(ids) + n == 128
     assert batches == calibration_batches((2, 5), (10, 60), (3, 20), 100, 128, 32, seed=1)
+    staggered = calibration_batches((2, 5), (10, 60), (3, 20), 100, 128, 32, seed=1,
+                                    staggered=True)
+    for batch, later in zip(batches, staggered):  # a step more per request of the batch
+        assert [ids for ids, _ in later] == [ids for ids, _ in batch]
+        assert [n for _, n in later] == [n + len(batch) for _, n in batch]
     (long_batch,) = calibration_batches((4,), (100, 120), (3, 5), 100, 128, 512)
     assert all(len(ids) + n <= 128 and len(ids) >= 1 for ids, n in long_batch)
     with pytest.raises(ValueError, match="prompt_len"):

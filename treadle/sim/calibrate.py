@@ -30,13 +30,17 @@ DEFAULT_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 48, 64)
 
 def calibration_batches(rows: tuple[int, ...], prompt_len: tuple[int, int],
                         max_tokens: tuple[int, int], vocab_size: int, max_model_len: int,
-                        step_budget: int, seed: int = 0) -> list[list[tuple[list[int], int]]]:
+                        step_budget: int, seed: int = 0,
+                        staggered: bool = False) -> list[list[tuple[list[int], int]]]:
     """The sweep's batches: for each size in `rows`, that many (prompt ids, max_tokens)
     pairs. Prompt lengths are drawn uniformly from `prompt_len`; each output runs as many
     tokens as the steps that prefill the whole batch (`step_budget` tokens a step) plus a
     draw from `max_tokens`, so that every request of a batch is decoding before the first
-    one finishes and the batch then thins out one request at a time. Prompts are cut where
-    a request would not fit `max_model_len`."""
+    one finishes and the batch then thins out one request at a time. `staggered`: the
+    requests may reach the engine one step apart (sent over HTTP, where a small model's
+    step is shorter than the front end's handling of a request), so each output runs one
+    more token per request of its batch. Prompts are cut where a request would not fit
+    `max_model_len`."""
     lo, hi = prompt_len
     out_lo, out_hi = max_tokens
     if not 1 <= lo <= hi:
@@ -53,10 +57,12 @@ def calibration_batches(rows: tuple[int, ...], prompt_len: tuple[int, int],
     for size in rows:
         lengths = [rng.randint(lo, hi) for _ in range(size)]
         outputs = [rng.randint(out_lo, out_hi) for _ in range(size)]
-        prefill_steps = -(-sum(lengths) // step_budget)
+        # Steps before the last request of the batch decodes: its prefill, and with
+        # staggered arrivals a step per request.
+        lead_steps = -(-sum(lengths) // step_budget) + (size if staggered else 0)
         batch = []
         for n, out in zip(lengths, outputs):
-            out = min(prefill_steps + out, max_model_len - 1)
+            out = min(lead_steps + out, max_model_len - 1)
             n = max(1, min(n, max_model_len - out))
             batch.append(([rng.randrange(3, vocab_size) for _ in range(n)], out))
         batches.append(batch)
@@ -140,7 +146,8 @@ def calibrate_served(trace: str | Path, rows: tuple[int, ...] = DEFAULT_ROWS,
         card = served_model(url)
         batches = calibration_batches(swept, prompt_len, max_tokens, card["vocab_size"],
                                       card["max_model_len"],
-                                      scheduler.max_num_batched_tokens, sweep_seed)
+                                      scheduler.max_num_batched_tokens, sweep_seed,
+                                      staggered=True)
         started = time.perf_counter()
         for size, batch in zip(swept, batches):
             workload = Workload("calibration", [WorkloadRequest(ids, n) for ids, n in batch])
