@@ -194,7 +194,7 @@ class BlockPool:
         """Take the first `length` (or fewer) ids of the never-used run that fits `length`
         most tightly (else the longest): (start, how many)."""
         runs = list(self._spare.items()) + [(self._fresh, self.num_blocks)]
-        fitting = [r for r in runs if r[1] - r[0] >= length and r[1] > r[0]]
+        fitting = [r for r in runs if r[1] - r[0] >= length]
         start, end = (min(fitting, key=lambda r: r[1] - r[0]) if fitting
                       else max(runs, key=lambda r: r[1] - r[0]))
         length = min(length, end - start)
