@@ -105,6 +105,48 @@ def test_packed_gemm_matches_float32_reference(ops):
                                    got)
 
 
+def test_packed_argmax_is_the_first_largest_output(ops):
+    """gemm_bf16_vnni_argmax (the LM head of an all-greedy step) gives, per row, the first
+    column of the largest value the packed GEMM writes, bias included: shapes off its
+    16-column groups and 48-column tiles, K odd, rows past one 128-row block, one and two
+    threads, exact ties (repeated weight rows, the lower column wins, also across the
+    threads' shares), the first `columns` only, and -1 for a row of NaNs."""
+    if not ops.vnni:
+        pytest.skip("the packed GEMM runs with vdpbf16ps and without AMX in oneDNN")
+    gen = torch.Generator().manual_seed(13)
+    for n, k in [(1, 1), (5, 31), (17, 33), (50, 100), (100, 577), (3001, 64)]:
+        w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+        if n > 40:  # rows in another tile and in the other thread's half repeat row 3
+            w[n - 1] = w[3]
+            w[40] = w[3]
+            w[3] *= 4  # so that row 3 wins for many x rows, tied with its copies
+            w[n - 1], w[40] = w[3], w[3]
+        b = torch.randn(n, generator=gen).to(torch.bfloat16)
+        if n > 40:
+            b[n - 1], b[40] = b[3], b[3]
+        packed = ops.pack(w)
+        for m in (*range(1, 10), 25, 64, 129, 300):
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+            for bias in (None, b):
+                y = ops.linear(x, w, bias, packed=packed).float()
+                for threads in (0, 1):
+                    got = ops.argmax(x, w, bias, packed, threads=threads)
+                    assert torch.equal(got, y.argmax(dim=1)), (n, k, m, threads)
+                columns = max(1, n - 7)
+                assert torch.equal(ops.argmax(x, w, bias, packed, columns=columns),
+                                   y[:, :columns].argmax(dim=1))
+        if n > 40:
+            assert (y.argmax(dim=1) == 3).any()  # the ties above were exercised
+    x = torch.randn(3, 100, generator=gen).to(torch.bfloat16)
+    x[1, 7] = float("nan")
+    w = torch.randn(50, 100, generator=gen).to(torch.bfloat16)
+    got = ops.argmax(x, w, None, ops.pack(w))
+    assert got[1] == -1
+    assert torch.equal(got[[0, 2]], ops.linear(x, w, None, packed=ops.pack(w))[[0, 2]]
+                       .float().argmax(dim=1))
+    assert ops.argmax(x, w, None, None) is None  # no packed copy: not this kernel's call
+
+
 def test_layer_kernels_take_the_packed_copy(ops):
     """Where the packed GEMM runs, a layer's kernel holds its packed copy instead of
     oneDNN's, runs every row count on it, and makes oneDNN's copy only when a call falls

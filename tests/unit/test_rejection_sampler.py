@@ -154,6 +154,47 @@ def test_greedy_verification_keeps_the_argmax_prefix(kernels):
     assert tokens == {"g": [best[0], best[1], best[2]]}
 
 
+def test_greedy_from_argmaxes_is_what_verification_keeps(kernels):
+    """RejectionSampler.greedy (a step whose LM head gave argmaxes, no logits) keeps what
+    verifying the logits keeps: requests with and without proposals, in any order, a
+    proposal refused at the first, a middle or no position."""
+    logits = target_logits(9, 9)
+    best = logits.argmax(dim=-1).tolist()
+    params = SamplingParams(temperature=0.0)
+    wrong = lambda t: (t + 1) % VOCAB  # noqa: E731
+    requests = {"none": [], "first": [wrong(best[1])],
+                "middle": [best[3], wrong(best[4])], "all": [best[6], best[7]]}
+    rows, start = [], {"none": 0, "first": 1, "middle": 3, "all": 6}
+    for rid in ("middle", "none", "all", "first"):
+        spec = requests[rid]
+        rows += [SampleRow(rid, params, [1], list(spec[:j]), j, spec)
+                 for j in range(len(spec) + 1)]
+    order = [start[r.request_id] + r.position for r in rows]
+    tokens, _ = RejectionSampler(Sampler(0, kernels), None)(
+        logits[order].clone(), rows, lambda rid: None)
+    assert RejectionSampler.greedy(rows, [best[i] for i in order]) == tokens
+    assert tokens == {"none": [best[0]], "first": [best[1]], "middle": best[3:5],
+                      "all": best[6:9]}
+
+
+def test_plain_argmax_covers_only_what_leaves_logits_alone():
+    from treadle.worker.sampler import takes_plain_argmax
+
+    assert takes_plain_argmax(SamplingParams(temperature=0.0), 0)
+    assert takes_plain_argmax(SamplingParams(temperature=0.0, seed=3, top_k=5, top_p=0.5,
+                                             stop_token_ids=[2], ignore_eos=True), 0)
+    assert takes_plain_argmax(SamplingParams(temperature=0.0, min_tokens=2), 2)
+    for params, outputs in [
+            (SamplingParams(temperature=1.0), 0),
+            (SamplingParams(temperature=0.0, logprobs=0), 0),
+            (SamplingParams(temperature=0.0, logit_bias={3: 1.0}), 0),
+            (SamplingParams(temperature=0.0, min_tokens=2), 1),
+            (SamplingParams(temperature=0.0, repetition_penalty=1.1), 0),
+            (SamplingParams(temperature=0.0, presence_penalty=0.5), 0),
+            (SamplingParams(temperature=0.0, frequency_penalty=0.5), 0)]:
+        assert not takes_plain_argmax(params, outputs), params
+
+
 def test_seeded_request_draws_what_it_would_without_proposals():
     """The coupled path puts a seeded request's generator back: after the tokens kept,
     the next draw is the one sampling without speculation would make."""

@@ -316,6 +316,18 @@ class LlamaForCausalLM(nn.Module):
             logits = logits[:, :self.vocab_size]
         return logits.float()
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The token of each row's largest logit (the first on ties), int64 [N], from
+        hidden states [N, hidden] without making the logits: the LM head's kernel
+        argmax where it has one, one rank holds the whole vocabulary and the logits are
+        the head's output as they are (a subclass that changes them, such as a softcap,
+        is not covered). None where not covered: compute_logits then."""
+        if (type(self).compute_logits is not LlamaForCausalLM.compute_logits
+                or self.parallel.tp_size != 1):
+            return None
+        argmax = getattr(self.lm_head_kernel, "argmax", None)
+        return None if argmax is None else argmax(hidden, self.vocab_size)
+
     def set_kernels(self, linear_kernels: LinearKernelFactory | None,
                     ops: LayerOps | None) -> int:
         """Attach a kernel from `linear_kernels` to every linear layer and to the LM head

@@ -79,6 +79,15 @@ class DenseLinearKernel:
         return F.linear(x, self.weight, self.bias)
 
 
+    def argmax(self, x: torch.Tensor, columns: int | None = None) -> torch.Tensor | None:
+        """Per row of x, the first column of the largest output among the first `columns`,
+        int64 [M], computed without the outputs (the packed GEMM's argmax), or None where
+        that GEMM does not run this weight."""
+        if self.native is None or self.vnni is None:
+            return None
+        return self.native.argmax(x, self.weight, self.bias, self.vnni, columns)
+
+
 def dense_kernel_factory(dtype: torch.dtype, native=None):
     """The factory of DenseLinearKernels for a model of `dtype` (models.linear
     LinearKernelFactory): weights packed where the packed kernel works, `native`

@@ -57,7 +57,8 @@ from treadle.worker.input_batch import CachedRequestState, InputBatch
 from treadle.worker.kv_cache import copy_blocks
 from treadle.worker.platform import no_wait, run_copies_now
 from treadle.worker.parallel_state import ParallelContext
-from treadle.worker.sampler import Sampler, group_order, prompt_logprobs
+from treadle.worker.sampler import (Sampler, group_order, prompt_logprobs,
+                                    takes_plain_argmax)
 from treadle.worker.spec.base import ProposalBatch, ProposalRequest, Proposer
 from treadle.worker.spec.rejection import RejectionSampler, SampleRow
 
@@ -313,13 +314,31 @@ class ModelRunner:
         if not par.is_last_stage:
             par.send_next_stage(hidden)
             return None
-        indices = torch.from_numpy(inputs.logits_indices[order]).to(hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, indices))
+        logits_indices = inputs.logits_indices[order]
+        if (len(logits_indices) == hidden.shape[0]
+                and np.array_equal(logits_indices, np.arange(len(logits_indices)))):
+            chosen = hidden  # every row samples, in order (a decode step): no copy
+        else:
+            chosen = hidden.index_select(0, torch.from_numpy(logits_indices).to(hidden.device))
+        entries = self._sample_entries(rows, sample_rows)
+        greedy = None
+        greedy_tokens = getattr(self.model, "greedy_tokens", None)
+        if greedy_tokens is not None and all(
+                takes_plain_argmax(e.params, len(e.output_token_ids)) for e in entries):
+            greedy = greedy_tokens(chosen)
+            if greedy is not None and bool((greedy < 0).any()):  # a row of NaNs
+                greedy = None
+        logits = self.model.compute_logits(chosen) if greedy is None else None
         t2 = time.perf_counter()
         prompt_lps = self._prompt_logprobs(rows, hidden)
         if not par.is_output_rank:
             return None
-        output = self._sample(logits, rows, sample_rows)
+        if greedy is None:
+            output = self._sample(logits, entries)
+        else:  # no logits were made: each row's argmax is its token
+            output = ModelRunnerOutput(
+                sampled_token_ids=self.rejection.greedy(entries, greedy.tolist()),
+                logprobs={})
         output.prompt_logprobs = prompt_lps
         t3 = time.perf_counter()
         if proposer is not None:
@@ -354,10 +373,10 @@ class ModelRunner:
         positions.sort(key=lambda p: len(p[4]))
         return positions
 
-    def _sample(self, logits: torch.Tensor, rows: list[_Row],
-                sample_rows: list[tuple[int, int]]) -> ModelRunnerOutput:
-        """Sample every sampling position and verify each request's proposed tokens
-        (worker/spec/rejection.py): the accepted ones, then one token of the model's."""
+    @staticmethod
+    def _sample_entries(rows: list[_Row], sample_rows: list[tuple[int, int]]
+                        ) -> list[SampleRow]:
+        """The sampling positions (row, index among the row's positions) as SampleRows."""
         entries = []
         for i, j in sample_rows:
             state, spec = rows[i].state, rows[i].scheduled.spec_token_ids
@@ -365,6 +384,11 @@ class ModelRunner:
             outputs = state.output_token_ids + spec[:j] if j else state.output_token_ids
             entries.append(SampleRow(state.request_id, state.sampling_params,
                                      state.prompt_token_ids, outputs, j, spec))
+        return entries
+
+    def _sample(self, logits: torch.Tensor, entries: list[SampleRow]) -> ModelRunnerOutput:
+        """Sample every sampling position and verify each request's proposed tokens
+        (worker/spec/rejection.py): the accepted ones, then one token of the model's."""
         draft_probs = (self.proposer.draft_probs if self.proposer is not None
                        else lambda request_id: None)
         masks = self.grammar.masks() if self.grammar is not None else None

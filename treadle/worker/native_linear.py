@@ -129,6 +129,10 @@ class NativeLayerOps:
         self._vnni = lib.gemm_bf16_vnni
         self._vnni.argtypes = self._gemv.argtypes
         self._vnni.restype = ctypes.c_int
+        self._vnni_argmax = lib.gemm_bf16_vnni_argmax
+        self._vnni_argmax.argtypes = self._gemv.argtypes[:4] + [_P, _I64, _I64, _I64,
+                                                                ctypes.c_int]
+        self._vnni_argmax.restype = ctypes.c_int
         self._vnni_elems = lib.gemm_bf16_vnni_packed_elems
         self._vnni_elems.argtypes = [_I64, _I64]
         self._vnni_elems.restype = _I64
@@ -218,6 +222,31 @@ class NativeLayerOps:
             raise RuntimeError(f"bf16 linear kernel failed with status {status} (-2: out of "
                                f"memory) at {m} x {k} by {n}")
         return y
+
+    def argmax(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               packed: torch.Tensor | None, columns: int | None = None,
+               threads: int = 0) -> torch.Tensor | None:
+        """Per row of x, the first column of the largest value of `linear(x, weight, bias,
+        packed=packed)` among its first `columns` (default: all), int64 [M], without
+        writing the product out: the packed GEMM's greedy choice (gemm_bf16_vnni_argmax).
+        None where that GEMM does not take the call (no packed copy, not bf16, x not 2-D
+        with unit stride along K)."""
+        if (not self.packed_fits(packed, weight) or x.dtype != torch.bfloat16 or x.dim() != 2
+                or x.stride(1) != 1 or weight.shape[1] != x.shape[1]
+                or (bias is not None and (bias.dtype != torch.bfloat16
+                                          or bias.shape != weight.shape[:1]
+                                          or not bias.is_contiguous()))):
+            return None
+        m, k = x.shape
+        n = weight.shape[0] if columns is None else min(columns, weight.shape[0])
+        out = torch.empty(m, dtype=torch.int64)
+        status = self._vnni_argmax(x.data_ptr(), x.stride(0), packed.data_ptr(),
+                                   None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                   m, n, k, threads)
+        if status:
+            raise RuntimeError(f"bf16 argmax kernel failed with status {status} (-2: out of "
+                               f"memory) at {m} x {k} by {n}")
+        return out
 
     def describe(self) -> str:
         """Which kernel takes which rows, for the start-up log."""

@@ -316,6 +316,17 @@ def _apply_masks(logits: torch.Tensor, masks) -> None:
     logits[rows] = part
 
 
+def takes_plain_argmax(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether a sampling position of these parameters draws the first token of the
+    largest raw logit: greedy, with nothing that changes or reports logits (logit_bias,
+    a min_tokens ban still in force, penalties, logprobs, a grammar). Such positions need
+    no logits at all (LlamaForCausalLM.greedy_tokens)."""
+    return (params.is_greedy and params.logprobs is None and not params.logit_bias
+            and not (params.min_tokens and num_output_tokens < params.min_tokens)
+            and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0 and params.structured_outputs is None)
+
+
 def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
                   prompt_token_ids: Sequence[Sequence[int]] | None,
                   output_token_ids: Sequence[Sequence[int]] | None,

@@ -22,14 +22,22 @@
  * panel into L2, a slice each, one line or so per K pair: otherwise the first row tile of
  * every panel waited on memory (SmolLM2-135M's layers, Zen 4, 2 threads: a step's
  * linears 9-13% faster at 4-24 rows, 4-5% at 48-64, 2% at 128). Not at one row, where
- * the loop only streams W and the prefetches cost more than they hide. K need not be even nor N a multiple of 16; x rows may be strided
- * (ldx), W packed by gemm_bf16_vnni_pack, y rows dense.
+ * the loop only streams W and the prefetches cost more than they hide. K need not be even
+ * nor N a multiple of 16; x rows may be strided (ldx), W packed by gemm_bf16_vnni_pack, y
+ * rows dense.
+ *
+ * gemm_bf16_vnni_argmax runs the same loops for an LM head whose rows are all greedy:
+ * instead of storing y, each tile keeps every row's running maximum of the values y would
+ * hold, so the step neither writes the logits nor reads them back (a 48-row step's
+ * logits are 4.7 MB in bf16 and 9.4 MB once widened for the sampler).
  *
  * Built where the level has AVX-512 BF16; elsewhere gemm_bf16_vnni_available() returns 0
  * and the callers keep their other kernels.
  */
 
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "omp_team.h"
@@ -75,6 +83,16 @@ int gemm_bf16_vnni_pack(const bf16_t *w, int64_t N, int64_t K, bf16_t *out) {
 #define MB 128  /* x rows per block */
 #endif
 
+/* Where a tile's sums go: rounded to bf16 into y (rows ldy apart), or, when best is set,
+ * into each row's running maximum instead (argmax: best / best_at [rows][16], one
+ * per lane; a lane keeps its first column of an equal value, its columns growing). */
+typedef struct {
+    bf16_t *y;
+    int64_t ldy;
+    float *best;
+    int32_t *best_at;
+} out_t;
+
 /* One x pair (x[2p], x[2p + 1]) broadcast to every lane; `last`: only x[2p] (K odd), the
  * other half zero (the packed W is zero there, but x past K may be anything). */
 static inline __m512bh x_pair(const bf16_t *x, int64_t p, int last) {
@@ -106,7 +124,7 @@ static inline __attribute__((always_inline)) void pair_step(
  * from pf into L2 meanwhile. */
 static inline __attribute__((always_inline)) void tile(
         const int R, const int G, const bf16_t *x, int64_t ldx, const bf16_t *wp,
-        int64_t group_elems, int64_t K, const bf16_t *bias, bf16_t *y, int64_t ldy,
+        int64_t group_elems, int64_t K, const bf16_t *bias, const out_t *o,
         int64_t n0, int64_t N, const char *pf, int64_t pf_lines) {
     __m512 acc[MR][NG];
     for (int r = 0; r < R; r++)
@@ -133,7 +151,22 @@ static inline __attribute__((always_inline)) void tile(
                     _mm256_maskz_loadu_epi16(mask, bias + n)), 16));
         for (int r = 0; r < R; r++) {
             const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][j], b));
-            _mm256_mask_storeu_epi16(y + r * ldy + n, mask, out);
+            if (!o->best) {
+                _mm256_mask_storeu_epi16(o->y + r * o->ldy + n, mask, out);
+                continue;
+            }
+            /* The value y would hold, widened back; columns past N never win. */
+            const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(out), 16));
+            float *best = o->best + 16 * r;
+            int32_t *at = o->best_at + 16 * r;
+            const __m512 cur = _mm512_loadu_ps(best);
+            const __mmask16 gt = _mm512_mask_cmp_ps_mask(mask, v, cur, _CMP_GT_OQ);
+            _mm512_storeu_ps(best, _mm512_mask_blend_ps(gt, cur, v));
+            const __m512i col = _mm512_add_epi32(_mm512_set1_epi32((int)n),
+                _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+            _mm512_storeu_si512(at, _mm512_mask_blend_epi32(
+                    gt, _mm512_loadu_si512(at), col));
         }
     }
 }
@@ -141,18 +174,18 @@ static inline __attribute__((always_inline)) void tile(
 /* Rows [0, R) of a row tile against G groups, R and G as literals (registers). */
 static inline __attribute__((always_inline)) void tile_rows(
         const int R, int G, const bf16_t *x, int64_t ldx, const bf16_t *wp,
-        int64_t group_elems, int64_t K, const bf16_t *bias, bf16_t *y, int64_t ldy,
+        int64_t group_elems, int64_t K, const bf16_t *bias, const out_t *o,
         int64_t n0, int64_t N, const char *pf, int64_t pf_lines) {
     switch (G) {
-    case 1: tile(R, 1, x, ldx, wp, group_elems, K, bias, y, ldy, n0, N, pf, pf_lines); break;
+    case 1: tile(R, 1, x, ldx, wp, group_elems, K, bias, o, n0, N, pf, pf_lines); break;
 #if NG >= 2
-    case 2: tile(R, 2, x, ldx, wp, group_elems, K, bias, y, ldy, n0, N, pf, pf_lines); break;
+    case 2: tile(R, 2, x, ldx, wp, group_elems, K, bias, o, n0, N, pf, pf_lines); break;
 #endif
 #if NG >= 3
-    case 3: tile(R, 3, x, ldx, wp, group_elems, K, bias, y, ldy, n0, N, pf, pf_lines); break;
+    case 3: tile(R, 3, x, ldx, wp, group_elems, K, bias, o, n0, N, pf, pf_lines); break;
 #endif
 #if NG >= 4
-    case 4: tile(R, 4, x, ldx, wp, group_elems, K, bias, y, ldy, n0, N, pf, pf_lines); break;
+    case 4: tile(R, 4, x, ldx, wp, group_elems, K, bias, o, n0, N, pf, pf_lines); break;
 #endif
     default: break;
     }
@@ -161,8 +194,8 @@ static inline __attribute__((always_inline)) void tile_rows(
 /* A column tile of G groups for rows [0, M) of a block, in row tiles of MR; each row tile
  * prefetches its slice of `next` (the next panel, next_bytes long; NULL: none). */
 static void column_tile(int G, const bf16_t *x, int64_t ldx, const bf16_t *wp,
-                        int64_t group_elems, int64_t K, const bf16_t *bias, bf16_t *y,
-                        int64_t ldy, int64_t n0, int64_t N, int64_t M,
+                        int64_t group_elems, int64_t K, const bf16_t *bias, out_t o,
+                        int64_t n0, int64_t N, int64_t M,
                         const bf16_t *next, int64_t next_bytes) {
     const int64_t num_row_tiles = (M + MR - 1) / MR;
     const int64_t lines = next ? (next_bytes + 63) / 64 : 0;
@@ -170,12 +203,14 @@ static void column_tile(int G, const bf16_t *x, int64_t ldx, const bf16_t *wp,
     for (int64_t r0 = 0; r0 < M; r0 += MR) {
         const int64_t left = M - r0;
         const bf16_t *xr = x + r0 * ldx;
-        bf16_t *yr = y + r0 * ldy;
+        const out_t tile_out = {o.y ? o.y + r0 * o.ldy : NULL, o.ldy,
+                                o.best ? o.best + 16 * r0 : NULL,
+                                o.best_at ? o.best_at + 16 * r0 : NULL};
         const int64_t first_line = r0 / MR * per_tile;
         const int64_t pf_lines = first_line >= lines ? 0
             : (lines - first_line < per_tile ? lines - first_line : per_tile);
         const char *pf = (const char *)next + 64 * first_line;
-#define ROWS(R) case R: tile_rows(R, G, xr, ldx, wp, group_elems, K, bias, yr, ldy, n0, N, pf, pf_lines); break;
+#define ROWS(R) case R: tile_rows(R, G, xr, ldx, wp, group_elems, K, bias, &tile_out, n0, N, pf, pf_lines); break;
         switch (left < MR ? (int)left : MR) {
         ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6)
 #if MR > 6
@@ -195,40 +230,103 @@ static void column_tile(int G, const bf16_t *x, int64_t ldx, const bf16_t *wp,
 
 int gemm_bf16_vnni_available(void) { return 1; }
 
+/* The GEMM's loops for this thread of the team: its share of column tiles, rows in blocks
+ * of MB, each block's sums into `o` at that block's rows. */
+static void thread_share(const bf16_t *x, int64_t ldx, const bf16_t *wp, const bf16_t *bias,
+                         out_t o, int64_t M, int64_t N, int64_t K) {
+    const int64_t groups = (N + 15) / 16, group_elems = (K + 1) / 2 * 32;
+    const int64_t tiles = (groups + NG - 1) / NG;
+    int64_t t0, t1;
+    team_share(tiles, &t0, &t1);
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+        const int64_t mb = M - m0 < MB ? M - m0 : MB;
+        const out_t block = {o.y ? o.y + m0 * o.ldy : NULL, o.ldy,
+                             o.best ? o.best + 16 * m0 : NULL,
+                             o.best_at ? o.best_at + 16 * m0 : NULL};
+        for (int64_t t = t0; t < t1; t++) {
+            const int64_t g = t * NG;
+            const int G = groups - g < NG ? (int)(groups - g) : NG;
+            /* The next panel of this thread's share (none after its last, or at one row:
+               see the top). */
+            const int64_t next_groups = t + 1 < t1 && M > 1
+                ? (groups - g - NG < NG ? groups - g - NG : NG) : 0;
+            column_tile(G, x + m0 * ldx, ldx, wp + g * group_elems, group_elems, K, bias,
+                        block, 16 * g, N, mb,
+                        next_groups ? wp + (g + NG) * group_elems : NULL,
+                        next_groups * group_elems * (int64_t)sizeof(bf16_t));
+        }
+    }
+}
+
+static int64_t num_tiles(int64_t N) { return ((N + 15) / 16 + NG - 1) / NG; }
+
 /* y[M, N] (rows ldy apart) = x[M, K] (rows ldx apart) . W^T + bias[N] (NULL: none), W
  * packed by gemm_bf16_vnni_pack. threads <= 0: OpenMP's default. Returns 0. */
 int gemm_bf16_vnni(const bf16_t *x, int64_t ldx, const bf16_t *wp, const bf16_t *bias,
                    bf16_t *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
     if (M <= 0 || N <= 0) return 0;
-    const int64_t groups = (N + 15) / 16, group_elems = (K + 1) / 2 * 32;
-    const int64_t tiles = (groups + NG - 1) / NG;
-    threads = team_size(threads, tiles);
+    threads = team_size(threads, num_tiles(N));
+    const out_t o = {y, ldy, NULL, NULL};
+    #pragma omp parallel num_threads(threads) if(threads > 1)
+    thread_share(x, ldx, wp, bias, o, M, N, K);
+    return 0;
+}
+
+/* A greedy choice without the logits: per row of x, the first column of the largest value
+ * gemm_bf16_vnni would write into y (its bf16 rounding, bias included; NaN never chosen),
+ * into idx[M] (-1 where every value is NaN). Each thread keeps 16 lanes of running
+ * maxima per row over its share of the columns, which grow within a share, and the lanes
+ * and shares are merged at the end, ties to the lower column. Returns 0, or -2 when out of
+ * memory. */
+int gemm_bf16_vnni_argmax(const bf16_t *x, int64_t ldx, const bf16_t *wp, const bf16_t *bias,
+                          int64_t *idx, int64_t M, int64_t N, int64_t K, int threads) {
+    if (M <= 0) return 0;
+    if (N <= 0 || N > INT32_MAX) return -1;
+    threads = team_size(threads, num_tiles(N));
+    const int64_t lanes = 16 * M;
+    float *best = malloc(sizeof(float) * lanes * threads);
+    int32_t *best_at = malloc(sizeof(int32_t) * lanes * threads);
+    if (!best || !best_at) { free(best); free(best_at); return -2; }
+    for (int64_t i = 0; i < lanes * threads; i++) { best[i] = -INFINITY; best_at[i] = -1; }
     #pragma omp parallel num_threads(threads) if(threads > 1)
     {
-        int64_t t0, t1;
-        team_share(tiles, &t0, &t1);
-        for (int64_t m0 = 0; m0 < M; m0 += MB) {
-            const int64_t mb = M - m0 < MB ? M - m0 : MB;
-            for (int64_t t = t0; t < t1; t++) {
-                const int64_t g = t * NG;
-                const int G = groups - g < NG ? (int)(groups - g) : NG;
-                /* The next panel of this thread's share (none after its last, or at
-                   one row: see the top). */
-                const int64_t next_groups = t + 1 < t1 && M > 1
-                    ? (groups - g - NG < NG ? groups - g - NG : NG) : 0;
-                column_tile(G, x + m0 * ldx, ldx, wp + g * group_elems, group_elems, K, bias,
-                            y + m0 * ldy, ldy, 16 * g, N, mb,
-                            next_groups ? wp + (g + NG) * group_elems : NULL,
-                            next_groups * group_elems * (int64_t)sizeof(bf16_t));
-            }
-        }
+#ifdef _OPENMP
+        const int t = omp_get_thread_num();
+#else
+        const int t = 0;
+#endif
+        const out_t o = {NULL, 0, best + lanes * t, best_at + lanes * t};
+        thread_share(x, ldx, wp, bias, o, M, N, K);
     }
+    for (int64_t r = 0; r < M; r++) {
+        float top = -INFINITY;
+        int64_t at = -1;
+        for (int t = 0; t < threads; t++)
+            for (int l = 0; l < 16; l++) {
+                const int64_t i = lanes * t + 16 * r + l;
+                if (best_at[i] < 0) continue;
+                if (at < 0 || best[i] > top || (best[i] == top && best_at[i] < at)) {
+                    top = best[i];
+                    at = best_at[i];
+                }
+            }
+        idx[r] = at;
+    }
+    free(best);
+    free(best_at);
     return 0;
 }
 
 #else
 
 int gemm_bf16_vnni_available(void) { return 0; }
+
+int gemm_bf16_vnni_argmax(const bf16_t *x, int64_t ldx, const bf16_t *wp, const bf16_t *bias,
+                          int64_t *idx, int64_t M, int64_t N, int64_t K, int threads) {
+    (void)x; (void)ldx; (void)wp; (void)bias; (void)idx; (void)M; (void)N; (void)K;
+    (void)threads;
+    return -1;
+}
 
 int gemm_bf16_vnni(const bf16_t *x, int64_t ldx, const bf16_t *wp, const bf16_t *bias,
                    bf16_t *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {

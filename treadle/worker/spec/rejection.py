@@ -51,6 +51,25 @@ class SampleRow:
     """The request's proposed tokens verified this step (the same list on each of its rows)."""
 
 
+def _kept_draws(rows: list[SampleRow], token_ids: Sequence[int],
+                entries: Sequence[TokenLogprobs | None]):
+    """Per request, in first-row order: (its id, its (token, logprobs) drawn at each of its
+    rows, those it keeps): the draws while they equal its proposals, and the first that
+    does not (or the one after the last proposal)."""
+    by_request: dict[str, list[tuple[int, TokenLogprobs | None]]] = {}
+    for r, token, entry in zip(rows, token_ids, entries):
+        by_request.setdefault(r.request_id, []).append((token, entry))
+    proposals = {r.request_id: r.proposals for r in rows if r.position == 0}
+    for rid, drawn in by_request.items():
+        spec = proposals[rid]
+        kept = []
+        for j, (token, entry) in enumerate(drawn):
+            kept.append((token, entry))
+            if j == len(spec) or token != spec[j]:
+                break
+        yield rid, drawn, kept
+
+
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Per row of non-negative weights [rows, vocab], the first index whose cumulative
     weight exceeds u * total, never a zero-weight one."""
@@ -125,22 +144,21 @@ class RejectionSampler:
             logits, [r.request_id for r in rows], [r.params for r in rows],
             [r.prompt_token_ids for r in rows], [r.output_token_ids for r in rows],
             self.eos_token_id, masks)
-        by_request: dict[str, list[tuple[int, TokenLogprobs | None]]] = {}
-        for r, token, entry in zip(rows, out.token_ids, out.logprobs):
-            by_request.setdefault(r.request_id, []).append((token, entry))
-        proposals = {r.request_id: r.proposals for r in rows if r.position == 0}
-        for rid, drawn in by_request.items():
-            spec = proposals[rid]
-            kept = []
-            for j, (token, entry) in enumerate(drawn):
-                kept.append((token, entry))
-                if j == len(spec) or token != spec[j]:
-                    break
+        for rid, drawn, kept in _kept_draws(rows, out.token_ids, out.logprobs):
             tokens[rid] = [t for t, _ in kept]
             if kept[0][1] is not None:
                 logprobs[rid] = [e for _, e in kept]
             if rid in states and len(kept) < len(drawn):
                 self.sampler.rewind(rid, states[rid], len(kept))
+
+    @staticmethod
+    def greedy(rows: list[SampleRow], token_ids: Sequence[int]) -> dict[str, list[int]]:
+        """What __call__ returns as tokens when every row is greedy with nothing that
+        changes its logits (sampler.takes_plain_argmax) and `token_ids` holds each row's
+        argmax: per request, its proposals while they equal the argmax, then the argmax
+        where they part."""
+        return {rid: [t for t, _ in kept]
+                for rid, _, kept in _kept_draws(rows, token_ids, [None] * len(rows))}
 
     def _leviathan(self, logits: torch.Tensor, rows: list[SampleRow],
                    q_rows: dict[str, torch.Tensor], tokens: dict[str, list[int]],
