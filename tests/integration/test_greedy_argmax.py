@@ -1,8 +1,10 @@
-"""Greedy steps without logits (LlamaForCausalLM.greedy_tokens, the packed GEMM's argmax):
-an engine gives the same tokens with it as through the logits and the sampler, takes it
-only on steps whose every sampling position is greedy with nothing that reads or changes
-the logits, and never where the packed GEMM does not run (there the test checks that the
-engine declines it and still decodes as before)."""
+"""The LM head without its bf16 logits. Greedy steps without logits at all
+(LlamaForCausalLM.greedy_tokens, the packed GEMM's argmax): an engine gives the same tokens
+with it as through the logits and the sampler, takes it only on steps whose every sampling
+position is greedy with nothing that reads or changes the logits, and never where the
+packed GEMM does not run (there the test checks that the engine declines it and still
+decodes as before). Sampled steps: float32 logits straight from the packed GEMM give the
+same seeded tokens and logprobs as widening its bf16 output."""
 
 from __future__ import annotations
 
@@ -72,3 +74,45 @@ def test_greedy_steps_without_logits_give_the_sampler_s_tokens(kernel_level, tmp
                                                         seed=7, ignore_eos=True))]
     _run(core, "c", mixed)
     assert not taken
+
+
+def test_float_logits_from_the_gemm_sample_as_the_widened_bf16_ones(kernel_level,
+                                                                     tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("float-logits"), "llama",
+                                hidden_size=256)
+    core = EngineCore(EngineConfig.from_options(
+        model=path, dtype="bfloat16", kv_cache_memory="64MiB", kernel_isa=kernel_level,
+        distributed_executor_backend="uni", enable_prefix_caching=False))
+    worker = core.executor.worker
+    kernel = worker.model.lm_head_kernel
+    calls = []
+    as_float = getattr(kernel, "float_output", None)
+    if as_float is not None:
+        def counting(hidden):
+            out = as_float(hidden)
+            calls.append(out is not None)
+            return out
+        kernel.float_output = counting
+    generator = torch.Generator().manual_seed(4)
+    requests = [(torch.randint(5, 250, (int(n),), generator=generator).tolist(),
+                 SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=i,
+                                logprobs=3, ignore_eos=True))
+                for i, n in enumerate(torch.randint(3, 60, (6,), generator=generator))]
+
+    def run(tag):
+        for i, (prompt, params) in enumerate(requests):
+            core.add_request(Request(f"{tag}-{i}", prompt, params))
+        got = {}
+        while core.has_unfinished_requests():
+            for out in core.step():
+                got.setdefault(out.request_id, []).extend(
+                    (t, lp.token_ids, lp.logprobs)
+                    for t, lp in zip(out.new_token_ids, out.new_logprobs))
+        return [got[f"{tag}-{i}"] for i in range(len(requests))]
+
+    direct = run("a")
+    vnni = worker.layer_ops is not None and worker.layer_ops.vnni
+    assert (any(calls) if vnni else not any(calls))
+    if kernel is not None:
+        kernel.float_output = lambda hidden: None  # the bf16 logits, widened by torch
+    assert run("b") == direct

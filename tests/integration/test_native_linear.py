@@ -107,7 +107,8 @@ def test_packed_gemm_matches_float32_reference(ops):
 
 def test_packed_argmax_is_the_first_largest_output(ops):
     """gemm_bf16_vnni_argmax (the LM head of an all-greedy step) gives, per row, the first
-    column of the largest value the packed GEMM writes, bias included: shapes off its
+    column of the largest value the packed GEMM writes, bias included, and
+    gemm_bf16_vnni_f32 (the LM head's float32 logits) those values exactly: shapes off its
     16-column groups and 48-column tiles, K odd, rows past one 128-row block, one and two
     threads, exact ties (repeated weight rows, the lower column wins, also across the
     threads' shares), the first `columns` only, and -1 for a row of NaNs."""
@@ -132,6 +133,8 @@ def test_packed_argmax_is_the_first_largest_output(ops):
                 for threads in (0, 1):
                     got = ops.argmax(x, w, bias, packed, threads=threads)
                     assert torch.equal(got, y.argmax(dim=1)), (n, k, m, threads)
+                    as_float = ops.linear_float(x, w, bias, packed, threads=threads)
+                    assert as_float.dtype == torch.float32 and torch.equal(as_float, y)
                 columns = max(1, n - 7)
                 assert torch.equal(ops.argmax(x, w, bias, packed, columns=columns),
                                    y[:, :columns].argmax(dim=1))
@@ -145,6 +148,7 @@ def test_packed_argmax_is_the_first_largest_output(ops):
     assert torch.equal(got[[0, 2]], ops.linear(x, w, None, packed=ops.pack(w))[[0, 2]]
                        .float().argmax(dim=1))
     assert ops.argmax(x, w, None, None) is None  # no packed copy: not this kernel's call
+    assert ops.linear_float(x, w, None, None) is None
 
 
 def test_layer_kernels_take_the_packed_copy(ops):

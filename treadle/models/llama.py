@@ -305,10 +305,14 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits [N, vocab] of hidden states [N, hidden]; with tensor parallelism
         on the stage's first rank only (None on the others, which still take part)."""
-        if self.lm_head_kernel is not None:
-            shard = self.lm_head_kernel(hidden)
-        else:
-            shard = F.linear(hidden, self.lm_head_weight)
+        # Float32 straight from the LM head's kernel where it can (the same values); with
+        # tensor parallelism the bf16 shards are gathered, half the bytes.
+        as_float = (getattr(self.lm_head_kernel, "float_output", None)
+                    if self.parallel.tp_size == 1 else None)
+        shard = as_float(hidden) if as_float is not None else None
+        if shard is None:
+            shard = (self.lm_head_kernel(hidden) if self.lm_head_kernel is not None
+                     else F.linear(hidden, self.lm_head_weight))
         logits = self.parallel.gather_last_dim(shard)
         if logits is None:
             return None

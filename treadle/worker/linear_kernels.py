@@ -79,6 +79,13 @@ class DenseLinearKernel:
         return F.linear(x, self.weight, self.bias)
 
 
+    def float_output(self, x: torch.Tensor) -> torch.Tensor | None:
+        """`self(x).float()` in one pass (float32 outputs rounded to bf16 first), or None
+        where the packed GEMM does not run this weight."""
+        if self.native is None or self.vnni is None:
+            return None
+        return self.native.linear_float(x, self.weight, self.bias, self.vnni)
+
     def argmax(self, x: torch.Tensor, columns: int | None = None) -> torch.Tensor | None:
         """Per row of x, the first column of the largest output among the first `columns`,
         int64 [M], computed without the outputs (the packed GEMM's argmax), or None where

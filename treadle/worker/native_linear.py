@@ -76,6 +76,16 @@ kernel 27 / 114 / 261-285 / 359-362 / 372 / 383, oneDNN's packed kernel 20 / 92 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
+def _operands_fit(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the bf16 kernels take these operands: x bf16 [M, K] with unit stride along
+    K, weight bf16 [N, K] contiguous, bias None or bf16 [N] contiguous."""
+    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.dim() == 2
+            and x.stride(1) == 1 and weight.is_contiguous() and weight.shape[1] == x.shape[1]
+            and (bias is None or (bias.dtype == torch.bfloat16
+                                  and bias.shape == weight.shape[:1]
+                                  and bias.is_contiguous())))
+
+
 def onednn_uses_amx() -> bool:
     """Whether torch's oneDNN runs bf16 linears on AMX tiles here: the CPU has them (as
     torch reports) and ONEDNN_MAX_CPU_ISA, when set, does not cap oneDNN below AMX."""
@@ -129,6 +139,9 @@ class NativeLayerOps:
         self._vnni = lib.gemm_bf16_vnni
         self._vnni.argtypes = self._gemv.argtypes
         self._vnni.restype = ctypes.c_int
+        self._vnni_f32 = lib.gemm_bf16_vnni_f32
+        self._vnni_f32.argtypes = self._gemv.argtypes
+        self._vnni_f32.restype = ctypes.c_int
         self._vnni_argmax = lib.gemm_bf16_vnni_argmax
         self._vnni_argmax.argtypes = self._gemv.argtypes[:4] + [_P, _I64, _I64, _I64,
                                                                 ctypes.c_int]
@@ -200,12 +213,7 @@ class NativeLayerOps:
         widening GEMM (from `gemm_rows` rows) or the dot-product kernel, or None when not
         covered: not bf16, M past every kernel's rows, x not 2-D with unit stride along K,
         weight or bias not contiguous. threads: 0 = OpenMP's default."""
-        if (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() != 2
-                or x.stride(1) != 1
-                or not weight.is_contiguous() or weight.shape[1] != x.shape[1]
-                or (bias is not None and (bias.dtype != torch.bfloat16
-                                          or bias.shape != weight.shape[:1]
-                                          or not bias.is_contiguous()))):
+        if not _operands_fit(x, weight, bias):
             return None
         m, k = x.shape
         n = weight.shape[0]
@@ -223,6 +231,25 @@ class NativeLayerOps:
                                f"memory) at {m} x {k} by {n}")
         return y
 
+    def linear_float(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     packed: torch.Tensor | None, threads: int = 0) -> torch.Tensor | None:
+        """`linear(x, weight, bias, packed=packed).float()` in one pass, float32 [M, N]
+        (each value rounded to bf16 as `linear` rounds it): the packed GEMM storing its
+        outputs widened (gemm_bf16_vnni_f32), for logits the sampler reads in float32.
+        None where that GEMM does not take the call (as `argmax`)."""
+        if not (self.packed_fits(packed, weight) and _operands_fit(x, weight, bias)):
+            return None
+        m, k = x.shape
+        n = weight.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        status = self._vnni_f32(x.data_ptr(), x.stride(0), packed.data_ptr(),
+                                None if bias is None else bias.data_ptr(), y.data_ptr(), n,
+                                m, n, k, threads)
+        if status:
+            raise RuntimeError(f"bf16 linear kernel (float32 out) failed with status {status} "
+                               f"at {m} x {k} by {n}")
+        return y
+
     def argmax(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                packed: torch.Tensor | None, columns: int | None = None,
                threads: int = 0) -> torch.Tensor | None:
@@ -231,11 +258,7 @@ class NativeLayerOps:
         writing the product out: the packed GEMM's greedy choice (gemm_bf16_vnni_argmax).
         None where that GEMM does not take the call (no packed copy, not bf16, x not 2-D
         with unit stride along K)."""
-        if (not self.packed_fits(packed, weight) or x.dtype != torch.bfloat16 or x.dim() != 2
-                or x.stride(1) != 1 or weight.shape[1] != x.shape[1]
-                or (bias is not None and (bias.dtype != torch.bfloat16
-                                          or bias.shape != weight.shape[:1]
-                                          or not bias.is_contiguous()))):
+        if not (self.packed_fits(packed, weight) and _operands_fit(x, weight, bias)):
             return None
         m, k = x.shape
         n = weight.shape[0] if columns is None else min(columns, weight.shape[0])

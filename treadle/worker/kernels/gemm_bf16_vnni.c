@@ -26,7 +26,9 @@
  * nor N a multiple of 16; x rows may be strided (ldx), W packed by gemm_bf16_vnni_pack, y
  * rows dense.
  *
- * gemm_bf16_vnni_argmax runs the same loops for an LM head whose rows are all greedy:
+ * gemm_bf16_vnni_f32 stores the same bf16 roundings widened to float32 (an LM head's
+ * logits as the sampler reads them), and gemm_bf16_vnni_argmax runs the same loops for
+ * an LM head whose rows are all greedy:
  * instead of storing y, each tile keeps every row's running maximum of the values y would
  * hold, so the step neither writes the logits nor reads them back (a 48-row step's
  * logits are 4.7 MB in bf16 and 9.4 MB once widened for the sampler).
@@ -83,15 +85,24 @@ int gemm_bf16_vnni_pack(const bf16_t *w, int64_t N, int64_t K, bf16_t *out) {
 #define MB 128  /* x rows per block */
 #endif
 
-/* Where a tile's sums go: rounded to bf16 into y (rows ldy apart), or, when best is set,
- * into each row's running maximum instead (argmax: best / best_at [rows][16], one
- * per lane; a lane keeps its first column of an equal value, its columns growing). */
+/* Where a tile's sums go: rounded to bf16 into y (rows ldy apart); or rounded to bf16 and
+ * widened back into yf (float32, rows ldy apart: what torch's .float() of y gives); or,
+ * when best is set, into each row's running maximum instead (argmax: best / best_at
+ * [rows][16], one per lane; a lane keeps its first column of an equal value, its columns
+ * growing). */
 typedef struct {
     bf16_t *y;
+    float *yf;
     int64_t ldy;
     float *best;
     int32_t *best_at;
 } out_t;
+
+/* `o` from its row r on. */
+static inline out_t at_row(out_t o, int64_t r) {
+    return (out_t){o.y ? o.y + r * o.ldy : NULL, o.yf ? o.yf + r * o.ldy : NULL, o.ldy,
+                   o.best ? o.best + 16 * r : NULL, o.best_at ? o.best_at + 16 * r : NULL};
+}
 
 /* One x pair (x[2p], x[2p + 1]) broadcast to every lane; `last`: only x[2p] (K odd), the
  * other half zero (the packed W is zero there, but x past K may be anything). */
@@ -151,13 +162,18 @@ static inline __attribute__((always_inline)) void tile(
                     _mm256_maskz_loadu_epi16(mask, bias + n)), 16));
         for (int r = 0; r < R; r++) {
             const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][j], b));
-            if (!o->best) {
+            if (o->y) {
                 _mm256_mask_storeu_epi16(o->y + r * o->ldy + n, mask, out);
                 continue;
             }
-            /* The value y would hold, widened back; columns past N never win. */
+            /* The value y would hold, widened back. */
             const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
                     _mm512_cvtepu16_epi32(out), 16));
+            if (o->yf) {
+                _mm512_mask_storeu_ps(o->yf + r * o->ldy + n, mask, v);
+                continue;
+            }
+            /* Columns past N never win. */
             float *best = o->best + 16 * r;
             int32_t *at = o->best_at + 16 * r;
             const __m512 cur = _mm512_loadu_ps(best);
@@ -203,9 +219,7 @@ static void column_tile(int G, const bf16_t *x, int64_t ldx, const bf16_t *wp,
     for (int64_t r0 = 0; r0 < M; r0 += MR) {
         const int64_t left = M - r0;
         const bf16_t *xr = x + r0 * ldx;
-        const out_t tile_out = {o.y ? o.y + r0 * o.ldy : NULL, o.ldy,
-                                o.best ? o.best + 16 * r0 : NULL,
-                                o.best_at ? o.best_at + 16 * r0 : NULL};
+        const out_t tile_out = at_row(o, r0);
         const int64_t first_line = r0 / MR * per_tile;
         const int64_t pf_lines = first_line >= lines ? 0
             : (lines - first_line < per_tile ? lines - first_line : per_tile);
@@ -240,9 +254,7 @@ static void thread_share(const bf16_t *x, int64_t ldx, const bf16_t *wp, const b
     team_share(tiles, &t0, &t1);
     for (int64_t m0 = 0; m0 < M; m0 += MB) {
         const int64_t mb = M - m0 < MB ? M - m0 : MB;
-        const out_t block = {o.y ? o.y + m0 * o.ldy : NULL, o.ldy,
-                             o.best ? o.best + 16 * m0 : NULL,
-                             o.best_at ? o.best_at + 16 * m0 : NULL};
+        const out_t block = at_row(o, m0);
         for (int64_t t = t0; t < t1; t++) {
             const int64_t g = t * NG;
             const int G = groups - g < NG ? (int)(groups - g) : NG;
@@ -266,7 +278,20 @@ int gemm_bf16_vnni(const bf16_t *x, int64_t ldx, const bf16_t *wp, const bf16_t 
                    bf16_t *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
     if (M <= 0 || N <= 0) return 0;
     threads = team_size(threads, num_tiles(N));
-    const out_t o = {y, ldy, NULL, NULL};
+    const out_t o = {y, NULL, ldy, NULL, NULL};
+    #pragma omp parallel num_threads(threads) if(threads > 1)
+    thread_share(x, ldx, wp, bias, o, M, N, K);
+    return 0;
+}
+
+/* gemm_bf16_vnni with each output rounded to bf16 as there and stored widened to float32
+ * (y rows ldy floats apart): an LM head's logits for the sampler, without the bf16 copy
+ * and the pass that widens it. Returns 0. */
+int gemm_bf16_vnni_f32(const bf16_t *x, int64_t ldx, const bf16_t *wp, const bf16_t *bias,
+                       float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
+    if (M <= 0 || N <= 0) return 0;
+    threads = team_size(threads, num_tiles(N));
+    const out_t o = {NULL, y, ldy, NULL, NULL};
     #pragma omp parallel num_threads(threads) if(threads > 1)
     thread_share(x, ldx, wp, bias, o, M, N, K);
     return 0;
@@ -295,7 +320,7 @@ int gemm_bf16_vnni_argmax(const bf16_t *x, int64_t ldx, const bf16_t *wp, const 
 #else
         const int t = 0;
 #endif
-        const out_t o = {NULL, 0, best + lanes * t, best_at + lanes * t};
+        const out_t o = {NULL, NULL, 0, best + lanes * t, best_at + lanes * t};
         thread_share(x, ldx, wp, bias, o, M, N, K);
     }
     for (int64_t r = 0; r < M; r++) {
@@ -320,6 +345,13 @@ int gemm_bf16_vnni_argmax(const bf16_t *x, int64_t ldx, const bf16_t *wp, const 
 #else
 
 int gemm_bf16_vnni_available(void) { return 0; }
+
+int gemm_bf16_vnni_f32(const bf16_t *x, int64_t ldx, const bf16_t *wp, const bf16_t *bias,
+                       float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
+    (void)x; (void)ldx; (void)wp; (void)bias; (void)y; (void)ldy; (void)M; (void)N; (void)K;
+    (void)threads;
+    return -1;
+}
 
 int gemm_bf16_vnni_argmax(const bf16_t *x, int64_t ldx, const bf16_t *wp, const bf16_t *bias,
                           int64_t *idx, int64_t M, int64_t N, int64_t K, int threads) {
