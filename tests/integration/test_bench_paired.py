@@ -43,7 +43,19 @@ def test_two_systems_in_turn_generate_every_token(tmp_path, capsys):
     (b,) = [row for row in result["summary"] if row["system"] == "b"]
     assert b["options"] == {"kv_cache_memory": "64MiB", "max_num_seqs": 2}
     assert len(b["ratios"]) == 2 and all(r > 0 for r in b["ratios"])
+    assert b["ratio_geomean"] == pytest.approx((b["ratios"][0] * b["ratios"][1]) ** 0.5,
+                                               rel=1e-3)
+    # Loaded anew each repeat, in its order (b first in the second): against the bias of
+    # the engine loaded last.
+    assert {name: len(times) for name, times in result["load_s"].items()} == {"a": 2, "b": 2}
     assert "ratio_to_first" in capsys.readouterr().out
+    assert paired.main(["--model", str(model), "--dtype", "float32", "--num-threads", "1",
+                        "--system", "a:kv_cache_memory=64MiB",
+                        "--system", "b:kv_cache_memory=64MiB", "--no-reload",
+                        "--num-requests", "2", "--repeats", "2", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert {name: len(times) for name, times in result["load_s"].items()} == {"a": 1, "b": 1}
+    assert len(result["runs"]) == 4
     with pytest.raises(ValueError, match="at least two"):
         paired.main(["--model", str(model), "--system", "a:dtype=float32"])
     with pytest.raises(ValueError, match="distinct names"):  # one would silently replace the other
