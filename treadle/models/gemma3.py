@@ -212,6 +212,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.lm_head_kernel = None
         self.ops = None
 
+    keeps_rows = False  # its forward computes every row
+
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: Any,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:

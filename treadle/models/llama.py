@@ -144,7 +144,9 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, rotary: RotaryInputs, kv_cache: torch.Tensor,
-                meta: Any) -> torch.Tensor:
+                meta: Any, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """keep: the rows whose output is wanted (every row's keys and values are still
+        written); None: all."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         qk_size = self.q_size + self.kv_size
@@ -156,7 +158,8 @@ class Attention(nn.Module):
             weight = torch.cat((self.q_norm.weight.expand(self.num_heads, -1),
                                 self.k_norm.weight.expand(self.num_kv_heads, -1)))
             qk = rms_norm(qk, weight, self.eps)
-        return self.o_proj(self.attn(qk, value, kv_cache, meta, rotary))
+        out = self.attn(qk, value, kv_cache, meta, rotary)
+        return self.o_proj(out if keep is None else out.index_select(0, keep))
 
 
 class MLP(nn.Module):
@@ -194,10 +197,14 @@ class DecoderLayer(nn.Module):
         """Fused elementwise kernels (see LlamaForCausalLM.set_kernels), or None."""
 
     def forward(self, hidden: torch.Tensor, rotary: RotaryInputs, kv_cache: torch.Tensor,
-                meta: Any) -> torch.Tensor:
-        """hidden is the residual stream, owned by the caller's forward: updated in place."""
+                meta: Any, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden is the residual stream, owned by the caller's forward: updated in place,
+        or, with `keep` (row indices), only those rows carried on past the attention and
+        returned (every row's keys and values are written)."""
         x = add_rms_norm(hidden, None, self.input_layernorm, self.ops)
-        attn = self.self_attn.forward(x, rotary, kv_cache, meta)
+        attn = self.self_attn.forward(x, rotary, kv_cache, meta, keep)
+        if keep is not None:
+            hidden = hidden.index_select(0, keep)
         x = add_rms_norm(hidden, attn, self.post_attention_layernorm, self.ops)
         hidden.add_(self.mlp.forward(x))
         return hidden
@@ -230,6 +237,9 @@ _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 
 class LlamaForCausalLM(nn.Module):
     """Llama / Mistral / Qwen2 / Qwen3 causal LM on a flat, unpadded batch."""
+
+    keeps_rows = True
+    """Whether `forward` takes `keep_rows` (a subclass with its own forward says False)."""
 
     decode_stack: Any = None
     """Set by the worker (worker/decode_stack.py), or None: called with (hidden, rotary,
@@ -280,13 +290,17 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: Any,
-                hidden: torch.Tensor | None = None) -> torch.Tensor:
+                hidden: torch.Tensor | None = None,
+                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] of every token: after the final norm on the
         last stage, else the residual stream for the next stage.
 
         The first stage embeds `input_ids`; a later one continues from `hidden`, the
         previous stage's output. `attn_metadata` is the attention backend's metadata of
-        the step; `kv_caches` holds one tensor per layer of this stage."""
+        the step; `kv_caches` holds one tensor per layer of this stage. `keep_rows` (int64
+        row indices; the last stage only): the rows the caller needs, in its order; the
+        last layer carries only those past its attention (a prefill chunk's other rows
+        only write keys and values there) and the result is [len(keep_rows), hidden]."""
         if len(kv_caches) != self.num_local_layers:
             raise ValueError(f"expected {self.num_local_layers} KV caches, got {len(kv_caches)}")
         rotary = RotaryInputs(*self.rotary.cos_sin(positions, self.dtype))  # once per step
@@ -295,9 +309,13 @@ class LlamaForCausalLM(nn.Module):
             if self.decode_stack is not None and self.parallel.is_last_stage:
                 out = self.decode_stack(hidden, rotary, kv_caches, attn_metadata)
                 if out is not None:
-                    return out
-        for layer, kv_cache in zip(self.model.layers.values(), kv_caches):
-            hidden = layer.forward(hidden, rotary, kv_cache, attn_metadata)
+                    return out if keep_rows is None else out.index_select(0, keep_rows)
+        last = len(kv_caches) - 1
+        if not self.parallel.is_last_stage:
+            keep_rows = None
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers.values(), kv_caches)):
+            hidden = layer.forward(hidden, rotary, kv_cache, attn_metadata,
+                                   keep_rows if i == last else None)
         if not self.parallel.is_last_stage:
             return hidden
         return add_rms_norm(hidden, None, self.model.norm, self.ops)

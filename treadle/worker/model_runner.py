@@ -294,6 +294,13 @@ class ModelRunner:
         sample_rows = [sample_rows[k] for k in order]
         if par.is_output_rank and self.grammar is not None:
             self.grammar.start(self._grammar_positions(rows, sample_rows))  # fills meanwhile
+        logits_indices = inputs.logits_indices[order]
+        num_tokens = len(inputs.host_positions)
+        every_row = (len(logits_indices) == num_tokens
+                     and np.array_equal(logits_indices, np.arange(num_tokens)))
+        keep_rows = None
+        if not every_row and inputs.attn_metadata is not None and self._keeps_rows(rows):
+            keep_rows = torch.from_numpy(logits_indices).to(self.device)
         t1 = time.perf_counter()
         received = None
         if not par.is_first_stage:
@@ -307,17 +314,16 @@ class ModelRunner:
                 self.lora.begin_step(inputs.lora_segments)
             try:
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                                    inputs.attn_metadata, received)
+                                    inputs.attn_metadata, received,
+                                    **({} if keep_rows is None else {"keep_rows": keep_rows}))
             finally:
                 if self.lora is not None:
                     self.lora.end_step()
         if not par.is_last_stage:
             par.send_next_stage(hidden)
             return None
-        logits_indices = inputs.logits_indices[order]
-        if (len(logits_indices) == hidden.shape[0]
-                and np.array_equal(logits_indices, np.arange(len(logits_indices)))):
-            chosen = hidden  # every row samples, in order (a decode step): no copy
+        if every_row or keep_rows is not None:
+            chosen = hidden  # the sampling positions' rows, in order: no copy
         else:
             chosen = hidden.index_select(0, torch.from_numpy(logits_indices).to(hidden.device))
         entries = self._sample_entries(rows, sample_rows)
@@ -372,6 +378,15 @@ class ModelRunner:
                                   rows[i].scheduled.spec_token_ids[:j]))
         positions.sort(key=lambda p: len(p[4]))
         return positions
+
+    def _keeps_rows(self, rows: list[_Row]) -> bool:
+        """Whether the model may carry only the sampling positions past its last layer's
+        attention this step: it can (`keeps_rows`), this rank holds the last stage, no
+        adapters (their row segments cover every row) and no prompt logprobs (they read
+        every prompt row's hidden state)."""
+        return (getattr(self.model, "keeps_rows", False) and self.parallel.is_last_stage
+                and self.lora is None
+                and all(r.state.sampling_params.prompt_logprobs is None for r in rows))
 
     @staticmethod
     def _sample_entries(rows: list[_Row], sample_rows: list[tuple[int, int]]
