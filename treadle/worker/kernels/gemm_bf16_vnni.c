@@ -272,16 +272,21 @@ static void thread_share(const bf16_t *x, int64_t ldx, const bf16_t *wp, const b
 
 static int64_t num_tiles(int64_t N) { return ((N + 15) / 16 + NG - 1) / NG; }
 
+/* The whole GEMM into `o` (y or yf) on a team of threads. Returns 0. */
+static int stored(const bf16_t *x, int64_t ldx, const bf16_t *wp, const bf16_t *bias,
+                  out_t o, int64_t M, int64_t N, int64_t K, int threads) {
+    if (M <= 0 || N <= 0) return 0;
+    threads = team_size(threads, num_tiles(N));
+    #pragma omp parallel num_threads(threads) if(threads > 1)
+    thread_share(x, ldx, wp, bias, o, M, N, K);
+    return 0;
+}
+
 /* y[M, N] (rows ldy apart) = x[M, K] (rows ldx apart) . W^T + bias[N] (NULL: none), W
  * packed by gemm_bf16_vnni_pack. threads <= 0: OpenMP's default. Returns 0. */
 int gemm_bf16_vnni(const bf16_t *x, int64_t ldx, const bf16_t *wp, const bf16_t *bias,
                    bf16_t *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
-    if (M <= 0 || N <= 0) return 0;
-    threads = team_size(threads, num_tiles(N));
-    const out_t o = {y, NULL, ldy, NULL, NULL};
-    #pragma omp parallel num_threads(threads) if(threads > 1)
-    thread_share(x, ldx, wp, bias, o, M, N, K);
-    return 0;
+    return stored(x, ldx, wp, bias, (out_t){y, NULL, ldy, NULL, NULL}, M, N, K, threads);
 }
 
 /* gemm_bf16_vnni with each output rounded to bf16 as there and stored widened to float32
@@ -289,12 +294,7 @@ int gemm_bf16_vnni(const bf16_t *x, int64_t ldx, const bf16_t *wp, const bf16_t 
  * and the pass that widens it. Returns 0. */
 int gemm_bf16_vnni_f32(const bf16_t *x, int64_t ldx, const bf16_t *wp, const bf16_t *bias,
                        float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
-    if (M <= 0 || N <= 0) return 0;
-    threads = team_size(threads, num_tiles(N));
-    const out_t o = {NULL, y, ldy, NULL, NULL};
-    #pragma omp parallel num_threads(threads) if(threads > 1)
-    thread_share(x, ldx, wp, bias, o, M, N, K);
-    return 0;
+    return stored(x, ldx, wp, bias, (out_t){NULL, y, ldy, NULL, NULL}, M, N, K, threads);
 }
 
 /* A greedy choice without the logits: per row of x, the first column of the largest value
