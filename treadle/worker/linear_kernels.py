@@ -78,11 +78,11 @@ class DenseLinearKernel:
             return _packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
-
     def float_output(self, x: torch.Tensor) -> torch.Tensor | None:
         """`self(x).float()` in one pass (float32 outputs rounded to bf16 first), or None
-        where the packed GEMM does not run this weight."""
-        if self.native is None or self.vnni is None:
+        where the packed GEMM does not run this weight (the native ops decline a missing
+        packed copy)."""
+        if self.native is None:
             return None
         return self.native.linear_float(x, self.weight, self.bias, self.vnni)
 
@@ -90,7 +90,7 @@ class DenseLinearKernel:
         """Per row of x, the first column of the largest output among the first `columns`,
         int64 [M], computed without the outputs (the packed GEMM's argmax), or None where
         that GEMM does not run this weight."""
-        if self.native is None or self.vnni is None:
+        if self.native is None:
             return None
         return self.native.argmax(x, self.weight, self.bias, self.vnni, columns)
 

@@ -244,14 +244,16 @@ static void column_tile(int G, const bf16_t *x, int64_t ldx, const bf16_t *wp,
 
 int gemm_bf16_vnni_available(void) { return 1; }
 
+/* Column tiles of NG groups of 16 output columns: the GEMM's units of work. */
+static int64_t num_tiles(int64_t N) { return ((N + 15) / 16 + NG - 1) / NG; }
+
 /* The GEMM's loops for this thread of the team: its share of column tiles, rows in blocks
  * of MB, each block's sums into `o` at that block's rows. */
 static void thread_share(const bf16_t *x, int64_t ldx, const bf16_t *wp, const bf16_t *bias,
                          out_t o, int64_t M, int64_t N, int64_t K) {
     const int64_t groups = (N + 15) / 16, group_elems = (K + 1) / 2 * 32;
-    const int64_t tiles = (groups + NG - 1) / NG;
     int64_t t0, t1;
-    team_share(tiles, &t0, &t1);
+    team_share(num_tiles(N), &t0, &t1);
     for (int64_t m0 = 0; m0 < M; m0 += MB) {
         const int64_t mb = M - m0 < MB ? M - m0 : MB;
         const out_t block = at_row(o, m0);
@@ -269,8 +271,6 @@ static void thread_share(const bf16_t *x, int64_t ldx, const bf16_t *wp, const b
         }
     }
 }
-
-static int64_t num_tiles(int64_t N) { return ((N + 15) / 16 + NG - 1) / NG; }
 
 /* The whole GEMM into `o` (y or yf) on a team of threads. Returns 0. */
 static int stored(const bf16_t *x, int64_t ldx, const bf16_t *wp, const bf16_t *bias,
