@@ -66,10 +66,11 @@ def reference(model_dir):
     return outputs
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "priority", "srpt", "fair"])
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "srpt", "fair", "makespan"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_greedy_outputs_identical_under_every_policy(model_dir, reference, policy, mode):
     outputs, stats = run(model_dir, scheduling_policy=policy, num_kv_blocks=40,
+                         makespan_min_rows=2,  # paced below max_num_seqs
                          max_num_batched_tokens=32, max_num_seqs=4, preemption_mode=mode,
                          swap_space="1MiB", admission_preemption_threshold=1.0,
                          admission_preemption_wait_steps=0,  # preempt: the path under test
@@ -77,7 +78,7 @@ def test_greedy_outputs_identical_under_every_policy(model_dir, reference, polic
                          admission_lookahead_tokens=0, kv_watermark=0.0)
     assert outputs == reference
     assert stats["num_preemptions"] > 0
-    if policy != "fcfs":
+    if policy not in ("fcfs", "makespan"):  # the two never preempt at admission
         assert stats["num_admission_preemptions"] > 0
 
 

@@ -4,9 +4,10 @@ Each function looks at requests and numbers and returns a choice; none of them c
 state (the scheduler keeps the clock and the fair policy's counters and passes them in).
 Two families: what to do under KV pressure (victim loss, anti-thrash cooldown, recompute
 vs swap, running order) and the out-of-order scheduling policies (fcfs, priority with
-aging, srpt with aging, fair share by virtual token counters, preemption at admission,
-head-of-line bypass). The scheduler calls them; tests call them directly. The formulas
-are written out in docs/scheduling.md.
+aging, srpt with aging, fair share by virtual token counters, makespan's longest first
+with paced admission, preemption at admission, head-of-line bypass). The scheduler
+calls them; tests call them directly. The formulas are written out in
+docs/scheduling.md.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Container, Iterable, Mapping, Sequence
 
+from treadle.config import SCHEDULING_POLICIES
 from treadle.request import Request
 
 
@@ -121,7 +123,7 @@ def running_order(running: Sequence[Request],
 
 # ----- out-of-order scheduling: the order of requests and preemption at admission -------
 
-POLICIES = ("fcfs", "priority", "srpt", "fair")
+POLICIES = SCHEDULING_POLICIES
 
 DEFAULT_TENANT = "default"
 """The tenant of requests that name none."""
@@ -157,9 +159,34 @@ def remaining_work(request: Request) -> int:
     """Tokens the request still has to go through: the ones not in the KV cache (the rest
     of its prompt, or everything after a recompute preemption) plus the outputs it has not
     generated yet, by its length hint when it has one, else by max_tokens."""
+    return request.num_uncomputed_tokens + remaining_outputs(request)
+
+
+def remaining_outputs(request: Request) -> int:
+    """Output tokens the request has still to generate, by its length hint when it has
+    one, else by max_tokens."""
     target = (request.length_hint if request.length_hint is not None
               else request.sampling_params.max_tokens)
-    return request.num_uncomputed_tokens + max(0, target - request.num_output_tokens)
+    return max(0, target - request.num_output_tokens)
+
+
+def paced_rows(remaining: Iterable[int], min_rows: int) -> int:
+    """The makespan policy's cap on running requests: enough that the remaining outputs
+    of every request (`remaining`, one figure each) are spread over as many steps as the
+    longest of them needs, and never fewer than `min_rows`.
+
+    The longest request decodes one token a step however the others are scheduled, so
+    the run lasts at least that many steps; `ceil(sum / max)` rows a step finish the
+    others within them. Running more at once ends the short requests early and leaves the
+    long ones to decode alone, in steps whose time goes to reading the weights for a few
+    rows; running fewer stretches the run past the longest request."""
+    total, longest = 0, 0
+    for n in remaining:
+        total += n
+        longest = max(longest, n)
+    if longest == 0:
+        return max(min_rows, 1)
+    return max(min_rows, -(-total // longest))
 
 
 def priority_urgency(request: Request, now: float, aging_rate: float) -> float:
@@ -200,7 +227,10 @@ def urgency(request: Request, now: float, params: OrderParams,
 
     fcfs: arrival time (seconds). priority: effective priority (levels). srpt: effective
     remaining work (tokens). fair: the tenant's virtual token counter (tokens / weight).
+    makespan: minus the outputs still to generate (tokens; longest first).
     """
+    if params.policy == "makespan":
+        return -float(remaining_outputs(request))
     if params.policy == "priority":
         return priority_urgency(request, now, params.priority_aging_rate)
     if params.policy == "srpt":
@@ -261,8 +291,9 @@ def default_admission_threshold(policy: str) -> float:
 
 def preempts_at_admission(policy: str) -> bool:
     """fcfs never preempts for a waiting request: no waiting request is ahead in line of a
-    running one by arrival."""
-    return policy != "fcfs"
+    running one by arrival. Nor does makespan: a running request loses nothing of its
+    remaining length by waiting, so preempting it would only add work."""
+    return policy not in ("fcfs", "makespan")
 
 
 def choose_admission_victim(candidate_urgency: float,

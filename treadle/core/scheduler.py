@@ -323,6 +323,10 @@ class Scheduler:
         self._finishes_prompt = False
         self._finishes_chunked_prompt = False
         self.policy.prepare_step(self.requests.values())
+        cap = self.policy.max_running(self.requests.values())
+        self._max_running = (self.config.max_num_seqs if cap is None
+                             else min(cap, self.config.max_num_seqs))
+        """Running requests admissions may bring the step to (a policy may pace them)."""
         self._swapped_out: list[str] = []
         self._spec_plan: dict[str, int] = self._plan_spec_tokens()
         if self.policy.orders_by_urgency:
@@ -711,7 +715,7 @@ class Scheduler:
         tenant_room = None
         if cfg.tenant_kv_share and request is not None:
             tenant_room = self._tenant_room(request)
-        return StepRoom(self._budget, len(self.running), cfg.max_num_seqs, self._kv_reserve,
+        return StepRoom(self._budget, len(self.running), self._max_running, self._kv_reserve,
                         cfg.admission_lookahead_tokens if self.running else 0, tenant_room)
 
     def _tenant_blocks(self) -> dict[str, int]:

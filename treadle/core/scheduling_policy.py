@@ -1,10 +1,10 @@
 """The scheduling policies as objects: what the scheduler asks a policy, and each answer.
 
-Owns the `SchedulingPolicy` protocol and its four implementations (fcfs, priority, srpt,
-fair), so that the scheduler asks a policy instead of comparing policy names: how
+Owns the `SchedulingPolicy` protocol and its five implementations (fcfs, priority, srpt,
+fair, makespan), so that the scheduler asks a policy instead of comparing policy names: how
 requests are ordered, whether running requests share one order with waiting ones,
-whether a waiting request may preempt at admission, and whether an urgent prefill runs
-alone. The numbers behind each answer are the pure functions of `treadle.core.policy`
+whether a waiting request may preempt at admission, whether an urgent prefill runs
+alone, and how many requests may run at once (makespan's pacing). The numbers behind each answer are the pure functions of `treadle.core.policy`
 (written out in docs/scheduling.md); the fair policy's counters live in
 `treadle.core.fair_share`. A policy holds no request state.
 """
@@ -35,6 +35,10 @@ class SchedulingPolicy(Protocol):
     isolates_urgent_prefill: bool
     """A step that prefills a request of a more urgent class carries nothing of the less
     urgent classes (`Scheduler._defers_to`)."""
+
+    def max_running(self, requests: Iterable[Request]) -> int | None:
+        """A cap on the running requests for admissions this step, below max_num_seqs,
+        given every request in the scheduler (None: no cap of the policy's own)."""
 
     def make_queue(self) -> FCFSQueue | PolicyQueue: ...
 
@@ -84,6 +88,9 @@ class _UrgencyPolicy:
 
     def prepare_step(self, requests: Iterable[Request]) -> None:
         pass
+
+    def max_running(self, requests: Iterable[Request]) -> int | None:
+        return None
 
 
 class FCFSPolicy(_UrgencyPolicy):
@@ -163,6 +170,28 @@ class FairPolicy(_UrgencyPolicy):
             yield request
 
 
+class MakespanPolicy(_UrgencyPolicy):
+    """For a batch whose lengths are known (max_tokens or length hints, as in an offline
+    run that ignores EOS): the longest remaining output first, and no more requests
+    running than `policy.paced_rows` needs to finish the others within the longest one's
+    steps (at least `min_rows`). Decode steps keep enough rows that their linears are not
+    only reading weights, and the run does not end in a long tail of steps for the few
+    longest requests. Never preempts at admission. Holding requests back costs their
+    time to first token: it is meant for throughput, not for interactive serving."""
+
+    name = "makespan"
+
+    def __init__(self, params: policy.OrderParams, ledger: FairShareLedger,
+                 admission_preemption: bool, threshold: float | None,
+                 min_rows: int) -> None:
+        super().__init__(params, ledger, admission_preemption, threshold)
+        self.min_rows = min_rows
+
+    def max_running(self, requests: Iterable[Request]) -> int | None:
+        return policy.paced_rows((policy.remaining_outputs(r) for r in requests),
+                                 self.min_rows)
+
+
 def make_policy(config, ledger: FairShareLedger) -> SchedulingPolicy:
     """The policy a SchedulerConfig names, sharing the scheduler's fair-share ledger."""
     name = config.scheduling_policy
@@ -170,5 +199,7 @@ def make_policy(config, ledger: FairShareLedger) -> SchedulingPolicy:
     args = (params, ledger, config.admission_preemption, config.admission_preemption_threshold)
     if name == "priority":
         return PriorityPolicy(*args, config.isolate_urgent_prefill, config.priority_aging)
+    if name == "makespan":
+        return MakespanPolicy(*args, config.makespan_min_rows)
     classes = {"fcfs": FCFSPolicy, "srpt": SRPTPolicy, "fair": FairPolicy}
     return classes[name](*args)
