@@ -4,9 +4,10 @@ Owns the `SchedulingPolicy` protocol and its five implementations (fcfs, priorit
 fair, makespan), so that the scheduler asks a policy instead of comparing policy names: how
 requests are ordered, whether running requests share one order with waiting ones,
 whether a waiting request may preempt at admission, whether an urgent prefill runs
-alone, and how many requests may run at once (makespan's pacing). The numbers behind each answer are the pure functions of `treadle.core.policy`
-(written out in docs/scheduling.md); the fair policy's counters live in
-`treadle.core.fair_share`. A policy holds no request state.
+alone, and how many requests may run at once (makespan's pacing). The numbers behind
+each answer are the pure functions of `treadle.core.policy` (written out in
+docs/scheduling.md); the fair policy's counters live in `treadle.core.fair_share`. A
+policy holds no request state.
 """
 
 from __future__ import annotations
