@@ -60,28 +60,30 @@ def _batch(num_long=2, long_len=120, num_short=30, short_len=12):
             + [make_request(f"long{i}", 6, long_len, arrival=0.0) for i in range(num_long)])
 
 
-def _run(policy_name, requests, min_rows=4):
-    clock = FakeClock()
+def _scheduler(policy_name, clock, requests):
+    """Room for every request of `_batch` at once, a floor of 4 rows; the requests added."""
     sched = make_scheduler(policy_name, max_tokens=256, max_seqs=64, num_blocks=1024,
-                           clock=clock, makespan_min_rows=min_rows)
-    rows = []
-
+                           clock=clock, makespan_min_rows=4)
     for r in requests:
         sched.add_request(r)
+    return sched
+
+
+def _sampled_rows_per_step(policy_name, requests):
+    clock = FakeClock()
+    sched = _scheduler(policy_name, clock, requests)
+    rows = []
     while sched.has_unfinished_requests():
         out = step(sched, clock)
         rows.append(sum(1 for x in out.scheduled if x.sample))
         assert len(rows) < 10_000
-    return sched, rows
+    return rows
 
 
 def test_longest_requests_start_first_and_running_is_paced():
     clock = FakeClock()
-    sched = make_scheduler("makespan", max_tokens=256, max_seqs=64, num_blocks=1024,
-                           clock=clock, makespan_min_rows=4)
     requests = _batch()
-    for r in requests:
-        sched.add_request(r)
+    sched = _scheduler("makespan", clock, requests)
     out = step(sched, clock)
     started = {s.request_id for s in out.scheduled}
     assert {"long0", "long1"} <= started
@@ -104,8 +106,8 @@ def test_makespan_ends_in_fewer_thin_steps_than_fcfs():
     and the two long ones decode alone for ~100 steps; makespan spreads the short ones
     over the long ones' steps. Same number of tokens, no more steps, far fewer steps
     below the floor of rows."""
-    _, fcfs_rows = _run("fcfs", _batch())
-    _, paced_rows = _run("makespan", _batch())
+    fcfs_rows = _sampled_rows_per_step("fcfs", _batch())
+    paced_rows = _sampled_rows_per_step("makespan", _batch())
     assert sum(fcfs_rows) == sum(paced_rows) == 2 * 120 + 30 * 12
     assert len(paced_rows) <= len(fcfs_rows)
     thin = lambda rows: sum(1 for n in rows if n < 4)  # noqa: E731
