@@ -1,13 +1,15 @@
 """The iteration-level scheduler: which requests run in the next step, and how many tokens each.
 
 Each step has a token budget (`max_num_batched_tokens`) and a request budget
-(`max_num_seqs`). Running decodes are served first. Then, under `fcfs`, unfinished
+(`max_num_seqs`, or less where the policy caps running requests: `makespan`'s
+`max_running`). Running decodes are served first. Then, under `fcfs`, unfinished
 prefill chunks of running requests, swapped-out requests (oldest first) and waiting
-requests in queue order; under `priority`, `srpt` and `fair`, running prefill chunks,
-swapped-out and waiting requests share one order, most urgent first (`policy.urgency`):
-a waiting request more urgent than a running one by the policy's threshold preempts the
-least urgent running request (`policy.choose_admission_victim`, with anti-thrash
-protection) instead of waiting for memory to run out. Under `priority`, a step that
+requests in queue order; under `priority`, `srpt`, `fair` and `makespan`, running prefill
+chunks, swapped-out and waiting requests share one order, most urgent first
+(`policy.urgency`): except under `makespan`, a waiting request more urgent than a running
+one by the policy's threshold preempts the least urgent running request
+(`policy.choose_admission_victim`, with anti-thrash protection) instead of waiting for
+memory to run out. Under `priority`, a step that
 prefills a request of a more urgent class gives no tokens to less urgent classes
 (`isolate_urgent_prefill`), so the urgent first token is not held up by background
 decodes and chunks. An admitted request takes its
