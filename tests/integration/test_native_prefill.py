@@ -179,3 +179,21 @@ def test_prefill_benchmark_runs_another_build(kernels, capsys):
     rows = json.loads(capsys.readouterr().out)["prefill"]
     assert [(r["positions_before"], r["new_tokens"]) for r in rows] == [(8, 16)]
     assert rows[0]["native_ms"] > 0
+
+
+def test_decode_benchmark_takes_the_block_size(kernels, capsys):
+    """--block-size lays the decode benchmark's caches out in blocks of that many tokens:
+    the layout says so and a context that is not a multiple of it is still read whole."""
+    import json
+
+    from treadle.bench.attention_kernel import main
+
+    main(["--shapes", "2x40", "--rounds", "1", "--block-size", "32", "--so",
+          kernels.lib._name])
+    report = json.loads(capsys.readouterr().out)
+    assert report["layout"]["block_size"] == 32
+    (row,) = report["results"]
+    assert (row["batch"], row["context"]) == (2, 40)
+    # K and V of 2 requests x 40 tokens x 3 KV heads x 64 dims in bf16
+    assert row["kv_bytes_per_call"] == 2 * 2 * 40 * 3 * 64 * 2
+    assert row["ms_per_call"] > 0

@@ -2,11 +2,12 @@
 with --prefill, prefill (worker/kernels/paged_prefill.c) against torch's SDPA.
 
 Times `paged_decode` on the benchmark model's head layout (SmolLM2-135M: 9 query heads,
-3 KV heads, head_dim 64, block_size 16, bf16) for several (batch, context) shapes and
-prints JSON: milliseconds per call (best of several rounds) and the K/V read rate in GB/s
-(bytes of K and V actually attended, divided by the time). cpu_ms_per_call is the CPU
-time of all the process's threads per call: on a shared machine, with --threads 1, it is
-the steadier measure of the kernel's own speed (time spent descheduled is left out).
+3 KV heads, head_dim 64, bf16; blocks of 16 tokens unless --block-size) for several
+(batch, context) shapes and prints JSON: milliseconds per call (best of several rounds)
+and the K/V read rate in GB/s (bytes of K and V actually attended, divided by the time).
+cpu_ms_per_call is the CPU time of all the process's threads per call: on a shared
+machine, with --threads 1, it is the steadier measure of the kernel's own speed (time
+spent descheduled is left out).
 
 Like the model, each shape keeps one KV cache per layer and the timed loop cycles through
 them, so the caches do not stay in the CPU's last-level cache between calls; the blocks of
@@ -15,6 +16,7 @@ each request are scattered at random in its cache, as after a while of serving.
     python -m treadle.bench.attention_kernel                  # default shapes
     python -m treadle.bench.attention_kernel --shapes 4x600 1x4000 --threads 1
     python -m treadle.bench.attention_kernel --sequential     # blocks in order in memory
+    python -m treadle.bench.attention_kernel --block-size 64  # KV blocks of 64 tokens
     python -m treadle.bench.attention_kernel --so old.so      # another build of the kernel
     python -m treadle.bench.attention_kernel --prefill 0x512 512x512 1536x512
     python -m treadle.bench.attention_kernel --isa all        # every ISA level, side by side
@@ -240,6 +242,8 @@ def main(argv: list[str] | None = None) -> None:
                         "cache of each shape (what a CPU on the float32 fallback reads)")
     parser.add_argument("--int8", action="store_true", help="decode: also time the int8 "
                         "cache of each shape (--kv-cache-dtype int8)")
+    parser.add_argument("--block-size", type=int, default=16, help="decode: tokens per KV "
+                        "block (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -262,9 +266,9 @@ def main(argv: list[str] | None = None) -> None:
         batch, context = (int(x) for x in spec.lower().split("x"))
         results.append(bench_shape_levels(kernels, batch, context, rounds=args.rounds,
                                           scattered=not args.sequential, fp32=args.fp32,
-                                          int8=args.int8))
+                                          int8=args.int8, block_size=args.block_size))
     print(json.dumps({"layout": {"num_heads": 9, "num_kv_heads": 3, "head_dim": 64,
-                                 "block_size": 16, "dtype": "bfloat16",
+                                 "block_size": args.block_size, "dtype": "bfloat16",
                                  "blocks": "sequential" if args.sequential else "scattered"},
                       **levels, "threads": torch.get_num_threads(), "results": results},
                      indent=2))
