@@ -123,8 +123,6 @@ def running_order(running: Sequence[Request],
 
 # ----- out-of-order scheduling: the order of requests and preemption at admission -------
 
-POLICIES = SCHEDULING_POLICIES
-
 DEFAULT_TENANT = "default"
 """The tenant of requests that name none."""
 
@@ -146,8 +144,9 @@ class OrderParams:
     """Tokens of remaining work shed per second in the engine (srpt)."""
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, "
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError("scheduling policy must be one of "
+                             f"{', '.join(SCHEDULING_POLICIES)}, "
                              f"got {self.policy!r}")
 
 
