@@ -82,9 +82,11 @@ def test_linear_any_row_count(level):
 
 
 def test_packed_gemm_matches_float32_reference(ops):
-    """The packed vdpbf16ps GEMM (gemm_bf16_vnni.c) at every row count it takes: N not a
-    multiple of its 16-column groups or 48-column tiles, K odd, strided x rows whose
-    neighbours past K are NaN (never read into a sum), with and without bias."""
+    """The packed vdpbf16ps GEMM (gemm_bf16_vnni.c) at every row count it takes (each of
+    its tilings: 8 x 3 and 12 x 2 register tiles, row tiles split evenly, a last row
+    block of 9 rows after 128): N not a multiple of its 16-column groups or 32/48-column
+    tiles, K odd, strided x rows whose neighbours past K are NaN (never read into a sum),
+    with and without bias."""
     if not ops.vnni:
         pytest.skip("the packed GEMM runs with vdpbf16ps and without AMX in oneDNN")
     gen = torch.Generator().manual_seed(11)
@@ -93,7 +95,7 @@ def test_packed_gemm_matches_float32_reference(ops):
         b = torch.randn(n, generator=gen).to(torch.bfloat16)
         packed = ops.pack(w)
         assert packed.numel() == (n + 15) // 16 * 16 * (k + k % 2)
-        for m in (*range(1, 26), 64, 129, 300):
+        for m in (*range(1, 26), 64, 129, 137, 300):
             wide = torch.randn(m, k + 3, generator=gen).to(torch.bfloat16)
             wide[:, k:] = float("nan")
             x = wide[:, :k]
@@ -126,7 +128,7 @@ def test_packed_argmax_is_the_first_largest_output(ops):
         if n > 40:
             b[n - 1], b[40] = b[3], b[3]
         packed = ops.pack(w)
-        for m in (*range(1, 10), 25, 64, 129, 300):
+        for m in (*range(1, 14), 17, 25, 64, 129, 137, 300):
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
             for bias in (None, b):
                 y = ops.linear(x, w, bias, packed=packed).float()

@@ -10,13 +10,13 @@
  * to even with a zero), holds the 16 rows' two values side by side,
  *     packed[g][p][2 * i + e] = W[16 g + i][2 p + e]      (32 bf16 = one zmm per pair p)
  * with a group's pairs contiguous (K + 1) / 2 * 64 bytes. One vdpbf16ps multiplies a pair of
- * one x row, broadcast, into 16 columns' sums; a register tile is MR x rows by NG groups
- * (12 x 32 outputs, 24 accumulators), so each W vector feeds 12 products and each x
- * broadcast 2, in fp32, with no reduction at the end: the sums round once to bf16
- * (nearest-even, as torch) after the bias is added.
+ * one x row, broadcast, into 16 columns' sums; a register tile is up to 8 x rows by 3
+ * groups, or up to 12 rows by 2 groups at 9-12 rows (24 accumulators; column_groups), so
+ * each W vector feeds up to 8 or 12 products, in fp32, with no reduction at the end: the
+ * sums round once to bf16 (nearest-even, as torch) after the bias is added.
  *
  * Loops: the rows in blocks of MB (their x stays in L2), then each thread's share of
- * column tiles (NG groups: the tile's W panel is read from memory once per row block and
+ * column tiles (2 or 3 groups: the tile's W panel is read from memory once per row block and
  * from L2 by the block's other row tiles), then the row tiles. OpenMP splits the column
  * tiles statically. While a column tile runs, its row tiles prefetch the thread's next
  * panel into L2, a slice each, one line or so per K pair: otherwise the first row tile of
@@ -75,12 +75,10 @@ int gemm_bf16_vnni_pack(const bf16_t *w, int64_t N, int64_t K, bf16_t *out) {
 
 #include <immintrin.h>
 
-#ifndef MR
-#define MR 8    /* x rows per register tile */
-#endif
-#ifndef NG
-#define NG 3    /* 16-column groups per register tile */
-#endif
+/* Register tiles: up to 8 x rows by 3 groups of 16 columns, or up to 12 rows by 2 groups
+ * (24 accumulators either way); see column_groups. */
+#define MR 12   /* most x rows of a register tile */
+#define NG 3    /* most 16-column groups of a register tile */
 #ifndef MB
 #define MB 128  /* x rows per block */
 #endif
@@ -194,79 +192,85 @@ static inline __attribute__((always_inline)) void tile_rows(
         int64_t n0, int64_t N, const char *pf, int64_t pf_lines) {
     switch (G) {
     case 1: tile(R, 1, x, ldx, wp, group_elems, K, bias, o, n0, N, pf, pf_lines); break;
-#if NG >= 2
     case 2: tile(R, 2, x, ldx, wp, group_elems, K, bias, o, n0, N, pf, pf_lines); break;
-#endif
-#if NG >= 3
-    case 3: tile(R, 3, x, ldx, wp, group_elems, K, bias, o, n0, N, pf, pf_lines); break;
-#endif
-#if NG >= 4
-    case 4: tile(R, 4, x, ldx, wp, group_elems, K, bias, o, n0, N, pf, pf_lines); break;
-#endif
+    /* Three groups only with at most 8 rows (column_groups): 24 accumulators at most. */
+    case 3: if (R <= 8) tile(R <= 8 ? R : 8, 3, x, ldx, wp, group_elems, K, bias, o, n0, N,
+                             pf, pf_lines); break;
     default: break;
     }
 }
 
-/* A column tile of G groups for rows [0, M) of a block, in row tiles of MR; each row tile
+/* A column tile of G groups for rows [0, M) of a block, in `row_tiles` row tiles of as
+ * even a size as they split into (the first M % row_tiles one row larger); each row tile
  * prefetches its slice of `next` (the next panel, next_bytes long; NULL: none). */
 static void column_tile(int G, const bf16_t *x, int64_t ldx, const bf16_t *wp,
                         int64_t group_elems, int64_t K, const bf16_t *bias, out_t o,
-                        int64_t n0, int64_t N, int64_t M,
+                        int64_t n0, int64_t N, int64_t M, int64_t row_tiles,
                         const bf16_t *next, int64_t next_bytes) {
-    const int64_t num_row_tiles = (M + MR - 1) / MR;
     const int64_t lines = next ? (next_bytes + 63) / 64 : 0;
-    const int64_t per_tile = (lines + num_row_tiles - 1) / num_row_tiles;
-    for (int64_t r0 = 0; r0 < M; r0 += MR) {
-        const int64_t left = M - r0;
+    const int64_t per_tile = (lines + row_tiles - 1) / row_tiles;
+    const int64_t base = M / row_tiles, larger = M % row_tiles;
+    int64_t r0 = 0;
+    for (int64_t i = 0; i < row_tiles; i++) {
+        const int64_t rows = base + (i < larger);
         const bf16_t *xr = x + r0 * ldx;
         const out_t tile_out = at_row(o, r0);
-        const int64_t first_line = r0 / MR * per_tile;
+        const int64_t first_line = i * per_tile;
         const int64_t pf_lines = first_line >= lines ? 0
             : (lines - first_line < per_tile ? lines - first_line : per_tile);
         const char *pf = (const char *)next + 64 * first_line;
 #define ROWS(R) case R: tile_rows(R, G, xr, ldx, wp, group_elems, K, bias, &tile_out, n0, N, pf, pf_lines); break;
-        switch (left < MR ? (int)left : MR) {
-        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6)
-#if MR > 6
-        ROWS(7) ROWS(8)
-#endif
-#if MR > 8
-        ROWS(9) ROWS(10) ROWS(11) ROWS(12)
-#endif
-#if MR > 12
-        ROWS(13) ROWS(14)
-#endif
+        switch ((int)rows) {
+        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8) ROWS(9) ROWS(10)
+        ROWS(11) ROWS(12)
         default: break;
         }
 #undef ROWS
+        r0 += rows;
     }
 }
 
 int gemm_bf16_vnni_available(void) { return 1; }
 
-/* Column tiles of NG groups of 16 output columns: the GEMM's units of work. */
-static int64_t num_tiles(int64_t N) { return ((N + 15) / 16 + NG - 1) / NG; }
+/* 16-column groups per column tile for M rows (those of the first row block of MB, what
+ * splits the columns between threads): 2 at 9-12 rows, where all of M is one 12 x 2 register
+ * tile; otherwise 3, with row tiles of at most 8 rows split evenly (17 rows: 6 + 6 + 5, not
+ * 8 + 8 + 1). With only 8 x 3 tiles, 9-12 rows ran as an 8-row tile and a 1-4-row one
+ * that read the whole panel again (from L2) for few products per load: a step's linears
+ * at 9 / 12 rows took 11.0 / 11.3 ms against 9.0 / 10.6 with the 12 x 2 tile (SmolLM2-135M's
+ * layers, Zen 4, 2 threads), while at 13-32 rows 12 x 2 tiles were slower than 8 x 3. */
+static int column_groups(int64_t M) {
+    const int64_t m = M < MB ? M : MB;
+    return m > 8 && m <= 12 ? 2 : 3;
+}
+
+/* Column tiles of ng groups of 16 output columns: the GEMM's units of work. */
+static int64_t num_tiles(int64_t N, int ng) { return ((N + 15) / 16 + ng - 1) / ng; }
 
 /* The GEMM's loops for this thread of the team: its share of column tiles, rows in blocks
  * of MB, each block's sums into `o` at that block's rows. */
 static void thread_share(const bf16_t *x, int64_t ldx, const bf16_t *wp, const bf16_t *bias,
                          out_t o, int64_t M, int64_t N, int64_t K) {
     const int64_t groups = (N + 15) / 16, group_elems = (K + 1) / 2 * 32;
+    const int ng = column_groups(M);
     int64_t t0, t1;
-    team_share(num_tiles(N), &t0, &t1);
+    team_share(num_tiles(N, ng), &t0, &t1);
     for (int64_t m0 = 0; m0 < M; m0 += MB) {
         const int64_t mb = M - m0 < MB ? M - m0 : MB;
         const out_t block = at_row(o, m0);
+        /* Two groups only where all of M is one tile; otherwise row tiles of at most 8
+           rows (in a last, smaller block too). */
+        const int64_t row_tiles = ng == 2 ? 1 : (mb + 7) / 8;
         for (int64_t t = t0; t < t1; t++) {
-            const int64_t g = t * NG;
-            const int G = groups - g < NG ? (int)(groups - g) : NG;
+            const int64_t g = t * ng;
+            const int G = groups - g < ng ? (int)(groups - g) : ng;
             /* The next panel of this thread's share (none after its last, or at one row:
                see the top). */
             const int64_t next_groups = t + 1 < t1 && M > 1
-                ? (groups - g - NG < NG ? groups - g - NG : NG) : 0;
+                ? (groups - g - ng < ng ? groups - g - ng : ng) : 0;
             column_tile(G, x + m0 * ldx, ldx, wp + g * group_elems, group_elems, K, bias,
-                        block, 16 * g, N, mb,
-                        next_groups ? wp + (g + NG) * group_elems : NULL,
+                        block, 16 * g, N, mb, row_tiles,
+                        next_groups ? wp + (g + ng) * group_elems : NULL,
                         next_groups * group_elems * (int64_t)sizeof(bf16_t));
         }
     }
@@ -276,7 +280,7 @@ static void thread_share(const bf16_t *x, int64_t ldx, const bf16_t *wp, const b
 static int stored(const bf16_t *x, int64_t ldx, const bf16_t *wp, const bf16_t *bias,
                   out_t o, int64_t M, int64_t N, int64_t K, int threads) {
     if (M <= 0 || N <= 0) return 0;
-    threads = team_size(threads, num_tiles(N));
+    threads = team_size(threads, num_tiles(N, column_groups(M)));
     #pragma omp parallel num_threads(threads) if(threads > 1)
     thread_share(x, ldx, wp, bias, o, M, N, K);
     return 0;
@@ -307,7 +311,7 @@ int gemm_bf16_vnni_argmax(const bf16_t *x, int64_t ldx, const bf16_t *wp, const 
                           int64_t *idx, int64_t M, int64_t N, int64_t K, int threads) {
     if (M <= 0) return 0;
     if (N <= 0 || N > INT32_MAX) return -1;
-    threads = team_size(threads, num_tiles(N));
+    threads = team_size(threads, num_tiles(N, column_groups(M)));
     const int64_t lanes = 16 * M;
     float *best = malloc(sizeof(float) * lanes * threads);
     int32_t *best_at = malloc(sizeof(int32_t) * lanes * threads);
