@@ -24,6 +24,8 @@ import os
 
 import torch
 
+from treadle.worker.huge_pages import HugePageArena
+
 MAX_ROWS = 64
 """Rows up to which the C linear kernel is used where it has vdpbf16ps (AVX-512 BF16) and
 oneDNN has no AMX. Up to 16 rows it reads each weight once and beats oneDNN's packed
@@ -113,6 +115,9 @@ class NativeLayerOps:
         self.vnni = vnni
         """Whether a linear with a packed copy of its weight (`pack`) runs on the packed
         GEMM (gemm_bf16_vnni.c) at every row count: vdpbf16ps here and no AMX in oneDNN."""
+        self._packed_memory = HugePageArena()
+        """Where `pack` puts the packed copies: huge pages, which every decode step
+        streams (worker/huge_pages.py)."""
         self.lib = lib
         """The library (worker/decode_stack.py finds its layer driver there)."""
         self._gemv = lib.gemv_bf16
@@ -186,7 +191,7 @@ class NativeLayerOps:
                 or not weight.is_contiguous()):
             return None
         n, k = weight.shape
-        out = torch.empty(self._vnni_elems(n, k), dtype=torch.bfloat16)
+        out = self._packed_memory.empty(self._vnni_elems(n, k), torch.bfloat16)
         self._vnni_pack(weight.data_ptr(), n, k, out.data_ptr())
         return out
 
