@@ -505,3 +505,21 @@ def test_linear_kernel_bench_times_each_routed_kernel_alone(level, level_kernels
         assert torch.equal(choices["dot"].linear(x, w, None), dot.linear(x, w, None))
         routed = choices["gemm"] if m >= WIDENING_GEMM_ROWS else choices["dot"]
         assert torch.equal(ops.linear(x, w, None), routed.linear(x, w, None))
+
+
+def test_read_probe_reads_huge_page_buffers_whole(level_kernels):
+    """bench/linear_kernel's read-rate figure from a HugePageArena buffer (where the packed
+    weights live) reads every byte: the probe's sum over a buffer of ones is its length."""
+    import ctypes
+
+    from treadle.bench.linear_kernel import read_bandwidth
+    from treadle.worker.huge_pages import HugePageArena
+
+    fn = level_kernels.lib.read_probe_sum
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64]
+    fn.restype = ctypes.c_uint64
+    words = (3 << 20) // 8 + 5
+    buf = HugePageArena().empty(words, torch.int64).fill_(1)
+    assert fn(buf.data_ptr(), words, 2, 0) == words
+    result = read_bandwidth(level_kernels, 4 << 20, repeats=1, prefetch=(0,), huge_pages=True)
+    assert result["bytes"] == 4 << 20 and result["best_gb_s"] > 0

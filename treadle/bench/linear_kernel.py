@@ -73,18 +73,25 @@ def load_levels(isa: str = "auto") -> dict:
 
 
 def read_bandwidth(kernels, num_bytes: int, repeats: int = 7,
-                   prefetch: tuple[int, ...] = (0, 1024, 4096)) -> dict:
+                   prefetch: tuple[int, ...] = (0, 1024, 4096),
+                   huge_pages: bool = False) -> dict:
     """GB/s that kernels/read_probe.c reads from a buffer of num_bytes on torch's thread
     count: per software-prefetch distance in bytes (0: none), the best and the median of
-    `repeats` passes, distances alternating; `best_gb_s` is the best of all."""
+    `repeats` passes, distances alternating; `best_gb_s` is the best of all. huge_pages:
+    the buffer from a HugePageArena (worker/huge_pages.py), as the packed weights are."""
     import ctypes
 
     import torch
 
+    from treadle.worker.huge_pages import HugePageArena
+
     fn = kernels.lib.read_probe_sum
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64]
     fn.restype = ctypes.c_uint64
-    buf = torch.ones(num_bytes // 8, dtype=torch.int64)
+    if huge_pages:
+        buf = HugePageArena().empty(num_bytes // 8, torch.int64).fill_(1)
+    else:
+        buf = torch.ones(num_bytes // 8, dtype=torch.int64)
     threads = torch.get_num_threads()
     fn(buf.data_ptr(), buf.numel(), threads, 0)  # page faults, thread pool
     samples: dict[int, list[float]] = {d: [] for d in prefetch}
@@ -135,6 +142,7 @@ def kernels(repeats: int = 15, rows: tuple[int, ...] = (1, 4, 8, 16), isa: str =
                       for name, (n, k) in SHAPES.items())
     probe = next(iter(levels.values()))[0]
     bandwidth = {"step_sized": read_bandwidth(probe, layer_bytes),
+                 "step_sized_huge_pages": read_bandwidth(probe, layer_bytes, huge_pages=True),
                  "2GiB": read_bandwidth(probe, 2 << 30)}
     reference_gb_s = bandwidth["step_sized"]["best_gb_s"]
     gen = torch.Generator().manual_seed(0)
