@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from treadle.paths import cache_dir
+from treadle.worker.huge_pages import HugePageArena
 
 FORMAT_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "INT8": 4}
 """Format name -> the kernels' format number (quant_simd.h)."""
@@ -114,6 +115,7 @@ class QuantKernels:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
+        self._packed_memory = HugePageArena()  # r16 copies: streamed every decode step
         gemv_args = [_I, _P, _I64, _P, _P, _I64, _I, _P, _P, _I64, _I, _I64, _I64, _I64]
         self._deq = lib.quant_gemv_deq
         self._deq.argtypes = gemv_args + [_I, _I]
@@ -243,7 +245,7 @@ class QuantKernels:
         size = self._r16_bytes(FORMAT_CODES[fmt], n, k) if fmt in R16_FORMATS else -1
         if size < 0:
             raise QuantKernelError(f"the r16 layout does not hold {fmt} with K={k}")
-        out = torch.empty(size, dtype=torch.uint8)
+        out = self._packed_memory.empty(size, torch.uint8)
         status = self._r16_pack(FORMAT_CODES[fmt], blocks.data_ptr(), blocks.stride(0), n, k,
                                 out.data_ptr())
         self._check(status, fmt, k, blocks)
