@@ -76,3 +76,33 @@ def test_touched_chunks_are_backed_by_huge_pages():
     grown_kb = _anon_huge_kb() - before
     # Memory may be too fragmented for every page; most of 56 MB in 2 MB pages is the point.
     assert grown_kb >= (t.numel() * 2 // 1024) // 2, grown_kb
+
+
+def test_cpu_kv_caches_are_zeroed_disjoint_and_in_the_arena():
+    """The CPU KV caches come from huge pages (worker/kv_cache.py): one zeroed tensor per
+    layer of the layout's shape, none sharing memory with another, each writable alone."""
+    from treadle.worker.kv_cache import KVCacheSpec, allocate_kv_caches
+    spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+    caches = allocate_kv_caches(spec, num_blocks=40, block_size=16)
+    assert len(caches) == 3
+    for c in caches:
+        assert c.shape == spec.shape(40, 16) and c.dtype == torch.bfloat16
+        assert c.is_contiguous() and c.data_ptr() % 64 == 0
+        assert not c.any()
+    for i, c in enumerate(caches):
+        c.fill_(i + 1)
+    for i, c in enumerate(caches):
+        assert bool((c == i + 1).all())
+
+
+@pytest.mark.skipif(_thp_mode() not in ("always", "madvise") or not hasattr(mmap, "MADV_HUGEPAGE"),
+                    reason="the kernel gives no transparent huge pages here "
+                           "(test_cpu_kv_caches_are_zeroed_disjoint_and_in_the_arena runs)")
+def test_cpu_kv_caches_are_backed_by_huge_pages():
+    from treadle.worker.kv_cache import KVCacheSpec, allocate_kv_caches
+    before = _anon_huge_kb()
+    spec = KVCacheSpec(num_layers=4, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
+    caches = allocate_kv_caches(spec, num_blocks=1024, block_size=16)  # 12.6 MB a layer
+    grown_kb = _anon_huge_kb() - before
+    total_kb = sum(c.numel() * c.element_size() for c in caches) // 1024
+    assert grown_kb >= total_kb // 2, (grown_kb, total_kb)

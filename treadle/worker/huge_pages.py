@@ -1,11 +1,13 @@
-"""Weights the CPU kernels stream every step, kept in transparent huge pages.
+"""Weights and KV caches the CPU kernels stream every step, kept in transparent huge pages.
 
 A decode step reads every packed weight once (kernels/gemm_bf16_vnni.c), and at a few
 rows its time is that read. Read in 4 KiB pages, a stream of them crosses a page every
 64 cache lines, each a TLB miss (two levels of page walk in a virtual machine); in 2 MiB
 pages it crosses one every 32,768 lines. On the AMD EPYC KVM guest of docs/benchmarks.md
 ("Round 21") two 269 MB buffers with `MADV_HUGEPAGE` read at 36-37 GB/s against 31-35
-for two without, side by side in one process.
+for two without, side by side in one process. The KV caches (worker/kv_cache.py) come
+from here too: decode attention walks each request's K and V in runs of a few dozen KiB,
+and in 4 KiB pages the hardware prefetcher starts over at every page ("Round 22").
 
 Linux hands out huge pages for anonymous memory only where asked (transparent_hugepage
 `madvise`, the usual default) or everywhere (`always`). `HugePageArena` maps chunks of

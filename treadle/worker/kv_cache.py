@@ -5,6 +5,8 @@ Owns the physical storage only; which request uses which block is decided in cor
 how attention reads a layout is its backend's business (worker/attention). A layout is
 named by the backend that uses it:
 
+The CPU's tensors come from huge pages (`allocate_kv_caches`).
+
 - `heads_first`: per layer [2 (K, V), num_kv_heads, num_blocks, block_size, head_dim].
   The head dimension outermost makes a gather of a request's blocks yield [kv_heads,
   tokens, head_dim] directly, the operand layout of a batched matmul (worker/attention/
@@ -20,11 +22,13 @@ so every block carries its own scales through copies, swaps and prefix-cache reu
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from treadle.worker import kv_quant
+from treadle.worker.huge_pages import HugePageArena
 
 KV_LAYOUTS = {"heads_first": 2, "blocks_first": 1}
 """Layout name -> the dimension that indexes blocks."""
@@ -88,9 +92,16 @@ def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, block_size: int,
     """One zeroed tensor per layer.
 
     Zeroed, not empty: padded attention positions are masked to probability 0, and
-    0 x NaN from uninitialised memory would still poison the output.
+    0 x NaN from uninitialised memory would still poison the output. On the CPU the
+    tensors are cut from transparent huge pages (worker/huge_pages.py): a decode step
+    streams every running request's K/V, and in 4 KiB pages the hardware prefetcher
+    stops at each page's end (docs/benchmarks.md, round 22).
     """
     shape = spec.shape(num_blocks, block_size)
+    if torch.device(device).type == "cpu":
+        arena = HugePageArena()
+        return [arena.empty(math.prod(shape), spec.storage_dtype).view(shape).zero_()
+                for _ in range(spec.num_layers)]
     return [torch.zeros(shape, dtype=spec.storage_dtype, device=device)
             for _ in range(spec.num_layers)]
 
