@@ -197,3 +197,22 @@ def test_decode_benchmark_takes_the_block_size(kernels, capsys):
     # K and V of 2 requests x 40 tokens x 3 KV heads x 64 dims in bf16
     assert row["kv_bytes_per_call"] == 2 * 2 * 40 * 3 * 64 * 2
     assert row["ms_per_call"] > 0
+
+
+def test_decode_benchmark_in_cache_from_huge_pages(kernels, capsys):
+    """--in-cache cycles two layers' caches (the kernel's arithmetic, not the memory's) and
+    --huge-pages cuts them from the huge-page arena; both say so in the layout."""
+    import json
+
+    from treadle.bench.attention_kernel import main
+
+    main(["--shapes", "2x40", "--rounds", "1", "--in-cache", "--huge-pages", "--so",
+          kernels.lib._name])
+    report = json.loads(capsys.readouterr().out)
+    assert report["layout"]["in_cache"] and report["layout"]["huge_pages"]
+    (row,) = report["results"]
+    assert row["layers_cycled"] == 2
+    assert row["ms_per_call"] > 0
+    main(["--shapes", "2x40", "--rounds", "1", "--so", kernels.lib._name])
+    (row,) = json.loads(capsys.readouterr().out)["results"]
+    assert row["layers_cycled"] == 30  # 256 MB at least, 30 layers at most

@@ -17,9 +17,16 @@ each request are scattered at random in its cache, as after a while of serving.
     python -m treadle.bench.attention_kernel --shapes 4x600 1x4000 --threads 1
     python -m treadle.bench.attention_kernel --sequential     # blocks in order in memory
     python -m treadle.bench.attention_kernel --block-size 64  # KV blocks of 64 tokens
+    python -m treadle.bench.attention_kernel --in-cache       # two layers: the arithmetic
+    python -m treadle.bench.attention_kernel --huge-pages     # caches as the engine's
     python -m treadle.bench.attention_kernel --so old.so      # another build of the kernel
     python -m treadle.bench.attention_kernel --prefill 0x512 512x512 1536x512
     python -m treadle.bench.attention_kernel --isa all        # every ISA level, side by side
+
+--in-cache cycles two layers' caches instead, small enough to stay in the last-level
+cache at the shapes of a decode step (12 x 500 tokens: 9.2 MB), so the read rate is the
+kernel's arithmetic, not the memory's. --huge-pages cuts the caches from transparent huge
+pages (worker/huge_pages.py), as the engine's CPU caches are.
 
 --prefill takes POSITIONS_BEFORExNEW_TOKENS pairs: one prefill chunk of NEW_TOKENS after
 POSITIONS_BEFORE cached positions, per layer, timed in the C kernel and in torch's
@@ -73,7 +80,7 @@ def _kernels(so: str | None, isa: str = "auto") -> dict:
 
 def _decode_case(batch: int, context: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  block_size: int, dtype: torch.dtype, min_cache_bytes: int, max_layers: int,
-                 scattered: bool, seed: int):
+                 scattered: bool, seed: int, huge_pages: bool = False):
     gen = torch.Generator().manual_seed(seed)
     blocks_per_req = (context + block_size - 1) // block_size
     num_blocks = batch * blocks_per_req + 1
@@ -87,6 +94,10 @@ def _decode_case(batch: int, context: int, num_heads: int, num_kv_heads: int, he
     else:
         caches = [torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim,
                               generator=gen).to(dtype) for _ in range(layers)]
+    if huge_pages:
+        from treadle.worker.huge_pages import HugePageArena
+        arena = HugePageArena()
+        caches = [arena.empty(c.numel(), c.dtype).view(c.shape).copy_(c) for c in caches]
     table = (torch.randperm(num_blocks - 1, generator=gen) if scattered
              else torch.arange(num_blocks - 1))[:batch * blocks_per_req]
     table = table.view(batch, blocks_per_req).contiguous()
@@ -105,21 +116,23 @@ def bench_shape_levels(kernels: dict, batch: int, context: int, *, num_heads: in
                        dtype: torch.dtype = torch.bfloat16, fp32: bool = False,
                        int8: bool = False,
                        min_cache_bytes: int = 256 << 20, max_layers: int = 30, rounds: int = 7,
-                       min_round_s: float = 0.05, scattered: bool = True, seed: int = 0) -> dict:
+                       min_round_s: float = 0.05, scattered: bool = True, seed: int = 0,
+                       huge_pages: bool = False) -> dict:
     """Decode attention of one (batch, context) shape with each of `kernels` (name ->
     kernels), rounds alternating; fp32: also the float32 cache on the first one's kernel."""
     args = (batch, context, num_heads, num_kv_heads, head_dim, block_size)
-    cases = {dtype: _decode_case(*args, dtype, min_cache_bytes, max_layers, scattered, seed)}
+    cases = {dtype: _decode_case(*args, dtype, min_cache_bytes, max_layers, scattered, seed,
+                                 huge_pages)}
     if fp32 and dtype != torch.float32:
         cases[torch.float32] = _decode_case(*args, torch.float32, min_cache_bytes, max_layers,
-                                            scattered, seed)
+                                            scattered, seed, huge_pages)
     scale = head_dim ** -0.5
     variants = {name: (k, dtype) for name, k in kernels.items()}
     if torch.float32 in cases and dtype != torch.float32:
         variants["fp32"] = (next(iter(kernels.values())), torch.float32)
     if int8:
         cases[torch.int8] = _decode_case(*args, torch.int8, min_cache_bytes, max_layers,
-                                         scattered, seed)
+                                         scattered, seed, huge_pages)
         variants["int8"] = (next(iter(kernels.values())), torch.int8)
 
     def one_pass(k, dt):
@@ -244,6 +257,10 @@ def main(argv: list[str] | None = None) -> None:
                         "cache of each shape (--kv-cache-dtype int8)")
     parser.add_argument("--block-size", type=int, default=16, help="decode: tokens per KV "
                         "block (default: %(default)s)")
+    parser.add_argument("--in-cache", action="store_true", help="decode: cycle two layers' "
+                        "caches, which stay in the last-level cache (the kernel's arithmetic)")
+    parser.add_argument("--huge-pages", action="store_true", help="decode: the caches in "
+                        "transparent huge pages, as the engine's")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -266,10 +283,13 @@ def main(argv: list[str] | None = None) -> None:
         batch, context = (int(x) for x in spec.lower().split("x"))
         results.append(bench_shape_levels(kernels, batch, context, rounds=args.rounds,
                                           scattered=not args.sequential, fp32=args.fp32,
-                                          int8=args.int8, block_size=args.block_size))
+                                          int8=args.int8, block_size=args.block_size,
+                                          huge_pages=args.huge_pages,
+                                          **({"min_cache_bytes": 0} if args.in_cache else {})))
     print(json.dumps({"layout": {"num_heads": 9, "num_kv_heads": 3, "head_dim": 64,
                                  "block_size": args.block_size, "dtype": "bfloat16",
-                                 "blocks": "sequential" if args.sequential else "scattered"},
+                                 "blocks": "sequential" if args.sequential else "scattered",
+                                 "in_cache": args.in_cache, "huge_pages": args.huge_pages},
                       **levels, "threads": torch.get_num_threads(), "results": results},
                      indent=2))
 
