@@ -20,7 +20,9 @@
  *    vdpbf16ps on AVX-512 BF16, exact products, fp32 sums; elsewhere each key vector is
  *    widened to fp32 once and scored against every query head of the group) folded by one
  *    transpose-reduce, one online-softmax update per chunk
- *    with a vectorised exp2, values accumulated in fp32; the next block is prefetched when
+ *    with a vectorised exp2, values accumulated in fp32 (with vdpbf16ps on two tokens'
+ *    bf16 values at once, the probabilities rounded to bf16, on AVX-512 BF16: see
+ *    fold_values_dpbf16; elsewhere FMAs on widened values); the next block is prefetched when
  *    it does not follow the current one in memory. Work is split over (request, KV head) and, when there are too few of those to
  *    keep every thread busy (small batches, long contexts), over context ranges too, whose
  *    partial softmaxes are merged at the end (flash-decoding).
