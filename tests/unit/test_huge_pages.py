@@ -56,6 +56,9 @@ def _thp_mode() -> str | None:
     return text[text.index("[") + 1:text.index("]")]
 
 
+_GIVES_HUGE_PAGES = _thp_mode() in ("always", "madvise") and hasattr(mmap, "MADV_HUGEPAGE")
+
+
 def _anon_huge_kb() -> int:
     for line in pathlib.Path("/proc/self/smaps_rollup").read_text().splitlines():
         if line.startswith("AnonHugePages:"):
@@ -63,7 +66,7 @@ def _anon_huge_kb() -> int:
     return 0
 
 
-@pytest.mark.skipif(_thp_mode() not in ("always", "madvise") or not hasattr(mmap, "MADV_HUGEPAGE"),
+@pytest.mark.skipif(not _GIVES_HUGE_PAGES,
                     reason="the kernel gives no transparent huge pages here "
                            "(test_tensors_are_aligned_disjoint_and_of_the_asked_size runs)")
 def test_touched_chunks_are_backed_by_huge_pages():
@@ -95,7 +98,7 @@ def test_cpu_kv_caches_are_zeroed_disjoint_and_in_the_arena():
         assert bool((c == i + 1).all())
 
 
-@pytest.mark.skipif(_thp_mode() not in ("always", "madvise") or not hasattr(mmap, "MADV_HUGEPAGE"),
+@pytest.mark.skipif(not _GIVES_HUGE_PAGES,
                     reason="the kernel gives no transparent huge pages here "
                            "(test_cpu_kv_caches_are_zeroed_disjoint_and_in_the_arena runs)")
 def test_cpu_kv_caches_are_backed_by_huge_pages():

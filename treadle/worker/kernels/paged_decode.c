@@ -419,7 +419,7 @@ ALWAYS_INLINE void fold_values_dpbf16(vf *acc, const vf *corr, const float *p_bu
     uint32_t pp[FAST_GROUP_MAX][CHUNK / 2] __attribute__((aligned(64)));
     #pragma GCC unroll 64
     for (int g = 0; g < G; g++)
-        _mm256_store_si256((__m256i *)pp[g], (__m256i)_mm512_cvtneps_pbh(vf_load(p_buf + g * CHUNK)));
+        _mm256_store_si256((__m256i *)pp[g], vh_from_floats(vf_load(p_buf + g * CHUNK)));
     const int C = HD / 16, CB = value_block_dp(HD, G);
     #pragma GCC unroll 16
     for (int c0 = 0; c0 < C; c0 += CB) {
