@@ -15,17 +15,7 @@ import time
 
 import torch
 
-#: Shape of the benchmark model (SmolLM2-135M: hidden 576, 9 heads / 3 KV heads of 64,
-#: intermediate 1536, 30 layers, vocab 49152): name -> (in_features, out_features, uses per token).
-HIDDEN, INTERMEDIATE, VOCAB, NUM_LAYERS, HEAD_DIM, NUM_KV_HEADS = 576, 1536, 49152, 30, 64, 3
-BENCHMARK_MODEL_SHAPES: dict[str, tuple[int, int, int]] = {
-    "q_proj": (HIDDEN, HIDDEN, NUM_LAYERS),
-    "k_proj/v_proj": (HIDDEN, NUM_KV_HEADS * HEAD_DIM, 2 * NUM_LAYERS),
-    "o_proj": (HIDDEN, HIDDEN, NUM_LAYERS),
-    "gate_proj/up_proj": (HIDDEN, INTERMEDIATE, 2 * NUM_LAYERS),
-    "down_proj": (INTERMEDIATE, HIDDEN, NUM_LAYERS),
-    "lm_head": (HIDDEN, VOCAB, 1),
-}
+from treadle.bench.benchmark_shapes import BENCHMARK_MODEL_SHAPES
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
            "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}

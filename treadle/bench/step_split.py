@@ -6,7 +6,10 @@ others; treadle/engine/trace.py) and bins each step by what it ran: any prefill 
 default). Prints, per bin, the steps, their seconds, the share of all step time and the
 mean step. A step's time is its `t_end - t_start` (schedule, forward, sample, update);
 what lies between steps (the engine's input handling) is reported as one more line.
-The docs' "time split" tables (docs/benchmarks.md) come from it.
+With `--peak-gflops` and `--read-gbs` (the machine's measured matmul peak and memory read
+rate) each bin also gets its floor and how far above it the steps ran (bench/step_floor.py;
+traces of the benchmark model). The docs' "time split" tables (docs/benchmarks.md) come
+from it.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
+from treadle.bench.step_floor import step_floors
 from treadle.config import parse_int_list
 from treadle.engine.trace import Trace, read_trace
 
@@ -44,33 +48,51 @@ def _features(step) -> dict:
     return {"prefill_tokens": prefill, "decode_rows": rows}
 
 
-def split(trace: Trace, edges: tuple[int, ...] = DEFAULT_EDGES) -> dict:
+def split(trace: Trace, edges: tuple[int, ...] = DEFAULT_EDGES,
+          floors: list[float] | None = None) -> dict:
     """{"bins": {bin: {"steps", "seconds", "share", "ms_per_step"}}, "step_seconds",
-    "between_steps_seconds", "span_seconds"} for one trace."""
+    "between_steps_seconds", "span_seconds"} for one trace. `floors` (one per step,
+    step_floor.step_floors): each bin also gets "floor_seconds" and "x_floor"."""
     bins: dict[str, dict] = {}
     order = ["prefill"] + [step_bin({"prefill_tokens": 0, "decode_rows": e}, edges)
                            for e in (*edges, edges[-1] + 1)]
     for name in order:
         bins[name] = {"steps": 0, "seconds": 0.0}
-    for step in trace.steps:
+        if floors is not None:
+            bins[name]["floor_seconds"] = 0.0
+    for i, step in enumerate(trace.steps):
         entry = bins[step_bin(_features(step), edges)]
         entry["steps"] += 1
         entry["seconds"] += step.t_end - step.t_start
+        if floors is not None:
+            entry["floor_seconds"] += floors[i]
     total = sum(b["seconds"] for b in bins.values())
     for entry in bins.values():
         entry["share"] = entry["seconds"] / total if total else 0.0
         entry["ms_per_step"] = 1e3 * entry["seconds"] / entry["steps"] if entry["steps"] else 0.0
+        if floors is not None:
+            entry["x_floor"] = (entry["seconds"] / entry["floor_seconds"]
+                                if entry["floor_seconds"] else 0.0)
     span = trace.steps[-1].t_end - trace.steps[0].t_start if trace.steps else 0.0
     return {"bins": {k: v for k, v in bins.items() if v["steps"]}, "step_seconds": total,
             "between_steps_seconds": span - total, "span_seconds": span}
 
 
 def format_split(result: dict) -> str:
-    lines = ["| steps | count | seconds | share | ms per step |", "| --- | --- | --- | --- | --- |"]
+    with_floor = any("floor_seconds" in b for b in result["bins"].values())
+    head = "| steps | count | seconds | share | ms per step |"
+    rule = "| --- | --- | --- | --- | --- |"
+    if with_floor:
+        head, rule = head + " floor s | x floor |", rule + " --- | --- |"
+    lines = [head, rule]
     for name, b in result["bins"].items():
-        lines.append(f"| {name} | {b['steps']} | {b['seconds']:.2f} | {100 * b['share']:.0f}% "
-                     f"| {b['ms_per_step']:.1f} |")
-    lines.append(f"| between steps | | {result['between_steps_seconds']:.2f} | | |")
+        line = (f"| {name} | {b['steps']} | {b['seconds']:.2f} | {100 * b['share']:.0f}% "
+                f"| {b['ms_per_step']:.1f} |")
+        if with_floor:
+            line += f" {b['floor_seconds']:.2f} | {b['x_floor']:.2f} |"
+        lines.append(line)
+    lines.append(f"| between steps | | {result['between_steps_seconds']:.2f} | | |"
+                 + (" | |" if with_floor else ""))
     return "\n".join(lines)
 
 
@@ -81,10 +103,24 @@ def main(argv: list[str] | None = None) -> None:
                         help="upper ends of the decode-only bins, in rows (default: "
                              "%(default)s)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--peak-gflops", type=float,
+                        help="the measured matmul peak (GFLOP/s): with --read-gbs, each bin's "
+                             "floor (benchmark-model traces)")
+    parser.add_argument("--read-gbs", type=float,
+                        help="the measured memory read rate (GB/s), with --peak-gflops")
     args = parser.parse_args(argv)
     edges = tuple(parse_int_list(args.edges, "--edges"))
+    if (args.peak_gflops is None) != (args.read_gbs is None):
+        parser.error("--peak-gflops and --read-gbs go together")
     for path in args.traces:
-        result = split(read_trace(path), edges)
+        trace = read_trace(path)
+        floors = None
+        if args.peak_gflops is not None:
+            try:
+                floors = step_floors(trace, args.peak_gflops, args.read_gbs)
+            except ValueError as e:
+                parser.error(f"{path}: {e}")
+        result = split(trace, edges, floors)
         if args.json:
             print(json.dumps({"trace": str(path), **result}))
         else:
