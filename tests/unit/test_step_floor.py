@@ -8,7 +8,7 @@ import pytest
 
 from treadle.bench import benchmark_shapes as shapes
 from treadle.bench.step_floor import (benchmark_model_costs, sampling_prefill_rows,
-                                      step_floors, step_work)
+                                      step_rooflines, step_work)
 from treadle.bench.step_split import main
 from treadle.engine.trace import read_trace
 
@@ -80,7 +80,8 @@ def test_memory_and_compute_bound_steps(tmp_path):
                                                               prefill_ctx=1000, pairs=500500)),
         (1.0, 1.1, [["a", 1, "decode"]] * 4, [], decode),
     ])
-    floors = step_floors(read_trace(path), PEAK / 1e9, READ / 1e9)
+    rooflines = step_rooflines(read_trace(path), PEAK / 1e9, READ / 1e9)
+    floors = [r.floor_seconds for r in rooflines]
     # 1,000 prompt tokens, one sampled row: the linears' arithmetic beats the weights' read.
     linears = costs.body_flops_per_token * 1000 + costs.head_flops_per_row
     attention = costs.attention_flops_per_pair * 500500
@@ -91,6 +92,14 @@ def test_memory_and_compute_bound_steps(tmp_path):
     work = step_work(read_trace(path).steps[1], 0, costs)
     assert work.linear_flops / PEAK < costs.weight_bytes / READ
     assert floors[1] == pytest.approx(costs.weight_bytes / READ + 4000 * 23040 / READ)
+    assert rooflines[1].flops == pytest.approx(work.linear_flops + work.attention_flops)
+    assert rooflines[1].bytes == pytest.approx(costs.weight_bytes + 4000 * 23040)
+    # Without the rates: the same arithmetic and bytes, no floor.
+    bare = step_rooflines(read_trace(path))
+    assert [r.floor_seconds for r in bare] == [None, None]
+    assert bare[0].flops == pytest.approx(linears + attention)
+    with pytest.raises(ValueError, match="must be > 0"):
+        step_rooflines(read_trace(path), 0, 40)
 
 
 def test_step_split_prints_the_floor_columns(tmp_path, capsys):
@@ -99,11 +108,16 @@ def test_step_split_prints_the_floor_columns(tmp_path, capsys):
     ])
     main([str(path), "--peak-gflops", "400", "--read-gbs", "40", "--json"])
     bins = json.loads(capsys.readouterr().out)["bins"]
-    floor = (2 * shapes.NUM_PARAMETERS + 4000 * 23040) / READ
-    assert bins["decode 1-4"]["floor_seconds"] == pytest.approx(floor)
-    assert bins["decode 1-4"]["x_floor"] == pytest.approx(0.02 / floor)
+    read = 2 * shapes.NUM_PARAMETERS + 4000 * 23040
+    assert bins["decode 1-4"]["floor_seconds"] == pytest.approx(read / READ)
+    assert bins["decode 1-4"]["x_floor"] == pytest.approx(0.02 / (read / READ))
+    assert bins["decode 1-4"]["gb_per_s"] == pytest.approx(read / 0.02 / 1e9)
     main([str(path), "--peak-gflops", "400", "--read-gbs", "40"])
-    assert "| floor s | x floor |" in capsys.readouterr().out
+    assert "| GFLOP/s | GB/s | floor s | x floor |" in capsys.readouterr().out
+    main([str(path), "--roofline"])
+    table = capsys.readouterr().out
+    assert "| GFLOP/s | GB/s |" in table and "floor" not in table
+    assert f"| {read / 0.02 / 1e9:.1f} |" in table
     with pytest.raises(SystemExit):
         main([str(path), "--peak-gflops", "400"])
     assert "go together" in capsys.readouterr().err

@@ -1,6 +1,8 @@
 """How close a traced run came to the machine's floor, step by step.
 
-A step's floor is a roofline in two phases that do not overlap each other: the linears
+Per step: the arithmetic it does and the bytes it reads (so a run's achieved GFLOP/s and
+GB/s follow from its step times alone), and its floor. A step's floor is a roofline in two
+phases that do not overlap each other: the linears
 (their arithmetic at the measured peak, or streaming the weights at the measured read
 rate, whichever is longer) and then attention (its arithmetic, or reading the cached K/V
 it attends to, whichever is longer). Per step, from the trace's features
@@ -113,12 +115,33 @@ def step_work(step: TraceStep, sampling_prefill: int, costs: StepCosts) -> StepW
         * (f["prefill_context_tokens"] + f["decode_context_tokens"]))
 
 
-def step_floors(trace: Trace, peak_gflops: float, read_gbs: float) -> list[float]:
-    """Each step's floor in seconds at `peak_gflops` GFLOP/s and `read_gbs` GB/s."""
-    if peak_gflops <= 0 or read_gbs <= 0:
+@dataclass(frozen=True)
+class StepRoofline:
+    """One step as the roofline sees it."""
+
+    flops: float
+    """The linears' and attention's arithmetic."""
+    bytes: float
+    """The weights and the K/V the step reads."""
+    floor_seconds: float | None
+    """The floor at the given peak and read rate; None when they were not given."""
+
+
+def step_rooflines(trace: Trace, peak_gflops: float | None = None,
+                   read_gbs: float | None = None) -> list[StepRoofline]:
+    """Each step's arithmetic and bytes, and its floor at `peak_gflops` GFLOP/s and
+    `read_gbs` GB/s when both are given. ValueError for a trace of another model, a
+    version-1 trace or rates that are not positive."""
+    with_floor = peak_gflops is not None and read_gbs is not None
+    if with_floor and (peak_gflops <= 0 or read_gbs <= 0):
         raise ValueError(f"peak_gflops and read_gbs must be > 0, got {peak_gflops}, "
                          f"{read_gbs}")
     costs = benchmark_model_costs(trace.engine)
-    sampling = sampling_prefill_rows(trace)
-    return [step_work(step, n, costs).floor_seconds(costs, peak_gflops * 1e9, read_gbs * 1e9)
-            for step, n in zip(trace.steps, sampling)]
+    result = []
+    for step, n in zip(trace.steps, sampling_prefill_rows(trace)):
+        work = step_work(step, n, costs)
+        floor = (work.floor_seconds(costs, peak_gflops * 1e9, read_gbs * 1e9)
+                 if with_floor else None)
+        result.append(StepRoofline(work.linear_flops + work.attention_flops,
+                                   costs.weight_bytes + work.kv_bytes, floor))
+    return result
