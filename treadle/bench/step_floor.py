@@ -75,10 +75,9 @@ def sampling_prefill_rows(trace: Trace) -> list[int]:
     for i in range(len(trace.steps) - 1, -1, -1):
         step = trace.steps[i]
         finished = {rid for rid, _ in step.finished}
-        for rid, _, kind in step.scheduled:
+        for rid, _, kind in step.scheduled:  # a request runs at most once a step
             if kind == "prefill" and (rid in finished or next_kind.get(rid) == "decode"):
                 counts[i] += 1
-        for rid, _, kind in step.scheduled:
             next_kind[rid] = kind
     return counts
 

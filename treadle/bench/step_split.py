@@ -56,9 +56,8 @@ def split(trace: Trace, edges: tuple[int, ...] = DEFAULT_EDGES,
     "between_steps_seconds", "span_seconds"} for one trace. `rooflines` (one per step,
     step_floor.step_rooflines): each bin also gets "gflop_per_s" and "gb_per_s", and
     "floor_seconds" and "x_floor" where they carry floors."""
-    floors = None
-    if rooflines is not None and all(r.floor_seconds is not None for r in rooflines):
-        floors = [r.floor_seconds for r in rooflines]
+    with_floor = rooflines is not None and all(r.floor_seconds is not None
+                                               for r in rooflines)
     bins: dict[str, dict] = {}
     order = ["prefill"] + [step_bin({"prefill_tokens": 0, "decode_rows": e}, edges)
                            for e in (*edges, edges[-1] + 1)]
@@ -66,7 +65,7 @@ def split(trace: Trace, edges: tuple[int, ...] = DEFAULT_EDGES,
         bins[name] = {"steps": 0, "seconds": 0.0}
         if rooflines is not None:
             bins[name] |= {"flops": 0.0, "bytes": 0.0}
-        if floors is not None:
+        if with_floor:
             bins[name]["floor_seconds"] = 0.0
     for i, step in enumerate(trace.steps):
         entry = bins[step_bin(_features(step), edges)]
@@ -75,8 +74,8 @@ def split(trace: Trace, edges: tuple[int, ...] = DEFAULT_EDGES,
         if rooflines is not None:
             entry["flops"] += rooflines[i].flops
             entry["bytes"] += rooflines[i].bytes
-        if floors is not None:
-            entry["floor_seconds"] += floors[i]
+        if with_floor:
+            entry["floor_seconds"] += rooflines[i].floor_seconds
     total = sum(b["seconds"] for b in bins.values())
     for entry in bins.values():
         entry["share"] = entry["seconds"] / total if total else 0.0
@@ -85,7 +84,7 @@ def split(trace: Trace, edges: tuple[int, ...] = DEFAULT_EDGES,
             seconds = entry["seconds"] or float("inf")
             entry["gflop_per_s"] = entry.pop("flops") / seconds / 1e9
             entry["gb_per_s"] = entry.pop("bytes") / seconds / 1e9
-        if floors is not None:
+        if with_floor:
             entry["x_floor"] = (entry["seconds"] / entry["floor_seconds"]
                                 if entry["floor_seconds"] else 0.0)
     span = trace.steps[-1].t_end - trace.steps[0].t_start if trace.steps else 0.0

@@ -5,8 +5,6 @@ Owns the physical storage only; which request uses which block is decided in cor
 how attention reads a layout is its backend's business (worker/attention). A layout is
 named by the backend that uses it:
 
-The CPU's tensors come from huge pages (`allocate_kv_caches`).
-
 - `heads_first`: per layer [2 (K, V), num_kv_heads, num_blocks, block_size, head_dim].
   The head dimension outermost makes a gather of a request's blocks yield [kv_heads,
   tokens, head_dim] directly, the operand layout of a batched matmul (worker/attention/
@@ -14,6 +12,8 @@ The CPU's tensors come from huge pages (`allocate_kv_caches`).
 - `blocks_first`: per layer [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]:
   a block contiguous across heads (one run per swap copy), one row per token for the
   K/V write, FlashAttention's paged layout; the Triton kernels read it (docs/gpu.md).
+
+On the CPU the tensors come from transparent huge pages (`allocate_kv_caches`).
 
 With a quantized cache (`kv_cache_dtype` int8 or fp8_e4m3, worker/kv_quant.py) the last
 dimension is a row of `head_dim` values and their float16 scale (`head_dim + 2` bytes),
