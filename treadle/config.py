@@ -116,8 +116,14 @@ class ModelConfig:
         "GPU: decode batch sizes captured as CUDA graphs, e.g. '1,2,4,8,16' (a batch runs "
         "at the next size up, eagerly above the largest); 1, 2, 4, then multiples of 8 up "
         "to max_num_seqs when not given"))
+    grammar_mask_budget_ms: float = field(default=50.0, metadata=_help(
+        "Structured outputs: longest a request's token mask may take in one step; a "
+        "request over it ends with finish reason 'error' instead of slowing the batch"))
 
     def __post_init__(self) -> None:
+        if self.grammar_mask_budget_ms <= 0:
+            raise ValueError("grammar_mask_budget_ms must be > 0, got "
+                             f"{self.grammar_mask_budget_ms}")
         if self.cuda_graph_sizes is not None:
             object.__setattr__(self, "cuda_graph_sizes",
                                parse_int_list(self.cuda_graph_sizes, "cuda_graph_sizes"))

@@ -238,3 +238,32 @@ def test_steps_with_adapter_rows_never_replay_decode_graphs(setup):
     assert run(llm, prompts[:4], loras, [None] * 4) == references[None][:4]
     assert graphs.num_replays > 0
     llm.engine.shutdown()
+
+
+def test_an_adapter_that_cannot_be_loaded_fails_its_requests_alone(setup, tmp_path):
+    """The adapter's files passed the check when registered (its header) but its data is
+    gone when the worker loads it: its requests end with the reason, the engine and the
+    other requests of the same steps go on (before, the load error took the engine down)."""
+    import shutil
+    base_dir, paths, prompts, references = setup
+    broken = tmp_path / "truncated"
+    shutil.copytree(paths[0], broken)
+    weights = broken / "adapter_model.safetensors"
+    header_size = 8 + int.from_bytes(weights.read_bytes()[:8], "little")
+    with open(weights, "r+b") as f:  # the header stays readable, the tensors' bytes go
+        f.truncate(header_size + 16)
+    llm = LLM(model=base_dir, dtype="float32", enable_lora=True, max_loras=2)
+    loras = [LoRARequest("broken", 1, str(broken)), LoRARequest("ok", 2, paths[1])]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]],
+                        SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
+                        use_tqdm=False, lora_request=[loras[0], None, loras[1], loras[0]])
+    for i in (0, 3):
+        assert outs[i].outputs[0].finish_reason == "error"
+        assert "adapter 'broken'" in outs[i].error and "could not be loaded" in outs[i].error
+    assert outs[1].error is None and outs[1].outputs[0].token_ids == references[None][1]
+    assert outs[2].error is None and outs[2].outputs[0].token_ids == references[1][2]
+    again, = llm.generate([{"prompt_token_ids": prompts[5]}],
+                          SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
+                          use_tqdm=False)
+    assert again.outputs[0].token_ids == references[None][5]
+    llm.engine.shutdown()

@@ -257,3 +257,61 @@ def test_inverse_cdf_never_picks_a_zero_weight_entry_when_rounding_reaches_the_e
     # u = 0 takes the first kept entry, never a zero-weight one before it
     assert _block_inverse_cdf(w, torch.zeros(3, dtype=torch.float64))[0].tolist() == \
         [10, 3999, 1500]
+
+
+# ----- no sampling parameter can take the engine down --------------------------------------
+
+VOCAB_FUZZ = 97
+
+
+def _params(draw, st):
+    max_tokens = draw(st.integers(1, 64))
+    bias = draw(st.one_of(st.none(), st.dictionaries(
+        st.integers(0, VOCAB_FUZZ - 1), st.floats(-100, 100), max_size=8)))
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=draw(st.one_of(st.just(0.0), st.floats(0.0, 100.0))),
+        top_p=draw(st.floats(1e-9, 1.0)), top_k=draw(st.integers(0, 10**6)),
+        min_p=draw(st.floats(0.0, 1.0)),
+        repetition_penalty=draw(st.floats(1e-6, 100.0)),
+        presence_penalty=draw(st.floats(-2.0, 2.0)),
+        frequency_penalty=draw(st.floats(-2.0, 2.0)),
+        seed=draw(st.one_of(st.none(), st.integers(0, 2**63 - 1))),
+        min_tokens=draw(st.integers(0, max_tokens)),
+        logprobs=draw(st.one_of(st.none(), st.integers(0, 20))),
+        logit_bias=bias)
+
+
+def test_every_valid_sampling_parameter_samples_a_token_in_the_vocabulary(kernels):
+    """Whatever SamplingParams' validation lets through (the one check every door uses),
+    the sampler draws a token of the vocabulary for every row and never raises: a request
+    cannot take the engine down through its sampling parameters."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @st.composite
+    def rows(draw):
+        num = draw(st.integers(1, 6))
+        params = [_params(draw, st) for _ in range(num)]
+        scale = draw(st.sampled_from([1e-3, 1.0, 30.0, 1e4]))
+        prompts = [draw(st.lists(st.integers(0, VOCAB_FUZZ - 1), min_size=1, max_size=8))
+                   for _ in range(num)]
+        outputs = [draw(st.lists(st.integers(0, VOCAB_FUZZ - 1), max_size=8))
+                   for _ in range(num)]
+        return params, scale, prompts, outputs, draw(st.integers(0, 2**31))
+
+    @settings(max_examples=60, deadline=None)
+    @given(rows())
+    def check(case):
+        params, scale, prompts, outputs, seed = case
+        logits = torch.randn(len(params), VOCAB_FUZZ,
+                             generator=torch.Generator().manual_seed(seed)) * scale
+        sampler = Sampler(seed, kernels=kernels)
+        ids = [f"r{i}" for i in range(len(params))]
+        out = sampler.sample(logits, ids, params, prompts, outputs, eos_token_id=1)
+        assert len(out.token_ids) == len(params)
+        assert all(0 <= t < VOCAB_FUZZ for t in out.token_ids)
+        for p, lp in zip(params, out.logprobs):
+            assert (lp is None) == (p.logprobs is None)
+
+    check()

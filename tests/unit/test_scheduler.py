@@ -343,3 +343,35 @@ def test_recompute_resume_is_chunked_even_without_chunked_prefill():
     assert sched.stats.num_preemptions > 0
     assert all(r.num_output_tokens == 12 for r in requests)
     assert sched.kv.pool.num_free_blocks == 9
+
+
+def test_a_request_the_runner_reports_failed_ends_alone_with_an_error():
+    """A per-request component of the worker (a grammar, an adapter's load) failed for one
+    request: it ends with finish reason 'error' and its blocks are freed; what the step
+    sampled for it is dropped; the others finish as if nothing happened."""
+    scheduler = make_scheduler()
+    free_at_start = scheduler.kv.pool.num_free_blocks
+    requests = [make_request(f"r{i}", 10, 6) for i in range(3)]
+    for r in requests:
+        scheduler.add_request(r)
+    outputs = []
+    for step in range(50):
+        out = scheduler.schedule()
+        result = fake_runner(out)
+        if step == 2:
+            result.failed = {"r1": "structured_outputs: the grammar failed while generating"}
+        outputs += scheduler.update_from_output(out, result)
+        if not scheduler.has_unfinished_requests():
+            break
+    by_request = {}
+    for o in outputs:
+        by_request.setdefault(o.request_id, []).append(o)
+    failed = by_request["r1"][-1]
+    assert failed.finish_reason is FinishReason.ERROR and failed.new_token_ids == []
+    assert failed.error == "structured_outputs: the grammar failed while generating"
+    assert requests[1].status is RequestStatus.FINISHED_ERROR
+    for rid in ("r0", "r2"):
+        assert sum(len(o.new_token_ids) for o in by_request[rid]) == 6
+        assert by_request[rid][-1].finish_reason is FinishReason.LENGTH
+    scheduler.schedule()  # the finished requests' blocks go back on the next step
+    assert scheduler.kv.pool.num_free_blocks == free_at_start

@@ -267,3 +267,109 @@ def test_spec_forms():
     assert set(schema["properties"]) == {"properties"}
     assert from_structured_outputs({"json_object": True,
                                     "disable_any_whitespace": True}).compact_json
+
+
+# ----- a grammar never takes the engine down (issue: no request kills the engine) ---------
+
+def test_grammars_that_overflow_the_parser_are_refused_at_compile_naming_the_limit(compiler):
+    """Once admitted, these made the matcher fail on the first consumed token and took the
+    engine loop down with every other request; now compiling them is the 400."""
+    optional = {"type": "object",
+                "properties": {f"p{i}": {"type": "integer"} for i in range(499)}}
+    with pytest.raises(StructuredOutputError) as info:
+        compiler.compile(from_response_format({"type": "json_schema", "json_schema": {
+            "name": "x", "schema": optional}}))
+    message = str(info.value)
+    assert info.value.field == "response_format.json_schema.schema"
+    assert "max is 2000" in message and "499 properties" in message
+    assert "<state>" not in message and "consider" not in message
+    alternatives = "start: " + " | ".join(f'"a{i}"' for i in range(2001))
+    with pytest.raises(StructuredOutputError, match="max is 2000"):
+        compiler.compile(from_structured_outputs({"grammar": alternatives}))
+    smaller = {"type": "object",
+               "properties": {f"p{i}": {"type": "integer"} for i in range(300)}}
+    compiler.compile(StructuredSpec.json_schema(smaller, "x"))  # within the limits
+
+
+class _BrokenMatcher:
+    """A matcher whose grammar breaks once the output reaches `fail_at` tokens."""
+
+    def __init__(self, real, fail_at: int) -> None:
+        self.real, self.fail_at = real, fail_at
+
+    @property
+    def accepted(self):
+        return self.real.accepted
+
+    def sync(self, token_ids):
+        if len(token_ids) >= self.fail_at:
+            raise RuntimeError("grammar matcher failed on validated tokens: Parser Error: "
+                               "Current row has 2003 items; max is 2000; consider x <state> y")
+        return self.real.sync(token_ids)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def _grammar_state(compiler, budget_s=0.05, broken=None):
+    from pathlib import Path
+
+    from treadle.worker.grammar import GrammarState
+    state = GrammarState(Path("unused"), VOCAB, compiler.eos_token_ids[0], budget_s)
+    state._compiler = compiler  # what _matcher would build from the model's tokenizer
+    if broken is not None:
+        request_id, fail_at = broken
+        real = state._matcher  # noqa: SLF001 - wrap one request's matcher
+
+        def matcher(rid, spec):
+            made = real(rid, spec)
+            if rid == request_id and not isinstance(made, _BrokenMatcher):
+                made = state._requests[rid] = _BrokenMatcher(made, fail_at)
+            return made
+        state._matcher = matcher
+    return state
+
+
+def test_a_grammar_that_fails_while_generating_fails_its_request_alone(compiler, tokenizer):
+    spec = from_structured_outputs({"regex": "[a-z]{0,40}"})
+    state = _grammar_state(compiler, broken=("bad", 3))
+    outputs = {"good": [], "bad": []}
+    letter = tokenizer.convert_tokens_to_ids("a")
+    for _ in range(6):
+        state.start([(i, rid, spec, ids, []) for i, (rid, ids) in enumerate(outputs.items())])
+        masks = state.masks()
+        if state.failed:
+            break
+        for i, ids in enumerate(outputs.values()):
+            assert letter in allowed_ids(masks.bitmask[i], VOCAB)
+            ids.append(letter)
+    assert list(state.failed) == ["bad"] and len(outputs["bad"]) == 3
+    assert len(allowed_ids(masks.bitmask[1], VOCAB)) == VOCAB  # its draw is dropped
+    assert letter in allowed_ids(masks.bitmask[0], VOCAB)
+    failed = state.failed["bad"]
+    assert failed.startswith("structured_outputs.regex: the grammar failed while generating")
+    assert "max is 2000" in failed and "<state>" not in failed
+    state.start([(0, "good", spec, outputs["good"], [])])  # the other request goes on
+    assert not state.failed and letter in allowed_ids(state.masks().bitmask[0], VOCAB)
+    state.close()
+
+
+def test_a_grammar_over_the_mask_budget_fails_its_request_alone(compiler, tokenizer):
+    """An ambiguous grammar's cost grows with its output (0.3 ms a token at 50 tokens, 387
+    ms at 800 in the report): over the budget, it ends instead of slowing every step."""
+    ambiguous = from_structured_outputs({"grammar": 'start: x\nx: x x | "a"'})
+    plain = from_structured_outputs({"regex": "a*"})
+    state = _grammar_state(compiler, budget_s=0.002)
+    letter = tokenizer.convert_tokens_to_ids("a")
+    outputs = []
+    for step in range(2000):
+        state.start([(0, "ambiguous", ambiguous, outputs, []), (1, "plain", plain, outputs, [])])
+        masks = state.masks()
+        if state.failed:
+            break
+        assert allowed_ids(masks.bitmask[0], VOCAB)
+        outputs = outputs + [letter]
+    assert list(state.failed) == ["ambiguous"], state.failed
+    assert "over the budget of 2 ms a step" in state.failed["ambiguous"]
+    assert letter in allowed_ids(masks.bitmask[1], VOCAB)  # the plain request's mask stands
+    state.close()

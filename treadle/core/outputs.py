@@ -216,6 +216,10 @@ class ModelRunnerOutput:
     """Per request with a prompt chunk this step that asked for prompt logprobs."""
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     """Tokens proposed for each request's next step (a speculative proposer's output)."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Requests a per-request component failed for this step (its grammar, its adapter's
+    load): id -> what happened. The scheduler ends each with finish reason 'error' and
+    drops whatever the step sampled for it; the other requests go on."""
     timings: StepTimings = field(default_factory=StepTimings)
 
 

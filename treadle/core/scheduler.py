@@ -70,7 +70,7 @@ from treadle.core.preemption import Preemptor
 from treadle.core.scheduling_policy import make_policy
 from treadle.core.spec_decode import (ProposalCandidate, SpecCandidate, SpecCosts,
                                       SpecDecodeController)
-from treadle.request import Request, RequestStatus
+from treadle.request import FinishReason, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -264,6 +264,15 @@ class Scheduler:
             self.spec.forget(request.request_id)
             self._unrun.pop(request.request_id, None)
         self._finished_since_last_step.append(request.request_id)
+
+    def _fail(self, request: Request, error: str) -> EngineCoreOutput:
+        """End a running request with finish reason 'error' (a per-request component of
+        the worker failed for it); what its last step sampled is dropped."""
+        self.running.remove(request)
+        request.error = error
+        self._end(request, RequestStatus.FINISHED_ERROR)
+        return EngineCoreOutput(request.request_id, [], FinishReason.ERROR, error,
+                                num_cached_tokens=request.num_cached_tokens)
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
         """Put a request in the waiting queue (new, or preempted by recompute)."""
@@ -942,6 +951,7 @@ class Scheduler:
         prompt_logprobs_of = runner_output.prompt_logprobs
         logprobs_of = runner_output.logprobs
         proposals_of = runner_output.spec_token_ids
+        failed = runner_output.failed
         for sched in scheduler_output.scheduled:
             rid = sched.request_id
             self._in_flight.discard(rid)
@@ -953,6 +963,9 @@ class Scheduler:
             request = requests_get(rid)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            if failed and rid in failed:  # one of its components failed: it ends alone
+                outputs.append(self._fail(request, failed[rid]))
+                continue
             tokens = sampled[rid] if sched.sample else []
             num_rejected = len(sched.spec_token_ids) - max(len(tokens) - 1, 0)
             if self.spec is not None and tokens:

@@ -32,7 +32,8 @@ from treadle.server.admission import (AdmissionControl, AdmissionLimits, NeverAd
                                       Overloaded)
 from treadle.server.auth import KeyRing, Tenant
 from treadle.server.dashboard import install_observability
-from treadle.server.errors import APIError, error_body, error_response, install_error_handlers
+from treadle.server.errors import (APIError, error_body, error_field, error_response,
+                                   install_error_handlers)
 from treadle.server.fields import check_fields, check_message_fields
 from treadle.server.lora_routes import UnknownModel, lora_router, model_cards, resolve_model
 from treadle.server.middleware import AuthFirst, BodySizeLimit
@@ -435,10 +436,12 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
 
     def ended_by_engine(reason: str) -> APIError:
         """A request the engine ended with an error: the shutdown drain's abort (503), or
-        the engine refusing it at admission (400; the checks above make that rare)."""
+        the engine refusing it at admission or ending it while it ran (400 naming the
+        field at fault, e.g. a grammar that failed while generating; the checks above
+        make admission refusals rare)."""
         if app.state.shutting_down or not engine.is_alive:
             return APIError(503, reason, kind="server_error")
-        return APIError(400, reason, "prompt")
+        return APIError(400, reason, error_field(reason))
 
     def check_vocab(prompt_ids: list[int]) -> None:
         vocab = limits.vocab_size

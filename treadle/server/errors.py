@@ -48,6 +48,16 @@ def error_response(status: int, message: str, param: str | None = None,
                         headers=headers)
 
 
+_FIELD_PREFIX = re.compile(r"([A-Za-z_][A-Za-z0-9_.\[\]]*): ")
+
+
+def error_field(message: str, default: str = "prompt") -> str:
+    """The field an engine-side error message names first ("response_format.json_schema.
+    schema: the grammar failed ..."), else `default`."""
+    match = _FIELD_PREFIX.match(message)
+    return match.group(1) if match else default
+
+
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "bytes", "tuple", "set"}
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from treadle.server.tool_parsers import PARSERS, ToolParser
 from treadle.server.tool_parsers.constrained import NamedToolParser, RequiredToolParser
-from treadle.structured.spec import StructuredSpec
+from treadle.structured.spec import StructuredOutputError, StructuredSpec
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 MAX_TOOLS = 128
@@ -70,6 +70,15 @@ class ToolSetup:
 def setup_tools(tools: list[dict] | None, tool_choice: Any, parallel_tool_calls: bool | None,
                 parser_name: str | None, enable_auto_tool_choice: bool) -> ToolSetup:
     """Check the request's tool fields (ToolRequestError naming the field)."""
+    try:
+        return _setup_tools(tools, tool_choice, parallel_tool_calls, parser_name,
+                            enable_auto_tool_choice)
+    except StructuredOutputError as exc:  # a tool's schema too large or malformed
+        raise ToolRequestError(exc.field, exc.detail) from None
+
+
+def _setup_tools(tools: list[dict] | None, tool_choice: Any, parallel_tool_calls: bool | None,
+                 parser_name: str | None, enable_auto_tool_choice: bool) -> ToolSetup:
     functions = _functions(tools)
     parallel = True if parallel_tool_calls is None else bool(parallel_tool_calls)
     if tool_choice is None:

@@ -25,6 +25,9 @@ from typing import Sequence
 from treadle.structured.spec import StructuredOutputError, StructuredSpec
 
 DEFAULT_CACHE_SIZE = 256
+DRY_RUN_TOKENS = 4
+"""Tokens a new grammar is walked at compile time to catch parser-limit overflows
+(GrammarCompiler._dry_run)."""
 """Distinct compiled grammars kept (each holds its lexer and parser tables)."""
 
 
@@ -148,15 +151,95 @@ class GrammarCompiler:
         is_error, messages = ll.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error:
             return StructuredOutputError(spec.field, f"the {what} is not supported: "
-                                         f"{_first_lines(messages[0])}")
+                                         f"{one_line(messages[0])}")
         matcher = ll.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             return StructuredOutputError(spec.field, f"the {what} is not supported: "
-                                         f"{_first_lines(matcher.get_error())}")
+                                         f"{one_line(matcher.get_error())}")
+        failure = self._dry_run(matcher)
+        if failure is not None:
+            return StructuredOutputError(spec.field, f"the {what} is too large for the grammar "
+                                         f"engine ({parser_limit(failure)})"
+                                         f"{_largest_construct(spec)}")
         return CompiledGrammar(spec, grammar, matcher)
 
+    def _dry_run(self, matcher) -> str | None:
+        """Walk a copy of a fresh matcher DRY_RUN_TOKENS tokens along one path (the lowest
+        allowed id that is not end-of-sequence, each step) and return the parser's error if
+        it fails on the way. A grammar whose first parser row holds every alternative
+        (hundreds of optional properties, thousands of alternatives) overflows llguidance's
+        row limit on the first token it consumes: caught here, it is a 400 at admission
+        instead of a request that fails once it runs."""
+        import numpy as np
 
-def _first_lines(message: str, limit: int = 600) -> str:
+        probe = matcher.deep_copy()
+        words = (self.vocab_size + 31) // 32
+        row = np.zeros(words, dtype=np.int32)
+        eos = set(self.eos_token_ids)
+        for _ in range(DRY_RUN_TOKENS):
+            if probe.is_stopped():
+                break
+            probe.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            if probe.is_error():
+                break
+            token = _lowest_allowed(row, eos)
+            if token is None:
+                break
+            probe.consume_token(token)
+            if probe.is_error():
+                break
+        return probe.get_error() if probe.is_error() else None
+
+
+def _lowest_allowed(row, excluded: set[int]) -> int | None:
+    """The lowest token id a bitmask row (numpy int32 words) allows, outside `excluded`."""
+    import numpy as np
+
+    bits = np.unpackbits(row.view(np.uint8), bitorder="little")
+    for token in np.flatnonzero(bits):
+        if int(token) not in excluded:
+            return int(token)
+    return None
+
+
+def _largest_construct(spec: StructuredSpec) -> str:
+    """For a JSON schema, where its largest object or enum is (the construct the parser's
+    limits usually trip on), as a clause for the error message; '' otherwise."""
+    if spec.kind != "json":
+        return ""
+    largest = {"properties": (0, ""), "enum": (0, "")}
+
+    def walk(node, path: str) -> None:
+        if isinstance(node, dict):
+            props = node.get("properties")
+            if isinstance(props, dict) and len(props) > largest["properties"][0]:
+                largest["properties"] = (len(props), path or "the root")
+            values = node.get("enum")
+            if isinstance(values, list) and len(values) > largest["enum"][0]:
+                largest["enum"] = (len(values), path or "the root")
+            for key, child in node.items():
+                walk(child, f"{path}.{key}" if path else key)
+        elif isinstance(node, list):
+            for i, child in enumerate(node):
+                walk(child, f"{path}[{i}]")
+
+    walk(json.loads(spec.value), "")
+    props, enum = largest["properties"], largest["enum"]
+    if props[0] >= enum[0] and props[0] > 1:
+        return f": its largest object ({props[1]}) has {props[0]} properties"
+    if enum[0] > 1:
+        return f": its largest enum ({enum[1]}) has {enum[0]} values"
+    return ""
+
+
+def parser_limit(message: str) -> str:
+    """The limit an llguidance parser error names ("Parser Error: Current row has 2003
+    items; max is 2000"), without its advice and the parser state it dumps."""
+    text = one_line(message.split("<state>", 1)[0], 300)
+    return text.split("; consider", 1)[0].rstrip(" ;")
+
+
+def one_line(message: str, limit: int = 600) -> str:
     """An llguidance error message on one line (it draws carets under the source)."""
     text = " ".join(line.strip() for line in message.strip().splitlines() if line.strip())
     return text if len(text) <= limit else text[:limit] + "..."

@@ -119,6 +119,14 @@ class StructuredRequest:
         ignored."""
         return self._matcher.is_stopped()
 
+    def is_error(self) -> bool:
+        """The matcher hit one of the parser's limits (or broke): it stays in that state."""
+        return self._matcher.is_error()
+
+    def error(self) -> str:
+        """What went wrong, when is_error()."""
+        return self._matcher.get_error()
+
     def is_accepting(self) -> bool:
         """The output so far is a complete match (ending here would be valid)."""
         return self._matcher.is_accepting()

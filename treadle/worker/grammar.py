@@ -3,24 +3,40 @@ masks computed while the forward pass runs, and masks applied before sampling.
 
 Owns, on the rank that samples, a `GrammarCompiler` for the model's tokenizer (made on
 the first constrained request) and a `StructuredRequest` per live constrained request
-(treadle/structured). Each step: `start(rows)` brings every constrained request's
-matcher to its tokens as the step message says (`sync`: cheap when one token was added;
-it also undoes whatever a preemption or a rejected proposal took back) and submits the
-mask fill of its sampling positions to llguidance's threads, so it overlaps the model's
-forward pass; `masks()` waits for it and gives (bitmask, logits rows) for the sampler,
-which applies them after logit_bias and penalties and before temperature and sampling.
-Positions after proposed tokens (speculative decoding) are masked as if those tokens had
-been accepted. Unconstrained rows are never touched. It decides nothing: ending a request
-whose grammar is complete is the scheduler's (its end-of-sequence is then the only token
-allowed).
+(treadle/structured). Each step: `start(rows)` submits, per constrained request, one job
+to a small thread pool that brings its matcher to its tokens as the step message says
+(`sync`: cheap when one token was added; it also undoes whatever a preemption or a
+rejected proposal took back) and fills the mask of its sampling position. llguidance
+drops the GIL in both, so the jobs run while the model's forward pass does. `masks()`
+waits for them and gives (bitmask, logits rows) for the sampler, which applies them after
+logit_bias and penalties and before temperature and sampling. Positions after proposed
+tokens (speculative decoding) are masked as if those tokens had been accepted.
+Unconstrained rows are never touched. It decides nothing: ending a request whose grammar
+is complete is the scheduler's (its end-of-sequence is then the only token allowed).
+
+Nothing a grammar does raises out of here. A request whose grammar fails at run time (its
+spec does not compile here, the parser hits one of its limits, or its sync and mask take
+longer than `mask_budget_s` in one step) is reported in `failed` (request id -> message)
+with its row left all-allowed: the runner reports it, and the scheduler ends that request
+alone with finish reason 'error' and drops the token drawn for it. Each request's work is
+timed on its own (one job each), so a batch of many cheap masks is never blamed on one.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MASK_BUDGET_S = 0.05
+"""A request's grammar work (sync + mask) may take this long in one step."""
 
 
 @dataclass
@@ -31,16 +47,34 @@ class StepMasks:
     rows: list[int]
 
 
+@dataclass
+class _Job:
+    """One constrained request's sampling position of this step."""
+
+    request_id: str
+    spec: object
+    matcher: object
+    row: int
+    proposed: list[int]
+    future: concurrent.futures.Future | None = None
+
+
 class GrammarState:
     """Grammar matchers of the constrained requests of one worker."""
 
-    def __init__(self, model_dir: Path, vocab_size: int, eos_token_id: int | None) -> None:
+    def __init__(self, model_dir: Path, vocab_size: int, eos_token_id: int | None,
+                 mask_budget_s: float = DEFAULT_MASK_BUDGET_S,
+                 num_threads: int | None = None) -> None:
+        """`num_threads`: jobs run at once (default: half the CPUs, 1 to 8)."""
         self.model_dir, self.vocab_size, self.eos_token_id = model_dir, vocab_size, eos_token_id
+        self.mask_budget_s = mask_budget_s
+        self.num_threads = num_threads or max(1, min(8, (os.cpu_count() or 2) // 2))
         self._compiler = None
-        self._filler = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._requests: dict = {}
-        self._pending: tuple | None = None
-        """(fill future, bitmask, positions after proposals, logits rows) of this step."""
+        self._pending: tuple[torch.Tensor, list[_Job], list[int]] | None = None
+        self.failed: dict[str, str] = {}
+        """Requests whose grammar failed this step (id -> message), reset by `start`."""
 
     def drop(self, request_ids) -> None:
         for request_id in request_ids:
@@ -52,53 +86,123 @@ class GrammarState:
             if self._compiler is None:
                 from treadle.models.tokenizer import load_tokenizer
                 from treadle.structured.compiler import GrammarCompiler
-                from treadle.structured.matcher import BitmaskFiller
 
                 tokenizer = load_tokenizer(self.model_dir)
                 if tokenizer is None:
                     raise ValueError("structured outputs need the model's tokenizer files")
                 self._compiler = GrammarCompiler.from_hf_tokenizer(
                     tokenizer, self.vocab_size, self.eos_token_id)
-                self._filler = BitmaskFiller()
             matcher = self._requests[request_id] = self._compiler.new_request(spec)
         return matcher
 
+    def _fail(self, request_id: str, spec, message: str) -> None:
+        text = f"{getattr(spec, 'field', 'structured_outputs')}: {message}"
+        if request_id not in self.failed:
+            logger.warning("request %s ended: %s", request_id, text)
+            self.failed[request_id] = text
+        self._requests.pop(request_id, None)
+
     def start(self, positions: list[tuple[int, str, object, list[int], list[int]]]) -> None:
-        """Sync and submit the masks of sampling positions. `positions` holds, per
+        """Submit the sync and mask of each sampling position. `positions` holds, per
         sampling position of a constrained request: (its logits row, request id, its spec,
         its generated tokens, the proposed tokens before this position), a request's
         first position (no proposals before it) first."""
-        self._pending = None
+        if self._pending is not None:  # a step whose masks were never taken: finish it
+            self.masks()
+        self.failed = {}
         if not positions:
             return
         from treadle.structured.matcher import allocate_bitmask
 
-        with torch.inference_mode(False):  # written by the filler's thread, outside it
+        with torch.inference_mode(False):  # written by the pool's threads, outside it
             bitmask = allocate_bitmask(len(positions), self.vocab_size)
-        plain, ahead = [], []
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=self.num_threads, thread_name_prefix="treadle-grammar")
+        jobs = []
         for row, (_, request_id, spec, output_ids, proposed) in enumerate(positions):
-            matcher = self._matcher(request_id, spec)
+            if request_id in self.failed:
+                continue
+            try:
+                matcher = self._matcher(request_id, spec)
+            except Exception as exc:  # noqa: BLE001 - this request's grammar alone
+                self._fail(request_id, spec, _grammar_failure(exc))
+                continue
+            job = _Job(request_id, spec, matcher, row, list(proposed))
             if not proposed:
-                matcher.sync(output_ids)
-                plain.append((matcher, row))
-            else:
-                ahead.append((matcher, row, proposed))
-        future = self._filler.submit([m for m, _ in plain], bitmask, [r for _, r in plain])
-        self._pending = (future, bitmask, ahead, [p[0] for p in positions])
+                job.future = self._pool.submit(_sync_and_fill, matcher, list(output_ids),
+                                               bitmask[row])
+            jobs.append(job)
+        self._pending = (bitmask, jobs, [p[0] for p in positions])
 
     def masks(self) -> StepMasks | None:
         """The submitted masks, once filled (positions after proposed tokens are filled
         here, one by one: each tentatively accepts its proposals, then rolls them back)."""
         if self._pending is None:
             return None
-        future, bitmask, ahead, logits_rows = self._pending
+        bitmask, jobs, logits_rows = self._pending
         self._pending = None
-        future.result()
-        for matcher, row, proposed in ahead:
-            before = len(matcher.accepted)
-            if matcher.accept(proposed):
-                matcher.fill_bitmask(bitmask[row])
-            # else an earlier proposal breaks the grammar: this position is never reached
-            # (the masked token before it cannot equal that proposal), its mask is moot
-            matcher.rollback(len(matcher.accepted) - before)
+        for job in jobs:
+            if job.future is not None:
+                self._check(job, job.future.result())
+        for job in jobs:
+            if job.future is None and job.request_id not in self.failed:
+                self._check(job, _fill_ahead(job.matcher, job.proposed, bitmask[job.row]))
+        for job in jobs:
+            if job.request_id in self.failed:  # the token drawn there is dropped
+                bitmask[job.row] = -1
         return StepMasks(bitmask, logits_rows)
+
+    def _check(self, job: _Job, result: tuple[float, BaseException | None]) -> None:
+        elapsed, error = result
+        if error is not None:
+            self._fail(job.request_id, job.spec, _grammar_failure(error))
+        elif job.matcher.is_error():
+            self._fail(job.request_id, job.spec, _grammar_failure(job.matcher.error()))
+        elif elapsed > self.mask_budget_s:
+            self._fail(job.request_id, job.spec, (
+                f"following the grammar took {elapsed * 1e3:.1f} ms at output token "
+                f"{len(job.matcher.accepted)}, over the budget of "
+                f"{self.mask_budget_s * 1e3:.0f} ms a step (grammar_mask_budget_ms): the "
+                "grammar is too ambiguous to follow at this length"))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+def _sync_and_fill(matcher, output_ids: list[int], row: torch.Tensor
+                   ) -> tuple[float, BaseException | None]:
+    """On a pool thread: bring the matcher to `output_ids`, fill its mask into `row`.
+    Returns the seconds it took and the exception it raised, if any."""
+    t0 = time.perf_counter()
+    try:
+        matcher.sync(output_ids)
+        if not matcher.is_error():
+            matcher.fill_bitmask(row)
+    except Exception as exc:  # noqa: BLE001 - reported for this request alone
+        return time.perf_counter() - t0, exc
+    return time.perf_counter() - t0, None
+
+
+def _fill_ahead(matcher, proposed: list[int], row: torch.Tensor
+                ) -> tuple[float, BaseException | None]:
+    """The mask of the position after `proposed` tokens: accept them tentatively, fill,
+    roll back. If an earlier proposal breaks the grammar this position is never reached
+    (the masked token before it cannot equal that proposal), and its mask is moot."""
+    t0 = time.perf_counter()
+    try:
+        before = len(matcher.accepted)
+        if matcher.accept(proposed):
+            matcher.fill_bitmask(row)
+        matcher.rollback(len(matcher.accepted) - before)
+    except Exception as exc:  # noqa: BLE001 - reported for this request alone
+        return time.perf_counter() - t0, exc
+    return time.perf_counter() - t0, None
+
+
+def _grammar_failure(error) -> str:
+    """One line saying how a request's grammar failed at run time."""
+    from treadle.structured.compiler import parser_limit
+
+    return f"the grammar failed while generating: {parser_limit(str(error))}"

@@ -41,6 +41,7 @@ The runner never decides policy: it computes exactly what it is given.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from typing import Callable
 from dataclasses import dataclass
@@ -61,6 +62,8 @@ from treadle.worker.sampler import (Sampler, group_order, prompt_logprobs,
                                     takes_plain_argmax)
 from treadle.worker.spec.base import ProposalBatch, ProposalRequest, Proposer
 from treadle.worker.spec.rejection import RejectionSampler, SampleRow
+
+logger = logging.getLogger(__name__)
 
 _PROMPT_LOGPROBS_ROWS = 256
 """Prompt positions whose logits are computed at once ([rows, vocab] float32)."""
@@ -135,6 +138,8 @@ class ModelRunner:
         self.h2o = h2o
         self.model = model
         self.lora = lora
+        self.proposer_failed = False
+        """The proposer raised once: no proposals from then on (`_propose`)."""
         self.start_copies = start_copies or run_copies_now
         self.parallel = parallel or ParallelContext()
         self.grammar = grammar
@@ -306,12 +311,13 @@ class ModelRunner:
         if not par.is_first_stage:
             received = par.recv_prev_stage((len(inputs.host_positions), self.model.hidden_size),
                                            self.model.dtype)
+        failed: dict[str, str] = {}
         if inputs.attn_metadata is None:  # a decode graph: no adapter rows (prepare)
             hidden = self.decode_graphs.run(inputs.host_input_ids, inputs.host_positions,
                                             inputs.step)
         else:
             if self.lora is not None:
-                self.lora.begin_step(inputs.lora_segments)
+                failed.update(self._begin_lora_step(rows, inputs.lora_segments))
             try:
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
                                     inputs.attn_metadata, received,
@@ -346,14 +352,28 @@ class ModelRunner:
                 sampled_token_ids=self.rejection.greedy(entries, greedy.tolist()),
                 logprobs={})
         output.prompt_logprobs = prompt_lps
+        if self.grammar is not None and self.grammar.failed:
+            failed.update(self.grammar.failed)
+        output.failed = failed
         t3 = time.perf_counter()
-        if proposer is not None:
+        if proposer is not None and not self.proposer_failed:
             output.spec_token_ids = self._propose(rows, output.sampled_token_ids)
         timings.propose_s = time.perf_counter() - t3
         timings.prepare_s, timings.forward_s, timings.sample_s = t1 - t0, t2 - t1, t3 - t2
         timings.comm_s = par.take_comm_seconds()
         output.timings = timings
         return output
+
+    def _begin_lora_step(self, rows: list[_Row], segments: list) -> dict[str, str]:
+        """Make the step's adapters resident. An adapter that cannot be loaded (its files
+        changed since it was registered) fails the requests that run it this step, alone:
+        their rows run on the base model and what they sample is dropped."""
+        failed_adapters = self.lora.begin_step(segments)
+        if not failed_adapters:
+            return {}
+        return {row.state.request_id: failed_adapters[row.state.lora_request.lora_int_id]
+                for row in rows if row.state.lora_request is not None
+                and row.state.lora_request.lora_int_id in failed_adapters}
 
     def _evict(self, scheduler_output: SchedulerOutput) -> None:
         """Heavy-hitter eviction's bookkeeping and compactions, before anything else of
@@ -432,7 +452,13 @@ class ModelRunner:
                                                 state.sampling_params, state.row))
         if not requests:
             return {}
-        return self.proposer.propose(ProposalBatch(requests, self.batch.block_table))
+        try:
+            return self.proposer.propose(ProposalBatch(requests, self.batch.block_table))
+        except Exception:  # noqa: BLE001 - proposals are an optimization: go on without
+            logger.exception("the speculative proposer failed: speculation is off for the "
+                             "rest of this engine's life (requests go on without proposals)")
+            self.proposer_failed = True
+            return {}
 
     def _prompt_logprobs(self, rows: list[_Row], hidden: torch.Tensor
                          ) -> dict[str, PromptLogprobs]:

@@ -449,7 +449,8 @@ def _sample_random(w: torch.Tensor, params: Sequence[SamplingParams], kinds: lis
     k_end = kinds.count(_TOP_K)
     if k_end:  # top-k commutes with temperature: only the candidates are scaled
         kparams = params[:k_end]
-        vals, idx = w[:k_end].topk(max(p.top_k for p in kparams), dim=-1)
+        # top_k above the vocabulary keeps every token (transformers' TopK does too)
+        vals, idx = w[:k_end].topk(min(max(p.top_k for p in kparams), w.shape[1]), dim=-1)
         vals = (vals - vals[:, :1]) * inv_t[:k_end]
         keep = _keep_counts(vals, kparams)
         vals.exp_().masked_fill_(torch.arange(vals.shape[1], device=dev) >= keep.unsqueeze(1),
@@ -460,7 +461,9 @@ def _sample_random(w: torch.Tensor, params: Sequence[SamplingParams], kinds: lis
         return tokens
     rest = w[k_end:]
     row_max = rest.amax(dim=-1, keepdim=True)
-    torch.addcmul(-row_max * inv_t[k_end:], rest, inv_t[k_end:], out=rest)
+    # (w - max) / T, not w / T - max / T: at large logits and small temperatures the
+    # latter rounds the most likely token's exponent below 0 and every weight to 0
+    rest.sub_(row_max).mul_(inv_t[k_end:])
     rest.exp_()  # weights: the most likely token of each row weighs 1
     min_p = torch.tensor([p.min_p for p in params[k_end:]], dtype=w.dtype,
                          device=dev).unsqueeze(1)
@@ -472,7 +475,9 @@ def _sample_random(w: torch.Tensor, params: Sequence[SamplingParams], kinds: lis
             totals = rest[:n_end].sum(dim=-1).double()
         for lo, hi in _min_p_slices(params[k_end:], n_end):
             part = rest[lo:hi]
-            part.masked_fill_(part < min_p[lo:hi], 0.0)
+            # relative to the row's largest weight, which rounding may put just under 1:
+            # min_p 1.0 keeps the most likely token, never none
+            part.masked_fill_(part < min_p[lo:hi] * part.amax(dim=-1, keepdim=True), 0.0)
     pick, mass = _block_inverse_cdf(rest, u[k_end:])
     if n_end:
         nucleus = torch.tensor([p.top_p for p in params[k_end:k_end + n_end]],

@@ -271,7 +271,8 @@ class Worker:
                            swap_caches, self.kv_spec.block_dim, self.eos_token_id,
                            self.parallel,
                            GrammarState(self.model_dir, self.model.vocab_size,
-                                        self.eos_token_id),
+                                        self.eos_token_id,
+                                        self.config.model.grammar_mask_budget_ms / 1e3),
                            start_copies=self.platform.start_copies, proposer=proposer,
                            lora=self.lora, h2o=self._make_h2o(groups))
         if groups is not None:

@@ -21,11 +21,16 @@ from dataclasses import dataclass
 import torch
 
 from treadle.config import LoRAConfig
-from treadle.lora import LoRAError, LoRARequest
+from treadle.lora import LoRARequest
 from treadle.worker.lora.layers import LoRALinearKernel, LoRAStep, TorchLoRAOps, plain_linear
 from treadle.worker.lora.weights import AdapterWeights, load_adapter
 
 logger = logging.getLogger(__name__)
+
+
+class AdapterLoadError(RuntimeError):
+    """An adapter's files could not be read when a step needed it (they changed since the
+    adapter was registered): the requests that run it fail, the engine goes on."""
 
 
 @dataclass
@@ -81,19 +86,28 @@ class LoRAManager:
         """Ids of the adapters in host memory, least recently used first."""
         return list(self._host)
 
-    def begin_step(self, segments: list[tuple[LoRARequest, int, int]]) -> None:
+    def begin_step(self, segments: list[tuple[LoRARequest, int, int]]) -> dict[int, str]:
         """Make every adapter of the step resident, then publish its segments: (adapter,
-        first token, end token) of the flat batch."""
+        first token, end token) of the flat batch. Returns the adapters that could not be
+        loaded (id -> why): their segments are left out, so those rows run on the base
+        model, and the runner fails their requests alone."""
         needed: dict[int, LoRARequest] = {}
         for lora, _, _ in segments:
             needed.setdefault(lora.lora_int_id, lora)
         if len(needed) > self.num_slots:
             raise RuntimeError(f"a step uses {len(needed)} adapters, more than the "
                                f"{self.num_slots} slots (max_loras): a scheduler bug")
+        failed: dict[int, str] = {}
         for lora in needed.values():
-            self._make_resident(lora, needed)
+            try:
+                self._make_resident(lora, needed)
+            except AdapterLoadError as exc:
+                logger.warning("%s", exc)
+                failed[lora.lora_int_id] = str(exc)
         self.step.set_segments([(self._slots[lora.lora_int_id], start, end)
-                                for lora, start, end in segments])
+                                for lora, start, end in segments
+                                if lora.lora_int_id not in failed])
+        return failed
 
     def end_step(self) -> None:
         self.step.set_segments([])
@@ -122,9 +136,10 @@ class LoRAManager:
             host = load_adapter(lora, self.targets, self.module_shapes, self.num_layers,
                                 self.config.max_lora_rank, self.weight_dtype,
                                 self.pin_memory)
-        except LoRAError as exc:  # checked when registered: the files changed since
-            raise RuntimeError(f"adapter {lora.lora_name!r} (lora_int_id {lora_id}) could "
-                               f"not be loaded: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - checked when registered (LoRAError), so
+            # the files changed since: deleted, rewritten, truncated (safetensors' own errors)
+            raise AdapterLoadError(f"adapter {lora.lora_name!r} (lora_int_id {lora_id}) "
+                                   f"could not be loaded: {exc}") from exc
         if self.weight_precision is not None:
             host.round_to(self.weight_precision)
         self.stats.num_disk_loads += 1
