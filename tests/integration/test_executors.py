@@ -125,3 +125,24 @@ def test_served_idle_worker_death_turns_health_503(tiny_demo):
         r = httpx.post(base + "/v1/completions",
                        json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 503
+
+
+@pytest.mark.parametrize("backend, tp", [("uni", 1), ("mp", 1), ("mp", 2)])
+def test_collective_rpc_reaches_every_rank_and_only_public_methods(tiny_demo, backend, tp):
+    """The executor is the one way to the workers: every rank answers, in rank order."""
+    llm = LLM(model=tiny_demo, dtype="float32", num_kv_blocks=64, block_size=4,
+              distributed_executor_backend=backend, tensor_parallel_size=tp)
+    try:
+        answers = llm.engine.executor.collective_rpc("describe")
+        assert [a["rank"] for a in answers] == list(range(tp))
+        assert [a["tp_rank"] for a in answers] == list(range(tp))
+        assert sum(a["is_output_rank"] for a in answers) == 1
+        pids = {a["pid"] for a in answers}
+        assert (pids == {os.getpid()}) == (backend == "uni")
+        with pytest.raises(ValueError, match="public Worker method"):
+            llm.engine.executor.collective_rpc("_private")
+        out, = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3),
+                            use_tqdm=False)  # the workers still step after the calls
+        assert len(out.outputs[0].token_ids) == 3
+    finally:
+        llm.engine.shutdown()

@@ -20,6 +20,12 @@ class WorkerDiedError(RuntimeError):
     """A worker process ended or stopped answering: the engine cannot go on."""
 
 
+def check_rpc_method(method: str) -> None:
+    """collective_rpc reaches a Worker's public methods only."""
+    if not isinstance(method, str) or not method or method.startswith("_"):
+        raise ValueError(f"collective_rpc: {method!r} is not a public Worker method")
+
+
 def merge_worker_infos(infos: list[WorkerInfo]) -> WorkerInfo:
     """What several ranks report, as one: rank 0's facts, the smallest block counts (every
     rank must hold every block), and the output rank's measured speculation costs."""
@@ -61,6 +67,13 @@ class Executor(ABC):
     def receive(self) -> ModelRunnerOutput:
         """The answer of the oldest submitted step."""
         return self._done.popleft()
+
+    @abstractmethod
+    def collective_rpc(self, method: str, *args, **kwargs) -> list:
+        """Call `method` of every rank's Worker with these arguments and return each
+        rank's answer, in rank order: the one way to reach the workers beside the step
+        (P/D's KV reads and writes, benchmarks' probes). Only between steps: a call while
+        steps are in flight is an error. `method` must be a public Worker method."""
 
     def check_health(self) -> None:
         """Raise WorkerDiedError when a worker is gone (cheap: called while idle)."""

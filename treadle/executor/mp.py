@@ -30,7 +30,8 @@ from multiprocessing.connection import Connection, wait
 
 from treadle.config import EngineConfig
 from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput, WorkerInfo
-from treadle.executor.base import Executor, WorkerDiedError, merge_worker_infos
+from treadle.executor.base import (Executor, WorkerDiedError, check_rpc_method,
+                                   merge_worker_infos)
 from treadle.executor.shm_broadcast import ShmBroadcast
 
 logger = logging.getLogger(__name__)
@@ -108,10 +109,11 @@ class MPExecutor(Executor):
 
     # ----- calls ------------------------------------------------------------------------
 
-    def _send(self, method: str, *args) -> None:
+    def _send(self, method: str, *args, **kwargs) -> None:
         if self._dead is not None:
             raise WorkerDiedError(self._dead)
-        self._broadcast.write(pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL),
+        self._broadcast.write(pickle.dumps((method, args, kwargs),
+                                           protocol=pickle.HIGHEST_PROTOCOL),
                               self.check_health)
 
     def _answer(self, rank: int, timeout: float | None):
@@ -136,8 +138,8 @@ class MPExecutor(Executor):
                 self._fail(f"worker rank {rank} gave no answer in {timeout:.0f} s "
                            "(worker_timeout): the workers are hung")
 
-    def _call_all(self, method: str, *args) -> list:
-        self._send(method, *args)
+    def _call_all(self, method: str, *args, **kwargs) -> list:
+        self._send(method, *args, **kwargs)
         answers = {}
         while self._early:
             index, payload = self._early.popleft()
@@ -206,6 +208,13 @@ class MPExecutor(Executor):
         self.submit(scheduler_output)
         return self.receive()
 
+    def collective_rpc(self, method: str, *args, **kwargs) -> list:
+        check_rpc_method(method)
+        if self._in_flight:
+            raise RuntimeError(f"collective_rpc({method!r}) while {self._in_flight} steps "
+                               "are in flight: call it between steps")
+        return self._call_all(method, *args, **kwargs)
+
     def check_health(self) -> None:
         if self._dead is None:
             for rank, proc in enumerate(self._procs):
@@ -221,7 +230,7 @@ class MPExecutor(Executor):
     def shutdown(self) -> None:
         if self._finalizer.alive and self._dead is None:
             try:  # a clean stop: every rank leaves its loop
-                self._broadcast.write(pickle.dumps(("shutdown", ())), self._no_wait)
+                self._broadcast.write(pickle.dumps(("shutdown", (), {})), self._no_wait)
             except Exception:  # noqa: BLE001 - stopping anyway
                 pass
         self._finalizer()

@@ -53,7 +53,7 @@ def serve(conn: Connection, broadcast: ShmBroadcast, rank: int, init_method: str
     worker = None
     while True:
         try:
-            method, args = pickle.loads(broadcast.read(parent_alive))
+            method, args, kwargs = pickle.loads(broadcast.read(parent_alive))
         except _ParentGone:
             return
         if method == "shutdown":
@@ -65,7 +65,7 @@ def serve(conn: Connection, broadcast: ShmBroadcast, rank: int, init_method: str
                 worker = Worker(*args, rank=rank, init_method=init_method, cores=cores)
                 result = None
             else:
-                result = getattr(worker, method)(*args)
+                result = getattr(worker, method)(*args, **kwargs)
             if method != "execute_model" or worker.is_output_rank:
                 conn.send(("ok", result))
         except (BrokenPipeError, ConnectionResetError):

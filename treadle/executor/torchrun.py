@@ -20,7 +20,8 @@ import os
 
 from treadle.config import EngineConfig
 from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput, WorkerInfo
-from treadle.executor.base import Executor, WorkerDiedError, merge_worker_infos
+from treadle.executor.base import (Executor, WorkerDiedError, check_rpc_method,
+                                   merge_worker_infos)
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +76,12 @@ class TorchrunExecutor(Executor):
                                  (par.pipeline_parallel_size - 1) * par.tensor_parallel_size)
         self._dead: str | None = None
 
-    def _run(self, method: str, *args):
+    def _run(self, method: str, *args, **kwargs):
         if self._dead is not None:
             raise WorkerDiedError(self._dead)
         try:
-            self._channel.broadcast((method, args))
-            result = getattr(self.worker, method)(*args)
+            self._channel.broadcast((method, args, kwargs))
+            result = getattr(self.worker, method)(*args, **kwargs)
             if method == "execute_model":
                 if self._channel.output_rank != 0:
                     result = self._channel.recv_output()
@@ -100,11 +101,15 @@ class TorchrunExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._run("execute_model", scheduler_output)
 
+    def collective_rpc(self, method: str, *args, **kwargs) -> list:
+        check_rpc_method(method)
+        return self._run(method, *args, **kwargs)
+
     def shutdown(self) -> None:
         if self._dead is None:
             self._dead = "the engine shut down"
             try:
-                self._channel.broadcast(("shutdown", ()))
+                self._channel.broadcast(("shutdown", (), {}))
             except RuntimeError:
                 pass
             from treadle.worker.parallel_state import leave_parallel
@@ -122,12 +127,12 @@ def run_worker(config: EngineConfig) -> int:
                        (par.pipeline_parallel_size - 1) * par.tensor_parallel_size)
     logger.info("torchrun rank %d of %d serving rank 0", rank, par.world_size)
     while True:
-        method, args = channel.broadcast()
+        method, args, kwargs = channel.broadcast()
         if method == "shutdown":
             from treadle.worker.parallel_state import leave_parallel
             leave_parallel()
             return 0
-        result = getattr(worker, method)(*args)
+        result = getattr(worker, method)(*args, **kwargs)
         if method == "execute_model":
             if rank == channel.output_rank:
                 channel.send_output(result)

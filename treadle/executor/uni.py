@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from treadle.config import EngineConfig
 from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput, WorkerInfo
-from treadle.executor.base import Executor
+from treadle.executor.base import Executor, check_rpc_method
 
 
 class UniExecutor(Executor):
@@ -26,3 +26,7 @@ class UniExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def collective_rpc(self, method: str, *args, **kwargs) -> list:
+        check_rpc_method(method)
+        return [getattr(self.worker, method)(*args, **kwargs)]

@@ -468,6 +468,14 @@ class Worker:
     def is_output_rank(self) -> bool:
         return self.parallel.is_output_rank
 
+    def describe(self) -> dict:
+        """Where this rank runs: its rank, process, device and place among TP x PP ranks
+        (a cheap collective_rpc for tests and logs)."""
+        par = self.parallel
+        return {"rank": self.rank, "pid": os.getpid(), "device": str(self.platform.device),
+                "tp_rank": par.tp_rank, "pp_rank": par.pp_rank,
+                "is_output_rank": par.is_output_rank}
+
     def set_layer_kernels(self, enabled: bool) -> None:
         """Switch the small-batch C layer kernels (linear, norms, rope + K/V write) on or
         off, for side-by-side benchmarks and tests; the results agree up to rounding."""
