@@ -315,28 +315,31 @@ def _grammar_state(compiler, budget_s=0.05, broken=None):
     from pathlib import Path
 
     from treadle.worker.grammar import GrammarState
+    from concurrent.futures import Future
     state = GrammarState(Path("unused"), VOCAB, compiler.eos_token_ids[0], budget_s)
-    state._compiler = compiler  # what _matcher would build from the model's tokenizer
-    if broken is not None:
-        request_id, fail_at = broken
-        real = state._matcher  # noqa: SLF001 - wrap one request's matcher
+    built = Future()
+    built.set_result(compiler)  # what warm_up builds from the model's tokenizer files
+    state._compiler = built
+    if broken is not None:  # the matchers of one grammar break at `fail_at` tokens
+        pattern, fail_at = broken
+        real = state._new_request
 
-        def matcher(rid, spec):
-            made = real(rid, spec)
-            if rid == request_id and not isinstance(made, _BrokenMatcher):
-                made = state._requests[rid] = _BrokenMatcher(made, fail_at)
-            return made
-        state._matcher = matcher
+        def new_request(spec):
+            made = real(spec)
+            return _BrokenMatcher(made, fail_at) if spec.value == pattern else made
+        state._new_request = new_request
     return state
 
 
 def test_a_grammar_that_fails_while_generating_fails_its_request_alone(compiler, tokenizer):
-    spec = from_structured_outputs({"regex": "[a-z]{0,40}"})
-    state = _grammar_state(compiler, broken=("bad", 3))
+    specs = {"good": from_structured_outputs({"regex": "[a-z]{0,40}"}),
+             "bad": from_structured_outputs({"regex": "[a-y]{0,40}"})}
+    state = _grammar_state(compiler, broken=("[a-y]{0,40}", 3))
     outputs = {"good": [], "bad": []}
     letter = tokenizer.convert_tokens_to_ids("a")
     for _ in range(6):
-        state.start([(i, rid, spec, ids, []) for i, (rid, ids) in enumerate(outputs.items())])
+        state.start([(i, rid, specs[rid], ids, [])
+                     for i, (rid, ids) in enumerate(outputs.items())])
         masks = state.masks()
         if state.failed:
             break
@@ -349,7 +352,7 @@ def test_a_grammar_that_fails_while_generating_fails_its_request_alone(compiler,
     failed = state.failed["bad"]
     assert failed.startswith("structured_outputs.regex: the grammar failed while generating")
     assert "max is 2000" in failed and "<state>" not in failed
-    state.start([(0, "good", spec, outputs["good"], [])])  # the other request goes on
+    state.start([(0, "good", specs["good"], outputs["good"], [])])  # the other goes on
     assert not state.failed and letter in allowed_ids(state.masks().bitmask[0], VOCAB)
     state.close()
 
@@ -373,3 +376,45 @@ def test_a_grammar_over_the_mask_budget_fails_its_request_alone(compiler, tokeni
     assert "over the budget of 2 ms a step" in state.failed["ambiguous"]
     assert letter in allowed_ids(masks.bitmask[1], VOCAB)  # the plain request's mask stands
     state.close()
+
+
+def test_grammars_compile_on_the_pool_never_on_the_callers_thread(compiler, tokenizer):
+    """A grammar's compile (and the compiler's own build) runs on the grammar pool from the
+    request's first step: neither `prepare` nor `start` waits for it, only the sampler's
+    `masks` does. Before, the worker compiled on the engine's thread when the request
+    first sampled, stalling every other stream of that step."""
+    import time
+    state = _grammar_state(compiler)
+    real = state._new_request
+
+    def slow(spec):
+        time.sleep(0.5)
+        return real(spec)
+    state._new_request = slow
+    spec = from_structured_outputs({"regex": "[a-z]{0,40}"})
+    t0 = time.perf_counter()
+    state.prepare([("r", spec)])
+    state.start([(0, "r", spec, [], [])])
+    assert time.perf_counter() - t0 < 0.2
+    masks = state.masks()
+    assert time.perf_counter() - t0 >= 0.5 and not state.failed  # compile not counted
+    assert tokenizer.convert_tokens_to_ids("a") in allowed_ids(masks.bitmask[0], VOCAB)
+    state.close()
+
+
+def test_a_compile_over_its_time_budget_is_refused_naming_it(tokenizer):
+    import time
+    compiler = GrammarCompiler.from_hf_tokenizer(tokenizer, VOCAB)
+    real = compiler._build
+
+    def slow(spec):
+        time.sleep(0.5)
+        return real(spec)
+    compiler._build = slow
+    spec = from_structured_outputs({"regex": "[0-9]+"})
+    with pytest.raises(StructuredOutputError, match="longer than 0.1 s"):
+        asyncio.run(compiler.compile_async(spec, timeout_s=0.1))
+    time.sleep(0.6)  # the compile finished in its thread and was cached
+    t0 = time.perf_counter()
+    asyncio.run(compiler.compile_async(spec, timeout_s=0.1))
+    assert time.perf_counter() - t0 < 0.1 and compiler.num_compiled == 1

@@ -25,6 +25,8 @@ from typing import Sequence
 from treadle.structured.spec import StructuredOutputError, StructuredSpec
 
 DEFAULT_CACHE_SIZE = 256
+COMPILE_TIMEOUT_S = 5.0
+"""Longest a request's grammar may take to compile before it is refused (compile_async)."""
 DRY_RUN_TOKENS = 4
 """Tokens a new grammar is walked at compile time to catch parser-limit overflows
 (GrammarCompiler._dry_run)."""
@@ -99,13 +101,24 @@ class GrammarCompiler:
             raise StructuredOutputError(spec.field, hit.detail)
         return hit
 
-    async def compile_async(self, spec: StructuredSpec) -> CompiledGrammar:
-        """`compile` in a worker thread (llguidance drops the GIL while it builds)."""
+    async def compile_async(self, spec: StructuredSpec,
+                            timeout_s: float = COMPILE_TIMEOUT_S) -> CompiledGrammar:
+        """`compile` in a worker thread (llguidance drops the GIL while it builds and
+        walks the grammar, measured in docs/structured_outputs.md). A compile that takes
+        longer than `timeout_s` is a StructuredOutputError naming the budget; it finishes
+        in its thread and is cached, so asking again answers at once."""
         with self._lock:
             hit = self._cache.get(spec.key)
         if isinstance(hit, CompiledGrammar):
             return hit
-        return await asyncio.to_thread(self.compile, spec)
+        task = asyncio.ensure_future(asyncio.to_thread(self.compile, spec))
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), timeout_s)
+        except asyncio.TimeoutError:
+            task.add_done_callback(lambda t: t.exception())  # its error, if any, is cached
+            raise StructuredOutputError(spec.field, (
+                f"compiling the grammar took longer than {timeout_s:g} s (the compile "
+                "budget): simplify it")) from None
 
     def new_request(self, spec: StructuredSpec):
         """A fresh per-request matcher (treadle.structured.matcher.StructuredRequest)."""

@@ -1,9 +1,12 @@
 """The worker's side of structured outputs: grammar state per constrained request, token
 masks computed while the forward pass runs, and masks applied before sampling.
 
-Owns, on the rank that samples, a `GrammarCompiler` for the model's tokenizer (made on
-the first constrained request) and a `StructuredRequest` per live constrained request
-(treadle/structured). Each step: `start(rows)` submits, per constrained request, one job
+Owns, on the rank that samples, a `GrammarCompiler` for the model's tokenizer (built on
+a pool thread when the first constrained request arrives: `warm_up`; a one-time cost of
+a few tenths of a second, part of it holding the GIL) and a `StructuredRequest` per live
+constrained request (treadle/structured), compiled on the pool when the worker first
+sees the request (`prepare`, from its first step, usually a prompt chunk): a grammar's
+compile never runs on the engine's thread. Each step: `start(rows)` submits, per constrained request, one job
 to a small thread pool that brings its matcher to its tokens as the step message says
 (`sync`: cheap when one token was added; it also undoes whatever a preemption or a
 rejected proposal took back) and fills the mask of its sampling position. llguidance
@@ -53,7 +56,8 @@ class _Job:
 
     request_id: str
     spec: object
-    matcher: object
+    matcher: concurrent.futures.Future
+    """Resolves to the request's StructuredRequest (compiled on the pool)."""
     row: int
     proposed: list[int]
     future: concurrent.futures.Future | None = None
@@ -69,31 +73,50 @@ class GrammarState:
         self.model_dir, self.vocab_size, self.eos_token_id = model_dir, vocab_size, eos_token_id
         self.mask_budget_s = mask_budget_s
         self.num_threads = num_threads or max(1, min(8, (os.cpu_count() or 2) // 2))
-        self._compiler = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._requests: dict = {}
+        self._compiler: concurrent.futures.Future | None = None
+        self._requests: dict[str, concurrent.futures.Future] = {}
+        """Each live constrained request's matcher (a future: compiled on the pool)."""
         self._pending: tuple[torch.Tensor, list[_Job], list[int]] | None = None
         self.failed: dict[str, str] = {}
         """Requests whose grammar failed this step (id -> message), reset by `start`."""
 
+    def _submit(self, fn, *args) -> concurrent.futures.Future:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=self.num_threads, thread_name_prefix="treadle-grammar")
+        return self._pool.submit(fn, *args)
+
+    def warm_up(self) -> None:
+        """Start building the grammar compiler for the model's tokenizer on the pool (the
+        tokenizer's load and llguidance's token trie: a few tenths of a second)."""
+        if self._compiler is None:
+            self._compiler = self._submit(self._build_compiler)
+
+    def _build_compiler(self):
+        from treadle.models.tokenizer import load_tokenizer
+        from treadle.structured.compiler import GrammarCompiler
+
+        tokenizer = load_tokenizer(self.model_dir)
+        if tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer files")
+        return GrammarCompiler.from_hf_tokenizer(tokenizer, self.vocab_size, self.eos_token_id)
+
+    def prepare(self, requests) -> None:
+        """Compile the grammars of requests the worker sees for the first time (id,
+        spec), on the pool: they are ready by the step that first samples them (a
+        prompt's first chunk starts this while the model runs)."""
+        for request_id, spec in requests:
+            if request_id not in self._requests:
+                self.warm_up()
+                self._requests[request_id] = self._submit(self._new_request, spec)
+
+    def _new_request(self, spec):
+        return self._compiler.result().new_request(spec)
+
     def drop(self, request_ids) -> None:
         for request_id in request_ids:
             self._requests.pop(request_id, None)
-
-    def _matcher(self, request_id: str, spec):
-        matcher = self._requests.get(request_id)
-        if matcher is None:
-            if self._compiler is None:
-                from treadle.models.tokenizer import load_tokenizer
-                from treadle.structured.compiler import GrammarCompiler
-
-                tokenizer = load_tokenizer(self.model_dir)
-                if tokenizer is None:
-                    raise ValueError("structured outputs need the model's tokenizer files")
-                self._compiler = GrammarCompiler.from_hf_tokenizer(
-                    tokenizer, self.vocab_size, self.eos_token_id)
-            matcher = self._requests[request_id] = self._compiler.new_request(spec)
-        return matcher
 
     def _fail(self, request_id: str, spec, message: str) -> None:
         text = f"{getattr(spec, 'field', 'structured_outputs')}: {message}"
@@ -116,22 +139,13 @@ class GrammarState:
 
         with torch.inference_mode(False):  # written by the pool's threads, outside it
             bitmask = allocate_bitmask(len(positions), self.vocab_size)
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=self.num_threads, thread_name_prefix="treadle-grammar")
+        self.prepare((p[1], p[2]) for p in positions)
         jobs = []
         for row, (_, request_id, spec, output_ids, proposed) in enumerate(positions):
-            if request_id in self.failed:
-                continue
-            try:
-                matcher = self._matcher(request_id, spec)
-            except Exception as exc:  # noqa: BLE001 - this request's grammar alone
-                self._fail(request_id, spec, _grammar_failure(exc))
-                continue
-            job = _Job(request_id, spec, matcher, row, list(proposed))
-            if not proposed:
-                job.future = self._pool.submit(_sync_and_fill, matcher, list(output_ids),
-                                               bitmask[row])
+            job = _Job(request_id, spec, self._requests[request_id], row, list(proposed))
+            if not proposed:  # FIFO pool: its compile job was submitted before it
+                job.future = self._submit(_sync_and_fill, job.matcher, list(output_ids),
+                                          bitmask[row])
             jobs.append(job)
         self._pending = (bitmask, jobs, [p[0] for p in positions])
 
@@ -155,14 +169,15 @@ class GrammarState:
 
     def _check(self, job: _Job, result: tuple[float, BaseException | None]) -> None:
         elapsed, error = result
+        matcher = None if error is not None else job.matcher.result()
         if error is not None:
             self._fail(job.request_id, job.spec, _grammar_failure(error))
-        elif job.matcher.is_error():
-            self._fail(job.request_id, job.spec, _grammar_failure(job.matcher.error()))
+        elif matcher.is_error():
+            self._fail(job.request_id, job.spec, _grammar_failure(matcher.error()))
         elif elapsed > self.mask_budget_s:
             self._fail(job.request_id, job.spec, (
                 f"following the grammar took {elapsed * 1e3:.1f} ms at output token "
-                f"{len(job.matcher.accepted)}, over the budget of "
+                f"{len(matcher.accepted)}, over the budget of "
                 f"{self.mask_budget_s * 1e3:.0f} ms a step (grammar_mask_budget_ms): the "
                 "grammar is too ambiguous to follow at this length"))
 
@@ -171,10 +186,16 @@ class GrammarState:
             self._pool.shutdown(wait=True)
 
 
-def _sync_and_fill(matcher, output_ids: list[int], row: torch.Tensor
-                   ) -> tuple[float, BaseException | None]:
-    """On a pool thread: bring the matcher to `output_ids`, fill its mask into `row`.
-    Returns the seconds it took and the exception it raised, if any."""
+def _sync_and_fill(compiled: concurrent.futures.Future, output_ids: list[int],
+                   row: torch.Tensor) -> tuple[float, BaseException | None]:
+    """On a pool thread: bring the request's matcher (once compiled) to `output_ids`,
+    fill its mask into `row`. Returns the seconds the sync and fill took (the compile is a
+    one-time cost, not counted against the step's budget) and the exception raised by any
+    of them, if any."""
+    try:
+        matcher = compiled.result()
+    except Exception as exc:  # noqa: BLE001 - its grammar did not compile here
+        return 0.0, exc
     t0 = time.perf_counter()
     try:
         matcher.sync(output_ids)
@@ -185,13 +206,15 @@ def _sync_and_fill(matcher, output_ids: list[int], row: torch.Tensor
     return time.perf_counter() - t0, None
 
 
-def _fill_ahead(matcher, proposed: list[int], row: torch.Tensor
+def _fill_ahead(compiled: concurrent.futures.Future, proposed: list[int], row: torch.Tensor
                 ) -> tuple[float, BaseException | None]:
     """The mask of the position after `proposed` tokens: accept them tentatively, fill,
     roll back. If an earlier proposal breaks the grammar this position is never reached
-    (the masked token before it cannot equal that proposal), and its mask is moot."""
+    (the masked token before it cannot equal that proposal), and its mask is moot. (The
+    request's first position was filled before: its matcher is compiled.)"""
     t0 = time.perf_counter()
     try:
+        matcher = compiled.result()
         before = len(matcher.accepted)
         if matcher.accept(proposed):
             matcher.fill_bitmask(row)

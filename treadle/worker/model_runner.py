@@ -275,8 +275,12 @@ class ModelRunner:
         self.sampler.drop(scheduler_output.finished_request_ids)
         if self.h2o is not None:
             self._evict(scheduler_output)
-        if self.grammar is not None:
+        if self.grammar is not None and self.parallel.is_output_rank:
             self.grammar.drop(scheduler_output.finished_request_ids)
+            self.grammar.prepare(
+                (s.request_id, s.new_request.sampling_params.structured_outputs)
+                for s in scheduler_output.scheduled if s.new_request is not None
+                and s.new_request.sampling_params.structured_outputs is not None)
         proposer = self.proposer
         if proposer is not None:
             proposer.begin_step(scheduler_output)
