@@ -1,24 +1,27 @@
 """P/D: a prompt's KV blocks out of one engine and into another, keyed by prefix hashes.
 
 Owns the block-granular payload (`KVPayload`: the chained prefix-cache hashes of the
-prompt's full blocks, the index of the first block carried, and the blocks of every layer
-as one contiguous array), reading blocks out of a worker's KV tensors and writing them
-into another's, and landing them in the receiving engine's prefix cache: fresh blocks are
-allocated, filled, registered under their hashes and released, so the scheduler admits
-the request with a prefix hit on them (the blocks it already held are never sent). It
-runs on the engine thread, between steps, on the `uni` executor's worker (the KV tensors
-live in the engine's own process there).
+prompt's full blocks, the index of the first block carried, and one `KVPart` per rank of
+the exporting engine — each rank's layers and KV heads of those blocks), and the engine
+side of moving it: finding a prompt's blocks in the prefix cache, asking every worker
+rank for its share (`Worker.export_kv_blocks`), and landing a payload in the receiving
+engine's prefix cache — fresh blocks are allocated, every rank writes its own share of
+them (`Worker.import_kv_blocks`, which re-slices parts of another TP x PP split), they
+are registered under their hashes and released, so the scheduler admits the request
+with a prefix hit on them (the blocks it already held are never sent).
+
+It reaches the workers only through the executor's `collective_rpc`, on the engine
+thread, between steps — so P/D works on every executor (uni, mp, torchrun) and with
+tensor parallelism. The tensor work is the worker's (treadle/worker/kv_transfer.py);
+this module imports no torch.
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
-import numpy as np
-import torch
-
 from treadle.core.kv_cache_manager import _root_hash, hash_block
+from treadle.worker.kv_transfer import KVPart
 
 
 @dataclass
@@ -26,11 +29,10 @@ class KVPayload:
     hashes: list[bytes]
     """Prefix hashes of every full block of the prompt, in chain order."""
     start: int
-    """Index (into hashes) of the first block carried in `data`."""
-    data: np.ndarray
-    """(layers, *one layer's KV with the carried blocks along its block axis), as stored
-    (bf16 viewed as int16: numpy has no bfloat16)."""
-    dtype: str
+    """Index (into hashes) of the first block carried in the parts."""
+    parts: list[KVPart]
+    """One per distinct share (layers x KV heads) of the exporting engine's ranks, each
+    carrying the same blocks (worker/kv_transfer.py has the layout)."""
 
     @property
     def num_blocks(self) -> int:
@@ -38,7 +40,15 @@ class KVPayload:
 
     @property
     def nbytes(self) -> int:
-        return int(self.data.nbytes)
+        return sum(int(p.data.nbytes) for p in self.parts)
+
+    def from_block(self, start: int) -> "KVPayload":
+        """The payload of blocks `start`.. of the chain (the receiver holds the ones
+        before); `start` at or past this payload's own start."""
+        if start == self.start:
+            return self
+        skip = slice(start - self.start, None)
+        return KVPayload(self.hashes, start, [p.select(skip) for p in self.parts])
 
 
 def prompt_hashes(prompt_token_ids: list[int], block_size: int, cache_salt: str | None,
@@ -52,14 +62,6 @@ def prompt_hashes(prompt_token_ids: list[int], block_size: int, cache_salt: str 
     return hashes
 
 
-def _worker(core):
-    worker = getattr(core.executor, "worker", None)
-    if worker is None or worker.runner is None:
-        raise ValueError("P/D disaggregation needs the uni executor (the KV tensors in the "
-                         "engine's process): distributed_executor_backend must be uni")
-    return worker
-
-
 def num_cached_prefix_blocks(core, hashes: list[bytes]) -> int:
     """How many leading blocks of the chain this engine's prefix cache holds."""
     pool = core.scheduler.kv.pool
@@ -71,28 +73,28 @@ def num_cached_prefix_blocks(core, hashes: list[bytes]) -> int:
     return n
 
 
-def read_blocks(core, hashes: list[bytes]) -> tuple[np.ndarray, str] | None:
-    """The KV of the blocks cached under `hashes` (all of them), or None if any is gone."""
+def read_blocks(core, hashes: list[bytes]) -> KVPayload | None:
+    """The KV of the blocks cached under `hashes` (all of them), from every rank, or None
+    if any is gone. Between steps (the engine thread)."""
     pool = core.scheduler.kv.pool
     blocks = [pool.lookup(h) for h in hashes]
     if any(b is None for b in blocks):
         return None
-    worker = _worker(core)
-    ids = torch.tensor([b.block_id for b in blocks], dtype=torch.long)
-    dim = worker.kv_spec.block_dim
-    caches = worker.runner.kv_caches
-    data = torch.stack([c.index_select(dim, ids.to(c.device)).cpu() for c in caches])
-    dtype = str(data.dtype).removeprefix("torch.")
-    if data.dtype == torch.bfloat16:
-        data = data.view(torch.int16)
-    return data.numpy(), dtype
+    if not blocks:
+        return KVPayload(hashes, 0, [])
+    parts = core.executor.collective_rpc("export_kv_blocks", [b.block_id for b in blocks])
+    distinct: dict = {}
+    for part in parts:  # ranks sharing a replicated KV head hold the same KV
+        distinct.setdefault(part.share, part)
+    return KVPayload(hashes, 0, list(distinct.values()))
 
 
 def land_blocks(core, payload: KVPayload) -> bool:
     """Write the payload's blocks into free blocks and register them in the prefix cache
     (then release them: cached and free, as a finished request leaves its prompt). Blocks
     already cached here are skipped. False, changing nothing, when too few blocks are
-    free: the caller retries later (decode full)."""
+    free: the caller retries later (decode full). Raises ValueError, changing nothing,
+    when the payload cannot land here (another model, block size or KV dtype)."""
     kv = core.scheduler.kv
     pool = kv.pool
     if not kv.enable_prefix_caching:
@@ -107,20 +109,21 @@ def land_blocks(core, payload: KVPayload) -> bool:
         pool.free(reversed(present))
         return False
     blocks = pool.allocate(len(wanted))
-    worker = _worker(core)
-    dim = worker.kv_spec.block_dim
-    with warnings.catch_warnings():  # Ray's object store arrays are read-only: only read
-        warnings.simplefilter("ignore", UserWarning)
-        data = torch.from_numpy(payload.data)
-    if payload.dtype == "bfloat16":
-        data = data.view(torch.bfloat16)
-    rows = torch.tensor(wanted, dtype=torch.long)
-    ids = torch.tensor([b.block_id for b in blocks], dtype=torch.long)
-    for layer, cache in enumerate(worker.runner.kv_caches):
-        src = data[layer].index_select(dim, rows).to(cache.device, cache.dtype)
-        cache.index_copy_(dim, ids.to(cache.device), src)
-    for block, i in zip(blocks, wanted):
-        pool.cache(block, payload.hashes[payload.start + i])
+    parts = (payload.parts if len(wanted) == payload.num_blocks
+             else [p.select(wanted) for p in payload.parts])
+    try:
+        reasons = core.executor.collective_rpc("import_kv_blocks",
+                                               [b.block_id for b in blocks], parts)
+    except BaseException:
+        pool.free(reversed(blocks))
+        pool.free(reversed(present))
+        raise
+    reason = next((r for r in reasons if r is not None), None)
+    if reason is None:
+        for block, i in zip(blocks, wanted):
+            pool.cache(block, payload.hashes[payload.start + i])
     pool.free(reversed(blocks))
     pool.free(reversed(present))
+    if reason is not None:
+        raise ValueError(f"P/D: this engine cannot take the prompt's KV: {reason}")
     return True

@@ -2,7 +2,8 @@
 the decode side admits a prefilled request in WAITING_FOR_REMOTE_KV and lands its KV.
 
 Owns, on top of an AsyncEngine (same thread, same loop), the engine-thread work of
-disaggregation (treadle/distributed/kv_transfer.py does the tensors):
+disaggregation (treadle/distributed/kv_transfer.py moves the blocks, through the
+executor's collective_rpc, so any executor and tensor-parallel size serves):
 - prefill: a request asked to `hold` keeps, when it finishes (its one token sampled), a
   copy of its prompt's full KV blocks, read right after the step (the blocks are cached
   and free then, not yet reused). At most `max_held` requests' KV are held; `hold_slot`
@@ -21,8 +22,6 @@ import threading
 import time
 from concurrent.futures import Future
 
-import numpy as np
-
 from treadle.core.outputs import EngineCoreOutput
 from treadle.distributed import kv_transfer
 from treadle.distributed.kv_transfer import KVPayload
@@ -30,13 +29,23 @@ from treadle.engine.async_engine import AsyncEngine, _Stream
 from treadle.engine.output_processor import RequestOutput
 
 
+def check_pd_config(config) -> None:
+    """Refuse, at start, an engine configuration P/D cannot serve (either role)."""
+    if config.cache.kv_eviction != "none":
+        raise ValueError("P/D disaggregation does not support kv_eviction h2o (the "
+                         "decode engine would receive KV without its attention scores)")
+    if config.parallel.pipeline_parallel_size > 1:
+        raise ValueError("P/D disaggregation does not support pipeline_parallel_size > 1: its "
+                         "KV reads and writes reach the workers between steps, and pipeline "
+                         "stages keep steps in flight (tensor_parallel_size is supported)")
+
+
 class PDEngine(AsyncEngine):
-    """An AsyncEngine that can hold prompt KV (prefill role) and land it (decode role)."""
+    """An AsyncEngine that can hold prompt KV (prefill role) and land it (decode role),
+    on any executor and tensor-parallel size (prefill and decode sides may differ)."""
 
     def __init__(self, config, served_model_name=None, max_held: int = 16) -> None:
-        if config.cache.kv_eviction != "none":
-            raise ValueError("P/D disaggregation does not support kv_eviction h2o (the "
-                             "decode engine would receive KV without its attention scores)")
+        check_pd_config(config)
         super().__init__(config, served_model_name)
         if self.core.scheduler.kv.sliding is not None:
             self.shutdown()
@@ -70,20 +79,16 @@ class PDEngine(AsyncEngine):
         payload = self.held.get(request_id)
         if payload is None or not start:
             return payload
-        index = [slice(None)] * payload.data.ndim
-        index[self.core.executor.worker.kv_spec.block_dim + 1] = slice(start, None)
-        return KVPayload(payload.hashes, start,
-                         np.ascontiguousarray(payload.data[tuple(index)]), payload.dtype)
+        return payload.from_block(start)
 
     def _deliver(self, request_id: str, output: RequestOutput) -> None:
         if output.finished and request_id in self._hold_wanted and request_id not in self.held:
             salt, lora_id = self._hold_wanted[request_id]
             hashes = kv_transfer.prompt_hashes(output.prompt_token_ids,
                                                self.config.cache.block_size, salt, lora_id)
-            read = kv_transfer.read_blocks(self.core, hashes) if not output.error else None
-            if read is not None:
-                data, dtype = read
-                self.held[request_id] = KVPayload(hashes, 0, data, dtype)
+            payload = kv_transfer.read_blocks(self.core, hashes) if not output.error else None
+            if payload is not None:
+                self.held[request_id] = payload
                 self.stats["held"] += 1
         super()._deliver(request_id, output)
 
@@ -166,7 +171,12 @@ class PDEngine(AsyncEngine):
             future.set_result(False)
             return
         before = kv_transfer.num_cached_prefix_blocks(self.core, payload.hashes)
-        if not kv_transfer.land_blocks(self.core, payload):
+        try:
+            landed = kv_transfer.land_blocks(self.core, payload)
+        except ValueError as exc:  # this payload cannot land here: that request fails
+            future.set_exception(exc)
+            return
+        if not landed:
             self.stats["deferred_landings"] += 1
             self._landings.append((request_id, payload, future))  # decode full: later
             return

@@ -78,9 +78,9 @@ def _pd_applies(params: SamplingParams) -> bool:
 
 
 def _check_pd_engine(config: EngineConfig) -> None:
-    if config.parallel.executor != "uni":
-        raise ValueError("P/D disaggregation moves KV out of the engine's own process: "
-                         "distributed_executor_backend must be uni")
+    from treadle.distributed.pd_engine import check_pd_config
+
+    check_pd_config(config)
     if not config.cache.enable_prefix_caching:
         raise ValueError("P/D disaggregation lands KV as prefix-cache blocks: "
                          "enable_prefix_caching must be on")

@@ -5,6 +5,9 @@ An executor owns the workers' lifetimes and carries the three calls of a worker'
 (`uni`), a process (`mp`), later a cluster (`ray`) or several ranks. What crosses is
 plain data: the EngineConfig, WorkerInfo, block counts, SchedulerOutput and
 ModelRunnerOutput (treadle/core/outputs.py). The core sees no device, tensor or model.
+Beside those calls, `collective_rpc` reaches any public Worker method on every rank,
+between steps: the one way to the workers (P/D's KV reads and writes, benchmarks'
+probes). No module reaches past an executor to a worker object.
 """
 
 from __future__ import annotations

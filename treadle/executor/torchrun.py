@@ -71,7 +71,7 @@ class TorchrunExecutor(Executor):
             raise RuntimeError("the torchrun executor drives from rank 0; other ranks run "
                                "`treadle worker` (or `treadle serve`, which does that for them)")
         par = config.parallel
-        self.worker = Worker(config, rank=0, init_method="env://")
+        self._worker = Worker(config, rank=0, init_method="env://")
         self._channel = _Channel(par.world_size,
                                  (par.pipeline_parallel_size - 1) * par.tensor_parallel_size)
         self._dead: str | None = None
@@ -81,7 +81,7 @@ class TorchrunExecutor(Executor):
             raise WorkerDiedError(self._dead)
         try:
             self._channel.broadcast((method, args, kwargs))
-            result = getattr(self.worker, method)(*args, **kwargs)
+            result = getattr(self._worker, method)(*args, **kwargs)
             if method == "execute_model":
                 if self._channel.output_rank != 0:
                     result = self._channel.recv_output()

@@ -2,6 +2,10 @@
 
 Calls go straight to the Worker; messages are passed by reference, never copied, which
 is why the scheduler hands the worker only lists it will not change afterwards.
+
+`worker` is the in-process Worker, public for white-box tests only (its model, tensors
+and kernels, which no other executor can hand out); engine code, P/D and benchmarks
+reach the workers through `collective_rpc`, the same on every executor.
 """
 
 from __future__ import annotations
@@ -16,17 +20,22 @@ class UniExecutor(Executor):
         from treadle.worker.worker import Worker  # torch is imported with the worker
 
         super().__init__()
-        self.worker = Worker(config)
+        self._worker = Worker(config)
+
+    @property
+    def worker(self):
+        """The in-process Worker, for white-box tests only (see the module docstring)."""
+        return self._worker
 
     def load(self) -> WorkerInfo:
-        return self.worker.load()
+        return self._worker.load()
 
     def initialize_cache(self, num_kv_blocks: int, num_swap_blocks: int) -> None:
-        self.worker.initialize_cache(num_kv_blocks, num_swap_blocks)
+        self._worker.initialize_cache(num_kv_blocks, num_swap_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(scheduler_output)
+        return self._worker.execute_model(scheduler_output)
 
     def collective_rpc(self, method: str, *args, **kwargs) -> list:
         check_rpc_method(method)
-        return [getattr(self.worker, method)(*args, **kwargs)]
+        return [getattr(self._worker, method)(*args, **kwargs)]

@@ -46,6 +46,7 @@ from treadle.worker.heap import keep_freed_memory
 from treadle.worker.cpu_isa import describe_kernels
 from treadle.worker.cost_probe import measure_copy_bytes_per_s, measure_matmul_flops_per_s
 from treadle.worker.kv_cache import KVCacheSpec, allocate_kv_caches, allocate_swap_space
+from treadle.worker import kv_transfer
 from treadle.worker import quantized_linears
 from treadle.worker.decode_stack import DecodeStack
 from treadle.worker.linear_kernels import DenseLinearKernel, dense_kernel_factory
@@ -503,3 +504,20 @@ class Worker:
             self.model.decode_stack = DecodeStack.build(self.model, layer_ops, self.attention)
         if self.runner is not None and self.runner.sampler.kernels is not None:
             self.runner.sampler.kernels = kernels
+
+    # ----- P/D: a request's KV blocks out and in (worker/kv_transfer.py) -----------------
+
+    def export_kv_blocks(self, block_ids: list[int]) -> kv_transfer.KVPart:
+        """This rank's share (its layers and KV heads) of the blocks `block_ids` of every
+        local layer, copied to host memory: one part of a P/D payload."""
+        return kv_transfer.export_blocks(self.runner.kv_caches, self.kv_spec.layout,
+                                         self.kv_spec.kv_cache_dtype, block_ids,
+                                         kv_transfer.rank_share(self.model))
+
+    def import_kv_blocks(self, block_ids: list[int], parts: list[kv_transfer.KVPart]) -> str | None:
+        """Write this rank's share of a P/D payload's `parts` (one per rank of the engine
+        that exported them, any TP x PP split) into blocks `block_ids`; None when done,
+        else why nothing was written here (a payload of another model or KV dtype)."""
+        return kv_transfer.import_blocks(self.runner.kv_caches, self.kv_spec.layout,
+                                         self.kv_spec.kv_cache_dtype, block_ids, parts,
+                                         kv_transfer.rank_share(self.model))
