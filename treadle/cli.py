@@ -47,7 +47,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 def _cmd_bench_perplexity(args: argparse.Namespace) -> int:
     from treadle.bench.quality import run_perplexity
-    from treadle.bench.report import format_table
+    from treadle.measure.report import format_table
 
     result = run_perplexity(args.model, args.text, window=args.window, stride=args.stride,
                             dtype=args.dtype, with_transformers=not args.no_transformers)
@@ -120,7 +120,7 @@ def _workload(args: argparse.Namespace, model_path: str):
     """The chosen workload, its token ids drawn from (and checked against) the model's
     own vocabulary (`--vocab-size` overrides what its config.json says), its lengths
     within the model's context (`--max-model-len` where the command has it)."""
-    from treadle.bench import workloads
+    from treadle.measure import workloads
 
     vocab = getattr(args, "vocab_size", None) or workloads.model_vocab_size(model_path)
     context = getattr(args, "max_model_len", None) or workloads.model_context_len(model_path)
@@ -160,7 +160,7 @@ def _failed(what: str, num_failed: int, num_requests: int, errors: list) -> int:
 
 
 def _write_result(result: dict, path: str | None, default_name: str) -> Path:
-    from treadle.bench.report import environment, write_json
+    from treadle.measure.report import environment, write_json
 
     result["environment"] = environment()
     return write_json(path or Path("results") / default_name, result)
@@ -191,7 +191,7 @@ def _cmd_bench_static(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_engine_core(args: argparse.Namespace) -> int:
-    from treadle.bench.report import format_table
+    from treadle.measure.report import format_table
     from treadle.bench.throughput import run_engine_core
 
     options = options_from_args(args)
@@ -217,7 +217,8 @@ def _cmd_bench_engine_core(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_kv(args: argparse.Namespace) -> int:
-    from treadle.bench import kv_pressure, workloads
+    from treadle.bench import kv_pressure
+    from treadle.measure import workloads
 
     options = options_from_args(args)
     options["model"] = _model_path(args)
@@ -271,9 +272,9 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from treadle.bench import workloads
-    from treadle.bench.launch import launched_server
-    from treadle.bench.serve import request_records, run_load, served_model, summarize
+    from treadle.measure import workloads
+    from treadle.measure.launch import launched_server
+    from treadle.measure.http_load import request_records, run_load, served_model, summarize
 
     if (args.url is None) == (args.launch is None):
         raise ValueError("give exactly one of --url URL or --launch 'SERVE OPTIONS'")
@@ -327,7 +328,7 @@ def _cmd_bench_dashboard(args: argparse.Namespace) -> int:
     import shlex
 
     from treadle.bench.dashboard import recorder_cost, served_cost
-    from treadle.bench.report import format_table
+    from treadle.measure.report import format_table
 
     result: dict = {"recorder": recorder_cost()}
     print(format_table(result["recorder"], ["scheduled_requests", "recorder_us_per_step",
@@ -357,8 +358,8 @@ def _cmd_bench_soak(args: argparse.Namespace) -> int:
     import shlex
     import tempfile
 
-    from treadle.bench.launch import launched_server
-    from treadle.bench.serve import served_model
+    from treadle.measure.launch import launched_server
+    from treadle.measure.http_load import served_model
     from treadle.bench.soak import SoakConfig, run_soak
 
     if (args.url is None) == (args.launch is None):

@@ -248,7 +248,7 @@ def test_routers():
 
 
 def test_cli_result_has_the_bench_serve_shape(trace_csv, tmp_path):
-    from treadle.bench.serve import RequestResult, summarize
+    from treadle.measure.http_load import RequestResult, summarize
     from treadle.cli import main
 
     out = tmp_path / "out"

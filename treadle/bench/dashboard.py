@@ -5,7 +5,7 @@ Owns two measurements:
 - `recorder_cost`: microseconds the engine thread spends in the StepRecorder per step
   (treadle.engine.timeline) at 1 .. 256 scheduled requests, and what building one
   dashboard event of a second's steps costs a reader — no model, the real messages.
-- `served_cost`: the engine-core workload (treadle.bench.workloads.synthetic) served over
+- `served_cost`: the engine-core workload (treadle.measure.workloads.synthetic) served over
   HTTP by two `treadle serve` processes launched side by side with the same options, one
   with the recorder off (`--no-dashboard --request-timelines 0`) and one with its
   defaults, loaded in turn — off, on with nobody watching, on with a dashboard open (a
@@ -148,9 +148,9 @@ def served_cost(serve_options: list[str], num_requests: int = 64, repeats: int =
     recorder's)."""
     import contextlib
 
-    from treadle.bench import workloads
-    from treadle.bench.launch import launched_server
-    from treadle.bench.serve import run_load, served_model, summarize
+    from treadle.measure import workloads
+    from treadle.measure.launch import launched_server
+    from treadle.measure.http_load import run_load, served_model, summarize
 
     viewer_type = {"sse": SSEViewer, "browser": BrowserViewer}[viewer]
     runs: dict[str, list[dict]] = {name: [] for name in SYSTEMS}

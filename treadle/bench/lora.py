@@ -28,8 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-from treadle.bench.report import environment, format_table, write_json
-from treadle.bench.workloads import synthetic
+from treadle.measure.report import environment, format_table, write_json
+from treadle.measure.workloads import synthetic
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -238,7 +238,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from treadle.bench.report import environment
+    from treadle.measure.report import environment
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from treadle.bench.lockstep import run_closed_loop, run_lockstep
-from treadle.bench.report import environment, format_table, write_json
+from treadle.measure.report import environment, format_table, write_json
 
 logger = logging.getLogger(__name__)
 

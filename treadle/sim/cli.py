@@ -46,16 +46,16 @@ def _engine_options(args: argparse.Namespace) -> dict:
 
 def environment() -> dict:
     """What a simulation's speed depends on (no torch, no host name)."""
-    from treadle.bench.report import _cpu_info
+    from treadle.measure.report import cpu_info
 
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return {"python": platform.python_version(), "platform": platform.platform(),
-            "cpu_model": _cpu_info()[0], "cpu_count": os.cpu_count(),
+            "cpu_model": cpu_info()[0], "cpu_count": os.cpu_count(),
             "load_average": list(load) if load else None}
 
 
 def _print_summary(summary: dict) -> None:
-    from treadle.bench.report import format_table
+    from treadle.measure.report import format_table
 
     sim = summary["simulation"]
     rows = [{"figure": name, "mean": summary[key]["mean"], "median": summary[key]["median"],
@@ -73,7 +73,7 @@ def _print_summary(summary: dict) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from treadle.bench.report import write_json
+    from treadle.measure.report import write_json
     from treadle.sim.results import plot
     from treadle.sim.simulate import simulate
 
@@ -90,7 +90,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_size(args: argparse.Namespace) -> int:
-    from treadle.bench.report import write_json
+    from treadle.measure.report import write_json
     from treadle.sim.sizing import plot_search, search, table
 
     config = dataclass_from_args(SimConfig, args)
@@ -200,7 +200,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from treadle.bench.report import format_table
+    from treadle.measure.report import format_table
     from treadle.sim.results import compare
 
     simulated = json.loads(Path(args.simulated).read_text())

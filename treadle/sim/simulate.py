@@ -54,20 +54,20 @@ def load_requests(config: SimConfig, max_model_len: int | None) -> tuple[list, d
         requests = wl.from_engine_trace(read_trace(config.workload_trace))
         desc = {"source": "treadle trace", "file": config.workload_trace}
     elif config.workload_file:
-        from treadle.bench.workloads import load_workload
+        from treadle.measure.workloads import load_workload
 
         w = load_workload(config.workload_file)
         requests = wl.from_workload(w)
         desc = {"source": "workload file", "file": config.workload_file, **w.description}
     elif config.workload == "mixed-priority":
-        from treadle.bench.scheduling import mixed_priority_workload
+        from treadle.measure.workloads import mixed_priority_workload
 
         requests = wl.from_replay(mixed_priority_workload(duration_s=config.mixed_duration_s,
                                                           seed=config.seed))
         desc = {"source": "mixed-priority (treadle.bench.scheduling defaults)",
                 "seed": config.seed, "mixed_duration_s": config.mixed_duration_s}
     elif config.workload is not None and config.workload != "azure-conv":
-        from treadle.bench import workloads
+        from treadle.measure import workloads
 
         n = config.num_requests or 64
         w = (workloads.synthetic(num_requests=n, seed=config.seed, max_model_len=max_model_len)

@@ -185,7 +185,7 @@ def _describe(row: dict) -> str:
 
 
 def table(result: dict) -> str:
-    from treadle.bench.report import format_table
+    from treadle.measure.report import format_table
 
     rows = []
     for c in result["candidates"]:
