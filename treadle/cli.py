@@ -327,26 +327,23 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 def _cmd_bench_dashboard(args: argparse.Namespace) -> int:
     import shlex
 
-    from treadle.bench.dashboard import recorder_cost, served_cost
+    from treadle.bench.dashboard import served_cost
     from treadle.measure.report import format_table
 
-    result: dict = {"recorder": recorder_cost()}
-    print(format_table(result["recorder"], ["scheduled_requests", "recorder_us_per_step",
-                                            "event_ms_per_second_of_steps"]))
-    if args.repeats:
-        options = shlex.split(args.launch)
-        if not any(a == "--model" or a.startswith("--model=") for a in options):
-            options = ["--model", "demo", *options]
-        served = served_cost(options, args.num_requests, args.repeats, args.viewer,
-                             args.workload_seed, args.max_model_len,
-                             on_first=args.launch_on_first)
-        result["served"] = served
-        print(format_table([{"system": name, "median output tok/s": tps,
-                             "ratio to off": served["ratio_to_off"][name]}
-                            for name, tps in served["median_output_tokens_per_s"].items()],
-                           ["system", "median output tok/s", "ratio to off"]))
-        print("open / on per repeat:", ", ".join(f"{r:.4f}"
-                                                  for r in served["per_repeat_open_to_on"]))
+    if args.repeats < 1:
+        raise ValueError("--repeats must be >= 1 (what the recorder alone costs per step: "
+                         "python benchmarks/dashboard_recorder.py)")
+    options = shlex.split(args.launch)
+    if not any(a == "--model" or a.startswith("--model=") for a in options):
+        options = ["--model", "demo", *options]
+    served = served_cost(options, args.num_requests, args.repeats, args.viewer,
+                         args.workload_seed, args.max_model_len, on_first=args.launch_on_first)
+    result: dict = {"served": served}
+    print(format_table([{"system": name, "median output tok/s": tps,
+                         "ratio to off": served["ratio_to_off"][name]}
+                        for name, tps in served["median_output_tokens_per_s"].items()],
+                       ["system", "median output tok/s", "ratio to off"]))
+    print("open / on per repeat:", ", ".join(f"{r:.4f}" for r in served["per_repeat_open_to_on"]))
     print("wrote", _write_result(result, args.output, "dashboard.json"))
     return 0
 
@@ -571,14 +568,14 @@ def build_parser() -> argparse.ArgumentParser:
     soak.set_defaults(func=_cmd_bench_soak)
 
     dash = bench_sub.add_parser(
-        "dashboard", help="what watching costs: the step recorder per step, and served "
-                          "throughput with the recorder off, on, and a dashboard open")
+        "dashboard", help="what watching costs: served throughput with the step recorder "
+                          "off, on, and a dashboard open")
     dash.add_argument("--launch", default="--dtype bfloat16",
                       help="`treadle serve` options of both servers (the demo model unless "
                            "--model is among them)")
     dash.add_argument("--num-requests", type=int, default=64)
     dash.add_argument("--repeats", type=int, default=3,
-                      help="alternating repeats of the served runs (0: the recorder only)")
+                      help="alternating repeats of the served runs")
     dash.add_argument("--viewer", choices=["sse", "browser"], default="sse",
                       help="what keeps the dashboard open: an events client, or headless "
                            "Chromium")

@@ -503,3 +503,16 @@ class Worker:
             self.model.decode_stack = DecodeStack.build(self.model, layer_ops, self.attention)
         if self.runner is not None and self.runner.sampler.kernels is not None:
             self.runner.sampler.kernels = kernels
+
+    def disable_decode_stack(self) -> None:
+        """Run decode steps layer by layer instead of through the fused decode stack, until
+        the next use_native_kernels: for benchmarks timing the two side by side
+        (benchmarks/linear_kernel.py)."""
+        self.model.decode_stack = None
+
+    def lora_stats(self) -> dict | None:
+        """The LoRA manager's counters and the ops it runs on, None without LoRA (for
+        `treadle bench lora`'s report)."""
+        if self.lora is None:
+            return None
+        return vars(self.lora.stats) | {"ops": self.lora.ops_name}
