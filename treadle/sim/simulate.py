@@ -18,6 +18,7 @@ from typing import Any
 
 from treadle.config import CacheConfig, SchedulerConfig, SimConfig
 from treadle.core.policy import PreemptionCosts
+from treadle.router.routers import PrefixRouterOptions, Router, make_router
 from treadle.sim import workload as wl
 from treadle.sim.clock import SimClock
 from treadle.sim.fleet import Fleet, FleetResult
@@ -25,7 +26,6 @@ from treadle.sim.hardware import load_hardware, load_model_shape
 from treadle.sim.replica import Replica, ReplicaSpec
 from treadle.sim.results import summarize_fleet
 from treadle.sim.roofline import kv_transfer_seconds, num_kv_blocks
-from treadle.sim.router import make_router
 from treadle.sim.step_model import make_step_model
 
 _SCHEDULER_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
@@ -175,15 +175,26 @@ def run(setup: SimSetup, monitor=None) -> FleetResult:
         decode = [Replica(i, spec, setup.step_model, clock, config.seed, "decode")
                   for i in range(config.decode_replicas)]
         transfer = _transfer_model(setup)
-        fleet = Fleet(prefill, make_router(config.routing), clock, maker, decode,
-                      make_router(config.routing), transfer, monitor,
+        fleet = Fleet(prefill, fleet_router(config, spec), clock, maker, decode,
+                      fleet_router(config, spec), transfer, monitor,
                       config.front_end_ms / 1000.0)
     else:
         replicas = [Replica(i, spec, setup.step_model, clock, config.seed)
                     for i in range(config.replicas)]
-        fleet = Fleet(replicas, make_router(config.routing), clock, maker, monitor=monitor,
+        fleet = Fleet(replicas, fleet_router(config, spec), clock, maker, monitor=monitor,
                       front_end_s=config.front_end_ms / 1000.0)
     return fleet.run(setup.requests)
+
+
+def fleet_router(config: SimConfig, spec: ReplicaSpec) -> Router:
+    """The production router `--routing` names (treadle/router), with the parameters the
+    server gives it for engines of this block size and KV size (the route_* defaults of
+    `treadle serve --replicas`); one per pool (under P/D, the decode pool gets its own)."""
+    block_size = spec.cache.block_size
+    options = PrefixRouterOptions(chunk_size=block_size,
+                                  capacity_tokens=max(spec.num_kv_blocks * block_size, block_size),
+                                  min_match_tokens=block_size)
+    return make_router(config.routing, options)
 
 
 def _transfer_model(setup: SimSetup):
