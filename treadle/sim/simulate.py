@@ -2,10 +2,12 @@
 
 Owns resolving a SimConfig plus the engine's scheduler and cache options into what the
 fleet runs: the request list (source, scaling, priorities), the step-time model
-(`--step-model`), each replica's memory (the fitted trace's engine facts, the roofline
-hardware's capacity, or --num-kv-blocks / --kv-cache-memory given explicitly), and the
-routers; then runs it and summarizes. The scheduler configuration of a replica is the
-engine's: a fitted trace's own settings (its header), overridden by any option given.
+(`--step-model`, `make_step_model`: above sim/fit.py, sim/roofline.py and
+sim/step_model.py, which import none of it), each replica's memory (the fitted trace's
+engine facts, the roofline hardware's capacity, or --num-kv-blocks / --kv-cache-memory
+given explicitly), and the routers (the production ones); then runs it and summarizes.
+The scheduler configuration of a replica is the engine's: a fitted trace's own settings
+(its header), overridden by any option given.
 Must not: contain scheduling logic (that is treadle.core's) or read the wall clock other
 than through the fleet's report.
 """
@@ -21,12 +23,13 @@ from treadle.core.policy import PreemptionCosts
 from treadle.router.routers import PrefixRouterOptions, Router, make_router
 from treadle.sim import workload as wl
 from treadle.sim.clock import SimClock
+from treadle.sim.fit import fit_trace_file
 from treadle.sim.fleet import Fleet, FleetResult
 from treadle.sim.hardware import load_hardware, load_model_shape
 from treadle.sim.replica import Replica, ReplicaSpec
 from treadle.sim.results import summarize_fleet
-from treadle.sim.roofline import kv_transfer_seconds, num_kv_blocks
-from treadle.sim.step_model import make_step_model
+from treadle.sim.roofline import RooflineStepModel, kv_transfer_seconds, num_kv_blocks
+from treadle.sim.step_model import LinearStepModel
 
 _SCHEDULER_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
 _CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
@@ -43,6 +46,33 @@ class SimSetup:
     hardware: Any = None
     shape: Any = None
     description: dict = dataclasses.field(default_factory=dict)
+
+
+def make_step_model(spec: str, hardware=None, shape=None, tensor_parallel_size: int = 1):
+    """The model a `--step-model` spec names:
+
+        fit:TRACE.jsonl   least squares on a real run's trace (treadle/sim/fit.py);
+                          fit:A.jsonl,B.jsonl pools the steps of several runs
+        linear:FILE.json  a linear model saved by `treadle simulate fit --save`
+        roofline          peak FLOP/s and bandwidth of a `--hardware` preset
+                          (treadle/sim/roofline.py)
+    """
+    kind, _, arg = spec.partition(":")
+    if kind == "fit":
+        if not arg:
+            raise ValueError("--step-model fit:TRACE.jsonl needs the trace file (or "
+                             "several, comma-separated: fit:A.jsonl,B.jsonl)")
+        return fit_trace_file(arg)
+    if kind == "linear":
+        if not arg:
+            raise ValueError("--step-model linear:FILE.json needs the file")
+        return LinearStepModel.load(arg)
+    if kind == "roofline":
+        if hardware is None or shape is None:
+            raise ValueError("--step-model roofline needs --hardware and --model-shape")
+        return RooflineStepModel(hardware, shape, tensor_parallel_size)
+    raise ValueError(f"--step-model must be fit:TRACE.jsonl, linear:FILE.json or roofline, "
+                     f"got {spec!r}")
 
 
 def load_requests(config: SimConfig, max_model_len: int | None) -> tuple[list, dict]:
