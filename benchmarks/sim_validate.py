@@ -133,7 +133,7 @@ def simulate_run(fit_trace: Path, target: str, out: Path, front_end: float = 0.0
     """Simulate run `target` ('azure' or 'mixed') with a model fitted on `fit_trace`, with
     the target run's own scheduler settings and memory (its trace header), and `front_end`
     milliseconds per request outside the engine; `length`: the real runs' --length."""
-    from treadle.config import SimConfig
+    from treadle.sim.config import SimConfig
     from treadle.engine.trace import read_trace
     from treadle.sim.simulate import simulate
 

@@ -12,8 +12,9 @@ import sys
 import pytest
 
 import treadle.core.scheduler as scheduler_module
-from treadle.config import CacheConfig, SchedulerConfig, SimConfig
+from treadle.config import CacheConfig, SchedulerConfig
 from treadle.sim.clock import SimClock
+from treadle.sim.config import SimConfig
 from treadle.sim.fleet import Fleet
 from treadle.sim.replica import Replica, ReplicaSpec
 from treadle.router.prefix_tree import chunk_hashes
@@ -304,7 +305,7 @@ def test_mixed_priority_duration_sets_the_arrivals():
 def test_simulator_imports_without_torch():
     from test_core_is_torch_free import _BLOCK_TORCH
 
-    modules = ["treadle.sim." + m for m in ("clock", "step_model", "fit", "hardware",
+    modules = ["treadle.sim." + m for m in ("config", "clock", "step_model", "fit", "hardware",
                                            "roofline", "workload", "runner", "replica",
                                            "fleet", "results", "simulate", "sizing", "cli")]
     result = subprocess.run([sys.executable, "-c", _BLOCK_TORCH, *modules],
@@ -322,7 +323,7 @@ network_bandwidth: 1.0e10
 
 
 def test_size_finds_the_smallest_fleet_and_its_predecessor_fails(tmp_path):
-    from treadle.config import SizingConfig
+    from treadle.sim.config import SizingConfig
     from treadle.sim.sizing import judge, search
 
     hw = tmp_path / "slow.yaml"

@@ -20,10 +20,10 @@ import os
 import platform
 from pathlib import Path
 
-from treadle.config import (CacheConfig, SchedulerConfig, SimConfig, SizingConfig,
-                            add_config_arguments, add_dataclass_arguments, dataclass_from_args,
-                            parse_int_list)
+from treadle.config import (CacheConfig, SchedulerConfig, add_config_arguments,
+                            add_dataclass_arguments, dataclass_from_args, parse_int_list)
 from treadle.sim.calibrate import DEFAULT_ROWS
+from treadle.sim.config import SimConfig, SizingConfig
 
 _ENGINE_TYPES = (SchedulerConfig, CacheConfig)
 

@@ -18,11 +18,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from treadle.config import CacheConfig, SchedulerConfig, SimConfig
+from treadle.config import CacheConfig, SchedulerConfig
 from treadle.core.policy import PreemptionCosts
 from treadle.router.routers import PrefixRouterOptions, Router, make_router
 from treadle.sim import workload as wl
 from treadle.sim.clock import SimClock
+from treadle.sim.config import SimConfig
 from treadle.sim.fit import fit_trace_file
 from treadle.sim.fleet import Fleet, FleetResult
 from treadle.sim.hardware import load_hardware, load_model_shape

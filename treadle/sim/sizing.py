@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from treadle.config import SimConfig, SizingConfig
+from treadle.sim.config import SimConfig, SizingConfig
 from treadle.sim.fleet import SloMonitor
 from treadle.sim.results import request_results
 from treadle.sim.simulate import build, run
