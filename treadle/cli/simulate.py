@@ -7,9 +7,9 @@
     treadle simulate calibrate --trace F  the real engine over a sweep of step shapes
     treadle simulate compare SIM.json MEASURED.json   figure by figure, with errors
 
-Flags are generated from SimConfig, SizingConfig and the engine's SchedulerConfig and
-CacheConfig (treadle/config.py), so a replica takes the same options `treadle serve`
-does. This module parses and prints; the work is in treadle.sim's other modules.
+Flags are generated from SimConfig, SizingConfig (treadle/sim/config.py) and the engine's
+SchedulerConfig and CacheConfig (treadle/config.py), so a replica takes the same options
+`treadle serve` does. This module parses and prints; the work is in treadle/sim.
 """
 
 from __future__ import annotations
