@@ -1,4 +1,4 @@
-"""bench/thread_split.py: perf script samples counted per thread and shared object."""
+"""benchmarks/thread_split.py: perf script samples counted per thread and shared object."""
 
 from __future__ import annotations
 

@@ -67,7 +67,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-scale", type=float, default=1.0,
                         help="azure-conv: multiply the trace's token counts by this")
     parser.add_argument("--workload-file", default=None,
-                        help="a workload saved as JSON (bench/workloads.save_workload); "
+                        help="a workload saved as JSON (measure/workloads.save_workload); "
                              "overrides the options above")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="draw token ids below this (default: the model's config.json)")
