@@ -18,7 +18,7 @@ def workload(args: argparse.Namespace, model_path: str):
     vocab = getattr(args, "vocab_size", None) or workloads.model_vocab_size(model_path)
     context = getattr(args, "max_model_len", None) or workloads.model_context_len(model_path)
     if getattr(args, "workload_file", None):
-        workload = workloads.loadworkload(args.workload_file)
+        workload = workloads.load_workload(args.workload_file)
         workloads.check_token_ids(workload, vocab)
         return workload
     if args.workload == "synthetic":
