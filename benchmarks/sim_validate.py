@@ -21,7 +21,7 @@ random weights, as benchmarks/compare_azure.yaml; bf16,
 --num-threads 1, max_model_len 2048, 1 GiB of KV) and each with a per-step trace:
   1. the azure-conv replay of benchmarks/compare_azure.yaml (first 100 requests, tokens
      x0.25, arrival gaps x2) over HTTP: `treadle bench serve --launch "... --trace ..."`;
-  2. the mixed-priority workload of treadle.bench.scheduling (priority policy, budget 256,
+  2. the mixed-priority workload of treadle.measure.workloads (priority policy, budget 256,
      32 sequences) over HTTP too, by measure.http_load's load generator at the workload's own
      arrival times and priorities (the same serving path, so one fit can carry over).
 `--length K` makes both K times as long (the first 100 K azure requests, K x 40 s of
@@ -52,7 +52,7 @@ MODEL_OPTIONS = {"model": "demo", "dtype": "bfloat16", "num_threads": 1, "max_mo
                  "kv_cache_memory": "1GiB", "swap_space": "256MiB"}
 AZURE = {"num_requests": 100, "token_scale": 0.25, "time_scale": 0.5, "max_model_len": 2048}
 MIXED_DURATION_S = 40.0
-"""Seconds of mixed-priority arrivals at --length 1 (treadle.bench.scheduling's default)."""
+"""Seconds of mixed-priority arrivals at --length 1 (treadle.measure.workloads' default)."""
 MIXED_SCHEDULER = {"scheduling_policy": "priority", "max_num_batched_tokens": 256,
                    "max_num_seqs": 32}
 

@@ -95,7 +95,7 @@ def load_requests(config: SimConfig, max_model_len: int | None) -> tuple[list, d
 
         requests = wl.from_replay(mixed_priority_workload(duration_s=config.mixed_duration_s,
                                                           seed=config.seed))
-        desc = {"source": "mixed-priority (treadle.bench.scheduling defaults)",
+        desc = {"source": "mixed-priority (treadle.measure.workloads defaults)",
                 "seed": config.seed, "mixed_duration_s": config.mixed_duration_s}
     elif config.workload is not None and config.workload != "azure-conv":
         from treadle.measure import workloads

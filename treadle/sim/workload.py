@@ -3,8 +3,8 @@ synthetic prompt contents that give the production prefix cache something to mat
 
 Owns `SimRequest` (one request: arrival, prompt and output lengths, priority, tenant,
 label, and real token ids when the source has them), the sources (an Azure-format CSV
-trace read through treadle.measure.workloads, the bench workloads, a saved workload file,
-the mixed-priority workload of treadle.bench.scheduling, and the arrivals of a treadle
+trace read through treadle.measure.workloads, its generated workloads, a saved workload file,
+the mixed-priority workload of treadle.measure.workloads, and the arrivals of a treadle
 per-step trace), the rate scaling (`time_scale` compresses the arrivals; `rate_scale`
 superposes copies of the trace over the same duration), and `PromptMaker`.
 
@@ -87,7 +87,7 @@ def from_workload(workload: workloads.Workload) -> list[SimRequest]:
 
 
 def from_replay(requests) -> list[SimRequest]:
-    """treadle.bench.scheduling ReplayRequests (mixed-priority), ids and classes kept."""
+    """treadle.measure.workloads ReplayRequests (mixed-priority), ids and classes kept."""
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_time)
     return [SimRequest(n, requests[i].arrival_time, len(requests[i].prompt_token_ids),
                        requests[i].max_tokens, requests[i].priority, requests[i].tenant,
