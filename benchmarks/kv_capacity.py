@@ -1,7 +1,7 @@
 """What a quantized KV cache buys at a fixed KV memory: requests running at once and
 offline engine-core throughput, int8 (or fp8) against the model-dtype cache.
 
-The azure-conv replay (treadle.bench.workloads.azure_conv: the Azure conversation
+The azure-conv replay (treadle.measure.workloads.azure_conv: the Azure conversation
 trace's prompt and output lengths, token ids at random) is handed to `LLM.generate` all
 at once, on the benchmark model (`demo`, bf16 weights), with the same `kv_cache_memory`
 for every cache dtype. Each scheduler step's number of running requests is recorded (the
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from treadle import LLM, SamplingParams
-from treadle.bench.workloads import azure_conv
+from treadle.measure.workloads import azure_conv
 
 
 def run_once(workload, kind: str, args) -> dict:

@@ -17,7 +17,7 @@ import statistics
 import sys
 import time
 
-from treadle.config import SimConfig
+from treadle.sim.config import SimConfig
 from treadle.sim.simulate import simulate
 
 

@@ -21,8 +21,8 @@ random weights, as benchmarks/compare_azure.yaml; bf16,
 --num-threads 1, max_model_len 2048, 1 GiB of KV) and each with a per-step trace:
   1. the azure-conv replay of benchmarks/compare_azure.yaml (first 100 requests, tokens
      x0.25, arrival gaps x2) over HTTP: `treadle bench serve --launch "... --trace ..."`;
-  2. the mixed-priority workload of treadle.bench.scheduling (priority policy, budget 256,
-     32 sequences) over HTTP too, by bench.serve's load generator at the workload's own
+  2. the mixed-priority workload of treadle.measure.workloads (priority policy, budget 256,
+     32 sequences) over HTTP too, by measure.http_load's load generator at the workload's own
      arrival times and priorities (the same serving path, so one fit can carry over).
 `--length K` makes both K times as long (the first 100 K azure requests, K x 40 s of
 mixed arrivals): a p99 over 100 requests is their largest one or two, so one request
@@ -52,7 +52,7 @@ MODEL_OPTIONS = {"model": "demo", "dtype": "bfloat16", "num_threads": 1, "max_mo
                  "kv_cache_memory": "1GiB", "swap_space": "256MiB"}
 AZURE = {"num_requests": 100, "token_scale": 0.25, "time_scale": 0.5, "max_model_len": 2048}
 MIXED_DURATION_S = 40.0
-"""Seconds of mixed-priority arrivals at --length 1 (treadle.bench.scheduling's default)."""
+"""Seconds of mixed-priority arrivals at --length 1 (treadle.measure.workloads' default)."""
 MIXED_SCHEDULER = {"scheduling_policy": "priority", "max_num_batched_tokens": 256,
                    "max_num_seqs": 32}
 
@@ -85,15 +85,15 @@ def _launch_args(trace: Path, scheduler: dict | None = None) -> list[str]:
 
 
 def real_mixed(out: Path, length: int = 1) -> dict:
-    """The mixed-priority workload over HTTP (bench.serve's load generator at the
+    """The mixed-priority workload over HTTP (measure.http_load's load generator at the
     workload's own arrival times and priorities), against a server with a trace."""
     import asyncio
 
-    from treadle.bench.launch import launched_server
-    from treadle.bench.report import write_json
-    from treadle.bench.scheduling import mixed_priority_workload
-    from treadle.bench.serve import request_records, run_load, served_model, summarize
-    from treadle.bench.workloads import Workload, WorkloadRequest
+    from treadle.measure.launch import launched_server
+    from treadle.measure.report import write_json
+    from treadle.measure.workloads import mixed_priority_workload
+    from treadle.measure.http_load import request_records, run_load, served_model, summarize
+    from treadle.measure.workloads import Workload, WorkloadRequest
 
     replay = mixed_priority_workload(duration_s=MIXED_DURATION_S * length)
     workload = Workload("mixed-priority", [WorkloadRequest(r.prompt_token_ids, r.max_tokens,
@@ -133,7 +133,7 @@ def simulate_run(fit_trace: Path, target: str, out: Path, front_end: float = 0.0
     """Simulate run `target` ('azure' or 'mixed') with a model fitted on `fit_trace`, with
     the target run's own scheduler settings and memory (its trace header), and `front_end`
     milliseconds per request outside the engine; `length`: the real runs' --length."""
-    from treadle.config import SimConfig
+    from treadle.sim.config import SimConfig
     from treadle.engine.trace import read_trace
     from treadle.sim.simulate import simulate
 
@@ -172,7 +172,7 @@ def compare(out: Path, fit_dir: Path | None = None, fit_trace: Path | None = Non
     `fit_dir`, every model comes from a different run, the same workload's included.
     with_front_end: each simulation adds the front end measured on its fit's served runs
     (none for a calibration trace, which is not served by the load generator)."""
-    from treadle.bench.report import format_table, write_json
+    from treadle.measure.report import format_table, write_json
     from treadle.sim.results import compare as compare_results
 
     fit_dir = fit_dir or out
@@ -238,7 +238,7 @@ def repeats(outs: list[Path], fit_dir: Path, with_front_end: bool = True) -> dic
     """The pooled fit of `fit_dir`'s pair simulates each workload once (with the first
     target's scheduler settings and memory, the same in every `real` run), compared with
     each repeated pair in `outs` and with the median of their measured figures."""
-    from treadle.bench.report import format_table, write_json
+    from treadle.measure.report import format_table, write_json
     from treadle.sim.results import compare as compare_results
 
     lengths = {json.loads((d / "real.json").read_text()).get("length", 1)
@@ -275,7 +275,7 @@ def floor(out: Path, fit_dir: Path) -> dict:
     """The host's own reproducibility: `fit_dir`'s measured figures taken as the
     prediction of `out`'s (the same runs, minutes apart), with the errors `compare`
     prints for a simulation."""
-    from treadle.bench.report import format_table
+    from treadle.measure.report import format_table
 
     rows = []
     for target in ("azure", "mixed"):

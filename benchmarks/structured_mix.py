@@ -18,7 +18,7 @@ import statistics
 import time
 
 from treadle import LLM, SamplingParams
-from treadle.bench.workloads import synthetic
+from treadle.measure.workloads import synthetic
 from treadle.structured import from_structured_outputs
 
 SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}

@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from treadle import LLM, SamplingParams  # noqa: E402
 from treadle.bench.static import generate_batch, load_model, run_static  # noqa: E402
-from treadle.bench.workloads import synthetic  # noqa: E402
+from treadle.measure.workloads import synthetic  # noqa: E402
 from treadle.config import EngineConfig  # noqa: E402
 from treadle.engine.trace import read_trace  # noqa: E402
 

@@ -54,7 +54,7 @@ def main() -> int:
         print("GPU: none visible to torch")
     sys.meta_path.insert(0, _Block())
     for module in ("treadle", "treadle.engine.llm", "treadle.bench.static",
-                   "treadle.bench.workloads", "treadle.bench.throughput", "treadle.engine.trace",
+                   "treadle.measure.workloads", "treadle.bench.throughput", "treadle.engine.trace",
                    "treadle.worker.triton", "treadle.worker.cuda_graphs",
                    "treadle.worker.attention_reference", "engine_check", "make_llama_1b"):
         importlib.import_module(module)

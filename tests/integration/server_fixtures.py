@@ -1,10 +1,10 @@
-"""Start `treadle serve` on a tiny model for tests (see treadle/bench/launch.py)."""
+"""Start `treadle serve` on a tiny model for tests (see treadle/measure/launch.py)."""
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 
-from treadle.bench.launch import free_port, launched_server
+from treadle.measure.launch import free_port, launched_server
 
 __all__ = ["free_port", "running_server"]
 

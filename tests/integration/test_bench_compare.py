@@ -12,7 +12,7 @@ import yaml
 from conftest import make_tiny_checkpoint
 from treadle.bench.compare import (compare, load_config, main_table, make_workload, plot,
                                    table)
-from treadle.bench.workloads import load_workload, save_workload
+from treadle.measure.workloads import load_workload, save_workload
 
 STUB = textwrap.dedent('''
     import argparse, asyncio, json

@@ -15,9 +15,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from server_fixtures import free_port
-from treadle.bench.serve import (RequestResult, arrival_times, request_records, run_load,
+from treadle.measure.http_load import (RequestResult, arrival_times, request_records, run_load,
                                  summarize)
-from treadle.bench.workloads import Workload, WorkloadRequest
+from treadle.measure.workloads import Workload, WorkloadRequest
 
 TTFT_S, GAP_S = 0.05, 0.02
 

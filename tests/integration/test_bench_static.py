@@ -8,7 +8,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from treadle.bench.static import batches_in_order, generate_batch, load_model, run_static  # noqa: E402
-from treadle.bench.workloads import synthetic  # noqa: E402
+from treadle.measure.workloads import synthetic  # noqa: E402
 
 
 @pytest.fixture(scope="module")

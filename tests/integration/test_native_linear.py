@@ -476,7 +476,7 @@ def test_linear_kernel_bench_times_each_routed_kernel_alone(level, level_kernels
     level routes between, each taking every row count: at a row count the ops send to
     the GEMM, `gemm` gives the ops' result and `dot` the dot-product kernel's; below it,
     the reverse."""
-    from treadle.bench.linear_kernel import kernel_choices
+    from benchmarks.linear_kernel import kernel_choices
 
     ops = NativeLayerOps.load(level_kernels.lib)
     if ops is None:
@@ -512,7 +512,7 @@ def test_read_probe_reads_huge_page_buffers_whole(level_kernels):
     weights live) reads every byte: the probe's sum over a buffer of ones is its length."""
     import ctypes
 
-    from treadle.bench.linear_kernel import read_bandwidth
+    from benchmarks.linear_kernel import read_bandwidth
     from treadle.worker.huge_pages import HugePageArena
 
     fn = level_kernels.lib.read_probe_sum

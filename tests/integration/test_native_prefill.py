@@ -158,7 +158,7 @@ def test_engine_prefill_logprobs_native_vs_torch(kernels, tmp_path):
 
 
 def test_prefill_benchmark_times_both_paths(kernels):
-    from treadle.bench.attention_kernel import bench_prefill
+    from benchmarks.attention_kernel import bench_prefill
 
     row = bench_prefill(kernels, 16, 32, rounds=1)
     assert row["native_ms"] > 0 and row["sdpa_ms"] > 0
@@ -173,7 +173,7 @@ def test_prefill_benchmark_runs_another_build(kernels, capsys):
     kernel as well as the decode one."""
     import json
 
-    from treadle.bench.attention_kernel import main
+    from benchmarks.attention_kernel import main
 
     main(["--prefill", "8x16", "--rounds", "1", "--so", kernels.lib._name])
     rows = json.loads(capsys.readouterr().out)["prefill"]
@@ -186,7 +186,7 @@ def test_decode_benchmark_takes_the_block_size(kernels, capsys):
     the layout says so and a context that is not a multiple of it is still read whole."""
     import json
 
-    from treadle.bench.attention_kernel import main
+    from benchmarks.attention_kernel import main
 
     main(["--shapes", "2x40", "--rounds", "1", "--block-size", "32", "--so",
           kernels.lib._name])
@@ -204,7 +204,7 @@ def test_decode_benchmark_in_cache_from_huge_pages(kernels, capsys):
     --huge-pages cuts them from the huge-page arena; both say so in the layout."""
     import json
 
-    from treadle.bench.attention_kernel import main
+    from benchmarks.attention_kernel import main
 
     main(["--shapes", "2x40", "--rounds", "1", "--in-cache", "--huge-pages", "--so",
           kernels.lib._name])

@@ -144,7 +144,7 @@ def test_a_rank_that_dies_or_hangs_stops_the_engine(checkpoints, how):
 def test_torchrun_style_launch(checkpoints, single_rank, tmp_path):
     """Two ranks started by hand as torchrun would (RANK, WORLD_SIZE, MASTER_*): rank 1 runs
     `treadle worker`, rank 0 drives from LLM."""
-    from treadle.bench.launch import free_port
+    from treadle.measure.launch import free_port
 
     port = str(free_port())  # a fixed range could collide with a port another test holds
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,

@@ -279,7 +279,7 @@ def test_random_q4k_blocks_are_what_gguf_dequantizes():
 def test_quant_kernel_benchmark_measures_every_path(tmp_path, monkeypatch):
     """bench/quant_kernel.py runs (its figures set choose_path's thresholds) and reports a
     time for each quantized path and the dense kernels it compares them with."""
-    from treadle.bench import quant_kernel
+    from benchmarks import quant_kernel
 
     (row,) = quant_kernel.gemv(rows=(2,), formats=("Q8_0",), shapes=("kv",), repeats=1,
                                copies_per_layer=1)

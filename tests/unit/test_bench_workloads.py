@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from treadle.bench import report, workloads
-from treadle.bench.workloads import azure_conv, cap_lengths, shared_prefix, synthetic
+from treadle.measure import report, workloads
+from treadle.measure.workloads import azure_conv, cap_lengths, shared_prefix, synthetic
 
 TRACE = Path(__file__).resolve().parents[2] / "benchmarks" / "traces" / workloads.AZURE_CONV_FILE
 

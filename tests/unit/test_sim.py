@@ -12,13 +12,15 @@ import sys
 import pytest
 
 import treadle.core.scheduler as scheduler_module
-from treadle.config import CacheConfig, SchedulerConfig, SimConfig
+from treadle.config import CacheConfig, SchedulerConfig
 from treadle.sim.clock import SimClock
+from treadle.sim.config import SimConfig
 from treadle.sim.fleet import Fleet
 from treadle.sim.replica import Replica, ReplicaSpec
-from treadle.sim.router import (LeastLoadRouter, PrefixAwareRouter, RoundRobinRouter,
-                                RoutedRequest)
-from treadle.sim.simulate import build, run, simulate
+from treadle.router.prefix_tree import chunk_hashes
+from treadle.router.routers import (LeastLoadRouter, PrefixAwareRouter, PrefixRouterOptions,
+                                    ReplicaLoad, RoundRobinRouter)
+from treadle.sim.simulate import build, fleet_router, run, simulate
 from treadle.sim.step_model import LinearStepModel
 from treadle.sim.workload import PromptMaker, SimRequest, scale_rate
 
@@ -225,30 +227,40 @@ def test_speculative_acceptance_as_a_rate(trace_csv):
     assert sum(r.runner.num_accepted for r in always.replicas) > 0
 
 
-class _View:
-    def __init__(self, index, unfinished, hit=0):
-        self.index, self.num_unfinished, self.kv_usage = index, unfinished, 0.0
-        self.num_running = self.num_waiting = 0
-        self._hit = hit
-
-    def prefix_hit_tokens(self, request):
-        return self._hit
+def _prefix_router(balance_abs, hits):
+    """The production prefix router (treadle/router), having sent `hits[i]` tokens of the
+    prompt [3] * 80 to replica i before."""
+    router = PrefixAwareRouter(PrefixRouterOptions(chunk_size=16, balance_abs=balance_abs))
+    for replica, tokens in hits.items():
+        router.tree(replica).insert(chunk_hashes([3] * tokens, 16, None), 0.0)
+    return router
 
 
 def test_routers():
-    request = RoutedRequest(0, [3] * 40)
-    views = [_View(0, 5), _View(1, 2), _View(2, 2, hit=32), _View(3, 30, hit=64)]
+    # The fleet's routers are the production ones; it shows them each replica as a
+    # ReplicaLoad (index, healthy, unfinished requests, waiting, KV usage).
+    prompt = [3] * 80
+    views = [ReplicaLoad(0, True, 5), ReplicaLoad(1, True, 2), ReplicaLoad(2, True, 2),
+             ReplicaLoad(3, True, 30)]
     rr = RoundRobinRouter()
-    assert [rr.route(request, views) for _ in range(5)] == [0, 1, 2, 3, 0]
-    assert LeastLoadRouter().route(request, views) == 1
+    assert [rr.route(prompt, None, views, 0.0).replica for _ in range(5)] == [0, 1, 2, 3, 0]
+    assert LeastLoadRouter().route(prompt, None, views, 0.0).replica == 1
     # the longest hit, unless that replica is far busier than the least loaded
-    assert PrefixAwareRouter(max_imbalance=8).route(request, views) == 2
-    assert PrefixAwareRouter(max_imbalance=40).route(request, views) == 3
-    assert len(request.block_hashes(16)) == 2  # (40 - 1) // 16 blocks may hit
+    hits = {2: 32, 3: 64}
+    assert _prefix_router(8, hits).route(prompt, None, views, 1.0).replica == 2
+    assert _prefix_router(40, hits).route(prompt, None, views, 1.0).replica == 3
+    assert len(chunk_hashes([3] * 40, 16, None)) == 2  # 40 tokens: 2 full blocks may hit
+    # what the simulator builds for --routing: the router the server builds, sized to a
+    # replica's KV cache and block size
+    spec = tiny_spec(block_size=4, blocks=64)
+    router = fleet_router(SimConfig(routing="prefix"), spec)
+    assert type(router) is PrefixAwareRouter
+    assert (router.options.chunk_size, router.options.capacity_tokens) == (4, 256)
+    assert type(fleet_router(SimConfig(routing="least-load"), spec)) is LeastLoadRouter
 
 
 def test_cli_result_has_the_bench_serve_shape(trace_csv, tmp_path):
-    from treadle.bench.serve import RequestResult, summarize
+    from treadle.measure.http_load import RequestResult, summarize
     from treadle.cli import main
 
     out = tmp_path / "out"
@@ -293,10 +305,10 @@ def test_mixed_priority_duration_sets_the_arrivals():
 def test_simulator_imports_without_torch():
     from test_core_is_torch_free import _BLOCK_TORCH
 
-    modules = ["treadle.sim." + m for m in ("clock", "step_model", "fit", "hardware",
+    modules = ["treadle.sim." + m for m in ("config", "clock", "step_model", "fit", "hardware",
                                            "roofline", "workload", "runner", "replica",
-                                           "router", "fleet", "results", "simulate",
-                                           "sizing", "cli")]
+                                           "fleet", "results", "simulate", "sizing")]
+    modules.append("treadle.cli.simulate")  # the command (treadle/cli/simulate.py)
     result = subprocess.run([sys.executable, "-c", _BLOCK_TORCH, *modules],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -312,7 +324,7 @@ network_bandwidth: 1.0e10
 
 
 def test_size_finds_the_smallest_fleet_and_its_predecessor_fails(tmp_path):
-    from treadle.config import SizingConfig
+    from treadle.sim.config import SizingConfig
     from treadle.sim.sizing import judge, search
 
     hw = tmp_path / "slow.yaml"

@@ -13,7 +13,8 @@ from treadle.sim.fit import evaluate, fit_trace, nonnegative_lstsq
 from treadle.sim.hardware import (Hardware, ModelShape, load_hardware, load_model_shape,
                                   model_shape_from_hf_config)
 from treadle.sim.roofline import RooflineStepModel, kv_transfer_seconds, num_kv_blocks
-from treadle.sim.step_model import LinearStepModel, make_step_model
+from treadle.sim.simulate import make_step_model
+from treadle.sim.step_model import LinearStepModel
 
 TRUE = {"intercept": 0.004, "prefill_tokens": 3e-5, "prefill_rows": 2e-4,
         "decode_tokens": 1.5e-4, "decode_context_tokens": 2e-8,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from treadle.bench import benchmark_shapes as shapes
+from treadle.measure import benchmark_shapes as shapes
 from treadle.bench.step_floor import (benchmark_model_costs, sampling_prefill_rows,
                                       step_rooflines, step_work)
 from treadle.bench.step_split import main

@@ -1,4 +1,4 @@
-"""bench/thread_split.py: perf script samples counted per thread and shared object."""
+"""benchmarks/thread_split.py: perf script samples counted per thread and shared object."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from treadle.bench.thread_split import KERNELS, main, parse, split
+from benchmarks.thread_split import KERNELS, main, parse, split
 
 # `perf script -F tid,time,ip,sym,dso` with call graphs: a header line, then frames.
 WITH_CALLCHAINS = """\

@@ -48,10 +48,10 @@ from typing import Any, Iterator
 
 import yaml
 
-from treadle.bench import workloads
-from treadle.bench.launch import free_port, launched_server, wait_healthy
-from treadle.bench.report import format_table, percentiles
-from treadle.bench.serve import request_records, run_load, summarize
+from treadle.measure import workloads
+from treadle.measure.launch import free_port, launched_server, wait_healthy
+from treadle.measure.report import format_table, percentiles
+from treadle.measure.http_load import request_records, run_load, summarize
 
 _KINDS = ("treadle", "server", "static", "treadle-offline", "offline")
 _NEEDS_COMMAND = ("server", "offline")
@@ -174,7 +174,7 @@ def _external_server(command: str, model: str, timeout_s: float) -> Iterator[str
 
 def _online(base: str, workload, rates: list, load: dict) -> list[dict]:
     """One summary per rate, every request streamed over HTTP."""
-    from treadle.bench.serve import served_model
+    from treadle.measure.http_load import served_model
 
     model = served_model(base)["id"]
     points = []

@@ -1,86 +1,26 @@
-"""`treadle bench dashboard`: what watching the engine costs.
+"""`treadle bench dashboard`: what watching the engine costs a served engine.
 
-Owns two measurements:
+Owns `served_cost`: the engine-core workload (treadle.measure.workloads.synthetic)
+served over HTTP by two `treadle serve` processes launched side by side with the same
+options, one with the recorder off (`--no-dashboard --request-timelines 0`) and one with
+its defaults, loaded in turn — off, on with nobody watching, on with a dashboard open (a
+client reading /dashboard/events, or headless Chromium showing /dashboard) — the order
+rotated each repeat so that drift on a shared machine hits each alike.
 
-- `recorder_cost`: microseconds the engine thread spends in the StepRecorder per step
-  (treadle.engine.timeline) at 1 .. 256 scheduled requests, and what building one
-  dashboard event of a second's steps costs a reader — no model, the real messages.
-- `served_cost`: the engine-core workload (treadle.bench.workloads.synthetic) served over
-  HTTP by two `treadle serve` processes launched side by side with the same options, one
-  with the recorder off (`--no-dashboard --request-timelines 0`) and one with its
-  defaults, loaded in turn — off, on with nobody watching, on with a dashboard open (a
-  client reading /dashboard/events, or headless Chromium showing /dashboard) — the order
-  rotated each repeat so that drift on a shared machine hits each alike.
-
-It reports what it measured (medians, ratios against "off"); it decides nothing.
+It reports what it measured (medians, ratios against "off"); it decides nothing. What
+the recorder costs the engine thread per step, measured on the recorder itself with no
+model, is benchmarks/dashboard_recorder.py (it reaches into the engine's and the server's
+internals, so it stands outside the package).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import threading
-import time
-from types import SimpleNamespace
-
-from treadle.core.outputs import EngineCoreOutput, ScheduledRequest, SchedulerOutput
-from treadle.engine.timeline import StepRecorder
-from treadle.request import Request, RequestStatus
-from treadle.sampling_params import SamplingParams
 
 SYSTEMS = ("off", "on", "open")
 """Recorder off; recorder on, no viewer; recorder on, a dashboard open."""
-
-
-class _FakeScheduler:
-    """What the recorder reads of a scheduler (counts, KV usage, prefix statistics)."""
-
-    def __init__(self, requests: dict) -> None:
-        self.requests = requests
-        self.num_running, self.num_waiting, self.num_swapped = len(requests), 0, 0
-        self.kv = SimpleNamespace(usage=0.5, prefix_stats=SimpleNamespace(
-            num_queried_tokens=0, num_hit_tokens=0))
-
-
-def recorder_cost(batch_sizes=(1, 16, 64, 256), num_steps: int = 2000) -> list[dict]:
-    """Per batch size: µs per step in record_scheduled + record_step (decode steps, one
-    token each, no preemption), and ms to build and encode one event of 1 s of steps
-    (10 steps/s) for one viewer."""
-    from treadle.metrics import EngineMetrics
-    from treadle.server.dashboard_data import Viewer, build_event
-
-    rows = []
-    for n in batch_sizes:
-        requests = {}
-        for i in range(n):
-            r = Request(f"cmpl-{i:032x}", [1] * 100, SamplingParams(max_tokens=10_000),
-                        tenant=f"t{i % 2}")
-            r.status = RequestStatus.RUNNING
-            requests[r.request_id] = r
-        scheduler = _FakeScheduler(requests)
-        recorder = StepRecorder(scheduler, max_steps=2048, max_finished=1000)
-        for r in requests.values():
-            recorder.record_arrival(r)
-        outputs_of = [[EngineCoreOutput(rid, [7]) for rid in requests]]
-        messages = [SchedulerOutput([ScheduledRequest(rid, 100 + s, 1, is_decoding=True)
-                                     for rid in requests]) for s in range(8)]
-        t0 = time.perf_counter()
-        for step in range(num_steps):
-            out = messages[step % 8]
-            recorder.record_scheduled(step, out)
-            recorder.record_step(step, 0.0, 0.01, out, outputs_of[0])
-        per_step_us = (time.perf_counter() - t0) / num_steps * 1e6
-        metrics = EngineMetrics("bench")
-        viewer = Viewer(None, last_seq=recorder.last_seq - 10)
-        t0 = time.perf_counter()
-        for _ in range(20):
-            viewer.last_seq = recorder.last_seq - 10
-            json.dumps(build_event(viewer, recorder, metrics, {}, 256), separators=(",", ":"))
-        event_ms = (time.perf_counter() - t0) / 20 * 1e3
-        rows.append({"scheduled_requests": n, "recorder_us_per_step": round(per_step_us, 1),
-                     "event_ms_per_second_of_steps": round(event_ms, 2)})
-    return rows
 
 
 class SSEViewer:
@@ -116,7 +56,7 @@ class SSEViewer:
 
 
 class BrowserViewer:
-    """A dashboard open in headless Chromium (treadle.bench.headless_browser)."""
+    """A dashboard open in headless Chromium (treadle/bench/headless_browser.py)."""
 
     def __init__(self, base: str, api_key: str | None = None) -> None:
         self.base, self.api_key = base, api_key
@@ -148,9 +88,9 @@ def served_cost(serve_options: list[str], num_requests: int = 64, repeats: int =
     recorder's)."""
     import contextlib
 
-    from treadle.bench import workloads
-    from treadle.bench.launch import launched_server
-    from treadle.bench.serve import run_load, served_model, summarize
+    from treadle.measure import workloads
+    from treadle.measure.launch import launched_server
+    from treadle.measure.http_load import run_load, served_model, summarize
 
     viewer_type = {"sse": SSEViewer, "browser": BrowserViewer}[viewer]
     runs: dict[str, list[dict]] = {name: [] for name in SYSTEMS}

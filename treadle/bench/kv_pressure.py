@@ -15,7 +15,7 @@ import statistics
 import time
 from typing import Any
 
-from treadle.bench.workloads import Workload
+from treadle.measure.workloads import Workload
 
 
 def fragmentation(workload: Workload, block_size: int = 16, num_kv_blocks: int = 200_000,

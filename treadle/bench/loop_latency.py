@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from treadle.bench.report import percentiles
+from treadle.measure.report import percentiles
 
 
 async def measure(url: str, model: str, num_requests: int = 32, max_tokens: int = 256,

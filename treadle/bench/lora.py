@@ -28,8 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-from treadle.bench.report import environment, format_table, write_json
-from treadle.bench.workloads import synthetic
+from treadle.measure.report import environment, format_table, write_json
+from treadle.measure.workloads import synthetic
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -146,10 +146,8 @@ def run(model: str | None = None, adapter_counts: tuple[int, ...] = (0, 1, 4, 16
                         "median_output_tok_s": median, "min": min(rates), "max": max(rates),
                         "vs_base": median / base_median})
     lora_engine = engines.get("lora")
-    lora_stats = None
-    if lora_engine is not None and hasattr(lora_engine.engine.executor, "worker"):
-        manager = lora_engine.engine.executor.worker.lora
-        lora_stats = vars(manager.stats) | {"ops": manager.ops_name}
+    lora_stats = (lora_engine.engine.executor.collective_rpc("lora_stats")[0]
+                  if lora_engine is not None else None)  # rank 0's manager
     for llm in engines.values():
         llm.engine.shutdown()
     return {

@@ -6,7 +6,7 @@ Every system is an `LLM` of the same model with its own engine options (e.g.
 `gguf:quantization=gguf` against `none:quantization=none`, or two `kernel_isa` levels).
 In each repeat all are loaded anew, in that repeat's order, and every system runs the
 whole workload (the
-engine-core workload, `bench.workloads.synthetic`: all requests at once by default,
+engine-core workload, `measure.workloads.synthetic`: all requests at once by default,
 greedy, EOS ignored, each request's own max_tokens), the engines taking one step each in
 turn (the order rotates each repeat)
 and each timed over its own steps (treadle/bench/lockstep.py). Reported per system and
@@ -32,9 +32,9 @@ import json
 import statistics
 import time
 
-from treadle.bench import workloads
+from treadle.measure import workloads
 from treadle.bench.lockstep import run_closed_loop, run_lockstep
-from treadle.bench.report import environment, format_table, write_json
+from treadle.measure.report import environment, format_table, write_json
 
 
 def parse_system(text: str) -> tuple[str, dict]:

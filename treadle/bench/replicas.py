@@ -1,6 +1,6 @@
 """Replicas and P/D measured over HTTP (`python -m treadle.bench.replicas prefix|pd`).
 
-`prefix`: the shared-prefix workload (treadle/bench/workloads.py) through 2 replicas of 1
+`prefix`: the shared-prefix workload (treadle/measure/workloads.py) through 2 replicas of 1
 thread each under `prefix` and `round-robin` routing, and through 1 engine of 2 threads,
 the same total KV blocks each, servers started in turn and repeated alternately: the
 prefix-cache hit rate (hit tokens / queried tokens, summed over the replicas' /metrics)
@@ -8,7 +8,7 @@ and TTFT p50/p99. `pd`: a long-prompt-interference workload (short chats decodin
 long prompts arrive) through 2 colocated replicas and through 1 prefill + 1 decode
 replica: TPOT p50/p99 of the short requests, and the KV transfer seconds per request
 (the decode replica's treadle:pd_kv_transfer_seconds). The load generator and the
-summary are treadle bench serve's (treadle/bench/serve.py).
+summary are treadle bench serve's (treadle/measure/http_load.py).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import time
 import httpx
 import numpy as np
 
-from treadle.bench import workloads
-from treadle.bench.launch import launched_server
-from treadle.bench.report import percentiles
-from treadle.bench.serve import run_load, summarize
+from treadle.measure import workloads
+from treadle.measure.launch import launched_server
+from treadle.measure.report import percentiles
+from treadle.measure.http_load import run_load, summarize
 
 
 def metric_sum(text: str, name: str) -> float:

@@ -2,9 +2,9 @@
 
 Owns the replay driver (`replay`: requests join the engine at their arrival times on the
 wall clock, the engine steps whenever it has work, TTFT and E2E are taken per request
-from the arrival time), the `mixed-priority` workload (a saturating low-priority
-background plus a stream of high-priority requests), and the two measurements of the
-out-of-order scheduling issue:
+from the arrival time) and the two measurements of the out-of-order scheduling issue,
+over the `mixed-priority` workload (a saturating low-priority background plus a stream
+of high-priority requests; treadle/measure/workloads.py, which the simulator shares):
 
 - `run_mixed_priority`: high-priority TTFT under `priority` vs `fcfs` at saturation, the
   same high-priority requests alone on an idle engine, and the total throughput of each;
@@ -25,23 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import numpy as np
-
-from treadle.bench.report import environment, format_table, percentiles, write_json
-from treadle.bench.workloads import FIRST_ORDINARY_TOKEN_ID, Workload, azure_conv
-
-
-@dataclass(frozen=True)
-class ReplayRequest:
-    """One request of a replay: tokens, forced output length, arrival (s since start)."""
-
-    prompt_token_ids: list[int]
-    max_tokens: int
-    arrival_time: float
-    priority: int = 0
-    tenant: str | None = None
-    label: str = ""
-    """A class name for summaries, e.g. 'high' or 'background'."""
+from treadle.measure.report import environment, format_table, percentiles, write_json
+from treadle.measure.workloads import ReplayRequest, Workload, azure_conv, mixed_priority_workload
 
 
 @dataclass
@@ -129,37 +114,6 @@ def replay(engine, requests: Sequence[ReplayRequest], id_prefix: str = "") -> Re
         if key in stats and key in stats_before:
             stats[key] -= stats_before[key]
     return ReplayResult(list(timings.values()), last_end - start, busy_s, stats)
-
-
-def _random_ids(rng: np.random.Generator, length: int, vocab_size: int) -> list[int]:
-    return rng.integers(FIRST_ORDINARY_TOKEN_ID, vocab_size, size=length).tolist()
-
-
-def mixed_priority_workload(duration_s: float = 40.0, background_rate: float = 2.5,
-                            high_rate: float = 0.75,
-                            background_prompt: tuple[int, int] = (64, 256),
-                            background_output: tuple[int, int] = (32, 128),
-                            high_prompt: tuple[int, int] = (32, 96),
-                            high_output: tuple[int, int] = (8, 24),
-                            background_priority: int = 1, high_priority: int = 0,
-                            vocab_size: int = 49152, seed: int = 0) -> list[ReplayRequest]:
-    """A low-priority background arriving as a Poisson process at `background_rate`
-    requests/s (chosen above the engine's capacity, so it saturates) plus high-priority
-    requests at `high_rate`, both for `duration_s` seconds. Lengths are uniform in the
-    inclusive ranges; the same arguments give the same workload."""
-    rng = np.random.default_rng(seed)
-    requests = []
-    for label, rate, prompt, output, priority in (
-            ("background", background_rate, background_prompt, background_output,
-             background_priority),
-            ("high", high_rate, high_prompt, high_output, high_priority)):
-        t = float(rng.exponential(1.0 / rate))
-        while t < duration_s:
-            requests.append(ReplayRequest(
-                _random_ids(rng, int(rng.integers(prompt[0], prompt[1] + 1)), vocab_size),
-                int(rng.integers(output[0], output[1] + 1)), t, priority, None, label))
-            t += float(rng.exponential(1.0 / rate))
-    return sorted(requests, key=lambda r: r.arrival_time)
 
 
 def from_workload(workload: Workload) -> list[ReplayRequest]:

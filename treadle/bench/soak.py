@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from treadle.bench.report import percentiles
-from treadle.bench.workloads import cap_lengths
+from treadle.measure.report import percentiles
+from treadle.measure.workloads import cap_lengths
 
 FIRST_ORDINARY_TOKEN_ID = 3
 

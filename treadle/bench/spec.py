@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from treadle.bench.lockstep import run_closed_loop, run_lockstep
-from treadle.bench.report import environment, format_table, write_json
+from treadle.measure.report import environment, format_table, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -137,12 +137,39 @@ def chat_workload(tokenizer, num_requests: int, seed: int = 0) -> list[list[int]
     return prompts
 
 
+def _weight_files(model_dir: Path) -> list[Path]:
+    """A Hugging Face checkpoint's safetensors files: the shards its index names, or its
+    model.safetensors (the checkpoint format's convention, as the engine's loader reads it)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"no model.safetensors or sharded index in {model_dir}")
+    return [single]
+
+
+def describe_costs(costs) -> str:
+    """The measured speculation costs an engine reports (its `info.spec_costs`: per row
+    count, the verification step's seconds per token count; the draft pass; the draft's
+    catch-up), in one line for the result."""
+    parts = []
+    for rows, tokens, seconds in zip(costs.step_rows, costs.step_tokens, costs.step_seconds):
+        parts.append(f"{rows} rows: " + ", ".join(f"{t} tok {s * 1e3:.1f} ms"
+                                                   for t, s in zip(tokens, seconds)))
+    if costs.draft_rows:
+        parts.append("draft pass: " + ", ".join(f"{r} rows {s * 1e3:.1f} ms" for r, s in
+                                                zip(costs.draft_rows, costs.draft_seconds)))
+    if costs.catchup_seconds_per_token:
+        parts.append(f"draft catch-up: {costs.catchup_seconds_per_token * 1e6:.1f} us/token")
+    return "; ".join(parts)
+
+
 def truncated_checkpoint(model_dir: str, num_layers: int, out_dir: Path) -> str:
     """The checkpoint's first `num_layers` layers with its embedding, final norm and LM
     head, as a checkpoint of its own (written once)."""
     from safetensors.torch import load_file, save_file
-
-    from treadle.models.loader import safetensors_files
 
     out = Path(out_dir) / f"{Path(model_dir).name}-first{num_layers}"
     if (out / "model.safetensors").exists():
@@ -157,7 +184,7 @@ def truncated_checkpoint(model_dir: str, num_layers: int, out_dir: Path) -> str:
         if (Path(model_dir) / name).exists():
             shutil.copy(Path(model_dir) / name, tmp / name)
     kept = {}
-    for path in safetensors_files(model_dir):
+    for path in _weight_files(Path(model_dir)):
         for key, tensor in load_file(str(path)).items():
             if key.startswith("model.layers.") and int(key.split(".")[2]) >= num_layers:
                 continue
@@ -206,8 +233,7 @@ def run(args) -> dict:
         load_s[system] = time.perf_counter() - t0
         info = llms[system].engine.info
         if info.spec_costs is not None:
-            from treadle.worker.spec.cost_probe import describe
-            costs[system] = describe(info.spec_costs)
+            costs[system] = describe_costs(info.spec_costs)
     tokenizer = llms[systems[0]].tokenizer
     workloads = {}
     for name in args.workloads.split(","):

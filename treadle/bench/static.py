@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from treadle.bench.peak import torch_dtype
-from treadle.bench.workloads import Workload, WorkloadRequest, check_token_ids
+from treadle.measure.peak import torch_dtype
+from treadle.measure.workloads import Workload, WorkloadRequest, check_token_ids
 
 
 def _dtype_kwarg() -> str:

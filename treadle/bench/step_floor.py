@@ -16,7 +16,7 @@ it attends to, whichever is longer). Per step, from the trace's features
 `body` is 2 x the weights of the linears below the LM head, `head` 2 x the LM head's; a row
 samples when it decodes (each of its tokens) or when its prefill chunk is the request's
 last before it decodes or finishes (a chunk that leaves more of the prompt for later steps
-skips the head). The costs are the benchmark model's (bench/benchmark_shapes.py; the demo
+skips the head). The costs are the benchmark model's (measure/benchmark_shapes.py; the demo
 model and SmolLM2-135M have them), with its weights in the trace's dtype; a trace of
 another model is refused rather than priced wrong. Must not import torch.
 """
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from treadle.bench import benchmark_shapes as shapes
+from treadle.measure import benchmark_shapes as shapes
 from treadle.engine.trace import Trace, TraceStep
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}

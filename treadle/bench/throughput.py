@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from treadle.bench.peak import measure_peak_matmul, mfu
-from treadle.bench.workloads import Workload
+from treadle.measure.peak import measure_peak_matmul, mfu
+from treadle.measure.workloads import Workload
 
 
 def run_throughput(workload: Workload, progress: bool = True, warmup: bool = True,

@@ -122,9 +122,9 @@ def calibrate_served(trace: str | Path, rows: tuple[int, ...] = DEFAULT_ROWS,
     generator and awaited before the next. Returns what `calibrate` returns."""
     import asyncio
 
-    from treadle.bench.launch import launched_server
-    from treadle.bench.serve import run_load, served_model
-    from treadle.bench.workloads import Workload, WorkloadRequest
+    from treadle.measure.launch import launched_server
+    from treadle.measure.http_load import run_load, served_model
+    from treadle.measure.workloads import Workload, WorkloadRequest
     from treadle.config import EngineConfig
 
     scheduler = EngineConfig.from_options(**engine_options).scheduler

@@ -3,7 +3,9 @@ driven by one event loop on the simulated clock.
 
 Owns the discrete-event loop (arrivals in trace order, each replica's step start and end,
 P/D KV transfers; at equal times arrivals go first, as the real engine drains its input
-queue before it schedules) and each request's record: where it ran, when each token came
+queue before it schedules), routing each request with the production routers
+(treadle/router: each replica seen as a `ReplicaLoad`, at the simulated time), and each
+request's record: where it ran, when each token came
 out (at the end of its step plus the step model's gap: output processing), and why it
 failed if it did. Colocated: every replica prefills and decodes. P/D: a request runs its
 prompt (and first token) on a prefill replica; its KV then crosses the link
@@ -22,9 +24,9 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from treadle.router.routers import Router
 from treadle.sim.clock import SimClock
 from treadle.sim.replica import Replica
-from treadle.sim.router import RoutedRequest, Router
 from treadle.sim.runner import SIM_TOKEN_ID
 from treadle.sim.workload import PromptMaker, SimRequest
 
@@ -184,10 +186,16 @@ class Fleet:
 
     # ----- events ---------------------------------------------------------------------------
 
+    def _route(self, router: Router, replicas: list[Replica], prompt: list[int],
+               tenant: str | None) -> int:
+        """The position in `replicas` that the router picks (its prefix trees keyed by
+        the tenant, as the server's are; its clock the simulated one)."""
+        loads = [replica.load(i) for i, replica in enumerate(replicas)]
+        return router.route(prompt, tenant, loads, self.clock.now).replica
+
     def _arrive(self, sim: SimRequest) -> RequestRecord:
         prompt = self.prompt_maker.prompt(sim)
-        routed = RoutedRequest(sim.index, prompt, sim.priority, sim.tenant)
-        index = self.router.route(routed, self.replicas)
+        index = self._route(self.router, self.replicas, prompt, sim.tenant)
         replica = self.replicas[index]
         record = RequestRecord(sim, index)
         rid = str(sim.index)
@@ -250,8 +258,7 @@ class Fleet:
         record = self._records[rid]
         sim = record.request
         prompt = self.prompt_maker.prompt(sim) + [SIM_TOKEN_ID]
-        routed = RoutedRequest(sim.index, prompt, sim.priority, sim.tenant)
-        index = self.decode_router.route(routed, self.decode_replicas)
+        index = self._route(self.decode_router, self.decode_replicas, prompt, sim.tenant)
         replica = self.decode_replicas[index]
         record.decode_replica = index
         request = replica.make_request(rid, prompt, sim.output_len - 1,

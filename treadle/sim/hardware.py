@@ -196,11 +196,11 @@ def load_model_shape(name: str) -> ModelShape:
 
 def measure_cpu_here(dtype: str = "bfloat16", repeats: int = 10) -> dict:
     """Measure this machine's preset: the peak matmul rate on the benchmark model's shapes
-    (treadle.bench.peak) and the memory bandwidth of a large copy. Returns Hardware's
+    (treadle.measure.peak) and the memory bandwidth of a large copy. Returns Hardware's
     fields as a dict (write it as YAML)."""
     import os
 
-    from treadle.bench.peak import measure_memory_bandwidth, measure_peak_matmul
+    from treadle.measure.peak import measure_memory_bandwidth, measure_peak_matmul
 
     # Best over 1 thread and all cores: on a shared machine a team of threads can stall
     # on the slowest one, and a preset is what the machine can do.

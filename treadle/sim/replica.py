@@ -7,8 +7,8 @@ SchedulerOutput and says when the step ends) and `finish_step` (the fake runner'
 ModelRunnerOutput goes through Scheduler.update_from_output() at the end time). The
 scheduling, admission, chunking, preemption (swap or recompute), priorities, fair share
 and prefix caching are treadle.core's own, unchanged; the admission check of a new
-request is EngineCore.admission_error itself. Also owns the replica's view for routers
-(queue depths, KV usage, a side-effect-free prefix lookup), the KV a P/D transfer
+request is EngineCore.admission_error itself. Also owns what a router sees of the replica
+(treadle.router's ReplicaLoad: requests in flight, queue depth, KV usage), the KV a P/D transfer
 delivers (`receive_kv`), and its sampled time series (running, waiting, swapped, KV
 usage, sampled after a step is scheduled, at most once per interval). It never advances
 the clock: the fleet does.
@@ -26,9 +26,9 @@ from treadle.core.scheduler import Scheduler
 from treadle.engine.core import EngineCore
 from treadle.engine.trace import step_features
 from treadle.request import Request
+from treadle.router.routers import ReplicaLoad
 from treadle.sampling_params import SamplingParams
 from treadle.sim.clock import SimClock
-from treadle.sim.router import RoutedRequest
 from treadle.sim.runner import SimRunner
 
 
@@ -110,17 +110,12 @@ class Replica:
     def kv_usage(self) -> float:
         return self.scheduler.kv.usage
 
-    def prefix_hit_tokens(self, request: RoutedRequest) -> int:
-        kv = self.scheduler.kv
-        if not kv.enable_prefix_caching:
-            return 0
-        lookup = kv.pool.lookup
-        num = 0
-        for block_hash in request.block_hashes(kv.block_size):
-            if lookup(block_hash) is None:
-                break
-            num += 1
-        return num * kv.block_size
+    def load(self, position: int) -> ReplicaLoad:
+        """What a router reads of this replica, at `position` in its pool: healthy, its
+        unfinished requests (what a front end has sent there and not seen finish), its
+        waiting queue and KV usage, exact at the simulated time."""
+        return ReplicaLoad(position, True, self.num_unfinished, self.num_waiting,
+                           self.kv_usage)
 
     # ----- requests -----------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """A simulation's figures, in the shape of `treadle bench serve` results, and its plots.
 
 Owns turning a FleetResult into the JSON result: the request records become
-treadle.bench.serve.RequestResult values and go through bench.serve.summarize (so TTFT,
+treadle.measure.http_load.RequestResult values and go through measure.http_load.summarize (so TTFT,
 TPOT, ITL, E2E, throughput and goodput are defined exactly as for a measured run; ITL
 percentiles come from the fleet's array of gaps, one per output), per-priority and
 per-label figures as bench serve and the mixed-priority replay report them, per-replica
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from treadle.bench.report import percentiles
-from treadle.bench.serve import RequestResult, request_records, summarize
+from treadle.measure.report import percentiles
+from treadle.measure.http_load import RequestResult, request_records, summarize
 from treadle.sim.fleet import FleetResult
 
 

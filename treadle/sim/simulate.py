@@ -2,10 +2,12 @@
 
 Owns resolving a SimConfig plus the engine's scheduler and cache options into what the
 fleet runs: the request list (source, scaling, priorities), the step-time model
-(`--step-model`), each replica's memory (the fitted trace's engine facts, the roofline
-hardware's capacity, or --num-kv-blocks / --kv-cache-memory given explicitly), and the
-routers; then runs it and summarizes. The scheduler configuration of a replica is the
-engine's: a fitted trace's own settings (its header), overridden by any option given.
+(`--step-model`, `make_step_model`: above sim/fit.py, sim/roofline.py and
+sim/step_model.py, which import none of it), each replica's memory (the fitted trace's
+engine facts, the roofline hardware's capacity, or --num-kv-blocks / --kv-cache-memory
+given explicitly), and the routers (the production ones); then runs it and summarizes.
+The scheduler configuration of a replica is the engine's: a fitted trace's own settings
+(its header), overridden by any option given.
 Must not: contain scheduling logic (that is treadle.core's) or read the wall clock other
 than through the fleet's report.
 """
@@ -16,17 +18,19 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from treadle.config import CacheConfig, SchedulerConfig, SimConfig
+from treadle.config import CacheConfig, SchedulerConfig
 from treadle.core.policy import PreemptionCosts
+from treadle.router.routers import PrefixRouterOptions, Router, make_router
 from treadle.sim import workload as wl
 from treadle.sim.clock import SimClock
+from treadle.sim.config import SimConfig
+from treadle.sim.fit import fit_trace_file
 from treadle.sim.fleet import Fleet, FleetResult
 from treadle.sim.hardware import load_hardware, load_model_shape
 from treadle.sim.replica import Replica, ReplicaSpec
 from treadle.sim.results import summarize_fleet
-from treadle.sim.roofline import kv_transfer_seconds, num_kv_blocks
-from treadle.sim.router import make_router
-from treadle.sim.step_model import make_step_model
+from treadle.sim.roofline import RooflineStepModel, kv_transfer_seconds, num_kv_blocks
+from treadle.sim.step_model import LinearStepModel
 
 _SCHEDULER_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
 _CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
@@ -45,6 +49,33 @@ class SimSetup:
     description: dict = dataclasses.field(default_factory=dict)
 
 
+def make_step_model(spec: str, hardware=None, shape=None, tensor_parallel_size: int = 1):
+    """The model a `--step-model` spec names:
+
+        fit:TRACE.jsonl   least squares on a real run's trace (treadle/sim/fit.py);
+                          fit:A.jsonl,B.jsonl pools the steps of several runs
+        linear:FILE.json  a linear model saved by `treadle simulate fit --save`
+        roofline          peak FLOP/s and bandwidth of a `--hardware` preset
+                          (treadle/sim/roofline.py)
+    """
+    kind, _, arg = spec.partition(":")
+    if kind == "fit":
+        if not arg:
+            raise ValueError("--step-model fit:TRACE.jsonl needs the trace file (or "
+                             "several, comma-separated: fit:A.jsonl,B.jsonl)")
+        return fit_trace_file(arg)
+    if kind == "linear":
+        if not arg:
+            raise ValueError("--step-model linear:FILE.json needs the file")
+        return LinearStepModel.load(arg)
+    if kind == "roofline":
+        if hardware is None or shape is None:
+            raise ValueError("--step-model roofline needs --hardware and --model-shape")
+        return RooflineStepModel(hardware, shape, tensor_parallel_size)
+    raise ValueError(f"--step-model must be fit:TRACE.jsonl, linear:FILE.json or roofline, "
+                     f"got {spec!r}")
+
+
 def load_requests(config: SimConfig, max_model_len: int | None) -> tuple[list, dict]:
     """The requests a SimConfig names, scaled, with priorities; and how they were made."""
     desc: dict = {}
@@ -54,20 +85,20 @@ def load_requests(config: SimConfig, max_model_len: int | None) -> tuple[list, d
         requests = wl.from_engine_trace(read_trace(config.workload_trace))
         desc = {"source": "treadle trace", "file": config.workload_trace}
     elif config.workload_file:
-        from treadle.bench.workloads import load_workload
+        from treadle.measure.workloads import load_workload
 
         w = load_workload(config.workload_file)
         requests = wl.from_workload(w)
         desc = {"source": "workload file", "file": config.workload_file, **w.description}
     elif config.workload == "mixed-priority":
-        from treadle.bench.scheduling import mixed_priority_workload
+        from treadle.measure.workloads import mixed_priority_workload
 
         requests = wl.from_replay(mixed_priority_workload(duration_s=config.mixed_duration_s,
                                                           seed=config.seed))
-        desc = {"source": "mixed-priority (treadle.bench.scheduling defaults)",
+        desc = {"source": "mixed-priority (treadle.measure.workloads defaults)",
                 "seed": config.seed, "mixed_duration_s": config.mixed_duration_s}
     elif config.workload is not None and config.workload != "azure-conv":
-        from treadle.bench import workloads
+        from treadle.measure import workloads
 
         n = config.num_requests or 64
         w = (workloads.synthetic(num_requests=n, seed=config.seed, max_model_len=max_model_len)
@@ -175,15 +206,26 @@ def run(setup: SimSetup, monitor=None) -> FleetResult:
         decode = [Replica(i, spec, setup.step_model, clock, config.seed, "decode")
                   for i in range(config.decode_replicas)]
         transfer = _transfer_model(setup)
-        fleet = Fleet(prefill, make_router(config.routing), clock, maker, decode,
-                      make_router(config.routing), transfer, monitor,
+        fleet = Fleet(prefill, fleet_router(config, spec), clock, maker, decode,
+                      fleet_router(config, spec), transfer, monitor,
                       config.front_end_ms / 1000.0)
     else:
         replicas = [Replica(i, spec, setup.step_model, clock, config.seed)
                     for i in range(config.replicas)]
-        fleet = Fleet(replicas, make_router(config.routing), clock, maker, monitor=monitor,
+        fleet = Fleet(replicas, fleet_router(config, spec), clock, maker, monitor=monitor,
                       front_end_s=config.front_end_ms / 1000.0)
     return fleet.run(setup.requests)
+
+
+def fleet_router(config: SimConfig, spec: ReplicaSpec) -> Router:
+    """The production router `--routing` names (treadle/router), with the parameters the
+    server gives it for engines of this block size and KV size (the route_* defaults of
+    `treadle serve --replicas`); one per pool (under P/D, the decode pool gets its own)."""
+    block_size = spec.cache.block_size
+    options = PrefixRouterOptions(chunk_size=block_size,
+                                  capacity_tokens=max(spec.num_kv_blocks * block_size, block_size),
+                                  min_match_tokens=block_size)
+    return make_router(config.routing, options)
 
 
 def _transfer_model(setup: SimSetup):

@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from treadle.config import SimConfig, SizingConfig
+from treadle.sim.config import SimConfig, SizingConfig
 from treadle.sim.fleet import SloMonitor
 from treadle.sim.results import request_results
 from treadle.sim.simulate import build, run
@@ -185,7 +185,7 @@ def _describe(row: dict) -> str:
 
 
 def table(result: dict) -> str:
-    from treadle.bench.report import format_table
+    from treadle.measure.report import format_table
 
     rows = []
     for c in result["candidates"]:

@@ -2,13 +2,10 @@
 
 Owns the `StepTimeModel` protocol (seconds of a step from its features, the features of
 treadle.engine.trace.step_features, so that a model fitted on a real trace and the
-simulator read a step the same way), the `LinearStepModel` that `fit` produces, and
-`make_step_model`, which turns a `--step-model` spec into a model:
-
-    fit:TRACE.jsonl   least squares on a real run's trace (treadle/sim/fit.py);
-                      fit:A.jsonl,B.jsonl pools the steps of several runs
-    linear:FILE.json  a linear model saved by `treadle simulate fit --save`
-    roofline          peak FLOP/s and bandwidth of a `--hardware` preset (treadle/sim/roofline.py)
+simulator read a step the same way) and the `LinearStepModel` that `fit` produces and
+`treadle simulate fit --save` writes. The other model is the roofline
+(treadle/sim/roofline.py); which one a `--step-model` spec names is decided above both,
+in treadle/sim/simulate.py (`make_step_model`), so that this module imports neither.
 
 A model also says how long the engine spends between steps (`gap_seconds`: output
 processing, streaming), during which the next step has not started. Nothing here runs
@@ -117,27 +114,3 @@ class LinearStepModel:
                        dict(data.get("narrow_coefficients_s", {})))
         except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
             raise ValueError(f"{path}: not a saved linear step model ({exc!r})") from None
-
-
-def make_step_model(spec: str, hardware=None, shape=None, tensor_parallel_size: int = 1):
-    """The model a `--step-model` spec names (see the module docstring)."""
-    kind, _, arg = spec.partition(":")
-    if kind == "fit":
-        from treadle.sim.fit import fit_trace_file
-
-        if not arg:
-            raise ValueError("--step-model fit:TRACE.jsonl needs the trace file (or "
-                             "several, comma-separated: fit:A.jsonl,B.jsonl)")
-        return fit_trace_file(arg)
-    if kind == "linear":
-        if not arg:
-            raise ValueError("--step-model linear:FILE.json needs the file")
-        return LinearStepModel.load(arg)
-    if kind == "roofline":
-        from treadle.sim.roofline import RooflineStepModel
-
-        if hardware is None or shape is None:
-            raise ValueError("--step-model roofline needs --hardware and --model-shape")
-        return RooflineStepModel(hardware, shape, tensor_parallel_size)
-    raise ValueError(f"--step-model must be fit:TRACE.jsonl, linear:FILE.json or roofline, "
-                     f"got {spec!r}")

@@ -3,8 +3,8 @@ synthetic prompt contents that give the production prefix cache something to mat
 
 Owns `SimRequest` (one request: arrival, prompt and output lengths, priority, tenant,
 label, and real token ids when the source has them), the sources (an Azure-format CSV
-trace read through treadle.bench.workloads, the bench workloads, a saved workload file,
-the mixed-priority workload of treadle.bench.scheduling, and the arrivals of a treadle
+trace read through treadle.measure.workloads, its generated workloads, a saved workload file,
+the mixed-priority workload of treadle.measure.workloads, and the arrivals of a treadle
 per-step trace), the rate scaling (`time_scale` compresses the arrivals; `rate_scale`
 superposes copies of the trace over the same duration), and `PromptMaker`.
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from treadle.bench import workloads
+from treadle.measure import workloads
 
 _ALPHABET = 253
 _FIRST = workloads.FIRST_ORDINARY_TOKEN_ID
@@ -57,8 +57,8 @@ def _cap(p: int, o: int, max_model_len: int | None) -> tuple[int, int]:
 def from_azure_csv(path: str | Path | None = None, num_requests: int | None = None,
                    token_scale: float = 1.0, max_model_len: int | None = None) -> list[SimRequest]:
     """Rows of an Azure LLM inference trace (TIMESTAMP, ContextTokens, GeneratedTokens),
-    token counts scaled and capped to the context as bench.workloads.azure_conv does;
-    the default file is the conversation trace where bench.workloads finds it."""
+    token counts scaled and capped to the context as measure.workloads.azure_conv does;
+    the default file is the conversation trace where measure.workloads finds it."""
     if token_scale <= 0:
         raise ValueError(f"token_scale must be > 0, got {token_scale}")
     if path is None:
@@ -87,7 +87,7 @@ def from_workload(workload: workloads.Workload) -> list[SimRequest]:
 
 
 def from_replay(requests) -> list[SimRequest]:
-    """treadle.bench.scheduling ReplayRequests (mixed-priority), ids and classes kept."""
+    """treadle.measure.workloads ReplayRequests (mixed-priority), ids and classes kept."""
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_time)
     return [SimRequest(n, requests[i].arrival_time, len(requests[i].prompt_token_ids),
                        requests[i].max_tokens, requests[i].priority, requests[i].tenant,

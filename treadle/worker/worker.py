@@ -521,3 +521,16 @@ class Worker:
         return kv_transfer.import_blocks(self.runner.kv_caches, self.kv_spec.layout,
                                          self.kv_spec.kv_cache_dtype, block_ids, parts,
                                          kv_transfer.rank_share(self.model))
+
+    def disable_decode_stack(self) -> None:
+        """Run decode steps layer by layer instead of through the fused decode stack, until
+        the next use_native_kernels: for benchmarks timing the two side by side
+        (benchmarks/linear_kernel.py)."""
+        self.model.decode_stack = None
+
+    def lora_stats(self) -> dict | None:
+        """The LoRA manager's counters and the ops it runs on, None without LoRA (for
+        `treadle bench lora`'s report)."""
+        if self.lora is None:
+            return None
+        return vars(self.lora.stats) | {"ops": self.lora.ops_name}

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from treadle.bench.report import percentiles
-from treadle.bench.workloads import Workload
+from treadle.measure.report import percentiles
+from treadle.measure.workloads import Workload
 
 
 @dataclass

@@ -9,7 +9,7 @@ a forward pass: a stand-in forward (the LM-head matmul of SmolLM2-135M's shape,
 BitmaskFiller.submit running during it. Rows follow valid JSON documents of one schema,
 each at its own offset.
 
-    python -m treadle.bench.structured [--tokenizer DIR] [--steps 40] [--threads 1]
+    python benchmarks/structured.py [--tokenizer DIR] [--steps 40] [--threads 1]
 """
 
 from __future__ import annotations

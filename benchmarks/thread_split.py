@@ -1,5 +1,5 @@
-"""Each thread's time in a perf profile, by shared object: `python -m
-treadle.bench.thread_split FILE`.
+"""Each thread's time in a perf profile, by shared object: `python
+benchmarks/thread_split.py FILE`.
 
 FILE is the text of `perf script -F tid,time,ip,sym,dso` over a sampling profile taken at
 a fixed rate (`perf record -e cpu-clock -F 1000 [-g] -- treadle bench throughput ...`);
@@ -13,7 +13,7 @@ in libgomp is the run's serial part: docs/benchmarks.md, "Round 20", came from i
 
     perf record -e cpu-clock -F 1000 -g -o run.data -- treadle bench throughput ...
     perf script -i run.data -F tid,time,ip,sym,dso > run.txt
-    python -m treadle.bench.thread_split run.txt --last-seconds 30
+    python benchmarks/thread_split.py run.txt --last-seconds 30
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ case for top-p), through the C kernel (as the engine runs it when the kernels bu
 through the torch fallback (`_torch` keys). It reports what it measured; nothing here is a
 target.
 
-Run: `python -m treadle.bench.sampler [--steps N] [--repeats N]` (prints JSON).
+Run: `python benchmarks/sampler.py [--steps N] [--repeats N]` (prints JSON).
 """
 
 from __future__ import annotations

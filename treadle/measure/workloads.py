@@ -1,7 +1,8 @@
 """Benchmark workloads: deterministic lists of token-id requests with arrival times.
 
-Owns the request generators every benchmark shares (`synthetic`, `azure_conv`,
-`shared_prefix`), the record of the parameters used (`Workload.description`), so a
+Owns the request generators that the benchmarks (treadle/bench) and the simulator
+(treadle/sim) share (`synthetic`, `azure_conv`, `shared_prefix`, and the timed replay
+of `mixed_priority_workload`), the record of the parameters used (`Workload.description`), so a
 result can say exactly what was run, and the JSON file form (`save_workload`,
 `load_workload`) that hands one workload to another program, e.g. vLLM's own offline
 runner in its own virtual environment (benchmarks/vllm_offline.py). Prompts are random token ids (no text,
@@ -281,3 +282,43 @@ def shared_prefix(num_requests: int = 64, num_prefixes: int = 4, prefix_len: int
         "prefix_len": prefix_len, "suffix_len": [suf_lo, suf_hi], "output_len": [out_lo, out_hi],
         "prefix_of_request": choice, "vocab_size": vocab_size, "seed": seed,
     })
+
+
+@dataclass(frozen=True)
+class ReplayRequest:
+    """One request of a replay: tokens, forced output length, arrival (s since start)."""
+
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_time: float
+    priority: int = 0
+    tenant: str | None = None
+    label: str = ""
+    """A class name for summaries, e.g. 'high' or 'background'."""
+
+
+def mixed_priority_workload(duration_s: float = 40.0, background_rate: float = 2.5,
+                            high_rate: float = 0.75,
+                            background_prompt: tuple[int, int] = (64, 256),
+                            background_output: tuple[int, int] = (32, 128),
+                            high_prompt: tuple[int, int] = (32, 96),
+                            high_output: tuple[int, int] = (8, 24),
+                            background_priority: int = 1, high_priority: int = 0,
+                            vocab_size: int = 49152, seed: int = 0) -> list[ReplayRequest]:
+    """A low-priority background arriving as a Poisson process at `background_rate`
+    requests/s (chosen above the engine's capacity, so it saturates) plus high-priority
+    requests at `high_rate`, both for `duration_s` seconds. Lengths are uniform in the
+    inclusive ranges; the same arguments give the same workload."""
+    rng = np.random.default_rng(seed)
+    requests = []
+    for label, rate, prompt, output, priority in (
+            ("background", background_rate, background_prompt, background_output,
+             background_priority),
+            ("high", high_rate, high_prompt, high_output, high_priority)):
+        t = float(rng.exponential(1.0 / rate))
+        while t < duration_s:
+            requests.append(ReplayRequest(
+                _random_ids(rng, int(rng.integers(prompt[0], prompt[1] + 1)), vocab_size),
+                int(rng.integers(output[0], output[1] + 1)), t, priority, None, label))
+            t += float(rng.exponential(1.0 / rate))
+    return sorted(requests, key=lambda r: r.arrival_time)

@@ -22,7 +22,7 @@ random, which does not change the speed of these kernels):
   against the AMX kernels (`amx`: dequantized bf16 tiles; `amx_dot`: int8 tiles), with
   the memory each holds.
 
-Run: `python -m treadle.bench.quant_kernel [--rows 1,4,16] [--formats Q8_0,Q4_0]
+Run: `python benchmarks/quant_kernel.py [--rows 1,4,16] [--formats Q8_0,Q4_0]
 [--shapes o,down] [--repeats N] [--prefill] [--num-threads N]` (prints JSON).
 """
 
@@ -238,7 +238,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from treadle.bench.report import environment
+    from treadle.measure.report import environment
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)

@@ -13,15 +13,15 @@ Like the model, each shape keeps one KV cache per layer and the timed loop cycle
 them, so the caches do not stay in the CPU's last-level cache between calls; the blocks of
 each request are scattered at random in its cache, as after a while of serving.
 
-    python -m treadle.bench.attention_kernel                  # default shapes
-    python -m treadle.bench.attention_kernel --shapes 4x600 1x4000 --threads 1
-    python -m treadle.bench.attention_kernel --sequential     # blocks in order in memory
-    python -m treadle.bench.attention_kernel --block-size 64  # KV blocks of 64 tokens
-    python -m treadle.bench.attention_kernel --in-cache       # two layers: the arithmetic
-    python -m treadle.bench.attention_kernel --huge-pages     # caches as the engine's
-    python -m treadle.bench.attention_kernel --so old.so      # another build of the kernel
-    python -m treadle.bench.attention_kernel --prefill 0x512 512x512 1536x512
-    python -m treadle.bench.attention_kernel --isa all        # every ISA level, side by side
+    python benchmarks/attention_kernel.py                  # default shapes
+    python benchmarks/attention_kernel.py --shapes 4x600 1x4000 --threads 1
+    python benchmarks/attention_kernel.py --sequential     # blocks in order in memory
+    python benchmarks/attention_kernel.py --block-size 64  # KV blocks of 64 tokens
+    python benchmarks/attention_kernel.py --in-cache       # two layers: the arithmetic
+    python benchmarks/attention_kernel.py --huge-pages     # caches as the engine's
+    python benchmarks/attention_kernel.py --so old.so      # another build of the kernel
+    python benchmarks/attention_kernel.py --prefill 0x512 512x512 1536x512
+    python benchmarks/attention_kernel.py --isa all        # every ISA level, side by side
 
 --in-cache cycles two layers' caches instead, small enough to stay in the last-level
 cache at the shapes of a decode step (12 x 500 tokens: 9.2 MB), so the read rate is the
@@ -42,7 +42,7 @@ dtype falls back to float32 reads. `--int8` (decode only) adds the int8 cache
 (`--kv-cache-dtype int8`, worker/kv_quant.py rows: head_dim values + a 2-byte scale) on
 the first level's kernel, bf16 queries; its GB/s counts the int8 bytes read.
 
-    python -m treadle.bench.attention_kernel --int8 --threads 1
+    python benchmarks/attention_kernel.py --int8 --threads 1
 """
 
 from __future__ import annotations

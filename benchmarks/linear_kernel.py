@@ -34,7 +34,7 @@ Owns two measurements, reported as they come (nothing here is a target):
 Every time is also given as process CPU time (`*_cpu_ms`: all threads' CPU seconds): on a
 loaded machine with --num-threads 1 it leaves out the time spent descheduled.
 
-Run: `python -m treadle.bench.linear_kernel [--repeats N] [--rows 1,4,8,16] [--steps N]
+Run: `python benchmarks/linear_kernel.py [--repeats N] [--rows 1,4,8,16] [--steps N]
 [--requests 4,16] [--isa auto|all|LEVEL,...] [--fp32] [--num-threads N]` (prints JSON). To see what torch
 would do on a CPU without AVX-512 BF16, restrict it in the environment, e.g.
 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 (the C
@@ -230,8 +230,9 @@ def _engine(dtype: str, num_requests: int, prompt_len: int, max_tokens: int, ker
 def _use(core, ops, kernels) -> None:
     """Run the engine's layers on `ops` (None: torch) and its decode attention and
     sampling on `kernels` (a benchmark reaching into the runner: the engine picks one
-    build at start-up)."""
-    core.executor.worker.use_native_kernels(kernels, ops)
+    build at start-up). Through the executor's collective_rpc: the `uni` executor hands
+    the kernel objects to its in-process worker as they are."""
+    core.executor.collective_rpc("use_native_kernels", kernels, ops)
 
 
 def steps(num_requests: int, num_steps: int, prompt_len: int = 600, block: int = 5,
@@ -259,7 +260,7 @@ def steps(num_requests: int, num_steps: int, prompt_len: int = 600, block: int =
             core = cores["fp32" if name == "fp32" else "bf16"]
             _use(core, ops, k)
             if name.endswith("_layer_by_layer"):
-                core.executor.worker.model.decode_stack = None
+                core.executor.collective_rpc("disable_decode_stack")
             for _ in range(block):
                 t0, c0 = time.perf_counter(), time.process_time()
                 out = core.step()

@@ -1,5 +1,5 @@
 """P/D's KV transfer between two Ray actors: the object store against a direct channel
-(`python -m treadle.bench.pd_transfer`).
+(`python benchmarks/pd_transfer.py`).
 
 One prompt's KV in the demo model's shape (30 layers x K/V x 3 heads x 64, bf16, 16-token
 blocks: 368 KiB a block) for several block counts, moved from a sender actor to a
@@ -82,7 +82,7 @@ class Receiver:
 def main(argv: list[str] | None = None) -> int:
     import ray
 
-    parser = argparse.ArgumentParser(prog="python -m treadle.bench.pd_transfer")
+    parser = argparse.ArgumentParser(prog="python benchmarks/pd_transfer.py")
     parser.add_argument("--blocks", default="1,8,32,96")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args(argv)

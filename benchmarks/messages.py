@@ -7,7 +7,7 @@ times pickling them both ways (dumps + loads: what the `mp` executor's socket ad
 top of the copy itself). With --measure-step it also times decode steps of the demo
 model at N requests in-process and through the `mp` executor, side by side.
 
-    python -m treadle.bench.messages --requests 256 --measure-step
+    python benchmarks/messages.py --requests 256 --measure-step
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from treadle.bench.benchmark_shapes import BENCHMARK_MODEL_SHAPES
+from treadle.measure.benchmark_shapes import BENCHMARK_MODEL_SHAPES
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
            "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}

@@ -26,7 +26,7 @@ def _version(package: str, default: str = "not installed") -> str:
         return default
 
 
-def _cpu_info() -> tuple[str, list[str]]:
+def cpu_info() -> tuple[str, list[str]]:
     """(model name, flags) of the first CPU in /proc/cpuinfo; platform.processor() elsewhere."""
     model, flags = "", []
     try:
@@ -46,7 +46,7 @@ def environment() -> dict:
     """Versions and hardware that a figure depends on (no host name)."""
     import torch
 
-    cpu_model, flags = _cpu_info()
+    cpu_model, flags = cpu_info()
     try:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:

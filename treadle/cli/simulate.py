@@ -7,9 +7,9 @@
     treadle simulate calibrate --trace F  the real engine over a sweep of step shapes
     treadle simulate compare SIM.json MEASURED.json   figure by figure, with errors
 
-Flags are generated from SimConfig, SizingConfig and the engine's SchedulerConfig and
-CacheConfig (treadle/config.py), so a replica takes the same options `treadle serve`
-does. This module parses and prints; the work is in treadle.sim's other modules.
+Flags are generated from SimConfig, SizingConfig (treadle/sim/config.py) and the engine's
+SchedulerConfig and CacheConfig (treadle/config.py), so a replica takes the same options
+`treadle serve` does. This module parses and prints; the work is in treadle/sim.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import os
 import platform
 from pathlib import Path
 
-from treadle.config import (CacheConfig, SchedulerConfig, SimConfig, SizingConfig,
-                            add_config_arguments, add_dataclass_arguments, dataclass_from_args,
-                            parse_int_list)
+from treadle.config import (CacheConfig, SchedulerConfig, add_config_arguments,
+                            add_dataclass_arguments, dataclass_from_args, parse_int_list)
 from treadle.sim.calibrate import DEFAULT_ROWS
+from treadle.sim.config import SimConfig, SizingConfig
 
 _ENGINE_TYPES = (SchedulerConfig, CacheConfig)
 
@@ -46,16 +46,16 @@ def _engine_options(args: argparse.Namespace) -> dict:
 
 def environment() -> dict:
     """What a simulation's speed depends on (no torch, no host name)."""
-    from treadle.bench.report import _cpu_info
+    from treadle.measure.report import cpu_info
 
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return {"python": platform.python_version(), "platform": platform.platform(),
-            "cpu_model": _cpu_info()[0], "cpu_count": os.cpu_count(),
+            "cpu_model": cpu_info()[0], "cpu_count": os.cpu_count(),
             "load_average": list(load) if load else None}
 
 
 def _print_summary(summary: dict) -> None:
-    from treadle.bench.report import format_table
+    from treadle.measure.report import format_table
 
     sim = summary["simulation"]
     rows = [{"figure": name, "mean": summary[key]["mean"], "median": summary[key]["median"],
@@ -73,7 +73,7 @@ def _print_summary(summary: dict) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from treadle.bench.report import write_json
+    from treadle.measure.report import write_json
     from treadle.sim.results import plot
     from treadle.sim.simulate import simulate
 
@@ -90,7 +90,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_size(args: argparse.Namespace) -> int:
-    from treadle.bench.report import write_json
+    from treadle.measure.report import write_json
     from treadle.sim.sizing import plot_search, search, table
 
     config = dataclass_from_args(SimConfig, args)
@@ -200,7 +200,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from treadle.bench.report import format_table
+    from treadle.measure.report import format_table
     from treadle.sim.results import compare
 
     simulated = json.loads(Path(args.simulated).read_text())

@@ -1,6 +1,6 @@
 """The benchmark model's shapes (SmolLM2-135M, which the demo model copies), torch-free.
 
-Owns the constants that the MFU arithmetic (bench/peak.py) and the step floor
+Owns the constants that the MFU arithmetic (measure/peak.py) and the step floor
 (bench/step_floor.py) both price a token with: hidden 576, 9 query heads / 3 KV heads of
 64, intermediate 1536, 30 layers, vocabulary 49152, the LM head tied to the embedding.
 """

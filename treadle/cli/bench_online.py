@@ -1,0 +1,243 @@
+"""`treadle bench` commands that load a server over HTTP: serve (any OpenAI-compatible
+server), soak (bounded mixed traffic) and dashboard (what watching costs).
+
+Each command parses its options, launches `treadle serve` when asked to
+(treadle/measure/launch.py), and calls treadle/bench and treadle/measure; no benchmark
+logic lives here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from treadle.cli.bench_common import failed, write_result
+
+
+def _parse_slo(text: str | None) -> dict[str, float]:
+    """'ttft=500,tpot=50' -> {'ttft': 500.0, 'tpot': 50.0} (milliseconds)."""
+    slo: dict[str, float] = {}
+    for part in filter(None, (text or "").split(",")):
+        key, _, value = part.partition("=")
+        if key not in ("ttft", "tpot") or not value:
+            raise ValueError(f"--slo takes ttft=MS,tpot=MS, got {part!r}")
+        slo[key] = float(value)
+    return slo
+
+
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import contextlib
+    import shlex
+
+    import numpy as np
+
+    from treadle.measure import workloads
+    from treadle.measure.launch import launched_server
+    from treadle.measure.http_load import request_records, run_load, served_model, summarize
+
+    if (args.url is None) == (args.launch is None):
+        raise ValueError("give exactly one of --url URL or --launch 'SERVE OPTIONS'")
+    slo = _parse_slo(args.slo)
+    launch = shlex.split(args.launch) if args.launch is not None else None
+    if launch is not None and not any(a == "--model" or a.startswith("--model=") for a in launch):
+        launch = ["--model", "demo", *launch]  # benchmarks run the demo model unless told
+    server = (launched_server(launch) if launch is not None
+              else contextlib.nullcontext((args.url, None)))
+    with server as (url, _):
+        card = served_model(url, args.api_key)
+        model = args.served_model or card["id"]
+        vocab = args.vocab_size or card.get("vocab_size") or workloads.DEFAULT_VOCAB_SIZE
+        if args.workload == "azure-conv":
+            workload = workloads.azure_conv(num_requests=args.num_requests,
+                                            token_scale=args.token_scale,
+                                            time_scale=args.time_scale,
+                                            max_model_len=args.max_model_len, vocab_size=vocab)
+        else:
+            workload = workloads.synthetic(num_requests=args.num_requests,
+                                           seed=args.workload_seed,
+                                           max_model_len=args.max_model_len, vocab_size=vocab,
+                                           num_long=min(4, args.num_requests))
+        priorities = None
+        if args.priority_mix:
+            # A fraction of the requests are urgent (priority 0); the rest background (1).
+            rng = np.random.default_rng(args.workload_seed)
+            priorities = [0 if x < args.priority_mix else 1
+                          for x in rng.random(len(workload.requests))]
+        results, duration = asyncio.run(run_load(
+            url, workload, model, rate=args.rate, burstiness=args.burstiness,
+            max_concurrency=args.max_concurrency, priorities=priorities, api_key=args.api_key,
+            seed=args.workload_seed, use_trace_times=args.workload == "azure-conv"))
+    summary = summarize(results, duration, slo.get("ttft"), slo.get("tpot"))
+    if priorities is not None:
+        for level in (0, 1):
+            subset = [r for r in results if r.priority == level]
+            summary[f"priority_{level}"] = summarize(subset, duration, slo.get("ttft"),
+                                                     slo.get("tpot"))
+    summary["workload"] = workload.description | {"name": workload.name}
+    summary["load"] = {"rate": args.rate, "burstiness": args.burstiness,
+                       "max_concurrency": args.max_concurrency, "url": args.url,
+                       "launch": args.launch, "priority_mix": args.priority_mix}
+    print(json.dumps({k: v for k, v in summary.items() if k != "workload"}, indent=2))
+    summary["requests"] = request_records(results)
+    print("wrote", write_result(summary, args.output, "serve.json"))
+    return failed("serve", summary["num_failed"], summary["num_requests"], summary["errors"])
+
+
+def _cmd_bench_soak(args: argparse.Namespace) -> int:
+    import asyncio
+    import contextlib
+    import secrets
+    import shlex
+    import tempfile
+
+    from treadle.measure.launch import launched_server
+    from treadle.measure.http_load import served_model
+    from treadle.bench.soak import SoakConfig, run_soak
+
+    if (args.url is None) == (args.launch is None):
+        raise ValueError("give exactly one of --url URL or --launch 'SERVE OPTIONS'")
+    config = SoakConfig(
+        rate=args.rate, duration_s=args.duration, max_in_flight=args.max_in_flight,
+        timeout_s=args.timeout, disconnect_fraction=args.disconnect_fraction,
+        priorities=tuple(args.priorities), priority_weights=tuple(args.priority_weights),
+        prompt_len=tuple(args.prompt_len), output_len=tuple(args.output_len),
+        report_interval_s=args.report_interval, seed=args.workload_seed)
+    with contextlib.ExitStack() as stack:
+        keys: list[str | None] = list(args.api_key or [])
+        if args.launch is not None:
+            serve_args = shlex.split(args.launch)
+            if not keys and "--api-keys-file" not in serve_args:  # two tenants, one key each
+                keys = [f"soak-{name}-{secrets.token_hex(8)}" for name in ("a", "b")]
+                folder = stack.enter_context(tempfile.TemporaryDirectory())
+                keys_file = Path(folder) / "keys.yaml"
+                keys_file.write_text("".join(f"- {{key: {k}, tenant: tenant-{n}}}\n"
+                                             for k, n in zip(keys, "ab")))
+                serve_args += ["--api-keys-file", str(keys_file)]
+            url, proc = stack.enter_context(launched_server(serve_args))
+            print(f"server pid {proc.pid}, log {proc.log_path}", file=sys.stderr)
+        else:
+            url = args.url
+        keys = keys or [None]
+        card = served_model(url, keys[0])
+        vocab = args.vocab_size or card.get("vocab_size") or 49152
+        result = asyncio.run(run_soak(url, card["id"], keys, vocab, config,
+                                      card.get("max_model_len")))
+    result["launch"], result["url"] = args.launch, args.url
+    summary = result["summary"]
+    print(json.dumps(summary, indent=2, default=str))
+    print("wrote", write_result(result, args.output, "soak.json"))
+    return failed("soak", summary["error"], summary["num_requests"], summary["errors"])
+
+
+def _cmd_bench_dashboard(args: argparse.Namespace) -> int:
+    import shlex
+
+    from treadle.bench.dashboard import served_cost
+    from treadle.measure.report import format_table
+
+    if args.repeats < 1:
+        raise ValueError("--repeats must be >= 1 (what the recorder alone costs per step: "
+                         "python benchmarks/dashboard_recorder.py)")
+    options = shlex.split(args.launch)
+    if not any(a == "--model" or a.startswith("--model=") for a in options):
+        options = ["--model", "demo", *options]
+    served = served_cost(options, args.num_requests, args.repeats, args.viewer,
+                         args.workload_seed, args.max_model_len, on_first=args.launch_on_first)
+    result: dict = {"served": served}
+    print(format_table([{"system": name, "median output tok/s": tps,
+                         "ratio to off": served["ratio_to_off"][name]}
+                        for name, tps in served["median_output_tokens_per_s"].items()],
+                       ["system", "median output tok/s", "ratio to off"]))
+    print("open / on per repeat:", ", ".join(f"{r:.4f}" for r in served["per_repeat_open_to_on"]))
+    print("wrote", write_result(result, args.output, "dashboard.json"))
+    return 0
+
+
+def add_serve(sub) -> None:
+    """Register `bench serve`."""
+    online = sub.add_parser("serve", help="load an OpenAI-compatible server over HTTP")
+    online.add_argument("--url", default=None, help="base URL of a running server")
+    online.add_argument("--launch", default=None,
+                        help="start `treadle serve` with these options instead, e.g. "
+                             "\"--max-num-seqs 64\"; stopped when the run ends")
+    online.add_argument("--workload", choices=["synthetic", "azure-conv"], default="synthetic")
+    online.add_argument("--num-requests", type=int, default=64)
+    online.add_argument("--workload-seed", type=int, default=0)
+    online.add_argument("--rate", type=float, default=None,
+                        help="requests per second (default: all at once)")
+    online.add_argument("--burstiness", type=float, default=1.0,
+                        help="gamma shape of inter-arrivals (1: Poisson)")
+    online.add_argument("--max-concurrency", type=int, default=None)
+    online.add_argument("--token-scale", type=float, default=1.0)
+    online.add_argument("--time-scale", type=float, default=1.0,
+                        help="azure-conv: divide the trace's arrival times by this")
+    online.add_argument("--max-model-len", type=int, default=2048)
+    online.add_argument("--slo", default=None, help="ttft=MS,tpot=MS for goodput")
+    online.add_argument("--priority-mix", type=float, default=None,
+                        help="fraction of requests sent with priority 0 (the rest 1)")
+    online.add_argument("--served-model", default=None, help="model name (asked when omitted)")
+    online.add_argument("--vocab-size", type=int, default=None,
+                        help="draw token ids below this (default: the server's /v1/models "
+                             "vocab_size, else 49152)")
+    online.add_argument("--api-key", default=None)
+    online.add_argument("--output", default=None)
+    online.set_defaults(func=_cmd_bench_serve)
+
+
+def add_soak(sub) -> None:
+    """Register `bench soak`."""
+    soak = sub.add_parser(
+        "soak", help="bounded mixed traffic (arrivals, disconnects, priorities, two tenants, "
+                     "timeouts) with a report every minute; goodput at the end")
+    soak.add_argument("--url", default=None, help="base URL of a running server")
+    soak.add_argument("--launch", default=None,
+                      help="start `treadle serve` with these options instead (two API keys "
+                           "are made for two tenants unless --api-keys-file is among them)")
+    soak.add_argument("--api-key", action="append", default=None,
+                      help="with --url: one key per tenant (repeat for two tenants)")
+    soak.add_argument("--rate", type=float, default=6.0, help="arrivals per second (Poisson)")
+    soak.add_argument("--duration", type=float, default=240.0,
+                      help="seconds of arrivals; open requests then finish or time out")
+    soak.add_argument("--max-in-flight", type=int, default=150)
+    soak.add_argument("--timeout", type=float, default=300.0,
+                      help="client deadline per request, from its arrival (s)")
+    soak.add_argument("--disconnect-fraction", type=float, default=0.1,
+                      help="share of clients that leave mid-stream")
+    soak.add_argument("--priorities", type=int, nargs="+", default=[-5, 0, 5])
+    soak.add_argument("--priority-weights", type=float, nargs="+", default=[0.2, 0.6, 0.2])
+    soak.add_argument("--prompt-len", type=int, nargs=2, default=[32, 512], metavar=("LO", "HI"))
+    soak.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("LO", "HI"))
+    soak.add_argument("--report-interval", type=float, default=60.0, help="seconds")
+    soak.add_argument("--workload-seed", type=int, default=0)
+    soak.add_argument("--vocab-size", type=int, default=None,
+                      help="token ids below this (default: the server's /v1/models vocab_size)")
+    soak.add_argument("--output", default=None)
+    soak.set_defaults(func=_cmd_bench_soak)
+
+
+def add_dashboard(sub) -> None:
+    """Register `bench dashboard`."""
+    dash = sub.add_parser(
+        "dashboard", help="what watching costs: served throughput with the step recorder "
+                          "off, on, and a dashboard open")
+    dash.add_argument("--launch", default="--dtype bfloat16",
+                      help="`treadle serve` options of both servers (the demo model unless "
+                           "--model is among them)")
+    dash.add_argument("--num-requests", type=int, default=64)
+    dash.add_argument("--repeats", type=int, default=3,
+                      help="alternating repeats of the served runs")
+    dash.add_argument("--viewer", choices=["sse", "browser"], default="sse",
+                      help="what keeps the dashboard open: an events client, or headless "
+                           "Chromium")
+    dash.add_argument("--workload-seed", type=int, default=0)
+    dash.add_argument("--max-model-len", type=int, default=2048,
+                      help="cap each request's prompt + output to this many tokens (prompt "
+                           "first; a shorter run of the same workload on a busy machine)")
+    dash.add_argument("--launch-on-first", action="store_true",
+                      help="launch the server with the recorder before the one without "
+                           "(default: the other way round)")
+    dash.add_argument("--output", default=None)
+    dash.set_defaults(func=_cmd_bench_dashboard)

@@ -1,0 +1,54 @@
+"""`treadle serve` and `treadle worker`: the OpenAI-compatible server (one engine, or
+replicas on Ray), and the ranks other than 0 under torchrun.
+
+This module parses arguments and hands the configs to treadle.server.serve and the
+torchrun executor; it holds no engine or server logic.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from treadle.config import ServerConfig, add_config_arguments, add_dataclass_arguments, options_from_args
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from treadle.config import EngineConfig, ServerConfig, dataclass_from_args
+    from treadle.executor.torchrun import launcher_rank
+    from treadle.server.serve import serve
+
+    from treadle.distributed.config import ReplicaConfig
+
+    config = EngineConfig.from_options(**options_from_args(args))
+    if config.parallel.executor == "torchrun" and launcher_rank() != 0:
+        return _cmd_worker(args)  # one command for every rank: only rank 0 serves
+    replica_config = dataclass_from_args(ReplicaConfig, args)
+    if replica_config.on_ray:  # these read one engine's steps: off unless asked for
+        args.dashboard = False if args.dashboard is None else args.dashboard
+        args.request_timelines = 0 if args.request_timelines is None else args.request_timelines
+    return serve(config, dataclass_from_args(ServerConfig, args), replica_config)
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from treadle.config import EngineConfig
+    from treadle.executor.torchrun import run_worker
+
+    options = options_from_args(args)
+    options.setdefault("distributed_executor_backend", "torchrun")
+    return run_worker(EngineConfig.from_options(**options))
+
+
+def add_parser(sub) -> None:
+    """Register `serve` and `worker` on the top-level subparsers."""
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API "
+                                       "(SmolLM2-135M-Instruct by default)")
+    add_config_arguments(srv)
+    add_dataclass_arguments(srv, ServerConfig, "server options")
+    from treadle.distributed.config import ReplicaConfig
+    add_dataclass_arguments(srv, ReplicaConfig, "replicas on Ray (docs/replicas.md)")
+    srv.set_defaults(func=_cmd_serve)
+
+    wrk = sub.add_parser("worker", help="a rank other than 0 under torchrun (RANK, "
+                         "WORLD_SIZE, MASTER_ADDR, MASTER_PORT): serve rank 0's calls")
+    add_config_arguments(wrk)
+    wrk.set_defaults(func=_cmd_worker)
