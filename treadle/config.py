@@ -16,10 +16,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from treadle.core.policies import DEFAULT_POLICY, POLICIES
 from treadle.worker.cpu_isa import KERNEL_ISA_CHOICES
 
-SCHEDULING_POLICIES = ("fcfs", "priority", "srpt", "fair", "makespan")
-"""--scheduling-policy: the orders of core/scheduling_policy.py."""
+SCHEDULING_POLICIES = tuple(POLICIES)
+"""--scheduling-policy: the policies of core/policies/, from its registry."""
 
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8")
 """--quantization: weights kept quantized in memory (worker/quantized_linears.py)."""
@@ -238,10 +239,9 @@ class SchedulerConfig:
         "Victim loss per priority level, in tokens (docs/scheduling.md)"))
     victim_wait_weight: float = field(default=100.0, metadata=_help(
         "Victim loss per second spent in the engine, in tokens (docs/scheduling.md)"))
-    scheduling_policy: str = field(default="fcfs", metadata=_help(
-        "Order of waiting requests: fcfs, priority, srpt, fair or makespan (longest "
-        "remaining output first, admissions paced to the longest request: for offline "
-        "batches of known lengths; docs/scheduling.md)"))
+    scheduling_policy: str = field(default=DEFAULT_POLICY, metadata=_help(
+        "Order of waiting requests (docs/scheduling.md): "
+        + "; ".join(f"{name}, {policy.summary}" for name, policy in POLICIES.items())))
     makespan_min_rows: int = field(default=12, metadata=_help(
         "makespan policy: the fewest requests it lets run at once while others wait (a "
         "decode step's linears stop waiting on weight reads at about this many rows: with "
@@ -897,7 +897,7 @@ class SizingConfig:
     slo_priority: int | None = field(default=None, metadata=_help(
         "Judge the SLO on requests of at most this priority only (all requests when not "
         "given)"))
-    search_policies: str = field(default="fcfs", metadata=_help(
+    search_policies: str = field(default=DEFAULT_POLICY, metadata=_help(
         "Scheduling policies to try, comma-separated (e.g. fcfs,priority)"))
     search_tp: str = field(default="1", metadata=_help(
         "Tensor-parallel degrees to try, comma-separated (e.g. 1,2)"))

@@ -6,7 +6,7 @@ Each step has a token budget (`max_num_batched_tokens`) and a request budget
 prefill chunks of running requests, swapped-out requests (oldest first) and waiting
 requests in queue order; under `priority`, `srpt`, `fair` and `makespan`, running prefill
 chunks, swapped-out and waiting requests share one order, most urgent first
-(`policy.urgency`): except under `makespan`, a waiting request more urgent than a running
+(the policy's `urgency`): except under `makespan`, a waiting request more urgent than a running
 one by the policy's threshold preempts the least urgent running request
 (`policy.choose_admission_victim`, with anti-thrash protection) instead of waiting for
 memory to run out. Under `priority`, a step that
@@ -43,7 +43,7 @@ at most `max_head_bypasses` times, then nothing behind it starts until its adapt
 The scheduler owns request state transitions, the running/waiting/swapped sets, the
 clock it passes to the policy, and what the worker already holds of each request (so that
 each step message carries only what changed: core/outputs.py). The policy's answers come
-from `core.scheduling_policy`, the fair policy's counters from `core.fair_share`,
+from its class in `core.policies`, the fair policy's counters from `core.fair_share`,
 admission planning from `core.admission` and the choice of victim and preemption mode
 from `core.preemption`. It never touches tensors or the model (no torch import).
 """
@@ -67,7 +67,7 @@ from treadle.core.kv_sliding import LayerGroups, SlidingWindowGroup
 from treadle.core.outputs import (EngineCoreOutput, KVCompaction, ModelRunnerOutput,
                                   NewRequestData, ScheduledRequest, SchedulerOutput)
 from treadle.core.preemption import Preemptor
-from treadle.core.scheduling_policy import make_policy
+from treadle.core.policies import make_policy
 from treadle.core.spec_decode import (ProposalCandidate, SpecCandidate, SpecCosts,
                                       SpecDecodeController)
 from treadle.request import FinishReason, Request, RequestStatus
