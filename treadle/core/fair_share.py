@@ -4,8 +4,9 @@ Owns each tenant's counter (tokens served over its weight), the tenants' weights
 which tenants have requests queued (waiting or swapped out), which the counter lift
 needs. The scheduler charges it for every token it schedules and tells it when a request
 enters or leaves the queues; the formulas are the pure functions below (`vtc_charge`,
-`vtc_lift`). The fair policy (core/policies/fair.py) orders by these counters; nothing
-here decides which request runs.
+`vtc_lift`), and each tenant's share of the KV cache under `tenant_kv_share`
+(`tenant_share_blocks`, by the same weights). The fair policy (core/policies/fair.py)
+orders by these counters; nothing here decides which request runs.
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ def vtc_lift(counter: float, waiting_counters: Sequence[float],
     if last_left_counter is not None:
         return max(counter, last_left_counter)
     return counter
+
+
+def tenant_share_blocks(num_blocks: int, weight: float, active_weights: float) -> int:
+    """A tenant's share of the cache's blocks while the tenants of `active_weights`
+    (their summed weights, its own included) compete for it (`tenant_kv_share`)."""
+    return int(num_blocks * weight / active_weights)
 
 
 class FairShareLedger:
