@@ -18,7 +18,7 @@ is the scheduler's.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from treadle.core import policy
 from treadle.core.block_pool import KVBlock
@@ -60,13 +60,13 @@ class StepRoom:
         return self.num_running >= self.max_num_seqs or self.budget == 0
 
 
-@dataclass
+@dataclass(slots=True)
 class PrefixHit:
     """The cached prefix a waiting request starts from (none for a swapped-out one: its
     own blocks come back)."""
 
-    num_tokens: int = 0
-    blocks: list[KVBlock] = field(default_factory=list)
+    num_tokens: int
+    blocks: list[KVBlock]
 
 
 def try_admit(plan: StepPlan, request: Request) -> Admission:
@@ -75,9 +75,11 @@ def try_admit(plan: StepPlan, request: Request) -> Admission:
     swapped = request.status == RequestStatus.SWAPPED
     if not _adapter_fits(plan, request):
         return Admission.NO_FIT  # preempting for it would not free a slot for sure
-    hit = PrefixHit()
-    if not swapped and not plan.kv.holds(request.request_id):
-        blocks, num_hit_tokens = plan.kv.get_computed_blocks(request)
+    kv = plan.kv
+    if swapped or kv.holds(request.request_id):
+        hit = PrefixHit(0, [])
+    else:
+        blocks, num_hit_tokens = kv.get_computed_blocks(request)
         hit = PrefixHit(num_hit_tokens, blocks)
     outcome, num_tokens = fit(plan, request, hit)
     if (outcome not in (Admission.ADMITTED, Admission.DEFERRED)
