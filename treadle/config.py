@@ -20,7 +20,8 @@ from treadle.core.policies import DEFAULT_POLICY, POLICIES
 from treadle.worker.cpu_isa import KERNEL_ISA_CHOICES
 
 SCHEDULING_POLICIES = tuple(POLICIES)
-"""--scheduling-policy: the policies of core/policies/, from its registry."""
+"""--scheduling-policy: the names of core/policies/'s registry (`POLICIES`, which the
+checks below read)."""
 
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8")
 """--quantization: weights kept quantized in memory (worker/quantized_linears.py)."""
@@ -290,9 +291,9 @@ class SchedulerConfig:
         "Write a per-step JSON-lines trace of which requests ran to this file"))
 
     def __post_init__(self) -> None:
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
+        if self.scheduling_policy not in POLICIES:
             raise ValueError("scheduling_policy must be one of "
-                             f"{', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
+                             f"{', '.join(POLICIES)}, got {self.scheduling_policy!r}")
         if self.makespan_min_rows < 1:
             raise ValueError(f"makespan_min_rows must be >= 1, got {self.makespan_min_rows}")
         for name in ("priority_aging_rate", "srpt_aging_rate", "priority_aging"):
@@ -922,7 +923,7 @@ class SizingConfig:
                 raise ValueError(f"search_modes must list colocated and/or disaggregated, "
                                  f"got {self.search_modes!r}")
         for policy in self.policies:
-            if policy not in SCHEDULING_POLICIES:
+            if policy not in POLICIES:
                 raise ValueError(f"search_policies: unknown policy {policy!r}")
         try:
             bad = [v for v in self.tp_degrees + self.chunks if v < 1]

@@ -13,11 +13,13 @@ from hypothesis import strategies as st
 
 from treadle.config import CacheConfig, SchedulerConfig
 from treadle.core.outputs import ModelRunnerOutput
+from treadle.core import policies
 from treadle.core.scheduler import Scheduler
 from treadle.request import Request, RequestStatus
 from treadle.sampling_params import SamplingParams
 
-POLICIES = ("fcfs", "priority", "srpt", "fair", "makespan")
+POLICIES = tuple(policies.POLICIES)
+"""Every registered policy (a new one is checked by the tests over all of them)."""
 
 
 class FakeClock:
@@ -541,3 +543,27 @@ def test_same_class_prefills_share_a_step_whatever_their_age():
     sched.add_request(young)
     out = step(sched, clock)
     assert {s.request_id for s in out.scheduled} == {"old", "young"}
+
+
+def test_a_new_policy_is_one_class_and_one_registry_line(monkeypatch):
+    """Last come, first served, added as a new policy is: a SchedulingPolicy subclass
+    and its entry in the registry. The config accepts its name and the scheduler runs
+    it, most urgent (latest) first."""
+
+    class LastComeFirstServed(policies.SchedulingPolicy):
+        name = "lcfs"
+        summary = "latest arrival first"
+
+        def urgency(self, request, now):
+            return -request.arrival_time
+
+    monkeypatch.setitem(policies.POLICIES, LastComeFirstServed.name, LastComeFirstServed)
+    sched = make_scheduler("lcfs", max_tokens=8, max_seqs=1)
+    for i in range(3):
+        sched.add_request(make_request(f"r{i}", 4, 2, arrival=float(i)))
+    order = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        order += [s.request_id for s in out.scheduled if s.request_id not in order]
+        sched.update_from_output(out, fake_runner(out))
+    assert order == ["r2", "r1", "r0"]
