@@ -107,7 +107,11 @@ class SchedulerStats:
 
 
 class Scheduler:
-    """Chooses each step's batch under the token, sequence and KV-memory budgets."""
+    """Chooses each step's batch under the token, sequence and KV-memory budgets.
+
+    Its state between steps (queues, KV manager, policy, ledger, speculation controller,
+    statistics, `in_flight`, `protected_until`, `chunked_prompts`) is what each step's
+    `StepPlan` works on; nothing of a step stays here once its message is built."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_kv_blocks: int, max_model_len: int, num_swap_blocks: int = 0,
