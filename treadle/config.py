@@ -16,12 +16,21 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from treadle.core.policies import DEFAULT_POLICY, POLICIES
 from treadle.worker.cpu_isa import KERNEL_ISA_CHOICES
 
-SCHEDULING_POLICIES = tuple(POLICIES)
-"""--scheduling-policy: the names of core/policies/'s registry (`POLICIES`, which the
-checks below read)."""
+SCHEDULING_POLICIES: dict[str, str] = {
+    "fcfs": "arrival order",
+    "priority": "lower priority values first, aged",
+    "srpt": "shortest remaining work first, aged",
+    "fair": "the tenant served least so far first (tenant_weights)",
+    "makespan": ("longest remaining output first, admissions paced to the longest request "
+                 "(offline batches of known lengths)"),
+}
+"""The registry of scheduling policies, the default first: each name with its line of
+`--help`. A name is the module of treadle/core/policies/ that holds the policy's class
+(`POLICY`): adding a policy is that module and one line here (docs/structure.md)."""
+
+DEFAULT_SCHEDULING_POLICY = next(iter(SCHEDULING_POLICIES))
 
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8")
 """--quantization: weights kept quantized in memory (worker/quantized_linears.py)."""
@@ -240,9 +249,9 @@ class SchedulerConfig:
         "Victim loss per priority level, in tokens (docs/scheduling.md)"))
     victim_wait_weight: float = field(default=100.0, metadata=_help(
         "Victim loss per second spent in the engine, in tokens (docs/scheduling.md)"))
-    scheduling_policy: str = field(default=DEFAULT_POLICY, metadata=_help(
+    scheduling_policy: str = field(default=DEFAULT_SCHEDULING_POLICY, metadata=_help(
         "Order of waiting requests (docs/scheduling.md): "
-        + "; ".join(f"{name}, {policy.summary}" for name, policy in POLICIES.items())))
+        + "; ".join(f"{name}, {line}" for name, line in SCHEDULING_POLICIES.items())))
     makespan_min_rows: int = field(default=12, metadata=_help(
         "makespan policy: the fewest requests it lets run at once while others wait (a "
         "decode step's linears stop waiting on weight reads at about this many rows: with "
@@ -291,9 +300,9 @@ class SchedulerConfig:
         "Write a per-step JSON-lines trace of which requests ran to this file"))
 
     def __post_init__(self) -> None:
-        if self.scheduling_policy not in POLICIES:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError("scheduling_policy must be one of "
-                             f"{', '.join(POLICIES)}, got {self.scheduling_policy!r}")
+                             f"{', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
         if self.makespan_min_rows < 1:
             raise ValueError(f"makespan_min_rows must be >= 1, got {self.makespan_min_rows}")
         for name in ("priority_aging_rate", "srpt_aging_rate", "priority_aging"):
@@ -898,7 +907,7 @@ class SizingConfig:
     slo_priority: int | None = field(default=None, metadata=_help(
         "Judge the SLO on requests of at most this priority only (all requests when not "
         "given)"))
-    search_policies: str = field(default=DEFAULT_POLICY, metadata=_help(
+    search_policies: str = field(default=DEFAULT_SCHEDULING_POLICY, metadata=_help(
         "Scheduling policies to try, comma-separated (e.g. fcfs,priority)"))
     search_tp: str = field(default="1", metadata=_help(
         "Tensor-parallel degrees to try, comma-separated (e.g. 1,2)"))
@@ -923,7 +932,7 @@ class SizingConfig:
                 raise ValueError(f"search_modes must list colocated and/or disaggregated, "
                                  f"got {self.search_modes!r}")
         for policy in self.policies:
-            if policy not in POLICIES:
+            if policy not in SCHEDULING_POLICIES:
                 raise ValueError(f"search_policies: unknown policy {policy!r}")
         try:
             bad = [v for v in self.tp_degrees + self.chunks if v < 1]

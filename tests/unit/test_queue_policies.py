@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from treadle.config import SchedulerConfig, parse_tenant_weights
 from treadle.core import policy
 from treadle.core.fair_share import FairShareLedger, vtc_charge, vtc_lift
-from treadle.core.policies import POLICIES, make_policy, policy_class
+from treadle.core.policies import make_policy, policy_class
 from treadle.core.policies.fair import next_fair
 from treadle.core.policies.priority import priority_urgency
 from treadle.core.policies.srpt import remaining_work, srpt_urgency
@@ -206,10 +206,10 @@ def test_admission_victim_ties_go_to_latest_arrival():
 
 
 def test_threshold_defaults_and_fcfs_never_preempts_at_admission():
-    assert POLICIES["priority"].default_admission_threshold == 0.5
-    assert POLICIES["srpt"].default_admission_threshold > 1.0
-    assert not POLICIES["fcfs"].may_preempt_at_admission
-    assert all(POLICIES[p].may_preempt_at_admission for p in ("priority", "srpt", "fair"))
+    assert policy_class("priority").default_admission_threshold == 0.5
+    assert policy_class("srpt").default_admission_threshold > 1.0
+    assert not policy_class("fcfs").may_preempt_at_admission
+    assert all(policy_class(p).may_preempt_at_admission for p in ("priority", "srpt", "fair"))
 
 
 def test_may_bypass_bound():

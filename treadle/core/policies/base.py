@@ -14,20 +14,17 @@ from __future__ import annotations
 import math
 from typing import ClassVar, Iterable, Iterator
 
+from treadle.config import SchedulerConfig
 from treadle.core.fair_share import FairShareLedger
 from treadle.core.request_queue import FCFSQueue, PolicyQueue
 from treadle.request import Request
 
 
 class SchedulingPolicy:
-    """One scheduling policy. A subclass sets `name` and `summary` and defines `urgency`;
-    the rest has defaults it may override. Built from the SchedulerConfig (each policy
-    reads its own knobs there) and the scheduler's fair-share ledger."""
+    """One scheduling policy. A subclass defines `urgency`; the rest has defaults it may
+    override. Built from the SchedulerConfig (each policy reads its own knobs there) and
+    the scheduler's fair-share ledger."""
 
-    name: ClassVar[str]
-    """What `--scheduling-policy` calls it (the registry's key)."""
-    summary: ClassVar[str]
-    """One line for `--help`: its order."""
     orders_by_urgency: ClassVar[bool] = True
     """True: running prefill chunks, swapped-out and waiting requests share one order,
     most urgent first. False (fcfs): running, then swapped (oldest first), then waiting
@@ -42,8 +39,10 @@ class SchedulingPolicy:
     """Waiting requests start most urgent priority first (what the server's overload
     control predicts waits from)."""
 
-    def __init__(self, config, ledger: FairShareLedger) -> None:
-        """`config`: the SchedulerConfig; `ledger`: the scheduler's fair-share counters."""
+    def __init__(self, config: SchedulerConfig, ledger: FairShareLedger) -> None:
+        """`ledger`: the scheduler's fair-share counters."""
+        self.name = config.scheduling_policy
+        """Its name in the registry (treadle.config.SCHEDULING_POLICIES)."""
         self.ledger = ledger
         self.preempts_at_admission = (config.admission_preemption
                                       and self.may_preempt_at_admission)

@@ -27,8 +27,6 @@ def next_fair(heads: Iterable[Request], tenant_counters: Mapping[str, float]) ->
 class FairPolicy(SchedulingPolicy):
     """Urgency: the tenant's virtual token counter (tokens / weight)."""
 
-    name: ClassVar[str] = "fair"
-    summary: ClassVar[str] = "the tenant served least so far first (tenant_weights)"
     default_admission_threshold: ClassVar[float] = 256.0
 
     def urgency(self, request: Request, now: float) -> float:
@@ -47,3 +45,7 @@ class FairPolicy(SchedulingPolicy):
             if not by_tenant[tenant]:
                 del by_tenant[tenant]
             yield request
+
+
+POLICY = FairPolicy
+"""The policy of this module (what `policy_class` loads for its name)."""

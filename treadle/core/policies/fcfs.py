@@ -18,8 +18,6 @@ from treadle.request import Request
 class FCFSPolicy(SchedulingPolicy):
     """Arrival order (urgency: the arrival time, in seconds)."""
 
-    name: ClassVar[str] = "fcfs"
-    summary: ClassVar[str] = "arrival order"
     orders_by_urgency: ClassVar[bool] = False
     may_preempt_at_admission: ClassVar[bool] = False
 
@@ -28,3 +26,7 @@ class FCFSPolicy(SchedulingPolicy):
 
     def make_queue(self) -> FCFSQueue | PolicyQueue:
         return FCFSQueue()
+
+
+POLICY = FCFSPolicy
+"""The policy of this module (what `policy_class` loads for its name)."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import ClassVar, Iterable
 
+from treadle.config import SchedulerConfig
+from treadle.core.fair_share import FairShareLedger
 from treadle.core.policies.base import SchedulingPolicy
 from treadle.core.policy import remaining_outputs
 from treadle.request import Request
@@ -43,12 +45,9 @@ class MakespanPolicy(SchedulingPolicy):
     preempts at admission: a running request loses nothing of its remaining length by
     waiting, so preempting it would only add work."""
 
-    name: ClassVar[str] = "makespan"
-    summary: ClassVar[str] = ("longest remaining output first, admissions paced to the longest "
-                              "request (offline batches of known lengths)")
     may_preempt_at_admission: ClassVar[bool] = False
 
-    def __init__(self, config, ledger) -> None:
+    def __init__(self, config: SchedulerConfig, ledger: FairShareLedger) -> None:
         super().__init__(config, ledger)
         self.min_rows = config.makespan_min_rows
 
@@ -57,3 +56,7 @@ class MakespanPolicy(SchedulingPolicy):
 
     def max_running(self, requests: Iterable[Request]) -> int | None:
         return paced_rows((remaining_outputs(r) for r in requests), self.min_rows)
+
+
+POLICY = MakespanPolicy
+"""The policy of this module (what `policy_class` loads for its name)."""

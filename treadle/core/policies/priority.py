@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import deque
 from typing import ClassVar, Iterable
 
+from treadle.config import SchedulerConfig
+from treadle.core.fair_share import FairShareLedger
 from treadle.core.policies.base import SchedulingPolicy
 from treadle.request import Request
 
@@ -45,8 +47,6 @@ class PriorityPolicy(SchedulingPolicy):
     of recent requests (`bounded_wait_boost`; the mean over the last admissions, fed by
     the scheduler with each admitted request's wait, `observe_wait`)."""
 
-    name: ClassVar[str] = "priority"
-    summary: ClassVar[str] = "lower priority values first, aged"
     default_admission_threshold: ClassVar[float] = 0.5
     """Half a level: one level apart, a fresh request still displaces one that has aged
     less than half a level since it arrived."""
@@ -56,7 +56,7 @@ class PriorityPolicy(SchedulingPolicy):
     burst's (a short average would follow the backlog of a burst and loosen the bound
     exactly when it matters)."""
 
-    def __init__(self, config, ledger) -> None:
+    def __init__(self, config: SchedulerConfig, ledger: FairShareLedger) -> None:
         super().__init__(config, ledger)
         self.isolates_urgent_prefill = config.isolate_urgent_prefill
         self.aging_rate = config.priority_aging_rate
@@ -84,3 +84,7 @@ class PriorityPolicy(SchedulingPolicy):
         return (priority_urgency(request, now, self.aging_rate)
                 - bounded_wait_boost(waited, request.priority, self.most_urgent_priority,
                                      self.wait_bound, self.mean_wait))
+
+
+POLICY = PriorityPolicy
+"""The policy of this module (what `policy_class` loads for its name)."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from treadle.config import SchedulerConfig
+from treadle.core.fair_share import FairShareLedger
 from treadle.core.policies.base import SchedulingPolicy
 from treadle.core.policy import remaining_outputs
 from treadle.request import Request
@@ -34,13 +36,15 @@ def srpt_urgency(request: Request, now: float, aging_rate: float) -> float:
 class SRPTPolicy(SchedulingPolicy):
     """Urgency: remaining work in tokens, aged."""
 
-    name: ClassVar[str] = "srpt"
-    summary: ClassVar[str] = "shortest remaining work first, aged"
     default_admission_threshold: ClassVar[float] = 256.0
 
-    def __init__(self, config, ledger) -> None:
+    def __init__(self, config: SchedulerConfig, ledger: FairShareLedger) -> None:
         super().__init__(config, ledger)
         self.aging_rate = config.srpt_aging_rate
 
     def urgency(self, request: Request, now: float) -> float:
         return srpt_urgency(request, now, self.aging_rate)
+
+
+POLICY = SRPTPolicy
+"""The policy of this module (what `policy_class` loads for its name)."""
