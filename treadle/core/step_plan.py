@@ -11,9 +11,10 @@ makes a new plan each step and drops it once the step message is built
 The plan also holds the scheduler's state the step works on (its queues, KV manager,
 policy, fair-share ledger, speculation controller, statistics), so that admission
 (core/admission.py) and preemption (core/preemption.py) take the plan and a request
-instead of long parameter lists. Its own methods only account: tokens in and out of the
-budget, whether a prefill waits for the next step, the proposed tokens a decode runs,
-a compaction, the proposals after the step. It never chooses which request runs.
+instead of long parameter lists. Its own methods keep the step's accounts: tokens in
+and out of the budget, whether a prefill waits for the next step, the proposed tokens a
+decode runs, a compaction, the proposals after the step (with the slots a draft writes
+ahead). It never chooses which request runs or which is preempted.
 """
 
 from __future__ import annotations
