@@ -18,8 +18,19 @@ from typing import Any
 
 from treadle.worker.cpu_isa import KERNEL_ISA_CHOICES
 
-SCHEDULING_POLICIES = ("fcfs", "priority", "srpt", "fair", "makespan")
-"""--scheduling-policy: the orders of core/scheduling_policy.py."""
+SCHEDULING_POLICIES: dict[str, str] = {
+    "fcfs": "arrival order",
+    "priority": "lower priority values first, aged",
+    "srpt": "shortest remaining work first, aged",
+    "fair": "the tenant served least so far first (tenant_weights)",
+    "makespan": ("longest remaining output first, admissions paced to the longest request "
+                 "(offline batches of known lengths)"),
+}
+"""The registry of scheduling policies, the default first: each name with its line of
+`--help`. A name is the module of treadle/core/policies/ that holds the policy's class
+(`POLICY`): adding a policy is that module and one line here (docs/structure.md)."""
+
+DEFAULT_SCHEDULING_POLICY = next(iter(SCHEDULING_POLICIES))
 
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8")
 """--quantization: weights kept quantized in memory (worker/quantized_linears.py)."""
@@ -238,10 +249,9 @@ class SchedulerConfig:
         "Victim loss per priority level, in tokens (docs/scheduling.md)"))
     victim_wait_weight: float = field(default=100.0, metadata=_help(
         "Victim loss per second spent in the engine, in tokens (docs/scheduling.md)"))
-    scheduling_policy: str = field(default="fcfs", metadata=_help(
-        "Order of waiting requests: fcfs, priority, srpt, fair or makespan (longest "
-        "remaining output first, admissions paced to the longest request: for offline "
-        "batches of known lengths; docs/scheduling.md)"))
+    scheduling_policy: str = field(default=DEFAULT_SCHEDULING_POLICY, metadata=_help(
+        "Order of waiting requests (docs/scheduling.md): "
+        + "; ".join(f"{name}, {line}" for name, line in SCHEDULING_POLICIES.items())))
     makespan_min_rows: int = field(default=12, metadata=_help(
         "makespan policy: the fewest requests it lets run at once while others wait (a "
         "decode step's linears stop waiting on weight reads at about this many rows: with "

@@ -1,6 +1,6 @@
 """The makespan policy: longest remaining output first, admissions paced so that the
 short requests' decoding is spread over the longest one's steps. The pacing rule as a
-pure function (policy.paced_rows), and the scheduler under it with a fake runner:
+pure function (paced_rows), and the scheduler under it with a fake runner:
 who starts first, how many run, how many thin steps the run ends in, and that nothing of
 the outputs or the memory depends on it."""
 
@@ -13,14 +13,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from treadle.config import SchedulerConfig
-from treadle.core import policy
+from treadle.core.policies.makespan import paced_rows
+from treadle.core.policies.srpt import remaining_work
+from treadle.core.policy import remaining_outputs
 from tests.unit.test_scheduler_policies import (FakeClock, expected_tokens, make_request,
                                                 make_scheduler, replay, step)
 
 
 @given(st.lists(st.integers(0, 5000), max_size=80), st.integers(1, 64))
 def test_paced_rows_finish_everything_within_the_longest_requests_steps(remaining, min_rows):
-    cap = policy.paced_rows(remaining, min_rows)
+    cap = paced_rows(remaining, min_rows)
     longest = max(remaining, default=0)
     assert cap >= min_rows
     # cap rows a step for `longest` steps cover every remaining token ...
@@ -32,20 +34,20 @@ def test_paced_rows_finish_everything_within_the_longest_requests_steps(remainin
 
 def test_paced_rows_examples():
     # 4 requests of 1024 and 60 of 136: 4 + 60 * 136 / 1024 -> 12 rows, the floor is 16.
-    assert policy.paced_rows([1024] * 4 + [136] * 60, 16) == 16
-    assert policy.paced_rows([1024] * 4 + [136] * 60, 1) == math.ceil((4096 + 8160) / 1024)
+    assert paced_rows([1024] * 4 + [136] * 60, 16) == 16
+    assert paced_rows([1024] * 4 + [136] * 60, 1) == math.ceil((4096 + 8160) / 1024)
     # Equal lengths: all of them at once, as fcfs would.
-    assert policy.paced_rows([100] * 50, 16) == 50
-    assert policy.paced_rows([], 16) == 16
-    assert policy.paced_rows([0, 0], 3) == 3
+    assert paced_rows([100] * 50, 16) == 50
+    assert paced_rows([], 16) == 16
+    assert paced_rows([0, 0], 3) == 3
 
 
 def test_remaining_outputs_follow_the_length_hint_then_max_tokens():
     r = make_request("a", 4, 50)
-    assert policy.remaining_outputs(r) == 50
+    assert remaining_outputs(r) == 50
     hinted = make_request("b", 4, 50, length_hint=20)
-    assert policy.remaining_outputs(hinted) == 20
-    assert policy.remaining_work(hinted) == 4 + 20
+    assert remaining_outputs(hinted) == 20
+    assert remaining_work(hinted) == 4 + 20
 
 
 def test_makespan_min_rows_is_checked():
@@ -88,8 +90,7 @@ def test_longest_requests_start_first_and_running_is_paced():
     started = {s.request_id for s in out.scheduled}
     assert {"long0", "long1"} <= started
     while sched.has_unfinished_requests():
-        cap = policy.paced_rows((policy.remaining_outputs(r) for r in sched.requests.values()),
-                                4)
+        cap = paced_rows((remaining_outputs(r) for r in sched.requests.values()), 4)
         before = {r.request_id for r in sched.running}
         step(sched, clock)
         admitted = {r.request_id for r in sched.running} - before

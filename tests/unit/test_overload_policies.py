@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from treadle.config import CacheConfig, SchedulerConfig
 from treadle.core.outputs import ModelRunnerOutput
 from treadle.core.scheduler import Scheduler
-from treadle.core.scheduling_policy import make_policy
+from treadle.core.policies import make_policy
 from treadle.core.fair_share import FairShareLedger
 from treadle.request import Request, RequestStatus
 from treadle.sampling_params import SamplingParams

@@ -39,6 +39,9 @@ class FakePipelineExecutor(Executor):
     def execute_model(self, so):
         raise AssertionError("the core submits and receives")
 
+    def collective_rpc(self, method, *args, **kwargs) -> list:
+        raise AssertionError("the core only steps this executor")
+
     def submit(self, so) -> None:
         ids = {s.request_id for s in so.scheduled}
         for queued in self.queue:

@@ -5,19 +5,23 @@ anti-thrash rule, head-of-line bypass, and outputs that never depend on the poli
 from __future__ import annotations
 
 import random
+import sys
 import time
+import types
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from treadle.config import CacheConfig, SchedulerConfig
+from treadle.config import SCHEDULING_POLICIES, CacheConfig, SchedulerConfig
+from treadle.core import policies
 from treadle.core.outputs import ModelRunnerOutput
 from treadle.core.scheduler import Scheduler
 from treadle.request import Request, RequestStatus
 from treadle.sampling_params import SamplingParams
 
-POLICIES = ("fcfs", "priority", "srpt", "fair", "makespan")
+POLICIES = tuple(SCHEDULING_POLICIES)
+"""Every registered policy (a new one is checked by the tests over all of them)."""
 
 
 class FakeClock:
@@ -541,3 +545,29 @@ def test_same_class_prefills_share_a_step_whatever_their_age():
     sched.add_request(young)
     out = step(sched, clock)
     assert {s.request_id for s in out.scheduled} == {"old", "young"}
+
+
+def test_a_new_policy_is_one_module_and_one_registry_line(monkeypatch):
+    """Last come, first served, added as a new policy is: a module of core/policies/
+    whose POLICY is a SchedulingPolicy subclass, and its line in the registry
+    (config.SCHEDULING_POLICIES). The config accepts its name and the scheduler runs it,
+    most urgent (latest) first."""
+
+    class LastComeFirstServed(policies.SchedulingPolicy):
+        def urgency(self, request, now):
+            return -request.arrival_time
+
+    module = types.ModuleType("treadle.core.policies.lcfs")
+    module.POLICY = LastComeFirstServed
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(SCHEDULING_POLICIES, "lcfs", "latest arrival first")
+    sched = make_scheduler("lcfs", max_tokens=8, max_seqs=1)
+    assert isinstance(sched.policy, LastComeFirstServed) and sched.policy.name == "lcfs"
+    for i in range(3):
+        sched.add_request(make_request(f"r{i}", 4, 2, arrival=float(i)))
+    order = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        order += [s.request_id for s in out.scheduled if s.request_id not in order]
+        sched.update_from_output(out, fake_runner(out))
+    assert order == ["r2", "r1", "r0"]

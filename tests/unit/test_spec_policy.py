@@ -1,6 +1,7 @@
 """The adaptive speculation policy's pure functions (core/spec_decode.py): the measured
 cost model's interpolation, the acceptance estimate, the plan of proposed tokens per
-request, and the controller the scheduler asks; and the scheduler using them."""
+request, and the controller the scheduler asks (core/spec_controller.py); and the
+scheduler using them."""
 
 from __future__ import annotations
 
@@ -9,11 +10,15 @@ import pytest
 from treadle.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from treadle.core.outputs import ModelRunnerOutput
 from treadle.core.scheduler import Scheduler
+from treadle.core.spec_controller import SpecDecodeController
 from treadle.core.spec_decode import (AcceptanceEstimate, ProposalCandidate, SpecCandidate,
-                                      SpecCosts, SpecDecodeController, _interp,
-                                      expected_tokens, plan_proposals)
+                                      SpecCosts, _interp, expected_tokens, plan_proposals)
 from treadle.request import Request
 from treadle.sampling_params import SamplingParams
+
+
+LIMITS = dict(max_model_len=4096, max_step_tokens=512)
+"""A controller's request and step limits (its questions about candidates ignore them)."""
 
 
 def costs_from(fn, rows=(1, 4, 16, 64), ks=(0, 1, 2, 4, 8), draft=None) -> SpecCosts:
@@ -132,7 +137,7 @@ def test_plan_is_monotone_in_the_acceptance_rate():
 
 def test_controller_without_adaptation_runs_every_proposal():
     c = SpecDecodeController(4, adaptive=False, prior=0.5, costs=None, writes_kv_ahead=True,
-                             deterministic=False)
+                             deterministic=False, **LIMITS)
     assert c.tokens_to_run([SpecCandidate("a", 3)], 1, 1, 512) == {"a": 3}
     assert c.tokens_to_propose([ProposalCandidate("a", 9, 30), ProposalCandidate("b", 9, 30)],
                                2, 2, 512) == {"a": 4, "b": 4}
@@ -140,7 +145,7 @@ def test_controller_without_adaptation_runs_every_proposal():
 
 def test_controller_counts_drafts_as_vllm_does():
     c = SpecDecodeController(4, adaptive=True, prior=0.5, costs=costs_from(memory_bound),
-                             writes_kv_ahead=False, deterministic=True)
+                             writes_kv_ahead=False, deterministic=True, **LIMITS)
     c.observe("a", 4, 2)
     c.observe("b", 3, 3)
     assert c.stats.num_drafts == 2 and c.stats.num_draft_tokens == 7
@@ -251,7 +256,7 @@ def draft_controller(per_token: float) -> SpecDecodeController:
     costs = SpecCosts(costs.step_rows, costs.step_tokens, costs.step_seconds,
                       costs.draft_rows, costs.draft_seconds, catchup_seconds_per_token=per_token)
     return SpecDecodeController(4, adaptive=True, prior=0.8, costs=costs,
-                                writes_kv_ahead=True, deterministic=False)
+                                writes_kv_ahead=True, deterministic=False, **LIMITS)
 
 
 def test_a_draft_catch_up_is_spread_over_the_remaining_output():

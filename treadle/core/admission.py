@@ -1,28 +1,31 @@
-"""Admission planning: whether a waiting or swapped-out request fits the step now, and which
-running requests to preempt so that a more urgent one does.
+"""Admission: whether a waiting or swapped-out request joins the step, which running requests
+to preempt so that a more urgent one does, and taking it in.
 
-Owns the questions the scheduler asks before it admits a request: `fit` (is there a
-request slot, budget and KV memory for it in this step, and with how many tokens — the
-memory with headroom: a watermark plus the growth the running requests and this one can
-be expected to need soon, `kv_growth`, so that admitting it rarely forces preempting
-another; and within its tenant's share of the cache when tenants compete,
-`tenant_share_blocks`) and `plan_admission_victims` (the least urgent running requests
-whose memory and budget would make it fit, under `policy.choose_admission_victim`). Block arithmetic is the KV
+Owns `try_admit(plan, request)`, which the scheduler calls for each request it offers
+the step in its policy's order, and the questions behind it: `fit` (is there a request
+slot, budget and KV memory for it in this step, and with how many tokens — the memory
+with headroom: a watermark plus the growth the running requests and this one can be
+expected to need soon, `kv_growth`, so that admitting it rarely forces preempting
+another; and within its tenant's share of the cache when tenants compete) and
+`plan_admission_victims` (the least urgent running requests whose memory and budget
+would make it fit, under `policy.choose_admission_victim`). Block arithmetic is the KV
 manager's (`KVCacheManager.num_new_blocks_needed`, `num_held_blocks`,
-`num_swapped_blocks`); this module only adds up what it answers. It changes no state:
-the scheduler carries out the plan.
+`num_swapped_blocks`); this module only adds up what it answers. Every function takes
+the step's plan (core/step_plan.py) and the request; the order requests are offered in
+is the scheduler's.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable, Container, Mapping, Sequence
 
 from treadle.core import policy
 from treadle.core.block_pool import KVBlock
 from treadle.core.kv_cache_manager import KVCacheManager
-from treadle.request import Request
+from treadle.core.preemption import preempt
+from treadle.core.step_plan import StepPlan
+from treadle.request import Request, RequestStatus
 
 
 class Admission(enum.Enum):
@@ -32,7 +35,7 @@ class Admission(enum.Enum):
     NO_FIT = "no_fit"
     """Too large for the free KV memory (or the budget, unchunked): smaller ones may fit."""
     DEFERRED = "deferred"
-    """Held back by `finish_prompts_first` (see `Scheduler._holds_back`): it starts next
+    """Held back by `finish_prompts_first` (see `StepPlan.holds_back`): it starts next
     step, and nothing behind it starts now."""
 
 
@@ -57,37 +60,167 @@ class StepRoom:
         return self.num_running >= self.max_num_seqs or self.budget == 0
 
 
-def fit(kv: KVCacheManager, request: Request, swapped: bool, num_hit_tokens: int,
-        computed_blocks: list[KVBlock], room: StepRoom, may_chunk: bool,
-        holds_back: Callable[[bool], bool]) -> tuple[Admission, int]:
-    """Whether the request fits in this step now, and with how many tokens.
+@dataclass(slots=True)
+class PrefixHit:
+    """The cached prefix a waiting request starts from (none for a swapped-out one: its
+    own blocks come back)."""
 
-    `holds_back(partial)` is the scheduler's finish_prompts_first rule for this request
-    (`partial`: its tokens would not all fit the budget)."""
+    num_tokens: int
+    blocks: list[KVBlock]
+
+
+def try_admit(plan: StepPlan, request: Request) -> Admission:
+    """Admit a waiting or swapped-out request if it fits, preempting less urgent
+    running requests for it when the policy allows and that makes it fit."""
+    swapped = request.status == RequestStatus.SWAPPED
+    if not _adapter_fits(plan, request):
+        return Admission.NO_FIT  # preempting for it would not free a slot for sure
+    kv = plan.kv
+    if swapped or kv.holds(request.request_id):
+        hit = PrefixHit(0, [])
+    else:
+        blocks, num_hit_tokens = kv.get_computed_blocks(request)
+        hit = PrefixHit(num_hit_tokens, blocks)
+    outcome, num_tokens = fit(plan, request, hit)
+    if (outcome not in (Admission.ADMITTED, Admission.DEFERRED)
+            and plan.policy.preempts_at_admission and not _slot_frees_soon(plan)):
+        victims = plan_admission_victims(plan, request, hit)
+        if victims:
+            for victim in victims:
+                preempt(plan, victim, f"for more urgent {request.request_id}")
+                plan.stats.num_admission_preemptions += 1
+            outcome, num_tokens = fit(plan, request, hit)
+            if outcome is Admission.ADMITTED:
+                plan.protected_until[request.request_id] = (
+                    plan.step + plan.config.preemption_cooldown_steps)
+    if outcome is not Admission.ADMITTED:
+        return outcome
+    if swapped:
+        _admit_swapped(plan, request)
+    else:
+        _admit_waiting(plan, request, num_tokens, hit)
+    plan.admitted.add(request.request_id)
+    plan.kv_reserve = None  # one more running request to leave room for
+    return Admission.ADMITTED
+
+
+def _admit_waiting(plan: StepPlan, request: Request, num_tokens: int, hit: PrefixHit) -> None:
+    allocated = plan.kv.allocate_slots(request, num_tokens, hit.blocks)
+    assert allocated, "fit checked that the blocks are there"
+    plan.waiting.remove(request)
+    plan.fair_share.queued_out(request)
+    request.num_computed_tokens += hit.num_tokens
+    if request.status == RequestStatus.PREEMPTED:
+        _resume(plan, request)
+    else:
+        request.num_cached_tokens = hit.num_tokens
+        request.status = RequestStatus.RUNNING
+        request.first_scheduled_time = plan.now
+        plan.policy.observe_wait(plan.now - request.arrival_time)
+        plan.running.append(request)
+    plan.schedule_tokens(request, num_tokens)
+
+
+def _admit_swapped(plan: StepPlan, request: Request) -> None:
+    kv = plan.kv
+    swap_plan = kv.swap_in(request)
+    assert swap_plan is not None, "fit checked that the blocks are there"
+    plan.swapped.remove(request)
+    plan.fair_share.queued_out(request)
+    plan.swap_in.extend(swap_plan)
+    plan.stats.num_swap_in += 1
+    _resume(plan, request)
+    num_tokens = min(request.num_uncomputed_tokens, plan.budget)
+    if kv.eviction is not None:
+        # No compaction in the step it comes back (the worker compacts before the
+        # swap-ins land): it may pass its budget by this one step's tokens.
+        num_tokens = min(num_tokens, kv.eviction.max_step_tokens)
+    if (not plan.holds_back(request, num_tokens < request.num_uncomputed_tokens)
+            and kv.allocate_slots(request, num_tokens)):
+        plan.schedule_tokens(request, num_tokens)
+
+
+def _resume(plan: StepPlan, request: Request) -> None:
+    """A preempted request runs again, protected from admission preemption for
+    `preemption_cooldown_steps` steps."""
+    request.status = RequestStatus.RUNNING
+    request.resumed_step = plan.step
+    plan.protected_until[request.request_id] = plan.step + plan.config.preemption_cooldown_steps
+    plan.running.append(request)
+
+
+def _slot_frees_soon(plan: StepPlan) -> bool:
+    """Whether a running request ends within admission_preemption_wait_steps steps
+    (its remaining max_tokens bound them): a more urgent request then waits for it
+    instead of preempting. In the overload soak, urgent arrivals preempted a running
+    request 0.5 times per request while a request finished every ~0.2 s."""
+    steps = plan.config.admission_preemption_wait_steps
+    return steps > 0 and any(
+        r.is_decoding and r.sampling_params.max_tokens - r.num_output_tokens <= steps
+        for r in plan.running)
+
+
+def _adapter_fits(plan: StepPlan, request: Request) -> bool:
+    """Whether the request's adapter (if any) is in use by a running request, or a
+    slot is free for it."""
+    lora_id = request.lora_int_id
+    if lora_id is None:
+        return True
+    in_use = {r.lora_int_id for r in plan.running}
+    in_use.discard(None)
+    return lora_id in in_use or len(in_use) < plan.max_loras
+
+
+def step_room(plan: StepPlan, request: Request | None = None) -> StepRoom:
+    """What is left of the step for admitting `request`: slots, budget, and the KV
+    headroom (watermark + growth of the running requests) and tenant share it must
+    respect."""
+    cfg = plan.config
+    kv = plan.kv
+    if plan.kv_reserve is None:
+        reserve = 0
+        if plan.running and (cfg.kv_watermark or cfg.admission_lookahead_tokens):
+            reserve = int(cfg.kv_watermark * kv.num_blocks + 0.999999)
+            for r in plan.running:
+                reserve += kv_growth(kv, r, kv.num_allocated_slots(r.request_id),
+                                     cfg.admission_lookahead_tokens)
+        plan.kv_reserve = reserve
+    tenant_room = None
+    if cfg.tenant_kv_share and request is not None:
+        tenant_room = plan.tenant_room(request)
+    return StepRoom(plan.budget, len(plan.running), plan.max_running, plan.kv_reserve,
+                    cfg.admission_lookahead_tokens if plan.running else 0, tenant_room)
+
+
+def fit(plan: StepPlan, request: Request, hit: PrefixHit) -> tuple[Admission, int]:
+    """Whether the request fits in this step now, and with how many tokens (after its
+    prefix hit)."""
+    kv = plan.kv
+    room = step_room(plan, request)
     if room.full:
         return Admission.FULL, 0
-    if swapped:
+    if request.status == RequestStatus.SWAPPED:
         blocks = kv.num_swapped_blocks(request.request_id)
         growth = kv_growth(kv, request, blocks * kv.block_size, room.lookahead_tokens)
         if (blocks + growth + room.kv_reserve > kv.pool.num_free_blocks
                 or (room.tenant_room is not None and blocks > room.tenant_room)):
             return Admission.NO_FIT, 0
         return Admission.ADMITTED, 0
-    num_tokens = request.num_uncomputed_tokens - num_hit_tokens
-    if num_tokens > room.budget and not may_chunk:
+    num_tokens = request.num_uncomputed_tokens - hit.num_tokens
+    if num_tokens > room.budget and not plan.may_chunk(request):
         return Admission.NO_FIT, 0
-    if holds_back(num_tokens > room.budget):
+    if plan.holds_back(request, num_tokens > room.budget):
         return Admission.DEFERRED, 0
     num_tokens = min(num_tokens, room.budget)
     if kv.eviction is not None:  # its steps are capped (core/kv_eviction.py)
         num_tokens = min(num_tokens, kv.eviction.max_step_tokens)
-    if not kv.can_allocate(request, num_tokens, computed_blocks):
+    if not kv.can_allocate(request, num_tokens, hit.blocks):
         return Admission.NO_FIT, 0
-    if kv.eviction is not None and not _budget_fits(kv, request, computed_blocks, room):
+    if kv.eviction is not None and not _budget_fits(kv, request, hit.blocks, room):
         return Admission.NO_FIT, 0
     if room.kv_reserve or room.lookahead_tokens or room.tenant_room is not None:
-        needed = kv.num_new_blocks_needed(request, num_hit_tokens, num_tokens)
-        slots = (request.num_computed_tokens + num_hit_tokens + num_tokens)
+        needed = kv.num_new_blocks_needed(request, hit.num_tokens, num_tokens)
+        slots = (request.num_computed_tokens + hit.num_tokens + num_tokens)
         growth = kv_growth(kv, request, kv.num_blocks_for(slots) * kv.block_size,
                            room.lookahead_tokens)
         if room.kv_reserve and needed + growth + room.kv_reserve > kv.pool.num_free_blocks:
@@ -122,28 +255,24 @@ def kv_growth(kv: KVCacheManager, request: Request, num_slots: int, lookahead: i
     return max(0, kv.num_blocks_for(future) - num_slots // kv.block_size)
 
 
-def tenant_share_blocks(num_blocks: int, weight: float, active_weights: float) -> int:
-    """A tenant's share of the cache's blocks while the tenants of `active_weights`
-    (their summed weights, its own included) compete for it."""
-    return int(num_blocks * weight / active_weights)
-
-
-def plan_admission_victims(kv: KVCacheManager, request: Request, swapped: bool,
-                           num_hit_tokens: int, candidate_urgency: float,
-                           running: Sequence[tuple[Request, float]], threshold: float,
-                           protected: Container[str], room: StepRoom,
-                           scheduled_tokens: Mapping[str, int],
-                           may_chunk: bool) -> list[Request]:
+def plan_admission_victims(plan: StepPlan, request: Request, hit: PrefixHit) -> list[Request]:
     """Running requests to preempt so that `request` fits, least urgent first; empty when
-    the eligible ones (policy.choose_admission_victim) would not make room.
-
-    `running` pairs each running request with its urgency; `scheduled_tokens` holds the
-    tokens already scheduled for them this step (a victim gives them back)."""
-    running = list(running)
+    the eligible ones (policy.choose_admission_victim: less urgent by the policy's
+    threshold, not protected) would not make room. A victim gives back its blocks and
+    the tokens already scheduled for it this step."""
+    kv = plan.kv
+    protected = {rid for rid, until in plan.protected_until.items() if until > plan.step}
+    protected |= plan.admitted
+    candidate_urgency = plan.urgency(request)
+    running = [(r, plan.urgency(r)) for r in plan.idle_running()]
+    threshold = plan.policy.admission_threshold
+    room = step_room(plan)
+    may_chunk = plan.may_chunk(request)
+    swapped = request.status == RequestStatus.SWAPPED
     num_seqs = room.num_running
     budget = room.budget
     free_blocks = kv.pool.num_free_blocks
-    need_tokens = 0 if swapped else request.num_uncomputed_tokens - num_hit_tokens
+    need_tokens = 0 if swapped else request.num_uncomputed_tokens - hit.num_tokens
     victims: list[Request] = []
     while True:
         victim = policy.choose_admission_victim(candidate_urgency, running, threshold,
@@ -153,7 +282,7 @@ def plan_admission_victims(kv: KVCacheManager, request: Request, swapped: bool,
         running = [(r, u) for r, u in running if r is not victim]
         victims.append(victim)
         num_seqs -= 1
-        budget += scheduled_tokens.get(victim.request_id, 0)
+        budget += plan.num_new.get(victim.request_id, 0)
         free_blocks += kv.num_held_blocks(victim.request_id)
         if num_seqs >= room.max_num_seqs or budget == 0:
             continue
@@ -168,5 +297,5 @@ def plan_admission_victims(kv: KVCacheManager, request: Request, swapped: bool,
             tokens = budget
         if kv.eviction is not None:
             tokens = min(tokens, kv.eviction.max_step_tokens)
-        if kv.num_new_blocks_needed(request, num_hit_tokens, tokens) <= free_blocks:
+        if kv.num_new_blocks_needed(request, hit.num_tokens, tokens) <= free_blocks:
             return victims

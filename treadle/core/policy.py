@@ -1,12 +1,12 @@
-"""Scheduling policy as pure functions of request and cache state.
+"""The pure functions of scheduling policy that every policy shares.
 
 Each function looks at requests and numbers and returns a choice; none of them changes
-state (the scheduler keeps the clock and the fair policy's counters and passes them in).
-Two families: what to do under KV pressure (victim loss, anti-thrash cooldown, recompute
-vs swap, running order) and the out-of-order scheduling policies (fcfs, priority with
-aging, srpt with aging, fair share by virtual token counters, makespan's longest first
-with paced admission, preemption at admission, head-of-line bypass). The scheduler
-calls them; tests call them directly. The formulas are written out in
+state (the scheduler keeps the clock and passes it in). What to do under KV pressure
+(victim loss, anti-thrash cooldown, recompute vs swap, running order), whom to preempt
+for a more urgent waiting request, the head-of-line bypass bound, and the request
+measures several policies use (tenant, remaining outputs). What is one policy's alone
+(its urgency, its defaults) is in its class in `treadle.core.policies`. The scheduler
+calls these; tests call them directly. The formulas are written out in
 docs/scheduling.md.
 """
 
@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Callable, Container, Iterable, Mapping, Sequence
+from typing import Any, Callable, Container, Sequence
 
-from treadle.config import SCHEDULING_POLICIES
 from treadle.request import Request
 
 
@@ -121,44 +120,14 @@ def running_order(running: Sequence[Request],
     return sorted(running, key=lambda r: (not r.is_decoding, key(r)))
 
 
-# ----- out-of-order scheduling: the order of requests and preemption at admission -------
+# ----- what the policies share: tenants, remaining outputs, preemption at admission -----
 
 DEFAULT_TENANT = "default"
 """The tenant of requests that name none."""
 
-_DEFAULT_THRESHOLDS = {"priority": 0.5, "srpt": 256.0, "fair": 256.0}
-"""Urgency gap needed to preempt at admission, per policy, in the policy's own unit.
-Half a level for priority: one level apart, a fresh request still displaces one that has
-aged less than half a level since it arrived."""
-
-
-@dataclass(frozen=True)
-class OrderParams:
-    """What an ordering policy needs besides the requests and the clock: its name and its
-    aging rates. (The fair policy's tenant weights only scale the counters' charges.)"""
-
-    policy: str = "fcfs"
-    priority_aging_rate: float = 0.0
-    """Priority levels gained per second in the engine (priority)."""
-    srpt_aging_rate: float = 0.0
-    """Tokens of remaining work shed per second in the engine (srpt)."""
-
-    def __post_init__(self) -> None:
-        if self.policy not in SCHEDULING_POLICIES:
-            raise ValueError("scheduling policy must be one of "
-                             f"{', '.join(SCHEDULING_POLICIES)}, "
-                             f"got {self.policy!r}")
-
 
 def tenant_of(request: Request) -> str:
     return request.tenant if request.tenant is not None else DEFAULT_TENANT
-
-
-def remaining_work(request: Request) -> int:
-    """Tokens the request still has to go through: the ones not in the KV cache (the rest
-    of its prompt, or everything after a recompute preemption) plus the outputs it has not
-    generated yet, by its length hint when it has one, else by max_tokens."""
-    return request.num_uncomputed_tokens + remaining_outputs(request)
 
 
 def remaining_outputs(request: Request) -> int:
@@ -167,132 +136,6 @@ def remaining_outputs(request: Request) -> int:
     target = (request.length_hint if request.length_hint is not None
               else request.sampling_params.max_tokens)
     return max(0, target - request.num_output_tokens)
-
-
-def paced_rows(remaining: Iterable[int], min_rows: int) -> int:
-    """The makespan policy's cap on running requests: enough that the remaining outputs
-    of every request (`remaining`, one figure each) are spread over as many steps as the
-    longest of them needs, and never fewer than `min_rows`.
-
-    The longest request decodes one token a step however the others are scheduled, so
-    the run lasts at least that many steps; `ceil(sum / max)` rows a step finish the
-    others within them. Running more at once ends the short requests early and leaves the
-    long ones to decode alone, in steps whose time goes to reading the weights for a few
-    rows; running fewer stretches the run past the longest request."""
-    total, longest = 0, 0
-    for n in remaining:
-        total += n
-        longest = max(longest, n)
-    if longest == 0:
-        return max(min_rows, 1)
-    return max(min_rows, -(-total // longest))
-
-
-def priority_urgency(request: Request, now: float, aging_rate: float) -> float:
-    """Effective priority: `priority - aging_rate * seconds_in_engine` (lower runs first).
-
-    The order it gives among waiting requests never changes with time: a request of
-    priority p arriving at a outranks every request of priority q arriving after
-    a + (p - q) / aging_rate. That is the bound on how long aging lets it be passed.
-    """
-    return request.priority - aging_rate * max(0.0, now - request.arrival_time)
-
-
-def bounded_wait_boost(waited: float, priority: int, most_urgent_priority: int,
-                       bound: float, mean_wait: float) -> float:
-    """Levels of priority a waiting request gains so that its wait stays within `bound`
-    times the mean wait: growing linearly with its wait, it reaches one level beyond the
-    most urgent class present exactly when the request has waited bound x mean_wait, from
-    when on it outranks every fresh request (and the ones aged less than it). 0 when the
-    bound is off (bound <= 0) or nothing has waited yet (mean_wait <= 0)."""
-    if bound <= 0 or mean_wait <= 0:
-        return 0.0
-    span = max(0, priority - most_urgent_priority) + 1
-    return span * waited / (bound * mean_wait)
-
-
-def srpt_urgency(request: Request, now: float, aging_rate: float) -> float:
-    """Shortest remaining work first, aged: `remaining_work - aging_rate * seconds_in_engine`.
-
-    A request with W tokens of work outranks every request of w tokens arriving more than
-    (W - w) / aging_rate seconds after it.
-    """
-    return remaining_work(request) - aging_rate * max(0.0, now - request.arrival_time)
-
-
-def urgency(request: Request, now: float, params: OrderParams,
-            tenant_counters: Mapping[str, float] | None = None) -> float:
-    """One number per request, lower is more urgent, in the policy's unit.
-
-    fcfs: arrival time (seconds). priority: effective priority (levels). srpt: effective
-    remaining work (tokens). fair: the tenant's virtual token counter (tokens / weight).
-    makespan: minus the outputs still to generate (tokens; longest first).
-    """
-    if params.policy == "makespan":
-        return -float(remaining_outputs(request))
-    if params.policy == "priority":
-        return priority_urgency(request, now, params.priority_aging_rate)
-    if params.policy == "srpt":
-        return srpt_urgency(request, now, params.srpt_aging_rate)
-    if params.policy == "fair":
-        return (tenant_counters or {}).get(tenant_of(request), 0.0)
-    return request.arrival_time
-
-
-def order_key(request: Request, now: float, params: OrderParams,
-              tenant_counters: Mapping[str, float] | None = None) -> tuple:
-    """Sort key of the policy: urgency, then arrival, then request id (a total order)."""
-    return (urgency(request, now, params, tenant_counters), request.arrival_time,
-            request.request_id)
-
-
-def admission_order(requests: Iterable[Request], now: float, params: OrderParams,
-                    tenant_counters: Mapping[str, float] | None = None) -> list[Request]:
-    """The requests most urgent first, under the policy, as things stand at `now`.
-
-    For `fair` this is the order of the next pick only: each admission charges its
-    tenant's counter, so the scheduler picks again after every admission (`next_fair`).
-    """
-    return sorted(requests, key=lambda r: order_key(r, now, params, tenant_counters))
-
-
-def next_fair(heads: Iterable[Request], tenant_counters: Mapping[str, float]) -> Request:
-    """Of each tenant's oldest request, the one whose tenant has received the least
-    service so far (the smallest virtual counter); ties go to the earliest arrival."""
-    return min(heads, key=lambda r: (tenant_counters.get(tenant_of(r), 0.0),
-                                     r.arrival_time, r.request_id))
-
-
-def vtc_charge(counter: float, num_tokens: int, weight: float) -> float:
-    """A tenant's virtual counter after it was served `num_tokens` (prompt or output):
-    counters grow by tokens over weight, so a tenant of weight 3 is charged a third."""
-    return counter + num_tokens / weight
-
-
-def vtc_lift(counter: float, waiting_counters: Sequence[float],
-             last_left_counter: float | None) -> float:
-    """The counter of a tenant that starts waiting again (the VTC counter lift).
-
-    It is raised to the smallest counter among tenants still waiting, or, with nobody
-    waiting, to the counter of the tenant that left the queue last: a tenant that was
-    away banks no credit to take from the others when it returns.
-    """
-    if waiting_counters:
-        return max(counter, min(waiting_counters))
-    if last_left_counter is not None:
-        return max(counter, last_left_counter)
-    return counter
-
-
-def default_admission_threshold(policy: str) -> float:
-    return _DEFAULT_THRESHOLDS.get(policy, float("inf"))
-
-
-def preempts_at_admission(policy: str) -> bool:
-    """fcfs never preempts for a waiting request: no waiting request is ahead in line of a
-    running one by arrival. Nor does makespan: a running request loses nothing of its
-    remaining length by waiting, so preempting it would only add work."""
-    return policy not in ("fcfs", "makespan")
 
 
 def choose_admission_victim(candidate_urgency: float,

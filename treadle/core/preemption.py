@@ -1,23 +1,26 @@
-"""Preemption under KV pressure: which running request gives up its memory, and how.
+"""Preemption: which running request gives up its KV memory, how, and what that does to the step.
 
-Owns the two decisions the scheduler makes when a running request needs a block and
-none is free: the victim (`choose_memory_victim`: the smallest loss by
-`policy.choose_victim`, with the anti-thrash cooldown) and the mode (`take_kv`: swap out
-or free for recompute, by `policy.choose_preemption_mode` and the measured costs), and
-carries out the KV side of the mode. Where the preempted request goes next (the swapped
-set or the front of the waiting queue) and the step's bookkeeping stay with the
-scheduler.
+Owns what happens when a running request needs a block and none is free (`make_room`):
+the victim (`choose_memory_victim`: the smallest loss by `policy.choose_victim`, with the
+anti-thrash cooldown, a tenant over its share first), the mode (`take_kv`: swap out or
+free for recompute, by `policy.choose_preemption_mode` and the measured costs), and
+carrying it out on the step (`preempt`: the victim's tokens leave the plan, its KV is
+swapped out or freed, and it waits in the swapped set or at the front of the waiting
+queue). Admission preempts its victims through `preempt` too (core/admission.py). Every
+function takes the step's plan (core/step_plan.py) and the request; which requests run
+is not decided here.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
-from typing import Container, Sequence
 
-from treadle.config import SchedulerConfig
 from treadle.core import policy
-from treadle.core.kv_cache_manager import KVCacheManager
-from treadle.request import Request
+from treadle.core.step_plan import StepPlan
+from treadle.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -31,48 +34,88 @@ class TakenKV:
     """(device block, swap block) copies the worker makes before the next forward pass."""
 
 
-class Preemptor:
-    """Chooses memory victims and takes their KV away."""
+def make_room(plan: StepPlan, request: Request, num_tokens: int) -> bool:
+    """Slots for `num_tokens` more of the running request, preempting others while its
+    blocks run short; False when it had to preempt itself (nobody else was left)."""
+    while not plan.kv.allocate_slots(request, num_tokens):
+        victim = choose_memory_victim(plan, request)
+        preempt(plan, victim)
+        plan.memory_victims.append(victim)
+        if victim is request:
+            return False
+    return True
 
-    def __init__(self, kv: KVCacheManager, config: SchedulerConfig,
-                 costs: policy.PreemptionCosts | None) -> None:
-        self.kv = kv
-        self.config = config
-        self.costs = costs
-        self.weights = policy.VictimWeights(config.victim_priority_weight,
-                                            config.victim_wait_weight)
 
-    def choose_memory_victim(self, request: Request, running: Sequence[Request],
-                             admitted: Container[str], now: float, step: int,
-                             over_share: Container[str] = ()) -> Request:
-        """Who is preempted so that `request` gets a block: any other running request,
-        even one already scheduled in this step (its tokens go back to the budget),
-        otherwise the request that happens to come last would always preempt itself; but
-        not one admitted in this step (it came first in the policy's order). `request`
-        itself when there is nobody else. With tenant KV shares, a tenant over its share
-        gives up memory before any other (`over_share`), its own request included."""
-        candidates = [r for r in running
-                      if r is not request and r.request_id not in admitted]
-        if over_share:
-            greedy = [r for r in candidates if policy.tenant_of(r) in over_share]
-            if policy.tenant_of(request) in over_share and not greedy:
-                return request
-            candidates = greedy or candidates
-        if not candidates:
+def choose_memory_victim(plan: StepPlan, request: Request) -> Request:
+    """Who is preempted so that `request` gets a block: any other running request,
+    even one already scheduled in this step (its tokens go back to the budget),
+    otherwise the request that happens to come last would always preempt itself; but
+    not one admitted in this step (it came first in the policy's order). `request`
+    itself when there is nobody else. With tenant KV shares, a tenant over its share
+    gives up memory before any other, its own request included."""
+    candidates = [r for r in plan.idle_running()
+                  if r is not request and r.request_id not in plan.admitted]
+    over_share = plan.over_share()
+    if over_share:
+        greedy = [r for r in candidates if policy.tenant_of(r) in over_share]
+        if policy.tenant_of(request) in over_share and not greedy:
             return request
-        return policy.choose_victim(candidates, now, step, self.weights,
-                                    self.config.preemption_cooldown_steps)
+        candidates = greedy or candidates
+    if not candidates:
+        return request
+    config = plan.config
+    weights = policy.VictimWeights(config.victim_priority_weight, config.victim_wait_weight)
+    return policy.choose_victim(candidates, plan.now, plan.step, weights,
+                                config.preemption_cooldown_steps)
 
-    def take_kv(self, request: Request) -> TakenKV:
-        """Swap the request's KV out or free it for recompute, whichever is cheaper (or
-        as configured); the request's own state is the scheduler's to change."""
-        held_slots = self.kv.num_allocated_slots(request.request_id)
-        mode = policy.choose_preemption_mode(
-            self.config.preemption_mode, request.num_computed_tokens, held_slots,
-            self.kv.can_swap_out(request), self.costs)
-        taken = TakenKV(mode, request.num_computed_tokens)
-        if mode == policy.PreemptionMode.SWAP:
-            taken.swap_plan = self.kv.swap_out(request)
-        else:
-            self.kv.free(request)
-        return taken
+
+def take_kv(plan: StepPlan, request: Request) -> TakenKV:
+    """Swap the request's KV out or free it for recompute, whichever is cheaper (or
+    as configured)."""
+    kv = plan.kv
+    held_slots = kv.num_allocated_slots(request.request_id)
+    mode = policy.choose_preemption_mode(
+        plan.config.preemption_mode, request.num_computed_tokens, held_slots,
+        kv.can_swap_out(request), plan.preemption_costs)
+    taken = TakenKV(mode, request.num_computed_tokens)
+    if mode == policy.PreemptionMode.SWAP:
+        taken.swap_plan = kv.swap_out(request)
+    else:
+        kv.free(request)
+    return taken
+
+
+def preempt(plan: StepPlan, request: Request, reason: str = "for KV memory") -> None:
+    """Take the running request's KV away, by swap or recompute, and park the request:
+    swapped out, or back at the front of the waiting queue with nothing computed."""
+    plan.unschedule(request)
+    plan.running.remove(request)
+    taken = take_kv(plan, request)
+    rid = request.request_id
+    plan.tables_changed.add(rid)
+    request.spec_token_ids = []
+    request.num_preemptions += 1
+    stats = plan.stats
+    stats.num_preemptions += 1
+    if taken.mode == policy.PreemptionMode.SWAP:
+        plan.swap_out.extend(taken.swap_plan)
+        plan.swapped_out.append(rid)
+        request.status = RequestStatus.SWAPPED
+        plan.swapped.append(request)
+        plan.fair_share.queued_in(request)
+        stats.num_preemptions_swap += 1
+        logger.info("preempted request %s %s (mode=swap, %d tokens of KV swapped out)",
+                    rid, reason, taken.num_computed_tokens)
+    else:
+        request.status = RequestStatus.PREEMPTED
+        if plan.spec is not None:
+            plan.spec.draft_lost(rid)
+        request.num_computed_tokens = 0
+        request.num_evicted_tokens = 0
+        plan.compactions.pop(rid, None)  # its KV is gone anyway
+        plan.fair_share.queued_in(request)
+        plan.waiting.push_front(request)
+        stats.num_preemptions_recompute += 1
+        logger.info("preempted request %s %s (mode=recompute, %d computed tokens to "
+                    "recompute)", rid, reason, taken.num_computed_tokens)
+    plan.preempted.append(request)

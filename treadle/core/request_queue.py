@@ -2,11 +2,12 @@
 
 `FCFSQueue` keeps arrival order, and preempted requests go back to its front so they
 resume before new admissions. `PolicyQueue` holds its requests unordered and hands them
-out sorted by a key the scheduler passes in (the policy's urgency, from
-`treadle.core.policy`), because that order depends on the clock and, for the fair policy,
+out sorted by a key the scheduler passes in (the policy's order key, from
+`treadle.core.policies`), because that order depends on the clock and, for the fair policy,
 on counters that change every step. Both offer the same small protocol: push_back,
-push_front, remove, `in_order(key)`, len and iteration. Queues hold requests; they never
-decide policy themselves or touch KV memory.
+push_front, remove, `in_order(key)`, len and iteration; each policy says which it uses
+(`SchedulingPolicy.make_queue`). Queues hold requests; they never decide policy
+themselves or touch KV memory.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class FCFSQueue:
 class PolicyQueue:
     """Requests offered in the order of a key given at each look (most urgent first).
 
-    Insertion order breaks no ties: the key must be a total order (policy.order_key is).
+    Insertion order breaks no ties: the key must be a total order (a policy's order_key is).
     push_front is push_back: where a preempted request stands is the key's business.
     """
 
@@ -85,7 +86,3 @@ class PolicyQueue:
     def __iter__(self) -> Iterator[Request]:
         return iter(list(self._requests.values()))
 
-
-def make_queue(policy: str) -> FCFSQueue | PolicyQueue:
-    """The waiting queue a scheduling policy uses."""
-    return FCFSQueue() if policy == "fcfs" else PolicyQueue()

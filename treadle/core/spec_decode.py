@@ -1,6 +1,8 @@
-"""Speculative-decoding policy: how many proposed tokens each request runs in a step.
+"""Speculative decoding's numbers: step costs, acceptance, and how many proposed tokens
+maximize tokens per second.
 
-Owns the pure decisions and the bookkeeping behind them, never tensors or the model:
+Owns the pure decisions and the numbers behind them, never tensors, the model or a
+request's state (the scheduler's controller, core/spec_controller.py, asks them):
 
 - `SpecCosts`: the measured step-cost model the worker reports at start-up
   (worker/spec/cost_probe.py): the seconds of a target step as a function of its rows and
@@ -17,10 +19,7 @@ Owns the pure decisions and the bookkeeping behind them, never tensors or the mo
 - `plan_proposals`: the number of proposed tokens per request that maximizes expected
   tokens per second of the whole step, given each request's acceptance rate and the cost
   model (docs/speculative.md derives it).
-- `SpecDecodeController`: what the scheduler asks (proposals to run now, tokens the
-  proposer should prepare for the next step), the per-request estimates, what each
-  request's draft has caught up on, and the counters that metrics, traces and
-  benchmarks read.
+- `SpecDecodeStats`: the counters that metrics, traces and benchmarks read.
 
 Acceptance model: a proposal's tokens are accepted one after another, each with the
 request's rate a, until the first rejection, so k proposals give 1 + a + ... + a^k
@@ -266,128 +265,3 @@ class ProposalCandidate:
     """Its tokens once this step's are in (what a draft must have caught up on)."""
     remaining: int
     """Output tokens it may still make after this step."""
-
-
-class SpecDecodeController:
-    """The scheduler's speculative-decoding state: per-request estimates and counters,
-    and the two questions it answers each step."""
-
-    def __init__(self, max_tokens: int, adaptive: bool, prior: float,
-                 costs: SpecCosts | None, writes_kv_ahead: bool,
-                 deterministic: bool) -> None:
-        """`writes_kv_ahead`: the proposer runs a model (draft, self) whose forward passes
-        cost time and write KV past the computed tokens; `deterministic`: it proposes
-        without sampling (ngram), so a proposal that was not run is still scored against
-        the model's token (an observation for free)."""
-        self.max_tokens = max_tokens
-        self.adaptive = adaptive and costs is not None
-        self.prior = prior
-        self.costs = costs
-        self.writes_kv_ahead = writes_kv_ahead
-        self.deterministic = deterministic
-        self.estimates: dict[str, AcceptanceEstimate] = {}
-        self.pooled = AcceptanceEstimate()
-        """Every request's observations: the prior of each request's estimate."""
-        self._observed_in_step = False
-        self._draft_seen: dict[str, int] = {}
-        """Tokens of each request the draft has caught up on (its last proposal)."""
-        self.stats = SpecDecodeStats()
-        self.last_step = SpecDecodeStats()
-        """The counters of the last verified step alone (for the trace)."""
-
-    def pooled_rate(self) -> float:
-        """The engine's recent acceptance over all requests, `prior` before any."""
-        return self.pooled.rate(self.prior)
-
-    def rate(self, request_id: str) -> float:
-        prior = self.pooled_rate()
-        estimate = self.estimates.get(request_id)
-        return prior if estimate is None else estimate.rate(prior)
-
-    def tokens_to_run(self, candidates: list[SpecCandidate], num_rows: int,
-                      base_tokens: int, max_step_tokens: int) -> dict[str, int]:
-        """How many of their proposed tokens the candidates run this step (the proposals
-        are made: only the target's verification costs)."""
-        if not self.adaptive:
-            return {c.request_id: c.max_tokens for c in candidates}
-        ks = plan_proposals([self.rate(c.request_id) for c in candidates],
-                            [c.max_tokens for c in candidates], num_rows, base_tokens,
-                            self.costs, draft_cost=False, max_step_tokens=max_step_tokens)
-        return {c.request_id: kk for c, kk in zip(candidates, ks)}
-
-    def tokens_to_propose(self, candidates: list[ProposalCandidate], num_rows: int,
-                          base_tokens: int, max_step_tokens: int) -> dict[str, int]:
-        """How many tokens the proposer prepares after this step for each request's next
-        one, for a next step of `num_rows` rows and `base_tokens` tokens without
-        speculation. A proposer without a model always prepares the most (its lookup
-        costs next to nothing; the cut comes when they run); one with a model, what the
-        plan with the draft's own passes counted gives, a draft that must first catch up
-        on a request's tokens paying for that too: the catch-up's seconds spread over
-        the verifications the request's remaining output is expected to take."""
-        if not self.adaptive or not self.writes_kv_ahead:
-            return {c.request_id: self.max_tokens for c in candidates}
-        rates = [self.rate(c.request_id) for c in candidates]
-        first_costs = None
-        per_token = self.costs.catchup_seconds_per_token
-        if per_token > 0.0:
-            first_costs = []
-            for c, rate in zip(candidates, rates):
-                unseen = max(c.num_tokens - self._draft_seen.get(c.request_id, 0), 0)
-                verifications = max(c.remaining / expected_tokens(rate, self.max_tokens), 1.0)
-                first_costs.append(per_token * unseen / verifications)
-        ks = plan_proposals(rates, [self.max_tokens] * len(candidates), num_rows, base_tokens,
-                            self.costs, draft_cost=True, max_step_tokens=max_step_tokens,
-                            first_costs=first_costs)
-        return {c.request_id: kk for c, kk in zip(candidates, ks)}
-
-    def proposing(self, request_id: str, num_tokens: int) -> None:
-        """The proposer drafts for the request after this step: its draft will have
-        caught up on its `num_tokens` tokens."""
-        self._draft_seen[request_id] = num_tokens
-
-    def draft_lost(self, request_id: str) -> None:
-        """The request's KV is gone (preempted by recompute): so is its draft's."""
-        self._draft_seen.pop(request_id, None)
-
-    def begin_step(self) -> None:
-        if not self._observed_in_step:
-            self.pooled.idle(POOL_IDLE_FORGET)
-        self._observed_in_step = False
-        self.last_step = SpecDecodeStats()
-
-    def observe(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
-        """A verification: `num_proposed` tokens ran, the first `num_accepted` were kept."""
-        if num_proposed <= 0:
-            return
-        self._learn(request_id, num_proposed, num_accepted)
-        for stats in (self.stats, self.last_step):
-            stats.num_drafts += 1
-            stats.num_draft_tokens += num_proposed
-            stats.num_accepted_tokens += num_accepted
-            per_position = stats.accepted_per_position
-            if len(per_position) < num_proposed:
-                per_position.extend([0] * (num_proposed - len(per_position)))
-            for j in range(num_accepted):
-                per_position[j] += 1
-
-    def observe_unrun(self, request_id: str, proposed_token: int, model_token: int) -> None:
-        """A deterministic proposal that was not run, scored against the token the model
-        chose (exactly what verification would have accepted, see worker/spec/rejection.py);
-        counts for the estimate, not in the counters."""
-        self._learn(request_id, 1, int(proposed_token == model_token))
-
-    def _learn(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
-        """One observation, for the request's estimate and the engine's."""
-        self.estimates.setdefault(request_id, AcceptanceEstimate()).observe(
-            num_proposed, num_accepted)
-        self.pooled.observe(num_proposed, num_accepted, POOL_FORGET)
-        self._observed_in_step = True
-
-    def idle(self, request_id: str) -> None:
-        estimate = self.estimates.get(request_id)
-        if estimate is not None:
-            estimate.idle()
-
-    def forget(self, request_id: str) -> None:
-        self.estimates.pop(request_id, None)
-        self._draft_seen.pop(request_id, None)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from treadle.config import SCHEDULING_POLICIES
+from treadle.config import DEFAULT_SCHEDULING_POLICY, SCHEDULING_POLICIES
 from treadle.router.routers import ROUTINGS
 
 
@@ -162,7 +162,7 @@ class SizingConfig:
     slo_priority: int | None = field(default=None, metadata=_help(
         "Judge the SLO on requests of at most this priority only (all requests when not "
         "given)"))
-    search_policies: str = field(default="fcfs", metadata=_help(
+    search_policies: str = field(default=DEFAULT_SCHEDULING_POLICY, metadata=_help(
         "Scheduling policies to try, comma-separated (e.g. fcfs,priority)"))
     search_tp: str = field(default="1", metadata=_help(
         "Tensor-parallel degrees to try, comma-separated (e.g. 1,2)"))

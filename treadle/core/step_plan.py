@@ -1,0 +1,246 @@
+"""One step being planned: its budgets, what it has scheduled, admitted and preempted so far.
+
+Owns everything of a step that lives only while the step is planned: the token budget
+left, the request slots admissions may fill (a policy may pace them), the tokens
+scheduled per request (proposed ones included), the requests admitted and preempted,
+the swap copies, the H2O compactions, the block tables that changed, the KV headroom
+admissions must leave, and the `finish_prompts_first` marks. `Scheduler.schedule()`
+makes a new plan each step and drops it once the step message is built
+(core/step_message.py), so nothing of one step outlives it.
+
+The plan also holds the scheduler's state the step works on (its queues, KV manager,
+policy, fair-share ledger, speculation controller, statistics), so that admission
+(core/admission.py) and preemption (core/preemption.py) take the plan and a request
+instead of long parameter lists. Its own methods keep the step's accounts: tokens in
+and out of the budget, whether a prefill waits for the next step, the proposed tokens a
+decode runs, a compaction, the proposals after the step (with the slots a draft writes
+ahead). It never chooses which request runs or which is preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from treadle.config import SchedulerConfig
+from treadle.core import policy
+from treadle.core.fair_share import FairShareLedger, tenant_share_blocks
+from treadle.core.kv_cache_manager import KVCacheManager
+from treadle.core.outputs import KVCompaction
+from treadle.core.policies import SchedulingPolicy
+from treadle.core.request_queue import FCFSQueue, PolicyQueue
+from treadle.core.spec_controller import SpecDecodeController
+from treadle.request import Request
+
+
+class StepPlan:
+    """The step `Scheduler.schedule()` is planning, and the scheduler state it works on."""
+
+    def __init__(self, scheduler, now: float) -> None:
+        """`scheduler`: the Scheduler whose step this is; `now`: the step's clock."""
+        # The scheduler's state, shared (the step changes it in place).
+        self.config: SchedulerConfig = scheduler.config
+        self.kv: KVCacheManager = scheduler.kv
+        self.policy: SchedulingPolicy = scheduler.policy
+        self.fair_share: FairShareLedger = scheduler.fair_share
+        self.spec: SpecDecodeController | None = scheduler.spec
+        self.stats = scheduler.stats
+        self.running: list[Request] = scheduler.running
+        self.swapped: deque[Request] = scheduler.swapped
+        self.waiting: FCFSQueue | PolicyQueue = scheduler.waiting
+        self.protected_until: dict[str, int] = scheduler.protected_until
+        self.chunked_prompts: set[str] = scheduler.chunked_prompts
+        self.preemption_costs: policy.PreemptionCosts | None = scheduler.preemption_costs
+        self.max_loras: int = scheduler.max_loras
+        self.max_model_len: int = scheduler.max_model_len
+        self._in_flight: set[str] = scheduler.in_flight
+        # The step's own.
+        self.now = now
+        self.step = scheduler.stats.num_steps
+        self.budget = self.config.max_num_batched_tokens
+        """Tokens left in the step's budget."""
+        cap = self.policy.max_running(scheduler.requests.values())
+        self.max_running = (self.config.max_num_seqs if cap is None
+                            else min(cap, self.config.max_num_seqs))
+        """Running requests admissions may bring the step to (a policy may pace them)."""
+        self.num_new: dict[str, int] = {}
+        """Tokens scheduled per request (proposed ones included)."""
+        self.spec_tokens: dict[str, list[int]] = {}
+        """Proposed tokens scheduled per request (counted in num_new)."""
+        self.num_verify: dict[str, int] = (
+            {} if self.spec is None
+            else self.spec.plan_verification(self.idle_running(), (self.swapped, self.waiting)))
+        """Proposed tokens each decode may run, as the speculation controller planned."""
+        self.num_proposals: dict[str, int] = {}
+        """Tokens the proposer prepares after the step per request (`plan_proposals`)."""
+        self.num_recomputed = 0
+        """Scheduled tokens whose KV a recompute preemption threw away."""
+        self.kv_reserve: int | None = None
+        """KV headroom for admissions (StepRoom.kv_reserve), made on first use and again
+        after each admission."""
+        self.preempted: list[Request] = []
+        self.memory_victims: list[Request] = []
+        """Those of `preempted` taken for KV memory (not for a more urgent admission)."""
+        self.admitted: set[str] = set()
+        self.swap_out: list[tuple[int, int]] = []
+        self.swap_in: list[tuple[int, int]] = []
+        self.swapped_out: list[str] = []
+        self.compactions: dict[str, KVCompaction] = {}
+        self.tables_changed: set[str] = set()
+        """Requests whose block table changed other than by appending (the step message
+        sends them whole)."""
+        self.finishes_prompt = False
+        """Some request's last prompt tokens are in the step."""
+        self.finishes_chunked_prompt = False
+        """... and they end a prompt split across earlier steps."""
+
+    def idle_running(self) -> list[Request]:
+        """Running requests not in a step in flight: the ones this step may touch."""
+        if not self._in_flight:
+            return self.running
+        return [r for r in self.running if r.request_id not in self._in_flight]
+
+    def urgency(self, request: Request) -> float:
+        return self.policy.urgency(request, self.now)
+
+    # ----- the budget ---------------------------------------------------------------------
+
+    def schedule_tokens(self, request: Request, num_tokens: int,
+                        spec: list[int] | None = None) -> None:
+        """`num_tokens` of the request run in the step (`spec`: its proposed ones among them)."""
+        rid = request.request_id
+        if num_tokens < request.num_uncomputed_tokens:
+            self.chunked_prompts.add(rid)
+        elif not request.is_decoding:
+            self.finishes_prompt = True  # its first (or first resumed) token comes out
+            if rid in self.chunked_prompts:
+                self.finishes_chunked_prompt = True
+                self.chunked_prompts.discard(rid)
+        self.num_new[rid] = num_tokens
+        self.num_recomputed += max(0, min(num_tokens, request.max_num_computed_tokens
+                                          - request.num_computed_tokens))
+        if spec:
+            self.spec_tokens[rid] = spec
+        self.budget -= num_tokens
+        self.fair_share.charge(request, num_tokens)
+
+    def unschedule(self, request: Request) -> None:
+        """The request's tokens leave the step (it waits, or it is preempted)."""
+        num_tokens = self.num_new.get(request.request_id, 0)
+        self.num_recomputed -= max(0, min(num_tokens, request.max_num_computed_tokens
+                                          - request.num_computed_tokens))
+        self.num_new.pop(request.request_id, None)
+        self.spec_tokens.pop(request.request_id, None)
+        if num_tokens:
+            self.budget += num_tokens
+            self.fair_share.charge(request, -num_tokens)
+
+    def holds_back(self, request: Request, partial: bool) -> bool:
+        """`finish_prompts_first`: whether prefill tokens of `request` (`partial`: not
+        the rest of its prompt) wait for the next step because of what the step already
+        finishes. On a compute-bound CPU a step's length is proportional to its tokens,
+        and a prompt's first token comes out at the end of the step with its last chunk.
+
+        - After any finishing prompt, a partial chunk waits: it would delay that first
+          token by its share of the step, and its own prompt cannot finish now anyway;
+          next step it gets the budget first. Whole prompts still share the step.
+        - After the last chunk of a prompt split across earlier steps, every prefill
+          waits: that request has already waited several steps (the likeliest tail of
+          TTFT), and its last chunk is often a small remainder that another prompt
+          would outweigh. The other prompt loses one step's fixed cost.
+        Decodes are never held back."""
+        if not self.config.finish_prompts_first or request.is_decoding:
+            return False
+        return self.finishes_chunked_prompt or (self.finishes_prompt and partial)
+
+    def may_chunk(self, request: Request) -> bool:
+        """Whether this request's uncomputed tokens may be split across steps.
+
+        `enable_chunked_prefill=False` keeps prompts whole; a request recomputing its
+        prompt plus generated tokens after a preemption is always chunked, or one whose
+        total outgrew the token budget could never resume.
+        """
+        return (self.config.enable_chunked_prefill or request.num_output_tokens > 0
+                or self.kv.eviction is not None)  # its steps are capped (kv_eviction.py)
+
+    # ----- speculation and eviction ----------------------------------------------------------
+
+    def spec_tokens_for(self, request: Request) -> list[int]:
+        """The proposed tokens a decoding request runs this step: as many as the
+        speculation plan gives it (all, without a controller), that the budget leaves
+        beside its own token, that stay inside the context, and that could still become
+        output (at most max_tokens - 1 more: one token is always the model's)."""
+        if not request.spec_token_ids or not request.is_decoding:
+            return []
+        room = min(self.budget - 1, self.max_model_len - request.num_tokens,
+                   request.sampling_params.max_tokens - request.num_output_tokens - 1)
+        if self.spec is not None:
+            room = self.spec.num_to_verify(request, room, self.num_verify)
+        return request.spec_token_ids[:max(room, 0)]
+
+    def plan_proposals(self) -> None:
+        """Tokens to propose after this step per sampled request (the speculation
+        controller's `proposals_wanted`). With a proposer that writes KV ahead, each
+        request gets slots past this step's tokens for them, only from free blocks and
+        never by preempting anyone, or proposes nothing."""
+        spec = self.spec
+        if spec is None:
+            return
+        for request, k in spec.proposals_wanted(self.running, self.num_new,
+                                                (self.swapped, self.waiting)):
+            rid = request.request_id
+            if spec.writes_kv_ahead and not self.kv.allocate_slots(request,
+                                                                    self.num_new[rid] + k):
+                continue
+            self.num_proposals[rid] = k
+            spec.proposing(rid, request.num_tokens + 1)
+
+    def compact(self, request: Request, num_tokens: int) -> None:
+        """H2O: compact the request first if `num_tokens` more would pass its budget."""
+        eviction = self.kv.eviction
+        num_kept = eviction.num_to_keep(request.num_kv_tokens, num_tokens)
+        if num_kept is None:
+            return
+        num_before = request.num_kv_tokens
+        compaction = self.kv.compact(request, num_kept, eviction.recent_tokens)
+        if compaction is None:
+            return  # a shared block could not be copied: it runs over budget this step
+        self.compactions[request.request_id] = compaction
+        self.tables_changed.add(request.request_id)
+        self.stats.num_kv_compactions += 1
+        self.stats.num_evicted_tokens += num_before - num_kept
+
+    # ----- tenant KV shares -------------------------------------------------------------------
+
+    def tenant_room(self, request: Request) -> int | None:
+        """Blocks the request's tenant may still take, or None when no other tenant
+        wants memory (its share is lent: it may take everything)."""
+        tenant = policy.tenant_of(request)
+        active = self._active_tenants() | {tenant}
+        if len(active) < 2:
+            return None
+        weight = self.fair_share.weight
+        share = tenant_share_blocks(self.kv.num_blocks, weight(tenant),
+                                    sum(weight(t) for t in active))
+        return share - self._tenant_blocks().get(tenant, 0)
+
+    def over_share(self) -> set[str]:
+        """Tenants holding more than their share of the blocks while others compete."""
+        active = self._active_tenants()
+        if not self.config.tenant_kv_share or len(active) < 2:
+            return set()
+        weight = self.fair_share.weight
+        total = sum(weight(t) for t in active)
+        return {t for t, held in self._tenant_blocks().items()
+                if held > tenant_share_blocks(self.kv.num_blocks, weight(t), total)}
+
+    def _tenant_blocks(self) -> dict[str, int]:
+        held: dict[str, int] = {}
+        for r in self.running:
+            tenant = policy.tenant_of(r)
+            held[tenant] = held.get(tenant, 0) + self.kv.num_held_blocks(r.request_id)
+        return held
+
+    def _active_tenants(self) -> set[str]:
+        active = {policy.tenant_of(r) for r in self.running}
+        return active | set(self.fair_share.num_queued)
+
