@@ -106,7 +106,7 @@ def test_greedy_tokens_match_transformers(gemma3, options):
 def test_sliding_blocks_are_freed_mid_request(gemma3, monkeypatch):
     """With a sliding pool smaller than the prompts need, the sliding layers' blocks leave
     as the window moves on, and the tokens still equal transformers'."""
-    from treadle.core.kv_sliding import SlidingWindowGroup
+    from treadle.core.kv.sliding import SlidingWindowGroup
 
     model_dir, reference = gemma3
     held = []

@@ -13,8 +13,8 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from treadle.config import CacheConfig, SchedulerConfig
-from treadle.core.block_pool import BlockPool
-from treadle.core.kv_cache_manager import KVCacheManager
+from treadle.core.kv.block_pool import BlockPool
+from treadle.core.kv.manager import KVCacheManager
 from treadle.core.outputs import ModelRunnerOutput
 from treadle.core.policy import PreemptionCosts
 from treadle.core.scheduler import Scheduler

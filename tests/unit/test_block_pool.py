@@ -7,8 +7,8 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from treadle.core.block_pool import BlockPool
-from treadle.core.kv_cache_manager import KVCacheManager
+from treadle.core.kv.block_pool import BlockPool
+from treadle.core.kv.manager import KVCacheManager
 from treadle.request import Request
 from treadle.sampling_params import SamplingParams
 

@@ -9,8 +9,8 @@ from hypothesis import given, settings, strategies as st
 from test_scheduler import NO_LOOKAHEAD, fake_runner, make_request, run_to_completion
 
 from treadle.config import CacheConfig, SchedulerConfig
-from treadle.core.kv_cache_manager import KVCacheManager
-from treadle.core.kv_eviction import EvictionBudget
+from treadle.core.kv.manager import KVCacheManager
+from treadle.core.kv.eviction import EvictionBudget
 from treadle.core.scheduler import Scheduler
 
 

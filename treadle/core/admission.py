@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Callable, Container, Mapping, Sequence
 
 from treadle.core import policy
-from treadle.core.block_pool import KVBlock
-from treadle.core.kv_cache_manager import KVCacheManager
+from treadle.core.kv.block_pool import KVBlock
+from treadle.core.kv.manager import KVCacheManager
 from treadle.request import Request
 
 

@@ -16,7 +16,7 @@ from typing import Container, Sequence
 
 from treadle.config import SchedulerConfig
 from treadle.core import policy
-from treadle.core.kv_cache_manager import KVCacheManager
+from treadle.core.kv.manager import KVCacheManager
 from treadle.request import Request
 
 

@@ -61,9 +61,9 @@ from treadle.core import policy
 from treadle.core.admission import (Admission, StepRoom, fit, kv_growth,
                                     plan_admission_victims, tenant_share_blocks)
 from treadle.core.fair_share import FairShareLedger
-from treadle.core.kv_cache_manager import KVCacheManager
-from treadle.core.kv_eviction import EvictionBudget
-from treadle.core.kv_sliding import LayerGroups, SlidingWindowGroup
+from treadle.core.kv.manager import KVCacheManager
+from treadle.core.kv.eviction import EvictionBudget
+from treadle.core.kv.sliding import LayerGroups, SlidingWindowGroup
 from treadle.core.outputs import (EngineCoreOutput, KVCompaction, ModelRunnerOutput,
                                   NewRequestData, ScheduledRequest, SchedulerOutput)
 from treadle.core.preemption import Preemptor

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from treadle.core.kv_cache_manager import _root_hash, hash_block
+from treadle.core.kv.hashing import hash_block, root_hash
 
 
 @dataclass
@@ -44,7 +44,7 @@ class KVPayload:
 def prompt_hashes(prompt_token_ids: list[int], block_size: int, cache_salt: str | None,
                   lora_int_id: int | None) -> list[bytes]:
     """The prefix-cache hashes of the prompt's full blocks (KVCacheManager's chain)."""
-    parent = _root_hash(cache_salt, lora_int_id)
+    parent = root_hash(cache_salt, lora_int_id)
     hashes = []
     for i in range(len(prompt_token_ids) // block_size):
         parent = hash_block(parent, prompt_token_ids[i * block_size:(i + 1) * block_size])

@@ -20,8 +20,8 @@ from collections import deque
 from pathlib import Path
 
 from treadle.config import EngineConfig
-from treadle.core.kv_eviction import EvictionBudget
-from treadle.core.kv_sliding import layer_groups
+from treadle.core.kv.eviction import EvictionBudget
+from treadle.core.kv.sliding import layer_groups
 from treadle.core.outputs import EngineCoreOutput, StepTimings, WorkerInfo
 from treadle.core.scheduler import Scheduler
 from treadle.engine.lora_registry import LoRARegistry

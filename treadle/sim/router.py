@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from treadle.core.kv_cache_manager import _root_hash, hash_block
+from treadle.core.kv.hashing import hash_block, root_hash
 
 
 class RoutedRequest:
@@ -37,7 +37,7 @@ class RoutedRequest:
         hashes = self._hashes.get(block_size)
         if hashes is None:
             tokens = self.prompt_token_ids
-            parent = _root_hash(self.cache_salt)
+            parent = root_hash(self.cache_salt)
             hashes = []
             for i in range((len(tokens) - 1) // block_size):
                 parent = hash_block(parent, tokens[i * block_size:(i + 1) * block_size])

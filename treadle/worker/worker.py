@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from treadle.config import EngineConfig
-from treadle.core.kv_sliding import layer_groups
+from treadle.core.kv.sliding import layer_groups
 from treadle.worker.h2o import HeavyHitterTracker
 from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 from treadle.core.policy import PreemptionCosts

@@ -23,37 +23,14 @@ block when another request shares it), so nobody finds a block whose contents ch
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from dataclasses import dataclass
 
-from treadle.core.block_pool import BlockPool, KVBlock
-from treadle.core.kv_eviction import EvictionBudget
-from treadle.core.kv_sliding import SlidingWindowGroup
+from treadle.core.kv.block_pool import BlockPool, KVBlock
+from treadle.core.kv.hashing import hash_block, root_hash
+from treadle.core.kv.eviction import EvictionBudget
+from treadle.core.kv.sliding import SlidingWindowGroup
 from treadle.core.outputs import KVCompaction
 from treadle.request import Request
-
-_HASH_BYTES = 16
-
-
-def _root_hash(cache_salt: str | None, lora_int_id: int | None = None) -> bytes:
-    salt = b"" if cache_salt is None else cache_salt.encode("utf-8")
-    if lora_int_id is None:
-        head = b"treadle-prefix-v1\x00"
-    else:  # an id always means one adapter in an engine (treadle/lora.py)
-        head = b"treadle-prefix-lora-v1\x00" + lora_int_id.to_bytes(8, "little")
-    return hashlib.blake2b(head + salt, digest_size=_HASH_BYTES).digest()
-
-
-def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
-    """Chained hash of one full block of token ids."""
-    encoded = array("q", token_ids)
-    if encoded.itemsize != 8:  # pragma: no cover - every supported platform has 8-byte q
-        raise RuntimeError("array('q') is not 64-bit on this platform")
-    if array("H", [1]).tobytes() != b"\x01\x00":  # big-endian host: normalise
-        encoded.byteswap()
-    return hashlib.blake2b(parent_hash + encoded.tobytes(), digest_size=_HASH_BYTES).digest()
-
 
 @dataclass
 class PrefixCacheStats:
@@ -127,7 +104,7 @@ class KVCacheManager:
         hashes = self._hashes.setdefault(request.request_id, [])
         tokens = request.all_token_ids
         size = self.block_size
-        parent = hashes[-1] if hashes else _root_hash(request.cache_salt, request.lora_int_id)
+        parent = hashes[-1] if hashes else root_hash(request.cache_salt, request.lora_int_id)
         for i in range(len(hashes), num_full_blocks):
             parent = hash_block(parent, tokens[i * size:(i + 1) * size])
             hashes.append(parent)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from treadle.core.block_pool import BlockPool, KVBlock
+from treadle.core.kv.block_pool import BlockPool, KVBlock
 
 PLACEHOLDER_BLOCK = 0
 """The id written in a table entry whose block was freed or never held (never read)."""
