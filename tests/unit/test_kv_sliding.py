@@ -9,7 +9,8 @@ import random
 import pytest
 
 from treadle.core.kv.manager import KVCacheManager
-from treadle.core.kv.sliding import SlidingWindowGroup, layer_groups
+from treadle.core.kv.config import layer_groups
+from treadle.core.kv.sliding import SlidingWindowGroup
 from treadle.request import Request
 from treadle.sampling_params import SamplingParams
 

@@ -63,7 +63,8 @@ from treadle.core.admission import (Admission, StepRoom, fit, kv_growth,
 from treadle.core.fair_share import FairShareLedger
 from treadle.core.kv.manager import KVCacheManager
 from treadle.core.kv.eviction import EvictionBudget
-from treadle.core.kv.sliding import LayerGroups, SlidingWindowGroup
+from treadle.core.kv.config import LayerGroups
+from treadle.core.kv.sliding import SlidingWindowGroup
 from treadle.core.outputs import (EngineCoreOutput, KVCompaction, ModelRunnerOutput,
                                   NewRequestData, ScheduledRequest, SchedulerOutput)
 from treadle.core.preemption import Preemptor

@@ -23,6 +23,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
+from treadle.compat import check_disaggregation
 from treadle.core.outputs import EngineCoreOutput
 from treadle.distributed import kv_transfer
 from treadle.distributed.kv_transfer import KVPayload
@@ -34,15 +35,13 @@ class PDEngine(AsyncEngine):
     """An AsyncEngine that can hold prompt KV (prefill role) and land it (decode role)."""
 
     def __init__(self, config, served_model_name=None, max_held: int = 16) -> None:
-        if config.cache.kv_eviction != "none":
-            raise ValueError("P/D disaggregation does not support kv_eviction h2o (the "
-                             "decode engine would receive KV without its attention scores)")
+        check_disaggregation(config)
         super().__init__(config, served_model_name)
-        if self.core.scheduler.kv.sliding is not None:
+        try:  # now that the model's KV specs are known (a sliding-window group?)
+            check_disaggregation(config, self.core.kv_config.specs)
+        except ValueError:
             self.shutdown()
-            raise ValueError("P/D disaggregation does not move a sliding-window layer "
-                             "group's KV (Gemma 3, Mistral's sliding_window): serve such a "
-                             "model with --replicas instead")
+            raise
         self._hold_wanted: dict[str, tuple[str | None, int | None]] = {}
         self.held: dict[str, KVPayload] = {}
         self._held_slots = threading.BoundedSemaphore(max_held)

@@ -20,8 +20,8 @@ from collections import deque
 from pathlib import Path
 
 from treadle.config import EngineConfig
+from treadle.core.kv.config import kv_cache_config
 from treadle.core.kv.eviction import EvictionBudget
-from treadle.core.kv.sliding import layer_groups
 from treadle.core.outputs import EngineCoreOutput, StepTimings, WorkerInfo
 from treadle.core.scheduler import Scheduler
 from treadle.engine.lora_registry import LoRARegistry
@@ -94,7 +94,8 @@ class EngineCore:
         """Submitted steps not answered yet: (SchedulerOutput, step number, start time)."""
 
     def _size_cache(self, info: WorkerInfo) -> None:
-        """Decide the block counts from the workers' report and allocate them."""
+        """Decide the KV config from the workers' report, once (core/kv/config.py: the
+        layer groups, their blocks, the swap blocks), and hand it to every worker."""
         cache = self.config.cache
         num_blocks = cache.num_kv_blocks or info.num_kv_blocks
         if num_blocks < 1:
@@ -102,8 +103,7 @@ class EngineCore:
                 f"kv_cache_memory={cache.kv_cache_memory} bytes holds no block: one block of "
                 f"{cache.block_size} tokens needs {info.kv_bytes_per_token * cache.block_size}"
                 " bytes")
-        num_swap_blocks = info.num_swap_blocks
-        if self.config.scheduler.preemption_mode == "swap" and not num_swap_blocks:
+        if self.config.scheduler.preemption_mode == "swap" and not info.num_swap_blocks:
             logger.warning("preemption_mode=swap with swap_space=%d bytes holds no block: "
                            "preemption falls back to recompute", cache.swap_space)
         logger.info("model %s: %s, %s", info.model_dir, info.dtype, info.kernels)
@@ -111,29 +111,19 @@ class EngineCore:
                     "%.2f GiB)", num_blocks, cache.block_size, num_blocks * cache.block_size,
                     f"kv_cache_dtype {cache.kv_cache_dtype}", info.kv_bytes_per_token,
                     num_blocks * cache.block_size * info.kv_bytes_per_token / 1024**3)
-        self.layer_groups = self._layer_groups(info, num_blocks)
-        if self.layer_groups is not None:
-            num_swap_blocks = 0  # such requests are preempted by recompute (kv_sliding.py)
-        self.executor.initialize_cache(num_blocks, num_swap_blocks)
-        if self.layer_groups is not None:
-            num_blocks = self.layer_groups.num_full_blocks  # the context capacity
-        self.num_kv_blocks, self.num_swap_blocks = num_blocks, num_swap_blocks
+        self.kv_config = kv_config = kv_cache_config(
+            self.config, info.layer_windows, info.max_model_len, num_blocks,
+            info.num_swap_blocks)
+        """The KV cache's layer groups and block counts, as every worker got them."""
+        if len(kv_config.groups) > 1:
+            logger.info("KV layer groups: %s: %d tokens of context (%d without the window's "
+                        "saving)", kv_config.describe(), kv_config.num_blocks * cache.block_size,
+                        num_blocks * cache.block_size)
+        self.executor.initialize_cache(kv_config)
+        self.layer_groups = kv_config.layer_groups
+        self.num_kv_blocks = kv_config.num_blocks  # the context capacity
+        self.num_swap_blocks = kv_config.num_swap_blocks
         self.kv_bytes_per_token = info.kv_bytes_per_token
-
-    def _layer_groups(self, info: WorkerInfo, num_blocks: int):
-        """The sliding-window layers' share of the KV memory (core/kv_sliding.py), logged;
-        None when no layer slides."""
-        sched, block_size = self.config.scheduler, self.config.cache.block_size
-        groups = layer_groups(info.layer_windows, num_blocks, block_size, sched.max_num_seqs,
-                              sched.max_num_batched_tokens, info.max_model_len)
-        if groups is not None:
-            logger.info(
-                "KV layer groups: %d full-attention layers x %d blocks, %d sliding-window "
-                "layers (window %d) x %d blocks: %d tokens of context (%d without the "
-                "window's saving)", groups.num_full_layers, groups.num_full_blocks,
-                groups.num_sliding_layers, groups.window, groups.num_sliding_blocks,
-                groups.num_full_blocks * block_size, num_blocks * block_size)
-        return groups
 
     # ----- requests ------------------------------------------------------------------------
 

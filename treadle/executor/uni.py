@@ -7,6 +7,7 @@ is why the scheduler hands the worker only lists it will not change afterwards.
 from __future__ import annotations
 
 from treadle.config import EngineConfig
+from treadle.core.kv.config import KVCacheConfig
 from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 from treadle.executor.base import Executor, check_rpc_method
 
@@ -21,8 +22,8 @@ class UniExecutor(Executor):
     def load(self) -> WorkerInfo:
         return self.worker.load()
 
-    def initialize_cache(self, num_kv_blocks: int, num_swap_blocks: int) -> None:
-        self.worker.initialize_cache(num_kv_blocks, num_swap_blocks)
+    def initialize_cache(self, kv_config: KVCacheConfig) -> None:
+        self.worker.initialize_cache(kv_config)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)

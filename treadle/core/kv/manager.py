@@ -1,24 +1,15 @@
 """Which blocks each request holds: prefix lookup, slot allocation, freeing, usage.
 
-Owns the block table of every request that holds KV (a list of block ids the worker reads
-as-is) and the chained prefix hashes of requests' full blocks. It never decides *which*
-request gets memory: the scheduler asks, this module answers yes or no.
-
-Prefix hash of full block i: BLAKE2b-128 over (hash of block i-1, the block's token ids
-as little-endian int64). The chain starts from a hash of the request's `cache_salt` and its
-LoRA adapter's id, so requests with different salts (tenants) or different adapters (or
-one with an adapter and one without) never share a block. No torch here.
-
-With a sliding-window layer group (`sliding`, core/kv_sliding.py) every request also has
-a second table, for the sliding layers, whose blocks are freed as they leave the window;
-allocation succeeds only when both groups have room, and prefix hits are shortened to
-what the sliding group still holds.
-
-With heavy-hitter eviction (`eviction`, core/kv_eviction.py) a table holds a request's
-kept tokens only (`Request.num_kv_tokens`); `compact` moves them to its front and frees
-the rest. A block is registered in the prefix cache only while its request has evicted
-nothing, and a block a compaction rewrites is first taken out of it (copied to a fresh
-block when another request shares it), so nobody finds a block whose contents changed.
+The KV cache manager the scheduler uses. It composes one small manager per layer group
+(core/kv/interface.py: full attention, sliding window, H2O eviction; which class serves
+which spec is `SPEC_MANAGERS`), each with its own block pool, and speaks for all of
+them: a prefix hit is the longest every group can serve, an allocation succeeds only
+when every group has room, a request is freed, trimmed and cached in every group. The
+first group (`primary`) spans a request's whole context: its table is the request's KV
+capacity, its pool the one the scheduler counts, and it alone swaps and compacts. The
+composite holds each request's chained prefix hashes (core/kv/hashing.py) and the
+prefix-cache counters. It never decides *which* request gets memory: the scheduler asks,
+this module answers yes or no. No torch here.
 """
 
 from __future__ import annotations
@@ -26,11 +17,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from treadle.core.kv.block_pool import BlockPool, KVBlock
-from treadle.core.kv.hashing import hash_block, root_hash
+from treadle.core.kv.config import KVCacheConfig
 from treadle.core.kv.eviction import EvictionBudget
-from treadle.core.kv.sliding import SlidingWindowGroup
+from treadle.core.kv.full import FullAttentionManager
+from treadle.core.kv.h2o import H2OManager
+from treadle.core.kv.hashing import hash_block, root_hash
+from treadle.core.kv.interface import SpecManager
+from treadle.core.kv.sliding import SlidingWindowManager
+from treadle.core.kv.specs import FullAttentionSpec, H2OSpec, KVSpec, SlidingWindowSpec
 from treadle.core.outputs import KVCompaction
 from treadle.request import Request
+
+SPEC_MANAGERS: dict[type[KVSpec], type[SpecManager]] = {
+    FullAttentionSpec: FullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
+    H2OSpec: H2OManager,
+}
+"""Which manager serves each spec: a new spec is one class, its manager and a line here."""
+
 
 @dataclass
 class PrefixCacheStats:
@@ -42,31 +46,56 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    """Block tables of the requests that hold KV, on top of a BlockPool."""
+    """Block tables of the requests that hold KV, over one manager per layer group."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 num_swap_blocks: int = 0, sliding: SlidingWindowGroup | None = None,
+                 num_swap_blocks: int = 0, sliding: SlidingWindowManager | None = None,
                  eviction: EvictionBudget | None = None, contiguous: bool = True) -> None:
-        """`contiguous`: each request's blocks come from a run of consecutive ones set
+        """The request-level group of `num_blocks` blocks (under `eviction`'s budget when
+        given), with `sliding`'s group beside it when the model has one (the
+        scheduler's form; `from_config` builds the same from a KVCacheConfig).
+        `contiguous`: each request's blocks come from a run of consecutive ones set
         aside for its prompt and max_tokens where never-used blocks allow (BlockPool's
         extents; only the ids differ, never what is cached, evicted or counted free)."""
-        if sliding is not None and eviction is not None:
-            raise ValueError("kv_eviction h2o does not support models with sliding-window "
-                             "layers")
-        self.block_size = block_size
-        self.eviction = eviction
-        """The H2O budget of every request, or None (no eviction)."""
-        self.sliding = sliding
-        """The sliding-window layers' group, or None (every layer sees the whole context)."""
+        spec = (FullAttentionSpec(block_size) if eviction is None
+                else H2OSpec(block_size, budget=eviction))
+        primary = SPEC_MANAGERS[type(spec)](spec, num_blocks, contiguous, num_swap_blocks)
+        self._compose(primary, () if sliding is None else (sliding,), enable_prefix_caching)
+
+    @classmethod
+    def from_config(cls, kv_config: KVCacheConfig, enable_prefix_caching: bool,
+                    contiguous: bool = True) -> "KVCacheManager":
+        """The manager of every group of the engine core's KV config."""
+        self = cls.__new__(cls)
+        first, *rest = kv_config.groups
+        primary = SPEC_MANAGERS[type(first.spec)](first.spec, first.num_blocks, contiguous,
+                                                  kv_config.num_swap_blocks)
+        others = tuple(SPEC_MANAGERS[type(g.spec)](g.spec, g.num_blocks) for g in rest)
+        self._compose(primary, others, enable_prefix_caching)
+        return self
+
+    def _compose(self, primary: FullAttentionManager, others: tuple[SpecManager, ...],
+                 enable_prefix_caching: bool) -> None:
+        self.primary = primary
+        """The request-level group (full attention, or H2O)."""
+        self.groups: tuple[SpecManager, ...] = (primary, *others)
+        self._others = others
+        self._skipping = tuple(m for m in self.groups if m.frees_skipped_blocks)
+        """The groups that free blocks as a request moves on (sliding windows)."""
+        self._swappable = all(m.spec.supports_swap for m in self.groups)
+        self.block_size = primary.block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.contiguous = contiguous
-        self.pool = BlockPool(num_blocks)
-        self.swap_pool = BlockPool(num_swap_blocks) if num_swap_blocks > 0 else None
-        self._swapped: dict[str, list[KVBlock]] = {}
-        self._blocks: dict[str, list[KVBlock]] = {}
-        self._block_ids: dict[str, list[int]] = {}
+        self.contiguous = primary.contiguous
+        self.pool: BlockPool = primary.pool
+        """The request-level group's pool (the capacity the scheduler counts)."""
+        self.swap_pool: BlockPool | None = primary.swap_pool
+        self.eviction: EvictionBudget | None = primary.spec.eviction
+        """The H2O budget of every request, or None (no eviction)."""
+        self.sliding: SlidingWindowManager | None = next(
+            (m for m in others if isinstance(m, SlidingWindowManager)), None)
+        """The sliding-window layers' group (its table goes in the step message), or None
+        (every layer sees the whole context)."""
         self._hashes: dict[str, list[bytes]] = {}
-        self._num_cached_blocks: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
 
     @property
@@ -82,13 +111,13 @@ class KVCacheManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table (the live list: it grows as blocks are allocated)."""
-        return self._block_ids[request_id]
+        return self.primary.block_ids(request_id)
 
     def num_held_blocks(self, request_id: str) -> int:
-        return len(self._blocks.get(request_id, ()))
+        return self.primary.num_held_blocks(request_id)
 
     def num_allocated_slots(self, request_id: str) -> int:
-        return self.num_held_blocks(request_id) * self.block_size
+        return self.primary.num_held_blocks(request_id) * self.block_size
 
     def num_new_blocks_needed(self, request: Request, num_hit_tokens: int,
                               num_new_tokens: int) -> int:
@@ -100,7 +129,8 @@ class KVCacheManager:
         return self.num_blocks_for(base + num_new_tokens) - base // self.block_size
 
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
-        """Prefix hashes of the request's first `num_full_blocks` blocks (memoised)."""
+        """Prefix hashes of the request's first `num_full_blocks` blocks (memoised: the
+        list may hold more)."""
         hashes = self._hashes.setdefault(request.request_id, [])
         tokens = request.all_token_ids
         size = self.block_size
@@ -110,58 +140,55 @@ class KVCacheManager:
             hashes.append(parent)
         return hashes
 
+    def _hashes_of(self, request: Request):
+        return lambda num_blocks: self._block_hashes(request, num_blocks)
+
+    # ----- prefix hits and allocation ------------------------------------------------------
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
-        """The longest run of cached blocks matching the request's tokens, and their tokens.
+        """The longest run of cached blocks matching the request's tokens that every group
+        can serve, and their tokens (the request-level group's blocks).
 
         At least one token is always left to compute, so the step that admits the request
         produces its next-token logits.
         """
         if not self.enable_prefix_caching:
             return [], 0
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        if self.eviction is not None:
-            max_hit_blocks = min(max_hit_blocks,
-                                 self.eviction.max_prefix_hit_tokens // self.block_size)
-        hits: list[KVBlock] = []
-        for block_hash in self._block_hashes(request, max_hit_blocks):
-            block = self.pool.lookup(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        if self.sliding is not None and hits:
-            hashes = self._hashes[request.request_id]
-            del hits[self.sliding.usable_hit(hashes, len(hits)):]
+        hashes = self._hashes_of(request)
+        num_hit_blocks = (request.num_tokens - 1) // self.block_size
+        for group in self.groups:  # each may only shorten it
+            num_hit_blocks = group.find_longest_cache_hit(hashes, num_hit_blocks)
+        hits = self.primary.hit_blocks(hashes, num_hit_blocks) if num_hit_blocks else []
         num_hit_tokens = len(hits) * self.block_size
         self.prefix_stats.num_queries += 1
         self.prefix_stats.num_queried_tokens += request.num_tokens
         self.prefix_stats.num_hit_tokens += num_hit_tokens
         return hits, num_hit_tokens
 
-    def can_allocate(self, request: Request, num_new_tokens: int,
-                     computed_blocks: list[KVBlock] = ()) -> bool:
-        return self._num_blocks_short(request, num_new_tokens, computed_blocks) <= 0
+    def _group_hits(self, request: Request,
+                    computed_blocks: list[KVBlock]) -> list[list[KVBlock] | None]:
+        """Each group's blocks of the prefix hit `computed_blocks` (None where one has
+        gone since the hit was found)."""
+        num_hit_blocks = len(computed_blocks)
+        hashes = self._hashes_of(request)
+        return [list(computed_blocks)] + [m.hit_blocks(hashes, num_hit_blocks)
+                                          for m in self._others]
 
     def _num_blocks_short(self, request: Request, num_new_tokens: int,
-                          computed_blocks: list[KVBlock]) -> int:
-        held = self._blocks.get(request.request_id, ())
-        num_tokens_after = (request.num_kv_tokens + len(computed_blocks) * self.block_size
-                            + num_new_tokens)
-        num_new_blocks = self.num_blocks_for(num_tokens_after) - len(held) - len(computed_blocks)
-        needed = max(num_new_blocks, 0) + self.pool.num_reusable_from_free(computed_blocks)
-        short = needed - self.pool.num_free_blocks
-        if self.sliding is None:
-            return short
-        hit = self._sliding_hit(request, len(computed_blocks))
-        if hit is None:
-            return max(short, 1)  # a sliding block of the hit was evicted meanwhile
-        computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        return max(short, self.sliding.num_blocks_short(request.request_id, computed,
-                                                        num_tokens_after, hit))
+                          computed_blocks: list[KVBlock], hits) -> int:
+        num_hit_blocks = len(computed_blocks)
+        short = self.primary.num_blocks_short(request, num_hit_blocks, hits[0], num_new_tokens)
+        for group, hit in zip(self._others, hits[1:]):
+            if hit is None:
+                return max(short, 1)  # a block of the hit was evicted meanwhile
+            short = max(short, group.num_blocks_short(request, num_hit_blocks, hit,
+                                                      num_new_tokens))
+        return short
 
-    def _sliding_hit(self, request: Request, num_hit_blocks: int) -> list[KVBlock] | None:
-        if not num_hit_blocks:
-            return []
-        return self.sliding.hit_blocks(self._hashes[request.request_id], num_hit_blocks)
+    def can_allocate(self, request: Request, num_new_tokens: int,
+                     computed_blocks: list[KVBlock] = ()) -> bool:
+        hits = self._group_hits(request, computed_blocks)
+        return self._num_blocks_short(request, num_new_tokens, computed_blocks, hits) <= 0
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[KVBlock] = ()) -> bool:
@@ -171,185 +198,85 @@ class KVCacheManager:
         yet) are shared into its table first. Nothing changes when it returns False.
         """
         if not computed_blocks:
-            held = self._blocks.get(request.request_id)
+            held = self.primary.held(request.request_id)
             if (held is not None and request.num_kv_tokens + num_new_tokens
                     <= len(held) * self.block_size):
-                if self.sliding is not None:
-                    self.sliding.release_out_of_window(request.request_id,
-                                                       request.num_computed_tokens)
+                for group in self._skipping:
+                    group.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
                 return True  # its blocks have room already (most decode steps)
-        if self._num_blocks_short(request, num_new_tokens, computed_blocks) > 0:
+        hits = self._group_hits(request, computed_blocks)
+        if self._num_blocks_short(request, num_new_tokens, computed_blocks, hits) > 0:
             return False
-        rid = request.request_id
-        if self.sliding is not None:
-            self.sliding.allocate(
-                rid, request.num_computed_tokens + len(computed_blocks) * self.block_size,
-                request.num_computed_tokens + len(computed_blocks) * self.block_size
-                + num_new_tokens, self._sliding_hit(request, len(computed_blocks)))
-        blocks = self._blocks.setdefault(rid, [])
-        block_ids = self._block_ids.setdefault(rid, [])
-        if computed_blocks:
-            assert not blocks, "prefix hits are only taken by a request that holds no blocks"
-            self.pool.touch(computed_blocks)
-            blocks.extend(computed_blocks)
-            block_ids.extend(b.block_id for b in computed_blocks)
-            self._num_cached_blocks[rid] = len(computed_blocks)
-        num_tokens_after = (request.num_kv_tokens + len(computed_blocks) * self.block_size
-                            + num_new_tokens)
-        num_new_blocks = self.num_blocks_for(num_tokens_after) - len(blocks)
-        if num_new_blocks > 0:
-            new_blocks = self._allocate(request, num_new_blocks, len(blocks))
-            blocks.extend(new_blocks)
-            block_ids.extend(b.block_id for b in new_blocks)
+        num_hit_blocks = len(computed_blocks)
+        for group, hit in zip(reversed(self.groups), reversed(hits)):
+            group.allocate(request, num_hit_blocks, hit, num_new_tokens)
         return True
-
-    def _allocate(self, request: Request, num_blocks: int, num_held: int) -> list[KVBlock]:
-        """`num_blocks` new blocks for a request holding `num_held`: with `contiguous`,
-        from its extent, sized for its prompt and max_tokens."""
-        if not self.contiguous:
-            return self.pool.allocate(num_blocks)
-        final = self.num_blocks_for(request.num_prompt_tokens
-                                    + request.sampling_params.max_tokens)
-        return self.pool.allocate(num_blocks, request.request_id,
-                                  max(final - num_held, num_blocks))
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's newly completed blocks in the prefix cache; then free the
-        sliding blocks its next query cannot see."""
-        self._cache_full_blocks(request)
-        if self.sliding is not None:
-            self.sliding.release_out_of_window(request.request_id, request.num_computed_tokens)
+        blocks its next query cannot see."""
+        if self.enable_prefix_caching:
+            num_full = request.num_computed_tokens // self.block_size
+            hashes = self._hashes_of(request)
+            for group in self.groups:
+                group.cache_blocks(request, num_full, hashes)
+        for group in self._skipping:
+            group.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
 
-    def _cache_full_blocks(self, request: Request) -> None:
-        if not self.enable_prefix_caching or request.num_evicted_tokens:
-            return  # after an eviction its blocks no longer hold its prefix
-        rid = request.request_id
-        num_full = request.num_computed_tokens // self.block_size
-        start = self._num_cached_blocks.get(rid, 0)
-        if num_full <= start:
-            return
-        blocks = self._blocks[rid]
-        hashes = self._block_hashes(request, num_full)
-        for i in range(start, num_full):
-            self.pool.cache(blocks[i], hashes[i])
-        self._num_cached_blocks[rid] = num_full
-        if self.sliding is not None:
-            self.sliding.cache_full_blocks(rid, hashes, num_full)
+    # ----- rollback, eviction, release -----------------------------------------------------
 
     def trim(self, request: Request) -> list[int]:
         """Roll back: free the blocks past the request's computed tokens (those held only
         for tokens that were scheduled and then rejected, such as refused speculative
-        tokens). Returns the freed block ids. Their contents were never registered in
-        the prefix cache: only blocks full of computed tokens are (cache_full_blocks)."""
-        rid = request.request_id
-        blocks = self._blocks.get(rid)
+        tokens). Returns the freed block ids of its table. Their contents were never
+        registered in the prefix cache: only blocks full of computed tokens are
+        (cache_full_blocks)."""
         keep = self.num_blocks_for(request.num_kv_tokens)
-        if self.sliding is not None:
-            self.sliding.trim(rid, keep)
-        if not blocks or len(blocks) <= keep:
-            return []
-        dropped = blocks[keep:]
-        del blocks[keep:]
-        del self._block_ids[rid][keep:]
-        self.pool.free(reversed(dropped))
-        return [b.block_id for b in dropped]
+        for group in self._others:
+            group.trim(request.request_id, keep)
+        return self.primary.trim(request.request_id, keep)
 
     def compact(self, request: Request, num_kept: int, num_recent: int) -> KVCompaction | None:
-        """Heavy-hitter eviction: keep `num_kept` of the request's cached tokens in the
-        front of its table (which ones, the worker chooses) and free the blocks past them.
-        Returns the step message's instruction, or None when a shared block cannot be
-        copied for lack of a free block (nothing changes then)."""
-        rid = request.request_id
-        blocks = self._blocks[rid]
-        num_tokens = request.num_kv_tokens
-        src_block_ids = self._block_ids[rid][:self.num_blocks_for(num_tokens)]
-        num_keep_blocks = self.num_blocks_for(num_kept)
-        kept, tail = blocks[:num_keep_blocks], blocks[num_keep_blocks:]
-        num_shared = sum(1 for b in kept if b.ref_cnt > 1)
-        if num_shared > self.pool.num_free_blocks + sum(1 for b in tail if b.ref_cnt == 1):
-            return None
-        self.pool.free(reversed(tail))
-        copies = iter(self.pool.allocate(num_shared)) if num_shared else None
-        for i, block in enumerate(kept):
-            if block.ref_cnt > 1:  # another request reads it as it is: rewrite a copy
-                self.pool.free([block])
-                kept[i] = next(copies)
-            else:
-                self.pool.uncache(block)
-        self._blocks[rid] = kept
-        self._block_ids[rid] = [b.block_id for b in kept]
-        self._num_cached_blocks[rid] = 0
-        request.num_evicted_tokens += num_tokens - num_kept
-        return KVCompaction(rid, num_tokens, num_kept, num_recent, src_block_ids,
-                            list(self._block_ids[rid]))
+        """Heavy-hitter eviction (the H2O group's `compact`): keep `num_kept` of the
+        request's cached tokens in the front of its table; the step message's
+        instruction, or None when nothing could change."""
+        return self.primary.compact(request, num_kept, num_recent)
 
     def free(self, request: Request) -> None:
-        """Release every block the request holds, tail first (evicted before the head)."""
-        rid = request.request_id
-        blocks = self._blocks.pop(rid, None)
-        self._block_ids.pop(rid, None)
-        self._num_cached_blocks.pop(rid, None)
-        if self.sliding is not None:
-            self.sliding.free(rid)
-        if blocks:
-            self.pool.free(reversed(blocks))
-        self.pool.release(rid)
-
-    # ----- swap ---------------------------------------------------------------------------
-
-    def can_swap_out(self, request: Request) -> bool:
-        if self.sliding is not None:
-            return False  # no swap plan for the sliding group: such requests recompute
-        held = len(self._blocks.get(request.request_id, ()))
-        return self.swap_pool is not None and 0 < held <= self.swap_pool.num_free_blocks
-
-    def swap_out(self, request: Request) -> list[tuple[int, int]]:
-        """Move the request's KV to the swap pool: (device block, swap block) copies to make.
-
-        Its device blocks are freed at once: the worker performs the copies before the
-        next forward pass, so no later write can reach them first.
-        """
-        rid = request.request_id
-        blocks = self._blocks.pop(rid)
-        self._block_ids.pop(rid)
-        self._num_cached_blocks.pop(rid, None)
-        swap_blocks = self.swap_pool.allocate(len(blocks))
-        self._swapped[rid] = swap_blocks
-        plan = [(d.block_id, s.block_id) for d, s in zip(blocks, swap_blocks)]
-        self.pool.free(reversed(blocks))
-        self.pool.release(rid)
-        return plan
-
-    def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
-        """Bring a swapped request's KV back: (swap block, device block) copies, or None
-        when the device has too few free blocks (nothing changes then)."""
-        rid = request.request_id
-        swap_blocks = self._swapped[rid]
-        if len(swap_blocks) > self.pool.num_free_blocks:
-            return None
-        blocks = self._allocate(request, len(swap_blocks), 0)
-        del self._swapped[rid]
-        self._blocks[rid] = blocks
-        self._block_ids[rid] = [b.block_id for b in blocks]
-        plan = [(s.block_id, d.block_id) for s, d in zip(swap_blocks, blocks)]
-        self.swap_pool.free(swap_blocks)
-        return plan
-
-    def num_swapped_blocks(self, request_id: str) -> int:
-        return len(self._swapped.get(request_id, ()))
-
-    def num_swapped_slots(self, request_id: str) -> int:
-        return self.num_swapped_blocks(request_id) * self.block_size
-
-    def free_swapped(self, request: Request) -> None:
-        """Release the swap blocks of a request that ends while swapped out."""
-        blocks = self._swapped.pop(request.request_id, None)
-        if blocks:
-            self.swap_pool.free(blocks)
+        """Release every block the request holds, in every group (tail first)."""
+        for group in self._others:
+            group.free(request.request_id)
+        self.primary.free(request.request_id)
 
     def forget(self, request: Request) -> None:
         """Drop the memoised hashes of a request that has ended."""
         self._hashes.pop(request.request_id, None)
 
     def holds(self, request_id: str) -> bool:
-        return request_id in self._blocks
+        return self.primary.holds(request_id)
+
+    # ----- swap ---------------------------------------------------------------------------
+
+    def can_swap_out(self, request: Request) -> bool:
+        """Whether the request's KV can go to the swap pool now (never when a group has no
+        swap plan: such requests are preempted by recompute)."""
+        return self._swappable and self.primary.can_swap_out(request)
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Move the request's KV to the swap pool: (device block, swap block) copies."""
+        return self.primary.swap_out(request)
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
+        """Bring a swapped request's KV back: (swap block, device block) copies, or None
+        when the device has too few free blocks (nothing changes then)."""
+        return self.primary.swap_in(request)
+
+    def num_swapped_blocks(self, request_id: str) -> int:
+        return self.primary.num_swapped_blocks(request_id)
+
+    def num_swapped_slots(self, request_id: str) -> int:
+        return self.num_swapped_blocks(request_id) * self.block_size
+
+    def free_swapped(self, request: Request) -> None:
+        """Release the swap blocks of a request that ends while swapped out."""
+        self.primary.free_swapped(request)
