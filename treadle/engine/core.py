@@ -21,9 +21,9 @@ from pathlib import Path
 
 from treadle.config import EngineConfig
 from treadle.core.kv.config import kv_cache_config
-from treadle.core.kv.eviction import EvictionBudget
 from treadle.core.outputs import EngineCoreOutput, StepTimings, WorkerInfo
 from treadle.core.scheduler import Scheduler
+from treadle.engine.limits import EngineLimits
 from treadle.engine.lora_registry import LoRARegistry
 from treadle.engine.step_observers import StepObservers
 from treadle.engine.trace import TraceRecorder, engine_facts
@@ -67,6 +67,8 @@ class EngineCore:
         self.eos_token_id = info.eos_token_id
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
+        self.limits = EngineLimits.from_core(self)
+        """What a request must fit: the rule admission_error and the server both apply."""
         self.supports_structured_outputs = has_tokenizer(self.model_dir)
         """Grammars need the model's tokenizer (the worker builds them from it)."""
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks,
@@ -146,27 +148,8 @@ class EngineCore:
             lora_error = self.loras.check(request.lora_request)
             if lora_error is not None:
                 return lora_error
-        max_tokens = request.sampling_params.max_tokens
-        if num_prompt + max_tokens > self.max_model_len:
-            return (f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = "
-                    f"{num_prompt + max_tokens} exceeds the model's context length of "
-                    f"{self.max_model_len} tokens")
-        block_size = self.config.cache.block_size
-        num_kv_tokens = num_prompt + max_tokens
-        eviction = EvictionBudget.from_cache_config(self.config.cache)
-        if eviction is not None:  # at most its budget, or one step's more (kv_eviction.py)
-            num_kv_tokens = min(num_kv_tokens, eviction.budget_tokens + eviction.max_step_tokens)
-        blocks_needed = -(-num_kv_tokens // block_size)
-        if blocks_needed > self.num_kv_blocks:
-            return (f"prompt + max_tokens = {num_prompt + max_tokens} tokens needs "
-                    f"{blocks_needed} KV blocks, more than the whole cache of "
-                    f"{self.num_kv_blocks} blocks ({self.num_kv_blocks * block_size} tokens)")
-        sched = self.config.scheduler
-        if (not sched.enable_chunked_prefill and eviction is None
-                and num_prompt > sched.max_num_batched_tokens):
-            return (f"prompt ({num_prompt} tokens) exceeds max_num_batched_tokens "
-                    f"({sched.max_num_batched_tokens}) and chunked prefill is disabled")
-        return None
+        limit = self.limits.length_error(num_prompt, request.sampling_params.max_tokens)
+        return None if limit is None else limit.message
 
     def add_request(self, request: Request) -> EngineCoreOutput | None:
         """Accept a request, or end it at once with an error output if it can never run."""
