@@ -1,4 +1,4 @@
-"""Heavy-hitter eviction in the engine core (core/kv_eviction.py, KVCacheManager.compact):
+"""Heavy-hitter eviction in the engine core (core/kv/eviction.py, core/kv/h2o.py):
 the budget arithmetic, compaction of a table (shared blocks copied, rewritten blocks out
 of the prefix cache, nothing registered after an eviction), and the scheduler keeping
 every request within its budget with correct step messages."""

@@ -1,4 +1,4 @@
-"""The sliding-window layer group (core/kv_sliding.py) inside the KV manager: blocks that
+"""The sliding-window layer group (core/kv/sliding.py) inside the KV manager: blocks that
 leave the window are freed as a request grows, prefix hits stop where the sliding group
 lost its blocks, rollback and free return everything."""
 

@@ -117,12 +117,16 @@ class EngineCore:
             self.config, info.layer_windows, info.max_model_len, num_blocks,
             info.num_swap_blocks)
         """The KV cache's layer groups and block counts, as every worker got them."""
-        if len(kv_config.groups) > 1:
-            logger.info("KV layer groups: %s: %d tokens of context (%d without the window's "
-                        "saving)", kv_config.describe(), kv_config.num_blocks * cache.block_size,
-                        num_blocks * cache.block_size)
+        groups = kv_config.layer_groups
+        if groups is not None:
+            logger.info(
+                "KV layer groups: %d full-attention layers x %d blocks, %d sliding-window "
+                "layers (window %d) x %d blocks: %d tokens of context (%d without the "
+                "window's saving)", groups.num_full_layers, groups.num_full_blocks,
+                groups.num_sliding_layers, groups.window, groups.num_sliding_blocks,
+                groups.num_full_blocks * cache.block_size, num_blocks * cache.block_size)
         self.executor.initialize_cache(kv_config)
-        self.layer_groups = kv_config.layer_groups
+        self.layer_groups = groups
         self.num_kv_blocks = kv_config.num_blocks  # the context capacity
         self.num_swap_blocks = kv_config.num_swap_blocks
         self.kv_bytes_per_token = info.kv_bytes_per_token

@@ -134,11 +134,6 @@ class KVCacheConfig:
         return next((g.num_blocks for g in self.groups if layer in g.layers),
                     self.primary.num_blocks)
 
-    def describe(self) -> str:
-        """One line for the start-up log."""
-        return "; ".join(f"{g.spec.name}: {len(g.layers)} layers x {g.num_blocks} blocks"
-                         for g in self.groups)
-
 
 def kv_cache_config(config: "EngineConfig", layer_windows: Sequence[int | None],
                     max_model_len: int, num_blocks: int,
