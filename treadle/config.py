@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from treadle.compat import check_config
 from treadle.worker.cpu_isa import KERNEL_ISA_CHOICES
 
 SCHEDULING_POLICIES: dict[str, str] = {
@@ -599,22 +600,7 @@ class EngineConfig:
     _SECTIONS = ("model", "cache", "scheduler", "parallel", "lora")
 
     def __post_init__(self) -> None:
-        if self.cache.kv_eviction != "none":
-            if self.parallel.world_size > 1:
-                raise ValueError(
-                    "kv_eviction h2o does not support tensor_parallel_size or "
-                    "pipeline_parallel_size > 1 (each rank would see the attention of its "
-                    "own heads or layers only, and ranks must evict the same tokens)")
-            if self.speculative.enabled:
-                raise ValueError("kv_eviction h2o does not support speculative_config "
-                                 "(rejected proposals would leave scores of tokens that "
-                                 "are not the request's)")
-        if self.speculative.method == "self" and self.parallel.world_size > 1:
-            raise ValueError(
-                "speculative_config: method self runs the target's first layers on the "
-                "output rank alone, which holds only its shard of them: it does not "
-                "support tensor_parallel_size or pipeline_parallel_size > 1 (method ngram "
-                "and method draft do)")
+        check_config(self)  # feature combinations (treadle/compat.py)
 
     @classmethod
     def section_types(cls) -> dict[str, type]:

@@ -106,20 +106,23 @@ def test_greedy_tokens_match_transformers(gemma3, options):
 def test_sliding_blocks_are_freed_mid_request(gemma3, monkeypatch):
     """With a sliding pool smaller than the prompts need, the sliding layers' blocks leave
     as the window moves on, and the tokens still equal transformers'."""
-    from treadle.core.kv_sliding import SlidingWindowGroup
+    from treadle.core.kv.sliding import SlidingWindowManager
 
     model_dir, reference = gemma3
     held = []
-    allocate = SlidingWindowGroup.allocate
+    allocate = SlidingWindowManager.allocate
 
-    def spy(self, request_id, num_computed, num_tokens_after, hit=()):
-        allocate(self, request_id, num_computed, num_tokens_after, hit)
+    def spy(self, request, num_hit_blocks, hit, num_new_tokens):
+        allocate(self, request, num_hit_blocks, hit, num_new_tokens)
+        request_id = request.request_id
+        num_computed = request.num_computed_tokens + num_hit_blocks * self.block_size
+        num_tokens_after = num_computed + num_new_tokens
         lo = max(0, num_computed - self.window + 1)
         bound = (num_tokens_after - 1) // self.block_size - lo // self.block_size + 1
         held.append((self.num_held_blocks(request_id), bound, len(self._ids[request_id]),
                      self.pool.num_blocks))
 
-    monkeypatch.setattr(SlidingWindowGroup, "allocate", spy)
+    monkeypatch.setattr(SlidingWindowManager, "allocate", spy)
     got = treadle_tokens(model_dir, attention_backend="native", block_size=4,
                          max_num_batched_tokens=16, max_num_seqs=2)
     assert got == reference

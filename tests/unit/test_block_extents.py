@@ -13,8 +13,8 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from treadle.config import CacheConfig, SchedulerConfig
-from treadle.core.block_pool import BlockPool
-from treadle.core.kv_cache_manager import KVCacheManager
+from treadle.core.kv.block_pool import BlockPool
+from treadle.core.kv.manager import KVCacheManager
 from treadle.core.outputs import ModelRunnerOutput
 from treadle.core.policy import PreemptionCosts
 from treadle.core.scheduler import Scheduler
@@ -175,7 +175,7 @@ class TwinPools(RuleBasedStateMachine):
         assert set(a.pool._cached) == set(b.pool._cached)
         assert a.prefix_stats == b.prefix_stats
         for rid in self.live:
-            blocks_a, blocks_b = a._blocks[rid], b._blocks[rid]
+            blocks_a, blocks_b = a.primary.held(rid), b.primary.held(rid)
             assert [x.block_hash for x in blocks_a] == [x.block_hash for x in blocks_b]
             assert [x.ref_cnt for x in blocks_a] == [x.ref_cnt for x in blocks_b]
 

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from treadle.core.block_pool import BlockPool
-from treadle.core.kv_cache_manager import KVCacheManager
+from treadle.core.kv.block_pool import BlockPool
+from treadle.core.kv.manager import KVCacheManager
 from treadle.request import Request
 from treadle.sampling_params import SamplingParams
 
@@ -182,7 +182,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         pool.check_invariants()
         holders = {}
         for rid in self.live:
-            for b in self.kv._blocks[rid]:
+            for b in self.kv.primary.held(rid):
                 holders[b.block_id] = holders.get(b.block_id, 0) + 1
         for block in pool.blocks:
             assert block.ref_cnt == holders.get(block.block_id, 0)
@@ -190,7 +190,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         swap_pool = self.kv.swap_pool
         if swap_pool is not None:
             swap_pool.check_invariants()
-            held = sum(len(self.kv._swapped[rid]) for rid in self.swapped)
+            held = sum(self.kv.num_swapped_blocks(rid) for rid in self.swapped)
             assert swap_pool.num_free_blocks + held == swap_pool.num_blocks
         if not self.live:
             assert pool.num_free_blocks == pool.num_blocks

@@ -1,4 +1,4 @@
-"""Heavy-hitter eviction in the engine core (core/kv_eviction.py, KVCacheManager.compact):
+"""Heavy-hitter eviction in the engine core (core/kv/eviction.py, core/kv/h2o.py):
 the budget arithmetic, compaction of a table (shared blocks copied, rewritten blocks out
 of the prefix cache, nothing registered after an eviction), and the scheduler keeping
 every request within its budget with correct step messages."""
@@ -9,8 +9,8 @@ from hypothesis import given, settings, strategies as st
 from test_scheduler import NO_LOOKAHEAD, fake_runner, make_request, run_to_completion
 
 from treadle.config import CacheConfig, SchedulerConfig
-from treadle.core.kv_cache_manager import KVCacheManager
-from treadle.core.kv_eviction import EvictionBudget
+from treadle.core.kv.manager import KVCacheManager
+from treadle.core.kv.eviction import EvictionBudget
 from treadle.core.scheduler import Scheduler
 
 

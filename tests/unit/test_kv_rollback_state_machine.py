@@ -12,7 +12,8 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, invariant,
                                  rule)
 
-from treadle.core.kv_cache_manager import KVCacheManager, _root_hash, hash_block
+from treadle.core.kv.hashing import hash_block, root_hash
+from treadle.core.kv.manager import KVCacheManager
 from treadle.request import Request
 from treadle.sampling_params import SamplingParams
 
@@ -41,7 +42,7 @@ class KVRollback(RuleBasedStateMachine):
 
     def _remember(self, r: Request) -> None:
         """Hashes of the chains of r's full blocks of computed (accepted) tokens."""
-        parent = _root_hash(r.cache_salt)
+        parent = root_hash(r.cache_salt)
         for i in range(r.num_computed_tokens // BLOCK):
             parent = hash_block(parent, r.all_token_ids[i * BLOCK:(i + 1) * BLOCK])
             self.accepted_hashes.add(parent)

@@ -1,4 +1,4 @@
-"""The sliding-window layer group (core/kv_sliding.py) inside the KV manager: blocks that
+"""The sliding-window layer group (core/kv/sliding.py) inside the KV manager: blocks that
 leave the window are freed as a request grows, prefix hits stop where the sliding group
 lost its blocks, rollback and free return everything."""
 
@@ -8,8 +8,9 @@ import random
 
 import pytest
 
-from treadle.core.kv_cache_manager import KVCacheManager
-from treadle.core.kv_sliding import SlidingWindowGroup, layer_groups
+from treadle.core.kv.manager import KVCacheManager
+from treadle.core.kv.config import layer_groups
+from treadle.core.kv.sliding import SlidingWindowGroup
 from treadle.request import Request
 from treadle.sampling_params import SamplingParams
 
@@ -150,3 +151,58 @@ def test_layer_groups_split_the_memory():
     assert mistral.num_sliding_blocks == 1000 and mistral.num_full_layers == 0
     with pytest.raises(ValueError, match="different sliding windows"):
         layer_groups([64, 128, None], 1000, 16, 8, 512, 4096)
+
+
+def test_the_kv_config_names_each_group_its_layers_and_blocks():
+    """The engine core's KV config (made once, handed to every worker) carries the same
+    split, each layer's group, and no swap space when a group cannot swap."""
+    from treadle.config import EngineConfig
+    from treadle.core.kv.config import kv_cache_config
+    from treadle.core.kv.specs import FullAttentionSpec, H2OSpec, SlidingWindowSpec
+
+    config = EngineConfig.from_options(block_size=16, max_num_seqs=8,
+                                       max_num_batched_tokens=512, kv_cache_dtype="int8")
+    windows = ([512] * 5 + [None]) * 3
+    kv = kv_cache_config(config, windows, 32768, 1000, 64)
+    split = layer_groups(windows, 1000, 16, 8, 512, 32768)
+    full, sliding = kv.groups
+    assert isinstance(full.spec, FullAttentionSpec) and full.layers == (5, 11, 17)
+    assert isinstance(sliding.spec, SlidingWindowSpec) and sliding.spec.window == 512
+    assert (full.num_blocks, sliding.num_blocks) == (split.num_full_blocks,
+                                                   split.num_sliding_blocks)
+    assert kv.layer_groups == split and kv.num_blocks == split.num_full_blocks
+    assert kv.num_swap_blocks == 0  # the sliding group has no swap plan
+    assert [kv.num_blocks_of_layer(i) for i in (0, 5)] == [sliding.num_blocks, full.num_blocks]
+    assert {s.cache_dtype for s in kv.specs} == {"int8"}
+    plain = kv_cache_config(config, [None] * 4, 4096, 1000, 64)
+    assert len(plain.groups) == 1 and plain.primary.layers == (0, 1, 2, 3)
+    assert (plain.num_blocks, plain.num_swap_blocks, plain.layer_groups) == (1000, 64, None)
+    h2o = EngineConfig.from_options(block_size=16, kv_eviction="h2o", kv_budget_tokens=64)
+    assert isinstance(kv_cache_config(h2o, [None] * 4, 4096, 1000, 64).primary.spec, H2OSpec)
+    with pytest.raises(ValueError, match="sliding-window layer group .* does not support "
+                                         "kv_eviction h2o"):
+        kv_cache_config(h2o, windows, 32768, 1000, 64)
+
+
+def test_the_manager_from_the_kv_config_is_the_schedulers():
+    """KVCacheManager.from_config builds what the scheduler's constructor builds."""
+    from treadle.config import EngineConfig
+    from treadle.core.kv.config import kv_cache_config
+
+    config = EngineConfig.from_options(block_size=BS, max_num_seqs=2,
+                                       max_num_batched_tokens=64)
+    kv_config = kv_cache_config(config, [32, None], 4096, 300, 0)
+    a = KVCacheManager.from_config(kv_config, True)
+    split = kv_config.layer_groups
+    b = KVCacheManager(split.num_full_blocks, BS, True,
+                       sliding=SlidingWindowGroup(split.num_sliding_blocks, BS, split.window))
+    for kv in (a, b):
+        assert [type(g).__name__ for g in kv.groups] == ["FullAttentionManager",
+                                                         "SlidingWindowManager"]
+        assert kv.sliding is kv.groups[1] and kv.eviction is None and kv.swap_pool is None
+    assert [g.pool.num_blocks for g in a.groups] == [g.pool.num_blocks for g in b.groups]
+    for kv in (a, b):
+        req = request("r", list(range(3, 103)))
+        assert kv.allocate_slots(req, 100)
+    assert a.block_ids("r") == b.block_ids("r")
+    assert a.sliding.block_ids("r") == b.sliding.block_ids("r")

@@ -11,7 +11,8 @@ import random
 import pytest
 
 from treadle.config import CacheConfig, SchedulerConfig
-from treadle.core.kv_cache_manager import KVCacheManager, _root_hash
+from treadle.core.kv.hashing import root_hash
+from treadle.core.kv.manager import KVCacheManager
 from treadle.core.outputs import ModelRunnerOutput
 from treadle.core.scheduler import Scheduler
 from treadle.engine.lora_registry import LoRARegistry
@@ -142,8 +143,8 @@ def test_block_hashes_differ_by_adapter_and_agree_within_one():
     assert one == one_again
     assert not set(base) & set(one) and not set(one) & set(two) and not set(base) & set(two)
     assert hashes("s", 1, salt="tenant") != one  # tenant salt and adapter both count
-    assert _root_hash(None) != _root_hash(None, 1) != _root_hash(None, 2)
-    assert _root_hash("\x00lora:1") != _root_hash("", 1)
+    assert root_hash(None) != root_hash(None, 1) != root_hash(None, 2)
+    assert root_hash("\x00lora:1") != root_hash("", 1)
 
 
 def test_prefix_hits_never_cross_adapters():

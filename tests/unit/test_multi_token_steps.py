@@ -12,7 +12,8 @@ import random
 import pytest
 
 from treadle.config import CacheConfig, SchedulerConfig
-from treadle.core.kv_cache_manager import KVCacheManager, _root_hash, hash_block
+from treadle.core.kv.hashing import hash_block, root_hash
+from treadle.core.kv.manager import KVCacheManager
 from treadle.core.outputs import ModelRunnerOutput
 from treadle.core.scheduler import Scheduler
 from treadle.request import Request, RequestStatus
@@ -86,7 +87,7 @@ def check_prefix_cache(kv: KVCacheManager, requests: list[Request]) -> None:
     for r in requests:
         if r.is_finished or not kv.holds(r.request_id):
             continue
-        parent = _root_hash(r.cache_salt)
+        parent = root_hash(r.cache_salt)
         for i, block_id in enumerate(kv.block_ids(r.request_id)):
             block = kv.pool.blocks[block_id]
             if block.block_hash is None:

@@ -33,7 +33,7 @@ class FakePipelineExecutor(Executor):
                           num_kv_blocks=40, num_swap_blocks=0, preemption_costs=None,
                           attention_backend="fake", kernels="none")
 
-    def initialize_cache(self, num_kv_blocks, num_swap_blocks) -> None:
+    def initialize_cache(self, kv_config) -> None:
         pass
 
     def execute_model(self, so):

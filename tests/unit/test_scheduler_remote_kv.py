@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from test_scheduler import fake_runner, make_request, make_scheduler
 
-from treadle.core.kv_cache_manager import _root_hash, hash_block
+from treadle.core.kv.hashing import hash_block, root_hash
 from treadle.request import RequestStatus
 
 
@@ -18,7 +18,7 @@ def prefilled(rid: str, prompt_len: int, first_token: int = 42):
 
 def land(scheduler, request, block_size=4) -> int:
     """What kv_transfer.land_blocks does: fill free blocks, register, release."""
-    pool, parent = scheduler.kv.pool, _root_hash(request.cache_salt)
+    pool, parent = scheduler.kv.pool, root_hash(request.cache_salt)
     tokens = request.prompt_token_ids
     n = len(tokens) // block_size
     blocks = pool.allocate(n)

@@ -141,7 +141,7 @@ def test_the_scheduler_is_the_production_one(monkeypatch, trace_csv):
     result = run(setup)
     for replica in result.replicas:
         assert type(replica.scheduler) is scheduler_module.Scheduler
-        assert type(replica.scheduler.kv).__module__ == "treadle.core.kv_cache_manager"
+        assert type(replica.scheduler.kv).__module__ == "treadle.core.kv.manager"
     steps = sum(r.scheduler.stats.num_steps for r in result.replicas)
     assert steps > 0 and len(calls) >= steps
     assert {id(s) for s in calls} == {id(r.scheduler) for r in result.replicas}

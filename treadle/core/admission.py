@@ -21,8 +21,8 @@ import enum
 from dataclasses import dataclass
 
 from treadle.core import policy
-from treadle.core.block_pool import KVBlock
-from treadle.core.kv_cache_manager import KVCacheManager
+from treadle.core.kv.block_pool import KVBlock
+from treadle.core.kv.manager import KVCacheManager
 from treadle.core.preemption import preempt
 from treadle.core.step_plan import StepPlan
 from treadle.request import Request, RequestStatus

@@ -62,7 +62,7 @@ class WorkerInfo:
     rank's, with speculative decoding configured), else None."""
     layer_windows: tuple[int | None, ...] = ()
     """Each layer's sliding window (None: full attention), whole model: the engine core
-    and the workers split the KV memory from it alike (core/kv_sliding.layer_groups)."""
+    splits the KV memory from it once (core/kv/config.py) and tells the workers."""
 
 
 @dataclass
@@ -77,7 +77,7 @@ class NewRequestData:
 
 @dataclass
 class KVCompaction:
-    """Heavy-hitter eviction of one request before the step (core/kv_eviction.py): of its
+    """Heavy-hitter eviction of one request before the step (core/kv/eviction.py): of its
     `num_tokens` cached tokens keep `num_kept` (the `num_recent` most recent and the
     highest-scoring others, in their order), moved to the first slots of `dst_block_ids`.
     `src_block_ids` is its block table before, so the worker needs nothing else of it."""
@@ -110,7 +110,7 @@ class ScheduledRequest:
     replaces_block_table: bool = False
     """`new_block_ids` is the whole table (after a preemption or a rollback)."""
     new_sliding_block_ids: list[int] = field(default_factory=list)
-    """The same for the sliding-window layers' table (core/kv_sliding.py; empty without
+    """The same for the sliding-window layers' table (core/kv/sliding.py; empty without
     a sliding group): as many entries as `new_block_ids`, stale where freed."""
     spec_token_ids: list[int] = field(default_factory=list)
     """Proposed tokens computed after the request's last token this step (speculation):

@@ -62,9 +62,10 @@ from treadle.config import CacheConfig, SchedulerConfig, SpeculativeConfig, pars
 from treadle.core import policy
 from treadle.core.admission import Admission, try_admit
 from treadle.core.fair_share import FairShareLedger
-from treadle.core.kv_cache_manager import KVCacheManager
-from treadle.core.kv_eviction import EvictionBudget
-from treadle.core.kv_sliding import LayerGroups, SlidingWindowGroup
+from treadle.core.kv.manager import KVCacheManager
+from treadle.core.kv.eviction import EvictionBudget
+from treadle.core.kv.config import LayerGroups
+from treadle.core.kv.sliding import SlidingWindowGroup
 from treadle.core.outputs import (EngineCoreOutput, ModelRunnerOutput, PromptLogprobs,
                                   ScheduledRequest, SchedulerOutput)
 from treadle.core.policies import make_policy

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from treadle.core.kv_cache_manager import KVCacheManager
+from treadle.core.kv.manager import KVCacheManager
 from treadle.core.outputs import NewRequestData, ScheduledRequest, SchedulerOutput
 from treadle.request import Request
 

@@ -24,7 +24,7 @@ from collections import deque
 from treadle.config import SchedulerConfig
 from treadle.core import policy
 from treadle.core.fair_share import FairShareLedger, tenant_share_blocks
-from treadle.core.kv_cache_manager import KVCacheManager
+from treadle.core.kv.manager import KVCacheManager
 from treadle.core.outputs import KVCompaction
 from treadle.core.policies import SchedulingPolicy
 from treadle.core.request_queue import FCFSQueue, PolicyQueue

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from treadle.core.kv_cache_manager import _root_hash, hash_block
+from treadle.core.kv.hashing import hash_block, root_hash
 from treadle.worker.kv_transfer import KVPart
 
 
@@ -54,7 +54,7 @@ class KVPayload:
 def prompt_hashes(prompt_token_ids: list[int], block_size: int, cache_salt: str | None,
                   lora_int_id: int | None) -> list[bytes]:
     """The prefix-cache hashes of the prompt's full blocks (KVCacheManager's chain)."""
-    parent = _root_hash(cache_salt, lora_int_id)
+    parent = root_hash(cache_salt, lora_int_id)
     hashes = []
     for i in range(len(prompt_token_ids) // block_size):
         parent = hash_block(parent, prompt_token_ids[i * block_size:(i + 1) * block_size])

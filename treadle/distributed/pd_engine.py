@@ -22,6 +22,7 @@ import threading
 import time
 from concurrent.futures import Future
 
+from treadle.compat import check_disaggregation
 from treadle.core.outputs import EngineCoreOutput
 from treadle.distributed import kv_transfer
 from treadle.distributed.kv_transfer import KVPayload
@@ -29,29 +30,18 @@ from treadle.engine.async_engine import AsyncEngine, _Stream
 from treadle.engine.output_processor import RequestOutput
 
 
-def check_pd_config(config) -> None:
-    """Refuse, at start, an engine configuration P/D cannot serve (either role)."""
-    if config.cache.kv_eviction != "none":
-        raise ValueError("P/D disaggregation does not support kv_eviction h2o (the "
-                         "decode engine would receive KV without its attention scores)")
-    if config.parallel.pipeline_parallel_size > 1:
-        raise ValueError("P/D disaggregation does not support pipeline_parallel_size > 1: its "
-                         "KV reads and writes reach the workers between steps, and pipeline "
-                         "stages keep steps in flight (tensor_parallel_size is supported)")
-
-
 class PDEngine(AsyncEngine):
     """An AsyncEngine that can hold prompt KV (prefill role) and land it (decode role),
     on any executor and tensor-parallel size (prefill and decode sides may differ)."""
 
     def __init__(self, config, served_model_name=None, max_held: int = 16) -> None:
-        check_pd_config(config)
+        check_disaggregation(config)
         super().__init__(config, served_model_name)
-        if self.core.scheduler.kv.sliding is not None:
+        try:  # now that the model's KV specs are known (a sliding-window group?)
+            check_disaggregation(config, self.core.kv_config.specs)
+        except ValueError:
             self.shutdown()
-            raise ValueError("P/D disaggregation does not move a sliding-window layer "
-                             "group's KV (Gemma 3, Mistral's sliding_window): serve such a "
-                             "model with --replicas instead")
+            raise
         self._hold_wanted: dict[str, tuple[str | None, int | None]] = {}
         self.held: dict[str, KVPayload] = {}
         self._held_slots = threading.BoundedSemaphore(max_held)

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from treadle.compat import check_disaggregation
 from treadle.config import EngineConfig
 from treadle.distributed.actor import EngineReplica
 from treadle.distributed.config import ReplicaConfig
@@ -78,15 +79,7 @@ def _pd_applies(params: SamplingParams) -> bool:
 
 
 def _check_pd_engine(config: EngineConfig) -> None:
-    from treadle.distributed.pd_engine import check_pd_config
-
-    check_pd_config(config)
-    if not config.cache.enable_prefix_caching:
-        raise ValueError("P/D disaggregation lands KV as prefix-cache blocks: "
-                         "enable_prefix_caching must be on")
-    if config.speculative.method is not None:
-        raise ValueError("speculative_config is not supported with P/D disaggregation (the "
-                         "draft's KV is not transferred)")
+    check_disaggregation(config)  # feature combinations (treadle/compat.py)
 
 
 def replica_threads(config: EngineConfig, replicas: int, cluster_cpus: float) -> int:

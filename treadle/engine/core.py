@@ -20,10 +20,10 @@ from collections import deque
 from pathlib import Path
 
 from treadle.config import EngineConfig
-from treadle.core.kv_eviction import EvictionBudget
-from treadle.core.kv_sliding import layer_groups
+from treadle.core.kv.config import kv_cache_config
 from treadle.core.outputs import EngineCoreOutput, StepTimings, WorkerInfo
 from treadle.core.scheduler import Scheduler
+from treadle.engine.limits import EngineLimits
 from treadle.engine.lora_registry import LoRARegistry
 from treadle.engine.step_observers import StepObservers
 from treadle.engine.trace import TraceRecorder, engine_facts
@@ -67,6 +67,8 @@ class EngineCore:
         self.eos_token_id = info.eos_token_id
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
+        self.limits = EngineLimits.from_core(self)
+        """What a request must fit: the rule admission_error and the server both apply."""
         self.supports_structured_outputs = has_tokenizer(self.model_dir)
         """Grammars need the model's tokenizer (the worker builds them from it)."""
         self.scheduler = Scheduler(config.scheduler, config.cache, self.num_kv_blocks,
@@ -94,7 +96,8 @@ class EngineCore:
         """Submitted steps not answered yet: (SchedulerOutput, step number, start time)."""
 
     def _size_cache(self, info: WorkerInfo) -> None:
-        """Decide the block counts from the workers' report and allocate them."""
+        """Decide the KV config from the workers' report, once (core/kv/config.py: the
+        layer groups, their blocks, the swap blocks), and hand it to every worker."""
         cache = self.config.cache
         num_blocks = cache.num_kv_blocks or info.num_kv_blocks
         if num_blocks < 1:
@@ -102,8 +105,7 @@ class EngineCore:
                 f"kv_cache_memory={cache.kv_cache_memory} bytes holds no block: one block of "
                 f"{cache.block_size} tokens needs {info.kv_bytes_per_token * cache.block_size}"
                 " bytes")
-        num_swap_blocks = info.num_swap_blocks
-        if self.config.scheduler.preemption_mode == "swap" and not num_swap_blocks:
+        if self.config.scheduler.preemption_mode == "swap" and not info.num_swap_blocks:
             logger.warning("preemption_mode=swap with swap_space=%d bytes holds no block: "
                            "preemption falls back to recompute", cache.swap_space)
         logger.info("model %s: %s, %s", info.model_dir, info.dtype, info.kernels)
@@ -111,29 +113,23 @@ class EngineCore:
                     "%.2f GiB)", num_blocks, cache.block_size, num_blocks * cache.block_size,
                     f"kv_cache_dtype {cache.kv_cache_dtype}", info.kv_bytes_per_token,
                     num_blocks * cache.block_size * info.kv_bytes_per_token / 1024**3)
-        self.layer_groups = self._layer_groups(info, num_blocks)
-        if self.layer_groups is not None:
-            num_swap_blocks = 0  # such requests are preempted by recompute (kv_sliding.py)
-        self.executor.initialize_cache(num_blocks, num_swap_blocks)
-        if self.layer_groups is not None:
-            num_blocks = self.layer_groups.num_full_blocks  # the context capacity
-        self.num_kv_blocks, self.num_swap_blocks = num_blocks, num_swap_blocks
-        self.kv_bytes_per_token = info.kv_bytes_per_token
-
-    def _layer_groups(self, info: WorkerInfo, num_blocks: int):
-        """The sliding-window layers' share of the KV memory (core/kv_sliding.py), logged;
-        None when no layer slides."""
-        sched, block_size = self.config.scheduler, self.config.cache.block_size
-        groups = layer_groups(info.layer_windows, num_blocks, block_size, sched.max_num_seqs,
-                              sched.max_num_batched_tokens, info.max_model_len)
+        self.kv_config = kv_config = kv_cache_config(
+            self.config, info.layer_windows, info.max_model_len, num_blocks,
+            info.num_swap_blocks)
+        """The KV cache's layer groups and block counts, as every worker got them."""
+        groups = kv_config.layer_groups
         if groups is not None:
             logger.info(
                 "KV layer groups: %d full-attention layers x %d blocks, %d sliding-window "
                 "layers (window %d) x %d blocks: %d tokens of context (%d without the "
                 "window's saving)", groups.num_full_layers, groups.num_full_blocks,
                 groups.num_sliding_layers, groups.window, groups.num_sliding_blocks,
-                groups.num_full_blocks * block_size, num_blocks * block_size)
-        return groups
+                groups.num_full_blocks * cache.block_size, num_blocks * cache.block_size)
+        self.executor.initialize_cache(kv_config)
+        self.layer_groups = groups
+        self.num_kv_blocks = kv_config.num_blocks  # the context capacity
+        self.num_swap_blocks = kv_config.num_swap_blocks
+        self.kv_bytes_per_token = info.kv_bytes_per_token
 
     # ----- requests ------------------------------------------------------------------------
 
@@ -156,27 +152,8 @@ class EngineCore:
             lora_error = self.loras.check(request.lora_request)
             if lora_error is not None:
                 return lora_error
-        max_tokens = request.sampling_params.max_tokens
-        if num_prompt + max_tokens > self.max_model_len:
-            return (f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = "
-                    f"{num_prompt + max_tokens} exceeds the model's context length of "
-                    f"{self.max_model_len} tokens")
-        block_size = self.config.cache.block_size
-        num_kv_tokens = num_prompt + max_tokens
-        eviction = EvictionBudget.from_cache_config(self.config.cache)
-        if eviction is not None:  # at most its budget, or one step's more (kv_eviction.py)
-            num_kv_tokens = min(num_kv_tokens, eviction.budget_tokens + eviction.max_step_tokens)
-        blocks_needed = -(-num_kv_tokens // block_size)
-        if blocks_needed > self.num_kv_blocks:
-            return (f"prompt + max_tokens = {num_prompt + max_tokens} tokens needs "
-                    f"{blocks_needed} KV blocks, more than the whole cache of "
-                    f"{self.num_kv_blocks} blocks ({self.num_kv_blocks * block_size} tokens)")
-        sched = self.config.scheduler
-        if (not sched.enable_chunked_prefill and eviction is None
-                and num_prompt > sched.max_num_batched_tokens):
-            return (f"prompt ({num_prompt} tokens) exceeds max_num_batched_tokens "
-                    f"({sched.max_num_batched_tokens}) and chunked prefill is disabled")
-        return None
+        limit = self.limits.length_error(num_prompt, request.sampling_params.max_tokens)
+        return None if limit is None else limit.message
 
     def add_request(self, request: Request) -> EngineCoreOutput | None:
         """Accept a request, or end it at once with an error output if it can never run."""

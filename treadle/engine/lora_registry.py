@@ -4,7 +4,7 @@ removal, and ids that keep their meaning.
 Owns the name -> LoRARequest map that requests are resolved against (the server looks a
 request's `model` up here), and every id ever registered with the adapter it meant: an id
 is never reused for another adapter, because it keys the worker's adapter caches and the
-root of the prefix-cache hash chain (core/kv_cache_manager.py). Registering an adapter
+root of the prefix-cache hash chain (core/kv/hashing.py). Registering an adapter
 checks its files against the model the worker reported (treadle/lora.py: modules, layers,
 ranks, shapes) and raises LoRAError naming what does not fit. Thread-safe: the server's
 event loop and the engine thread both use it. No torch; it never loads tensors (the

@@ -16,6 +16,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections import deque
 
+from treadle.core.kv.config import KVCacheConfig
 from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 
 
@@ -55,8 +56,9 @@ class Executor(ABC):
         smallest KV capacity)."""
 
     @abstractmethod
-    def initialize_cache(self, num_kv_blocks: int, num_swap_blocks: int) -> None:
-        """Allocate the KV cache and swap space on every worker."""
+    def initialize_cache(self, kv_config: KVCacheConfig) -> None:
+        """Allocate the KV cache and swap space the engine core decided on (its layer
+        groups and block counts, core/kv/config.py) on every worker."""
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

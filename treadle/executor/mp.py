@@ -29,6 +29,7 @@ from collections import deque
 from multiprocessing.connection import Connection, wait
 
 from treadle.config import EngineConfig
+from treadle.core.kv.config import KVCacheConfig
 from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 from treadle.executor.base import (Executor, WorkerDiedError, check_rpc_method,
                                    merge_worker_infos)
@@ -192,8 +193,8 @@ class MPExecutor(Executor):
     def load(self) -> WorkerInfo:
         return merge_worker_infos(self._call_all("load"))
 
-    def initialize_cache(self, num_kv_blocks: int, num_swap_blocks: int) -> None:
-        self._call_all("initialize_cache", num_kv_blocks, num_swap_blocks)
+    def initialize_cache(self, kv_config: KVCacheConfig) -> None:
+        self._call_all("initialize_cache", kv_config)
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         self._send("execute_model", scheduler_output)

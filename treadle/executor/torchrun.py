@@ -19,6 +19,7 @@ import logging
 import os
 
 from treadle.config import EngineConfig
+from treadle.core.kv.config import KVCacheConfig
 from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 from treadle.executor.base import (Executor, WorkerDiedError, check_rpc_method,
                                    merge_worker_infos)
@@ -95,8 +96,8 @@ class TorchrunExecutor(Executor):
     def load(self) -> WorkerInfo:
         return merge_worker_infos(self._run("load"))
 
-    def initialize_cache(self, num_kv_blocks: int, num_swap_blocks: int) -> None:
-        self._run("initialize_cache", num_kv_blocks, num_swap_blocks)
+    def initialize_cache(self, kv_config: KVCacheConfig) -> None:
+        self._run("initialize_cache", kv_config)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._run("execute_model", scheduler_output)

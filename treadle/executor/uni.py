@@ -11,6 +11,7 @@ reach the workers through `collective_rpc`, the same on every executor.
 from __future__ import annotations
 
 from treadle.config import EngineConfig
+from treadle.core.kv.config import KVCacheConfig
 from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 from treadle.executor.base import Executor, check_rpc_method
 
@@ -30,8 +31,8 @@ class UniExecutor(Executor):
     def load(self) -> WorkerInfo:
         return self._worker.load()
 
-    def initialize_cache(self, num_kv_blocks: int, num_swap_blocks: int) -> None:
-        self._worker.initialize_cache(num_kv_blocks, num_swap_blocks)
+    def initialize_cache(self, kv_config: KVCacheConfig) -> None:
+        self._worker.initialize_cache(kv_config)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._worker.execute_model(scheduler_output)

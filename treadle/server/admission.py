@@ -19,7 +19,8 @@ with predicted waits of 55 s while the ones admitted started within 6 s. A
 request beyond a bound is refused at once with the seconds after which a retry may pass
 (HTTP 429 with Retry-After); one that no wait could ever admit (it costs more than a
 tenant's whole quota) is `NeverAdmissible` (HTTP 400), checked before anything is
-counted. Pure bookkeeping: no engine, no I/O, time passed in.
+counted. Pure bookkeeping: no engine, no I/O, time passed in. Whether a request fits the
+engine at all (context, KV cache) is `request_max_tokens`, which asks the engine's limits.
 """
 
 from __future__ import annotations
@@ -58,6 +59,22 @@ class NeverAdmissible(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+def request_max_tokens(limits, num_prompt: int, requested: int | None,
+                       default: int | None) -> int:
+    """max_tokens for a prompt of `num_prompt` tokens: the requested count, else the
+    default cut to what fits (the context and the KV cache). NeverAdmissible naming the
+    field and the limit when the engine would refuse the request: the rule is the engine
+    core's own (`EngineLimits.length_error`, engine/limits.py), never a copy."""
+    if not num_prompt:
+        raise NeverAdmissible("prompt is empty: at least one token is needed", "prompt")
+    fits = max(1, limits.max_request_tokens - num_prompt)
+    max_tokens = requested if requested is not None else min(default or fits, fits)
+    error = limits.length_error(num_prompt, max_tokens)
+    if error is not None:
+        raise NeverAdmissible(error.message, error.field)
+    return max_tokens
 
 
 @dataclass

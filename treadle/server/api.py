@@ -29,7 +29,7 @@ from treadle.engine.async_engine import AsyncEngine, EngineDeadError, EngineFail
 from treadle.sampling_params import SamplingParams
 from treadle.server import protocol
 from treadle.server.admission import (AdmissionControl, AdmissionLimits, NeverAdmissible,
-                                      Overloaded)
+                                      Overloaded, request_max_tokens)
 from treadle.server.auth import KeyRing, Tenant
 from treadle.server.dashboard import install_observability
 from treadle.server.errors import (APIError, error_body, error_field, error_response,
@@ -211,29 +211,12 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
 
     def check_lengths(prompt_ids: list[int], requested: int | None, default: int | None):
         """max_tokens for this prompt: the requested or default count, within the context
-        and the whole KV cache (a 400 naming the field otherwise)."""
-        if not prompt_ids:
-            raise APIError(400, "prompt is empty: at least one token is needed", "prompt")
-        room = max_model_len - len(prompt_ids)
-        if room < (0 if requested == 0 else 1):
-            raise APIError(400, f"prompt has {len(prompt_ids)} tokens, but the model's context "
-                           f"length is {max_model_len} tokens", "prompt")
-        fits = max(1, limits.max_request_tokens - len(prompt_ids))  # context and KV cache
-        max_tokens = requested if requested is not None else min(default or fits, fits)
-        if len(prompt_ids) + max_tokens > max_model_len:
-            raise APIError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) "
-                           f"= {len(prompt_ids) + max_tokens} exceeds the model's context "
-                           f"length of {max_model_len} tokens", "max_tokens")
-        check_fits_kv(len(prompt_ids), max_tokens)
-        return max_tokens
-
-    def check_fits_kv(num_prompt: int, max_tokens: int) -> None:
-        capacity = limits.num_kv_tokens
-        if num_prompt + max_tokens > capacity:
-            field = "prompt" if num_prompt >= capacity else "max_tokens"
-            raise APIError(400, f"{field}: prompt ({num_prompt} tokens) + max_tokens "
-                           f"({max_tokens}) = {num_prompt + max_tokens} tokens, more than the "
-                           f"whole KV cache holds ({capacity} tokens)", field)
+        and the whole KV cache (a 400 naming the field otherwise; the engine core's rule,
+        server/admission.py request_max_tokens)."""
+        try:
+            return request_max_tokens(limits, len(prompt_ids), requested, default)
+        except NeverAdmissible as exc:
+            raise APIError(400, str(exc), exc.param) from None
 
     def admit(tenant: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0):
         try:

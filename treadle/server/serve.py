@@ -17,6 +17,7 @@ import time
 
 import uvicorn
 
+from treadle.compat import check_serving
 from treadle.config import EngineConfig, ServerConfig
 from treadle.engine.async_engine import AsyncEngine
 from treadle.server.api import build_app
@@ -111,9 +112,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig,
           replica_config=None) -> int:
     keyring = KeyRing.from_options(server_config.api_key, server_config.api_keys_file)
     lora_modules = parse_lora_modules(server_config.lora_modules)
-    if (lora_modules or server_config.enable_lora_runtime_updates) \
-            and not engine_config.lora.enable_lora:
-        raise ValueError("lora_modules and enable_lora_runtime_updates need enable_lora")
+    check_serving(engine_config, server_config, replica_config)  # treadle/compat.py
     engine = make_engine(engine_config, server_config, replica_config)
     try:
         for name, path in lora_modules:  # LoRAError (a ValueError) names what does not fit

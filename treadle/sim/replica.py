@@ -24,6 +24,7 @@ from treadle.core.outputs import EngineCoreOutput
 from treadle.core.policy import PreemptionCosts
 from treadle.core.scheduler import Scheduler
 from treadle.engine.core import EngineCore
+from treadle.engine.limits import EngineLimits
 from treadle.engine.trace import step_features
 from treadle.request import Request
 from treadle.router.routers import ReplicaLoad
@@ -59,6 +60,7 @@ class _AdmissionFacts:
         self.vocab_size = spec.vocab_size
         self.max_model_len = spec.max_model_len
         self.num_kv_blocks = spec.num_kv_blocks
+        self.limits = EngineLimits.from_core(self)
 
 
 class Replica:

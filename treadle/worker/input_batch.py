@@ -61,7 +61,7 @@ class InputBatch:
         self.block_table = np.zeros((num_rows, max(max_blocks_per_request, 1)), dtype=np.int64)
         self.sliding_block_table: np.ndarray | None = None
         """The sliding-window layers' tables, same rows and columns (None until a step
-        message carries one: core/kv_sliding.py)."""
+        message carries one: core/kv/sliding.py)."""
         self._free_rows = list(range(num_rows - 1, -1, -1))
 
     def update(self, scheduler_output: SchedulerOutput) -> list[CachedRequestState]:

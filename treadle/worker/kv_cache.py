@@ -1,9 +1,11 @@
 """The KV-cache tensors: their layout and dtype, how many blocks fit in the memory given,
 the per-layer tensors, the swap space, and block copies between them.
 
-Owns the physical storage only; which request uses which block is decided in core/, and
-how attention reads a layout is its backend's business (worker/attention). A layout is
-named by the backend that uses it:
+Owns the physical storage only, the worker side of the engine core's KV specs
+(core/kv/specs.py: what a group is and what a slot stores; core/kv/config.py: how many
+blocks each layer's tensor gets, decided once by the engine core). Which request uses
+which block is decided in core/, and how attention reads a layout is its backend's
+business (worker/attention). A layout is named by the backend that uses it:
 
 - `heads_first`: per layer [2 (K, V), num_kv_heads, num_blocks, block_size, head_dim].
   The head dimension outermost makes a gather of a request's blocks yield [kv_heads,
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from treadle.core.kv.specs import CACHE_DTYPES
 from treadle.worker import kv_quant
 from treadle.worker.huge_pages import HugePageArena
 
@@ -36,7 +39,8 @@ KV_LAYOUTS = {"heads_first": 2, "blocks_first": 1}
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """One layer's KV layout and dtype, and the model's number of layers."""
+    """One layer's KV tensor layout and dtype, and the number of layers: the tensors of a
+    core KV spec's group (its `cache_dtype`, one of core/kv/specs.py `CACHE_DTYPES`)."""
 
     num_layers: int
     num_kv_heads: int
@@ -73,9 +77,10 @@ class KVCacheSpec:
     @property
     def bytes_per_token(self) -> int:
         """2 (K and V) x layers x KV heads x row bytes (head dim x dtype bytes, or a
-        quantized row: head dim + its 4-byte scale)."""
-        itemsize = torch.empty((), dtype=self.storage_dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.row_elements * itemsize
+        quantized row: head dim + its scale, as the cache dtype declares it)."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        row = CACHE_DTYPES[self.kv_cache_dtype].row_bytes(self.head_dim, itemsize)
+        return 2 * self.num_layers * self.num_kv_heads * row
 
     def num_blocks_for_memory(self, num_bytes: int, block_size: int) -> int:
         return num_bytes // (self.bytes_per_token * block_size)

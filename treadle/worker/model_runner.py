@@ -128,13 +128,16 @@ class ModelRunner:
                  parallel: ParallelContext | None = None,
                  grammar: GrammarState | None = None,
                  start_copies: Callable[[Callable[[], None]], Callable[[], None]] | None = None,
-                 proposer: Proposer | None = None, lora=None, h2o=None) -> None:
+                 proposer: Proposer | None = None, lora=None, h2o=None,
+                 num_sliding_cache_blocks: int | None = None) -> None:
         """`swap_caches` hold swapped-out blocks (same layout as kv_caches); `grammar` the
         structured-output state and `proposer` speculative decoding's (the output rank's);
         `start_copies` runs the step's swap copies and returns the wait before compute
         (Platform.start_copies; by default they run at once); `lora`: the worker's
         LoRAManager, None without LoRA; `h2o`: heavy-hitter eviction's HeavyHitterTracker
-        (worker/h2o.py), None without eviction."""
+        (worker/h2o.py), None without eviction; `num_sliding_cache_blocks`: blocks of
+        the sliding-window layers' caches when they have their own pool (the KV config's
+        sliding group, core/kv/config.py), else None."""
         self.h2o = h2o
         self.model = model
         self.lora = lora
@@ -148,9 +151,9 @@ class ModelRunner:
         self.attention = attention
         self.block_size = block_size
         self.num_cache_blocks = num_cache_blocks
-        self.num_sliding_cache_blocks = num_cache_blocks
-        """Blocks of the sliding-window layers' caches (set by the worker when they have
-        their own pool, core/kv_sliding.py)."""
+        self.num_sliding_cache_blocks = (num_cache_blocks if num_sliding_cache_blocks is None
+                                         else num_sliding_cache_blocks)
+        """Blocks of the sliding-window layers' caches."""
         self.block_dim = block_dim
         self.device = device
         self.sampler = sampler

@@ -12,8 +12,9 @@ output rank the speculative proposer (worker/spec: with `draft`, the draft model
 KV cache, counted in the blocks that fit; with an adaptive policy, the measured step
 costs in WorkerInfo; it proposes without adapters, docs/lora.md).
 Its life has three calls, made by an executor (treadle/executor): `load()` (model,
-kernels, probes -> a WorkerInfo), `initialize_cache(num_kv_blocks, num_swap_blocks)`
-(the core decides the block counts from what every worker reported), then
+kernels, probes -> a WorkerInfo), `initialize_cache(kv_config)` (the core decides the
+KV layer groups and block counts from what every worker reported, core/kv/config.py;
+the worker allocates them as given and derives nothing again), then
 `execute_model(scheduler_output)` once per step. It never decides policy.
 """
 
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 
 from treadle.config import EngineConfig
-from treadle.core.kv_sliding import layer_groups
+from treadle.core.kv.config import KVCacheConfig, kv_cache_config
 from treadle.worker.h2o import HeavyHitterTracker
 from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 from treadle.core.policy import PreemptionCosts
@@ -225,49 +226,33 @@ class Worker:
                 self.hf_config, self.dtype)
         return whole.num_parameters
 
-    def initialize_cache(self, num_kv_blocks: int, num_swap_blocks: int) -> None:
-        """Allocate the KV cache and swap space the core decided on; make the runner."""
-        self.runner = self._make_runner(num_kv_blocks, num_swap_blocks)
+    def initialize_cache(self, kv_config: KVCacheConfig) -> None:
+        """Allocate the KV cache and swap space of the engine core's KV config (its layer
+        groups and block counts, core/kv/config.py); make the runner."""
+        self.runner = self._make_runner(kv_config)
         self._enable_default_graphs()
 
-    def _layer_groups(self, num_kv_blocks: int):
-        """The split of the KV memory between full and sliding-window layers, as the
-        engine core makes it (core/kv_sliding.layer_groups), or None."""
-        sched = self.config.scheduler
-        return layer_groups(getattr(self.model, "layer_windows", ()), num_kv_blocks,
-                            self.config.cache.block_size, sched.max_num_seqs,
-                            sched.max_num_batched_tokens, self.max_model_len)
-
-    def _allocate_kv(self, num_kv_blocks: int, groups) -> list[torch.Tensor]:
-        """One KV tensor per local layer: the full layers' with the full group's blocks,
-        the sliding layers' with the sliding group's."""
-        block_size, device = self.config.cache.block_size, self.platform.device
-        if groups is None:
-            return allocate_kv_caches(self.kv_spec, num_kv_blocks, block_size, device)
+    def _allocate_kv(self, kv_config: KVCacheConfig) -> list[torch.Tensor]:
+        """One KV tensor per local layer, with its layer group's blocks."""
+        block_size, device = kv_config.block_size, self.platform.device
+        counts = [kv_config.num_blocks_of_layer(i) for i in range(*self.model.layer_range)]
+        if len(set(counts)) == 1:
+            return allocate_kv_caches(self.kv_spec, counts[0], block_size, device)
         one = dataclasses.replace(self.kv_spec, num_layers=1)
-        windows = self.model.layer_windows[slice(*self.model.layer_range)]
-        return [allocate_kv_caches(one, groups.num_sliding_blocks if w is not None
-                                   else groups.num_full_blocks, block_size, device)[0]
-                for w in windows]
+        return [allocate_kv_caches(one, n, block_size, device)[0] for n in counts]
 
-    def _make_runner(self, num_kv_blocks: int, num_swap_blocks: int) -> ModelRunner:
-        block_size = self.config.cache.block_size
+    def _make_runner(self, kv_config: KVCacheConfig) -> ModelRunner:
+        block_size = kv_config.block_size
         device = self.platform.device
-        groups = self._layer_groups(num_kv_blocks)
-        if groups is not None:
-            if self.config.speculative.method in ("self", "draft"):
-                raise ValueError(f"speculative method {self.config.speculative.method!r} "
-                                 "does not support models with sliding-window layers")
-            num_swap_blocks = 0  # such requests are preempted by recompute
-        kv_caches = self._allocate_kv(num_kv_blocks, groups)
-        if groups is not None:
-            num_kv_blocks = groups.num_full_blocks
+        num_kv_blocks, num_swap_blocks = kv_config.num_blocks, kv_config.num_swap_blocks
+        kv_caches = self._allocate_kv(kv_config)
         swap_caches = (allocate_swap_space(self.kv_spec, num_swap_blocks, block_size,
                                            self.platform.pin_swap_memory)
                        if num_swap_blocks else None)
         sampler = Sampler(self.config.model.seed, self._sampler_kernels(), device)
         proposer = self._make_proposer(kv_caches, num_kv_blocks, num_swap_blocks, sampler)
-        runner = ModelRunner(self.model, kv_caches, self.attention, block_size,
+        sliding = kv_config.sliding
+        return ModelRunner(self.model, kv_caches, self.attention, block_size,
                            num_kv_blocks, self.max_model_len, sampler, device,
                            swap_caches, self.kv_spec.block_dim, self.eos_token_id,
                            self.parallel,
@@ -275,21 +260,23 @@ class Worker:
                                         self.eos_token_id,
                                         self.config.model.grammar_mask_budget_ms / 1e3),
                            start_copies=self.platform.start_copies, proposer=proposer,
-                           lora=self.lora, h2o=self._make_h2o(groups))
-        if groups is not None:
-            runner.num_sliding_cache_blocks = groups.num_sliding_blocks
-        return runner
+                           lora=self.lora, h2o=self._make_h2o(kv_config),
+                           num_sliding_cache_blocks=None if sliding is None
+                           else sliding.num_blocks)
 
-    def _make_h2o(self, groups) -> HeavyHitterTracker | None:
-        """Heavy-hitter eviction's scores and compactions (worker/h2o.py), when configured."""
-        cache = self.config.cache
-        if cache.kv_eviction == "none":
+    def _make_h2o(self, kv_config: KVCacheConfig) -> HeavyHitterTracker | None:
+        """Heavy-hitter eviction's scores and compactions (worker/h2o.py), when the KV
+        config's request-level group evicts."""
+        if kv_config.eviction is None:
             return None
-        if groups is not None:
-            raise ValueError("kv_eviction h2o does not support models with sliding-window "
-                             "layers")
-        return HeavyHitterTracker(cache.block_size, self.kv_spec.block_dim,
-                                  cache.kv_cache_dtype)
+        return HeavyHitterTracker(kv_config.block_size, self.kv_spec.block_dim,
+                                  self.config.cache.kv_cache_dtype)
+
+    def _kv_config(self, num_kv_blocks: int, num_swap_blocks: int) -> KVCacheConfig:
+        """A KV config of this many blocks for a scratch runner of the worker's own (the
+        start-up cost probe), made by the function the engine core uses."""
+        return kv_cache_config(self.config, tuple(getattr(self.model, "layer_windows", ())),
+                               self.max_model_len, num_kv_blocks, num_swap_blocks)
 
     # ----- speculative decoding --------------------------------------------------------------
 
@@ -374,7 +361,7 @@ class Worker:
             raise ValueError(f"speculative_config: the KV cache ({blocks} blocks) cannot hold "
                              "one request of the start-up cost probe; give more "
                              "kv_cache_memory or set adaptive false")
-        runner = self._make_runner(max_rows * per_row, 0)
+        runner = self._make_runner(self._kv_config(max_rows * per_row, 0))
         costs = measure_spec_costs(runner, runner.proposer, self.model.vocab_size, max_rows,
                                    k, sched.max_num_batched_tokens, cache.block_size,
                                    context=context, seed=self.config.model.seed)

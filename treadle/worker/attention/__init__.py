@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from treadle.compat import backends_reading, check_attention_backend
 from treadle.worker.attention.base import (AttentionBackend, AttentionLayer, AttentionStep,
                                            Rotary)
 
@@ -25,13 +26,10 @@ logger = logging.getLogger(__name__)
 BACKEND_NAMES = ("auto", "cpu-native", "triton", "torch", "reference")
 ALIASES = {"native": "cpu-native"}
 """Earlier names still accepted."""
-KV_CACHE_DTYPE_SUPPORT = {
-    "cpu-native": ("auto", "int8"),
-    "triton": ("auto", "fp8_e4m3"),  # a uint8 cache: fp8 rows (worker/triton/common.py)
-    "torch": ("auto", "int8", "fp8_e4m3"),
-    "reference": ("auto", "int8", "fp8_e4m3"),
-}
-"""The `kv_cache_dtype`s each backend reads and writes (worker/kv_quant.py)."""
+KV_CACHE_DTYPE_SUPPORT = backends_reading()
+"""The `kv_cache_dtype`s each backend reads and writes (worker/kv_quant.py), as the cache
+dtypes declare them (core/kv/specs.py `CACHE_DTYPES`; triton: fp8 rows of a uint8 cache,
+worker/triton/common.py)."""
 
 
 def make_attention_backend(name: str, platform: Any, num_kv_heads: int, head_dim: int,
@@ -56,9 +54,7 @@ def make_attention_backend(name: str, platform: Any, num_kv_heads: int, head_dim
                              f"{platform.name}; it has {', '.join(platform.attention_backends)}")
         if kv_cache_dtype not in KV_CACHE_DTYPE_SUPPORT[candidate]:
             if name != "auto":
-                raise ValueError(f"attention backend {candidate!r} cannot read "
-                                 f"kv_cache_dtype={kv_cache_dtype!r}; it reads "
-                                 f"{', '.join(KV_CACHE_DTYPE_SUPPORT[candidate])}")
+                check_attention_backend(candidate, kv_cache_dtype)  # raises, naming both
             continue
         backend = _build(candidate, platform, num_kv_heads, head_dim, dtype, kernels,
                          layer_ops, kv_cache_dtype)

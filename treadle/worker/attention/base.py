@@ -60,7 +60,7 @@ class AttentionStep:
     block_size: int
     num_cache_blocks: int
     sliding: "AttentionStep | None" = None
-    """The same step over the sliding-window layers' tables and cache (core/kv_sliding.py:
+    """The same step over the sliding-window layers' tables and cache (core/kv/sliding.py:
     their own block ids, slots and block count), or None when they share the main ones."""
 
     @property

@@ -77,7 +77,7 @@ class ReferenceBackend(AttentionBackend):
         window = layer.sliding_window
         for first, num_new, ctx, slots in meta.rows:
             # Keys before the first query's window are never read (their blocks may have
-            # been freed and reused: core/kv_cache_manager.py's sliding group).
+            # been freed and reused: core/kv/sliding.py).
             lo = 0 if window is None else max(0, ctx - num_new - window + 1)
             k, v = flat[0][:, slots[lo:]], flat[1][:, slots[lo:]]
             if self.quantized:

@@ -96,7 +96,7 @@ def _first_blocks(step: AttentionStep, first_query: np.ndarray,
                   window: int | None) -> np.ndarray:
     """Per row, the first block holding a key its queries may see: 0 without a window,
     else the block of position first_query - window + 1 (earlier blocks are never read:
-    the KV manager may have freed them, core/kv_cache_manager.py)."""
+    the KV manager may have freed them, core/kv/sliding.py)."""
     if window is None:
         return np.zeros(first_query.shape, dtype=np.int64)
     return np.maximum(first_query - window + 1, 0) // step.block_size

@@ -5,7 +5,7 @@ to slot_mapping[token] (block = slot // block_size, offset = slot % block_size) 
 cache layout in common.py, casting to the cache's dtype. A token whose slot is negative
 is skipped: that is how the rows that pad a CUDA graph's batch are marked, the same
 convention as the cache-write kernels of FlashAttention and FlashInfer users, so a padded
-batch is valid for any of them. It does not decide slots (core/kv_cache_manager does).
+batch is valid for any of them. It does not decide slots (core/kv/manager.py does).
 
 Into a uint8 cache (fp8_e4m3 rows, worker/kv_quant.py) it quantizes as kv_quant does: per
 (token, KV head) scale = fp16(max|x| / 448), values e4m3(x / scale) with IEEE division

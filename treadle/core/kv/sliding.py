@@ -1,13 +1,13 @@
-"""The sliding-window layer group's blocks: a second block table per request whose blocks
+"""The sliding-window group's manager: a second block table per request whose blocks
 are freed once they fall out of the window.
 
 A model whose layers are partly (Gemma 3: five in six) or wholly (Mistral) sliding-window
 layers keeps two layer groups, as vLLM's hybrid KV manager does: the full-attention layers
-hold every block of a request (kv_cache_manager's table and pool), the sliding layers hold
+hold every block of a request (core/kv/full.py's table and pool), the sliding layers hold
 only the blocks a query can still see, from their own pool and KV tensors. A query at
 position p sees keys p - window + 1 .. p, so before a step whose first new token sits at
 position c, every sliding block wholly before position c - window + 1 is freed (and again
-after the step, for the next one); a request then holds at most
+after the step, for the next one: `remove_skipped_blocks`); a request then holds at most
 ceil((window - 1) / block_size) + 1 sliding blocks between steps, plus the blocks of the
 tokens it computes in a step.
 
@@ -22,74 +22,31 @@ cached-free and not yet evicted); the hit is shortened to the longest such k. So
 never goes beyond what the sliding layers can attend from: blocks freed out of the window
 and since evicted cut it short.
 
-`split_blocks` sizes both pools from one memory budget. No torch here.
+How the memory splits between the two groups is core/kv/config.py's. No torch here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from treadle.core.block_pool import BlockPool, KVBlock
+from treadle.core.kv.block_pool import BlockPool, KVBlock
+from treadle.core.kv.interface import BlockHashes, SpecManager
+from treadle.core.kv.specs import SlidingWindowSpec
+from treadle.request import Request
 
 PLACEHOLDER_BLOCK = 0
 """The id written in a table entry whose block was freed or never held (never read)."""
 
 
-@dataclass(frozen=True)
-class LayerGroups:
-    """How a model's KV memory splits between its full and its sliding layers."""
-
-    window: int
-    num_full_layers: int
-    num_sliding_layers: int
-    num_full_blocks: int
-    """Blocks of the full group (the request-level capacity: every token of a context
-    holds one slot there). Without full layers it is bookkeeping only (no tensors)."""
-    num_sliding_blocks: int
-
-
-def layer_groups(layer_windows: list[int | None] | tuple, num_blocks: int, block_size: int,
-                 max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int) -> LayerGroups | None:
-    """The two groups' block counts for the memory of `num_blocks` whole-model blocks, or
-    None when no layer slides (or the window covers the whole context).
-
-    Memory is counted in layer-blocks: num_blocks * num_layers of them. The sliding pool
-    gets what the most requests the scheduler runs at once can hold (each its window plus
-    two partial blocks, and together one step's worth of new tokens), and never more than
-    it would without a window; the full layers get the rest. Both the engine core and the
-    worker call this with the same figures, so they agree without a message."""
-    windows = {w for w in layer_windows if w is not None}
-    if not windows:
-        return None
-    if len(windows) > 1:
-        raise ValueError(f"layers with different sliding windows {sorted(windows)} are not "
-                         "supported (one sliding group)")
-    window = windows.pop()
-    if window >= max_model_len:
-        return None  # the window never cuts anything: plain full attention
-    num_layers = len(layer_windows)
-    num_sliding = sum(w is not None for w in layer_windows)
-    num_full = num_layers - num_sliding
-    per_request = -(-(window - 1) // block_size) + 2
-    need = max_num_seqs * per_request + -(-max_num_batched_tokens // block_size)
-    num_sliding_blocks = min(num_blocks, need)
-    if num_full:
-        num_full_blocks = (num_blocks * num_layers - num_sliding_blocks * num_sliding) // num_full
-    else:  # bookkeeping only: room for every request's whole context, within reason
-        contexts = max_num_seqs * -(-max_model_len // block_size)
-        num_full_blocks = max(num_blocks, min(contexts, 16 * num_blocks))
-    return LayerGroups(window, num_full, num_sliding, num_full_blocks, num_sliding_blocks)
-
-
-class SlidingWindowGroup:
+class SlidingWindowManager(SpecManager):
     """Per request, the sliding layers' blocks by block index: a KVBlock while held, None
     once freed (or never held, before a prefix hit's window)."""
 
-    def __init__(self, num_blocks: int, block_size: int, window: int) -> None:
+    frees_skipped_blocks = True
+
+    def __init__(self, spec: SlidingWindowSpec, num_blocks: int) -> None:
+        self.spec = spec
         self.pool = BlockPool(num_blocks)
-        self.block_size = block_size
-        self.window = window
+        self.block_size = spec.block_size
+        self.window = spec.window
         self._tables: dict[str, list[KVBlock | None]] = {}
         self._ids: dict[str, list[int]] = {}
         self._num_cached: dict[str, int] = {}
@@ -110,29 +67,37 @@ class SlidingWindowGroup:
 
     # ----- prefix hits --------------------------------------------------------------------
 
-    def usable_hit(self, hashes: list[bytes], num_hit_blocks: int) -> int:
-        """The longest k <= num_hit_blocks for which the sliding pool holds the blocks of
-        the window before position k * block_size."""
-        for k in range(num_hit_blocks, 0, -1):
+    def find_longest_cache_hit(self, hashes: BlockHashes, max_blocks: int) -> int:
+        """The longest k <= max_blocks for which the sliding pool holds the blocks of the
+        window before position k * block_size."""
+        if not max_blocks:
+            return 0
+        block_hashes = hashes(max_blocks)
+        for k in range(max_blocks, 0, -1):
             first = self.first_needed_block(k * self.block_size)
-            if all(self.pool.lookup(h) is not None for h in hashes[first:k]):
+            if all(self.pool.lookup(h) is not None for h in block_hashes[first:k]):
                 return k
         return 0
 
-    def hit_blocks(self, hashes: list[bytes], num_hit_blocks: int) -> list[KVBlock] | None:
+    def hit_blocks(self, hashes: BlockHashes, num_hit_blocks: int) -> list[KVBlock] | None:
         """The cached sliding blocks of a k-block hit (the window before it), or None
-        when one was evicted since usable_hit."""
+        when one was evicted since the hit was found."""
+        if not num_hit_blocks:
+            return []
         first = self.first_needed_block(num_hit_blocks * self.block_size)
-        blocks = [self.pool.lookup(h) for h in hashes[first:num_hit_blocks]]
+        blocks = [self.pool.lookup(h) for h in hashes(num_hit_blocks)[first:num_hit_blocks]]
         return None if any(b is None for b in blocks) else blocks
 
     # ----- allocation ---------------------------------------------------------------------
 
-    def num_blocks_short(self, request_id: str, num_computed: int, num_tokens_after: int,
-                         hit: list[KVBlock] = ()) -> int:
-        """Blocks missing for the request to hold [num_computed, num_tokens_after) after
-        freeing what falls out of the window (negative: spare)."""
-        table = self._tables.get(request_id, ())
+    def num_blocks_short(self, request: Request, num_hit_blocks: int, hit: list[KVBlock],
+                         num_new_tokens: int) -> int:
+        """Blocks missing for the request to hold its new tokens after freeing what falls
+        out of the window (negative: spare)."""
+        num_computed = request.num_computed_tokens + num_hit_blocks * self.block_size
+        num_tokens_after = request.num_kv_tokens + num_hit_blocks * self.block_size \
+            + num_new_tokens
+        table = self._tables.get(request.request_id, ())
         first = self.first_needed_block(num_computed)
         num_after = -(-num_tokens_after // self.block_size)
         start = max(len(table), first) if not hit else num_computed // self.block_size
@@ -140,10 +105,13 @@ class SlidingWindowGroup:
         needed = max(num_after - start, 0) + self.pool.num_reusable_from_free(hit)
         return needed - self.pool.num_free_blocks - freeable
 
-    def allocate(self, request_id: str, num_computed: int, num_tokens_after: int,
-                 hit: list[KVBlock] = ()) -> None:
-        """Hold the blocks of [num_computed, num_tokens_after) (the caller checked
+    def allocate(self, request: Request, num_hit_blocks: int, hit: list[KVBlock],
+                 num_new_tokens: int) -> None:
+        """Hold the blocks of the request's new tokens (the caller checked
         num_blocks_short); `hit`: a new request's prefix-hit blocks (hit_blocks)."""
+        request_id = request.request_id
+        num_computed = request.num_computed_tokens + num_hit_blocks * self.block_size
+        num_tokens_after = num_computed + num_new_tokens
         table = self._tables.setdefault(request_id, [])
         ids = self._ids.setdefault(request_id, [])
         if hit:
@@ -157,7 +125,7 @@ class SlidingWindowGroup:
             ids.extend(b.block_id for b in hit)
             self._num_cached[request_id] = num_hit
             self._first_held[request_id] = first
-        self.release_out_of_window(request_id, num_computed)
+        self.remove_skipped_blocks(request_id, num_computed)
         num_after = -(-num_tokens_after // self.block_size)
         first = self.first_needed_block(num_computed)
         if len(table) < first:  # blocks skipped whole (never needed): placeholders
@@ -168,11 +136,11 @@ class SlidingWindowGroup:
             table.extend(new_blocks)
             ids.extend(b.block_id for b in new_blocks)
 
-    def release_out_of_window(self, request_id: str, next_query_pos: int) -> int:
-        """Free the blocks no query from `next_query_pos` on can see; how many."""
+    def remove_skipped_blocks(self, request_id: str, next_query_pos: int) -> None:
+        """Free the blocks no query from `next_query_pos` on can see."""
         table = self._tables.get(request_id)
         if table is None:
-            return 0
+            return
         first = min(self.first_needed_block(next_query_pos), len(table))
         start = self._first_held.get(request_id, 0)
         dropped = [b for b in table[start:first] if b is not None]
@@ -182,28 +150,33 @@ class SlidingWindowGroup:
             self._first_held[request_id] = first
         if dropped:
             self.pool.free(reversed(dropped))
-        return len(dropped)
 
-    def cache_full_blocks(self, request_id: str, hashes: list[bytes], num_full: int) -> None:
+    def cache_blocks(self, request: Request, num_full_blocks: int,
+                     hashes: BlockHashes) -> None:
         """Register the request's newly full blocks still held under their prefix hashes."""
+        request_id = request.request_id
         table = self._tables.get(request_id)
-        if table is None:
-            return
         start = self._num_cached.get(request_id, 0)
-        for i in range(start, min(num_full, len(table))):
-            if table[i] is not None:
-                self.pool.cache(table[i], hashes[i])
-        self._num_cached[request_id] = max(start, num_full)
-
-    def trim(self, request_id: str, keep: int) -> None:
-        """Roll back to the first `keep` blocks (kv_cache_manager.trim)."""
-        table = self._tables.get(request_id)
-        if table is None or len(table) <= keep:
+        if table is None or num_full_blocks <= start:
             return
-        dropped = [b for b in table[keep:] if b is not None]
-        del table[keep:]
-        del self._ids[request_id][keep:]
+        block_hashes = hashes(num_full_blocks)
+        for i in range(start, min(num_full_blocks, len(table))):
+            if table[i] is not None:
+                self.pool.cache(table[i], block_hashes[i])
+        self._num_cached[request_id] = num_full_blocks
+
+    # ----- release ------------------------------------------------------------------------
+
+    def trim(self, request_id: str, num_kept_blocks: int) -> list[int]:
+        """Roll back to the first `num_kept_blocks` entries."""
+        table = self._tables.get(request_id)
+        if table is None or len(table) <= num_kept_blocks:
+            return []
+        dropped = [b for b in table[num_kept_blocks:] if b is not None]
+        del table[num_kept_blocks:]
+        del self._ids[request_id][num_kept_blocks:]
         self.pool.free(reversed(dropped))
+        return [b.block_id for b in dropped]
 
     def free(self, request_id: str) -> None:
         table = self._tables.pop(request_id, None)
@@ -212,3 +185,9 @@ class SlidingWindowGroup:
         self._first_held.pop(request_id, None)
         if table:
             self.pool.free(reversed([b for b in table if b is not None]))
+
+
+def SlidingWindowGroup(num_blocks: int, block_size: int, window: int) -> SlidingWindowManager:
+    """The sliding group's manager from its three numbers, as the scheduler builds it from
+    the engine core's LayerGroups (core/kv/config.py)."""
+    return SlidingWindowManager(SlidingWindowSpec(block_size, window=window), num_blocks)

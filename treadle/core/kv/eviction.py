@@ -11,7 +11,7 @@ scores, worker/h2o.py); this module decides when and how many, from counts alone
 - A step that would take the request past its budget first compacts it to
   `budget - max(new tokens, stride)` tokens: the kept tokens move, in their order, to the
   front of the request's own block table, and the blocks past them are freed
-  (core/kv_cache_manager.py `compact`). Compacting by a stride rather than by one token
+  (core/kv/h2o.py `compact`). Compacting by a stride rather than by one token
   per decode step copies the kept KV once every `stride` steps, not every step; the cache
   then stays between `budget - stride` and `budget` tokens.
 - A step computes at most `max_step_tokens` = (budget - recent) / 2 tokens of such a
@@ -21,7 +21,8 @@ scores, worker/h2o.py); this module decides when and how many, from counts alone
   real position: keys are stored rotated); cache slots count only the kept ones
   (`Request.num_kv_tokens`).
 
-No torch here.
+The spec (core/kv/specs.py `H2OSpec`) carries this budget; the manager (core/kv/h2o.py)
+applies it to block tables. No torch here.
 """
 
 from __future__ import annotations
