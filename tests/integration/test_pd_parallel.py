@@ -133,6 +133,6 @@ def test_pipeline_parallelism_is_refused_at_start(tmp_path):
     from conftest import make_tiny_checkpoint
 
     model = make_tiny_checkpoint(tmp_path / "llama", "llama")
-    with pytest.raises(ValueError, match="P/D.*pipeline_parallel_size > 1"):
+    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 does not support P/D disaggregation"):
         PDEngine(EngineConfig.from_options(model=model, dtype="float32", num_kv_blocks=64,
                                            num_threads=1, pipeline_parallel_size=2))
