@@ -23,7 +23,7 @@ logits are gathered to the stage's first rank, the output rank, which alone samp
 answers (worker/parallel_state.py); the other ranks return None.
 
 On a GPU, a step of decodes only replays a CUDA graph of the forward pass captured at its
-padded batch size (worker/decode_graphs.py) instead of building the attention metadata
+padded batch size (worker/cuda/decode_graphs.py) instead of building the attention metadata
 and calling the model; every other step runs eagerly, and so does a step with a row that
 has a LoRA adapter (the graphs hold no adapter terms).
 
@@ -43,7 +43,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,13 +51,13 @@ import torch
 
 from treadle.core.outputs import (ModelRunnerOutput, PromptLogprobs, ScheduledRequest,
                                   SchedulerOutput, StepTimings)
-from treadle.worker.attention import AttentionBackend, AttentionStep
-from treadle.worker.decode_graphs import DecodeGraphs
+from treadle.layers.attention import AttentionStep
+from treadle.layers.parallel import ParallelContext
+from treadle.worker.attention import AttentionBackend
 from treadle.worker.grammar import GrammarState
 from treadle.worker.input_batch import CachedRequestState, InputBatch
 from treadle.worker.kv_cache import copy_blocks
 from treadle.worker.platform import no_wait, run_copies_now
-from treadle.worker.parallel_state import ParallelContext
 from treadle.worker.sampler import (Sampler, group_order, prompt_logprobs,
                                     takes_plain_argmax)
 from treadle.worker.spec.base import ProposalBatch, ProposalRequest, Proposer
@@ -157,8 +157,9 @@ class ModelRunner:
         self.eos_token_id = eos_token_id
         """The model's end-of-sequence id, masked until a request's min_tokens."""
         self.batch = InputBatch(-(-max_model_len // block_size))
-        self.decode_graphs: DecodeGraphs | None = None
-        """Captured decode steps (worker/decode_graphs.py; the GPU's, unless enforce_eager)."""
+        self.decode_graphs: Any = None
+        """Captured decode steps (worker/cuda/decode_graphs.py DecodeGraphs: the GPU's,
+        unless enforce_eager), or None."""
         self.proposer = proposer
         self.rejection = RejectionSampler(sampler, eos_token_id)
 

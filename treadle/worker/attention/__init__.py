@@ -1,10 +1,12 @@
 """Attention backends behind one interface (base.py), and the choice among them.
 
-Backends: `cpu-native` (the C kernels, CPU), `triton` (the Triton kernels: GPU, or the CPU
-under TRITON_INTERPRET=1 for tests), `torch` (plain torch ops, any device) and
-`reference` (the oracle, any device). `make_attention_backend` picks the one
-`--attention-backend` names, or for `auto` the platform's first that can be built here.
-Models import `AttentionLayer` from here and nothing else of this package.
+Backends: `cpu-native` (the C kernels, CPU: worker/cpu/native_attention.py), `triton`
+(the Triton kernels: GPU, or the CPU under TRITON_INTERPRET=1 for tests:
+worker/cuda/triton_attention.py), `torch` (plain torch ops, any device) and `reference`
+(the oracle, any device). `make_attention_backend` picks the one `--attention-backend`
+names, or for `auto` the platform's first that can be built here. Models never import
+this package: they call layers.attention.AttentionLayer, and the step's metadata carries
+the backend.
 """
 
 from __future__ import annotations
@@ -14,11 +16,9 @@ from typing import Any
 
 import torch
 
-from treadle.worker.attention.base import (AttentionBackend, AttentionLayer, AttentionStep,
-                                           Rotary)
+from treadle.worker.attention.base import AttentionBackend
 
-__all__ = ["AttentionBackend", "AttentionLayer", "AttentionStep", "Rotary",
-           "BACKEND_NAMES", "make_attention_backend"]
+__all__ = ["AttentionBackend", "BACKEND_NAMES", "make_attention_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ ALIASES = {"native": "cpu-native"}
 """Earlier names still accepted."""
 KV_CACHE_DTYPE_SUPPORT = {
     "cpu-native": ("auto", "int8"),
-    "triton": ("auto", "fp8_e4m3"),  # a uint8 cache: fp8 rows (worker/triton/common.py)
+    "triton": ("auto", "fp8_e4m3"),  # a uint8 cache: fp8 rows (worker/cuda/triton/common.py)
     "torch": ("auto", "int8", "fp8_e4m3"),
     "reference": ("auto", "int8", "fp8_e4m3"),
 }
@@ -40,7 +40,7 @@ def make_attention_backend(name: str, platform: Any, num_kv_heads: int, head_dim
                            kv_cache_dtype: str = "auto") -> AttentionBackend:
     """The backend `name` names (`auto`: the platform's first that builds).
 
-    `kernels` (worker.native.NativeKernels) and `layer_ops` (NativeLayerOps) are what the
+    `kernels` (worker.cpu.native.NativeKernels) and `layer_ops` (NativeLayerOps) are what the
     C kernels need; without them `cpu-native` cannot be built. `kv_cache_dtype`: what the
     cache stores (worker/kv_quant.py); a backend that cannot read it is skipped by `auto`
     and an error when named. Raises ValueError naming the backend when one asked for by
@@ -77,11 +77,11 @@ def _build(name: str, platform: Any, num_kv_heads: int, head_dim: int, dtype: to
     if name == "cpu-native":
         if kernels is None or not kernels.supports(dtype):
             return None
-        from treadle.worker.attention.cpu_native import CpuNativeBackend
+        from treadle.worker.cpu.native_attention import CpuNativeBackend
         return CpuNativeBackend(kernels, layer_ops, num_kv_heads, head_dim, dtype,
                                 kv_cache_dtype)
     if name == "triton":
-        from treadle.worker.attention.triton_backend import build_triton_backend
+        from treadle.worker.cuda.triton_attention import build_triton_backend
         return build_triton_backend(platform, num_kv_heads)
     if name == "torch":
         from treadle.worker.attention.torch_backend import TorchBackend
