@@ -13,7 +13,7 @@ import torch
 
 from treadle.layers.rotary import RotaryInputs
 from treadle.layers.attention import AttentionLayer, AttentionStep
-from treadle.worker.attention import make_attention_backend
+from treadle.worker.attention_backends import make_attention_backend
 from treadle.worker.cpu.native import load_kernels
 from treadle.worker.cpu.native_linear import NativeLayerOps
 from treadle.worker.cpu.platform import CPU

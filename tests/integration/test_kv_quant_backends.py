@@ -13,7 +13,7 @@ import torch
 
 from treadle.worker import kv_quant
 from treadle.layers.attention import AttentionLayer
-from treadle.worker.attention import make_attention_backend
+from treadle.worker.attention_backends import make_attention_backend
 from treadle.worker.kv_cache import KVCacheSpec, allocate_kv_caches, allocate_swap_space, copy_blocks
 from treadle.worker.cpu.platform import CPU
 

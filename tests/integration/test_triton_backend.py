@@ -22,7 +22,7 @@ from test_attention_backends import (BLOCK_SIZE, NUM_BLOCKS, STEPS, make_step,  
 from treadle import LLM, SamplingParams  # noqa: E402
 from treadle.layers.rotary import RotaryInputs  # noqa: E402
 from treadle.layers.attention import AttentionLayer  # noqa: E402
-from treadle.worker.attention import make_attention_backend  # noqa: E402
+from treadle.worker.attention_backends import make_attention_backend  # noqa: E402
 from treadle.worker.kv_cache import KVCacheSpec  # noqa: E402
 from treadle.worker.cpu.platform import CPU  # noqa: E402
 from treadle.worker.device import get_platform  # noqa: E402

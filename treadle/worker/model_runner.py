@@ -53,7 +53,7 @@ from treadle.core.outputs import (ModelRunnerOutput, PromptLogprobs, ScheduledRe
                                   SchedulerOutput, StepTimings)
 from treadle.layers.attention import AttentionStep
 from treadle.layers.parallel import ParallelContext
-from treadle.worker.attention import AttentionBackend
+from treadle.worker.attention.base import AttentionBackend
 from treadle.worker.grammar import GrammarState
 from treadle.worker.input_batch import CachedRequestState, InputBatch
 from treadle.worker.kv_cache import copy_blocks

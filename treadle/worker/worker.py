@@ -1,14 +1,16 @@
 """A worker: one device, one rank's share of the model (all of it with one rank), its KV
 cache.
 
-Owns everything the engine core must not know: the platform, its place among the ranks
-(worker/parallel_state.py: joining the process group, the cores it is bound to), loading
-its shard of the model, the C kernels and which of them run (linear, elementwise,
-attention, sampling), the attention backend, the KV-cache and swap tensors (on a GPU
+Owns everything the engine core must not know: the platform (worker/platform.py: every
+device-specific piece comes from it, never from a test of the device), its place among
+the ranks (worker/parallel_state.py: joining the process group, the cores it is bound
+to), loading its shard of the model, the kernels the platform runs it with (on the CPU
+the C kernels: linear, elementwise, attention, sampling), the attention backend
+(worker/attention_backends.py), the KV-cache and swap tensors (on a GPU
 sized by a profiling step, worker/profile_step.py), the start-up cost probes, the LoRA
 manager (worker/lora/) when adapters are served, the model runner and, on a GPU, its
-decode CUDA graphs (worker/cuda/decode_graphs.py; off for steps with adapter rows), and on the
-output rank the speculative proposer (worker/spec: with `draft`, the draft model and its
+decode CUDA graphs (worker/cuda/decode_graphs.py; off for steps with adapter rows), and
+on the output rank the speculative proposer (worker/spec: with `draft`, the draft model and its
 KV cache, counted in the blocks that fit; with an adaptive policy, the measured step
 costs in WorkerInfo; it proposes without adapters, docs/lora.md).
 Its life has three calls, made by an executor (treadle/executor): `load()` (model,
@@ -36,7 +38,7 @@ from treadle.core.policy import PreemptionCosts
 from treadle.config import parse_layer_partition
 from treadle.models.loader import build_model, read_config
 from treadle.models.registry import resolve_model_class
-from treadle.worker.attention import make_attention_backend
+from treadle.worker.attention_backends import make_attention_backend
 from treadle.worker.device import get_platform
 from treadle.worker.grammar import GrammarState
 from treadle.worker.cost_probe import measure_copy_bytes_per_s, measure_matmul_flops_per_s

@@ -13,7 +13,7 @@ torch already loaded its own libgomp there is one OpenMP runtime and one thread 
 binds its own symbols (-Bsymbolic), so libraries of several levels can be loaded at once.
 
 When no compiler is available or the build fails, `load_kernels()` returns None and the
-torch implementations (worker/attention.py, worker/sampler.py) are used instead: slower,
+torch implementations (worker/attention/, worker/sampler.py) are used instead: slower,
 same results.
 """
 

@@ -54,7 +54,7 @@ from treadle.core.outputs import SchedulerOutput
 from treadle.layers.attention import AttentionStep
 from treadle.layers.norm import add_rms_norm
 from treadle.layers.rotary import RotaryInputs
-from treadle.worker.attention import AttentionBackend
+from treadle.worker.attention.base import AttentionBackend
 from treadle.worker.kv_cache import copy_blocks
 from treadle.worker.sampler import Sampler, adjust_logits
 from treadle.worker.spec.base import ProposalBatch, ProposalRequest, Proposer
