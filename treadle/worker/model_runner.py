@@ -308,24 +308,8 @@ class ModelRunner:
         if not every_row and inputs.attn_metadata is not None and self._keeps_rows(rows):
             keep_rows = torch.from_numpy(logits_indices).to(self.device)
         t1 = time.perf_counter()
-        received = None
-        if not par.is_first_stage:
-            received = par.recv_prev_stage((len(inputs.host_positions), self.model.hidden_size),
-                                           self.model.dtype)
         failed: dict[str, str] = {}
-        if inputs.attn_metadata is None:  # a decode graph: no adapter rows (prepare)
-            hidden = self.decode_graphs.run(inputs.host_input_ids, inputs.host_positions,
-                                            inputs.step)
-        else:
-            if self.lora is not None:
-                failed.update(self._begin_lora_step(rows, inputs.lora_segments))
-            try:
-                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                                    inputs.attn_metadata, received,
-                                    **({} if keep_rows is None else {"keep_rows": keep_rows}))
-            finally:
-                if self.lora is not None:
-                    self.lora.end_step()
+        hidden = self._forward(inputs, keep_rows, failed)
         if not par.is_last_stage:
             par.send_next_stage(hidden)
             return None
@@ -364,6 +348,29 @@ class ModelRunner:
         timings.comm_s = par.take_comm_seconds()
         output.timings = timings
         return output
+
+    def _forward(self, inputs: PreparedInputs, keep_rows: torch.Tensor | None,
+                 failed: dict[str, str]) -> torch.Tensor:
+        """The step's forward pass: the previous stage's activations received first (a
+        later pipeline stage), then the decode graph's replay or the model with the
+        step's adapters (requests whose adapter cannot load go into `failed`)."""
+        par = self.parallel
+        received = None
+        if not par.is_first_stage:
+            received = par.recv_prev_stage((len(inputs.host_positions), self.model.hidden_size),
+                                           self.model.dtype)
+        if inputs.attn_metadata is None:  # a decode graph: no adapter rows (prepare)
+            return self.decode_graphs.run(inputs.host_input_ids, inputs.host_positions,
+                                          inputs.step)
+        if self.lora is not None:
+            failed.update(self._begin_lora_step(inputs.rows, inputs.lora_segments))
+        try:
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                              inputs.attn_metadata, received,
+                              **({} if keep_rows is None else {"keep_rows": keep_rows}))
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
 
     def _begin_lora_step(self, rows: list[_Row], segments: list) -> dict[str, str]:
         """Make the step's adapters resident. An adapter that cannot be loaded (its files

@@ -3,6 +3,6 @@ the ISA level cpu_isa.py chooses), their typed wrappers (native_linear.py, nativ
 native_lora.py), the linear kernels (linear_kernels.py, quantized_linears.py), the
 cpu-native attention backend (native_attention.py), the one-call decode stack
 (decode_stack.py), host-memory tuning (heap.py, huge_pages.py) and the CPU platform
-(platform.py). Nothing outside worker/ imports it except tools that measure its kernels;
-device-neutral worker code reaches it through the platform.
+(platform.py). Outside worker/ only tests and the tools that measure its kernels import
+it; device-neutral worker code reaches it through the platform.
 """
