@@ -1,5 +1,5 @@
-"""Microbenchmark of the C attention kernels: decode (worker/kernels/paged_decode.c) and,
-with --prefill, prefill (worker/kernels/paged_prefill.c) against torch's SDPA.
+"""Microbenchmark of the C attention kernels: decode (worker/cpu/kernels/paged_decode.c) and,
+with --prefill, prefill (worker/cpu/kernels/paged_prefill.c) against torch's SDPA.
 
 Times `paged_decode` on the benchmark model's head layout (SmolLM2-135M: 9 query heads,
 3 KV heads, head_dim 64, bf16; blocks of 16 tokens unless --block-size) for several
@@ -26,14 +26,14 @@ each request are scattered at random in its cache, as after a while of serving.
 --in-cache cycles two layers' caches instead, small enough to stay in the last-level
 cache at the shapes of a decode step (12 x 500 tokens: 9.2 MB), so the read rate is the
 kernel's arithmetic, not the memory's. --huge-pages cuts the caches from transparent huge
-pages (worker/huge_pages.py), as the engine's CPU caches are.
+pages (worker/cpu/huge_pages.py), as the engine's CPU caches are.
 
 --prefill takes POSITIONS_BEFORExNEW_TOKENS pairs: one prefill chunk of NEW_TOKENS after
 POSITIONS_BEFORE cached positions, per layer, timed in the C kernel and in torch's
 scaled_dot_product_attention with the causal mask the torch path builds (same tensors;
 the torch time leaves out the gather of the context, which the C time includes).
 
---isa picks the kernel builds (worker/cpu_isa.py): `auto` (the best this CPU runs), `all`
+--isa picks the kernel builds (worker/cpu/cpu_isa.py): `auto` (the best this CPU runs), `all`
 (every level it runs) or a comma list such as avx512bf16,avx2. With several, each shape's
 rounds alternate between the levels (and SDPA), so background load hits all alike; the
 rows then hold one `<field>_<level>` entry per level. `fp32` (decode only) adds the
@@ -63,11 +63,11 @@ DEFAULT_SHAPES = ["1x4000", "4x600", "64x400", "256x200"]
 def _kernels(so: str | None, isa: str = "auto") -> dict:
     """level name -> kernels (one entry for --so or a single level)."""
     if so:  # another build (of another version of the sources, say), all its kernels
-        from treadle.worker.native import NativeKernels
+        from treadle.worker.cpu.native import NativeKernels
         match = re.match(r"kernels-([a-z0-9]+)-", Path(so).name)
         return {"so": NativeKernels(ctypes.CDLL(so), match.group(1) if match else "native")}
-    from treadle.worker.cpu_isa import executable_levels
-    from treadle.worker.native import load_kernels
+    from treadle.worker.cpu.cpu_isa import executable_levels
+    from treadle.worker.cpu.native import load_kernels
     levels = (executable_levels() or ["native"]) if isa == "all" else isa.split(",")
     found = {}
     for level in levels:
@@ -95,7 +95,7 @@ def _decode_case(batch: int, context: int, num_heads: int, num_kv_heads: int, he
         caches = [torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim,
                               generator=gen).to(dtype) for _ in range(layers)]
     if huge_pages:
-        from treadle.worker.huge_pages import HugePageArena
+        from treadle.worker.cpu.huge_pages import HugePageArena
         arena = HugePageArena()
         caches = [arena.empty(c.numel(), c.dtype).view(c.shape).copy_(c) for c in caches]
     table = (torch.randperm(num_blocks - 1, generator=gen) if scattered

@@ -56,9 +56,9 @@ LAYERS = 30
 
 def load_levels(isa: str = "auto") -> dict:
     """level -> (NativeKernels, NativeLayerOps) for --isa: auto, all, or a comma list."""
-    from treadle.worker.cpu_isa import executable_levels
-    from treadle.worker.native import load_kernels
-    from treadle.worker.native_linear import NativeLayerOps
+    from treadle.worker.cpu.cpu_isa import executable_levels
+    from treadle.worker.cpu.native import load_kernels
+    from treadle.worker.cpu.native_linear import NativeLayerOps
 
     names = (executable_levels() or ["native"]) if isa == "all" else isa.split(",")
     levels = {}
@@ -78,12 +78,12 @@ def read_bandwidth(kernels, num_bytes: int, repeats: int = 7,
     """GB/s that kernels/read_probe.c reads from a buffer of num_bytes on torch's thread
     count: per software-prefetch distance in bytes (0: none), the best and the median of
     `repeats` passes, distances alternating; `best_gb_s` is the best of all. huge_pages:
-    the buffer from a HugePageArena (worker/huge_pages.py), as the packed weights are."""
+    the buffer from a HugePageArena (worker/cpu/huge_pages.py), as the packed weights are."""
     import ctypes
 
     import torch
 
-    from treadle.worker.huge_pages import HugePageArena
+    from treadle.worker.cpu.huge_pages import HugePageArena
 
     fn = kernels.lib.read_probe_sum
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64]
@@ -116,7 +116,7 @@ def kernel_choices(ops, max_rows: int) -> dict:
     the dot-product kernel (`dot`), the packed GEMM (`vnni`: called with the packed copy)
     where the ops have it, and the AMX tile kernel (`amx`) where the ops have AMX or the
     widening GEMM (`gemm`) where they have it (levels without bf16 arithmetic)."""
-    from treadle.worker.native_linear import NativeLayerOps
+    from treadle.worker.cpu.native_linear import NativeLayerOps
 
     choices = {"dot": NativeLayerOps(ops.lib, max_rows=max_rows, amx_rows=None)}
     if ops.vnni:
@@ -134,7 +134,7 @@ def kernels(repeats: int = 15, rows: tuple[int, ...] = (1, 4, 8, 16), isa: str =
     import torch
     import torch.nn.functional as F
 
-    from treadle.worker.linear_kernels import _pack, _packed_linear, packed_kernel_works
+    from treadle.worker.cpu.linear_kernels import _pack, _packed_linear, packed_kernel_works
 
     levels = load_levels(isa)
     onednn = packed_kernel_works(torch.bfloat16)  # no: what the engine runs is F.linear

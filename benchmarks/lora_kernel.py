@@ -18,9 +18,9 @@ import torch
 
 from treadle.lora import LoRARequest
 from treadle.worker.lora.layers import TorchLoRAOps
-from treadle.worker.lora.native_ops import NativeLoRAOps
+from treadle.worker.cpu.native_lora import NativeLoRAOps
 from treadle.worker.lora.weights import AdapterWeights, PartWeights, TargetWeights
-from treadle.worker.native import load_kernels
+from treadle.worker.cpu.native import load_kernels
 
 TARGETS = {"qkv": (576, [(0, 576), (576, 768), (768, 960)]), "o": (576, [(0, 576)]),
            "gate_up": (576, [(0, 1536), (1536, 3072)]), "down": (1536, [(0, 576)])}
@@ -48,7 +48,7 @@ def per_call_us(ops, x, y, segments, repeats: int = 300) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--isa", default="auto", help="kernel ISA level (worker/cpu_isa.py)")
+    parser.add_argument("--isa", default="auto", help="kernel ISA level (worker/cpu/cpu_isa.py)")
     torch.set_num_threads(1)
     kernels = load_kernels(parser.parse_args().isa)
     native = NativeLoRAOps.load(kernels.lib if kernels else None, 1)

@@ -43,9 +43,9 @@ LAYERS = 30
 def _kernels(variant: str | None = None):
     """(quantized kernels, bf16 layer kernels or None): the engine's -march=native build,
     or the quantized kernels built for another ISA level (native_quant.ISA_VARIANTS)."""
-    from treadle.worker.native import load_kernels
-    from treadle.worker.native_linear import NativeLayerOps
-    from treadle.worker.native_quant import ISA_VARIANTS, QuantKernels, build_variant
+    from treadle.worker.cpu.native import load_kernels
+    from treadle.worker.cpu.native_linear import NativeLayerOps
+    from treadle.worker.cpu.native_quant import ISA_VARIANTS, QuantKernels, build_variant
 
     built = load_kernels()
     lib = built.lib if built is not None else None
@@ -81,7 +81,7 @@ def _packed_copies(dense: list) -> list:
     only F.linear is timed."""
     import torch
 
-    from treadle.worker.linear_kernels import _pack, packed_kernel_works
+    from treadle.worker.cpu.linear_kernels import _pack, packed_kernel_works
 
     return [_pack(w) for w in dense] if packed_kernel_works(torch.bfloat16) else []
 
@@ -99,7 +99,7 @@ def gemv(rows=(1, 4, 16), formats=FORMATS, shapes=tuple(SHAPES), repeats: int = 
     import torch
     import torch.nn.functional as F
 
-    from treadle.worker.linear_kernels import _packed_linear
+    from treadle.worker.cpu.linear_kernels import _packed_linear
 
     quant, bf16_ops = _kernels(variant)
     paths = ("dot", "deq", "deq_buffered") + (("amx", "amx_dot") if quant.has_amx else ())
@@ -162,7 +162,7 @@ def prefill(rows=(64, 256, 512), formats=("Q8_0", "Q4_0"), shapes=("gate_up", "d
     import torch
     import torch.nn.functional as F
 
-    from treadle.worker.linear_kernels import _packed_linear
+    from treadle.worker.cpu.linear_kernels import _packed_linear
 
     quant, _ = _kernels()
     gen = torch.Generator().manual_seed(1)
@@ -225,7 +225,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--variant", default=None,
                         help="build the quantized kernels for this ISA level instead of "
-                             "-march=native (treadle.worker.native_quant.ISA_VARIANTS)")
+                             "-march=native (treadle.worker.cpu.native_quant.ISA_VARIANTS)")
     parser.add_argument("--copies", type=int, default=LAYERS,
                         help="weight copies per layer shape (1: cache-resident)")
     parser.add_argument("--skip-gemv", action="store_true")

@@ -50,7 +50,8 @@ def sampler_alone(num_requests: int = 256, vocab_size: int = 49152, scale: float
     C kernel (when it builds and `native`) or the torch path."""
     import torch
 
-    from treadle.worker.native import load_kernels
+    from treadle.worker.cpu.native import load_kernels
+    from treadle.worker.cpu.native_sampling import NativeSampling
     from treadle.worker.sampler import Sampler
 
     gen = torch.Generator().manual_seed(seed)
@@ -61,7 +62,7 @@ def sampler_alone(num_requests: int = 256, vocab_size: int = 49152, scale: float
     outputs = [p[:history // 8] for p in prompts]
     ids = [str(i) for i in range(num_requests)]
     kernels = load_kernels() if native else None
-    sampler = Sampler(seed, kernels)
+    sampler = Sampler(seed, None if kernels is None else NativeSampling(kernels))
     times = []
     for _ in range(repeats + 1):
         x = logits.clone()

@@ -23,9 +23,9 @@ import time
 import numpy as np
 import torch
 
-from treadle.worker.attention.base import AttentionLayer, AttentionStep
-from treadle.worker.attention.cpu_native import CpuNativeBackend
-from treadle.worker.native import load_kernels
+from treadle.layers.attention import AttentionLayer, AttentionStep
+from treadle.worker.cpu.native_attention import CpuNativeBackend
+from treadle.worker.cpu.native import load_kernels
 
 
 def decode_step(batch: int, context: int, block_size: int, num_blocks: int) -> AttentionStep:

@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from treadle.worker.attention.cpu_native import SHORT_ROW_TOKENS
-from treadle.worker.native import load_kernels
+from treadle.worker.cpu.native_attention import SHORT_ROW_TOKENS
+from treadle.worker.cpu.native import load_kernels
 
 
 def timed(fn, repeats: int) -> float:

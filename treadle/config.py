@@ -17,7 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from treadle.compat import check_config
-from treadle.worker.cpu_isa import KERNEL_ISA_CHOICES
+
+KERNEL_ISA_LEVELS = ("avx512bf16", "avx512", "avx2")
+"""--kernel-isa's explicit levels of the CPU's C kernels, best first (what each means and
+which this CPU runs: worker/cpu/cpu_isa.py, which takes this list from here)."""
+KERNEL_ISA_CHOICES = ("auto", *KERNEL_ISA_LEVELS, "native")
+"""What `kernel_isa` may be (ModelConfig.kernel_isa, load_kernels(isa=...))."""
 
 SCHEDULING_POLICIES: dict[str, str] = {
     "fcfs": "arrival order",
@@ -34,7 +39,7 @@ SCHEDULING_POLICIES: dict[str, str] = {
 DEFAULT_SCHEDULING_POLICY = next(iter(SCHEDULING_POLICIES))
 
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8")
-"""--quantization: weights kept quantized in memory (worker/quantized_linears.py)."""
+"""--quantization: weights kept quantized in memory (worker/cpu/quantized_linears.py)."""
 
 _SIZE_UNITS = {
     "": 1, "b": 1,

@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from treadle.worker.triton import decode, kv_write, prefill  # noqa: E402
+from treadle.worker.cuda.triton import decode, kv_write, prefill  # noqa: E402
 
 _TARGET = GPUTarget("cuda", 90, 32)
 _INT_PTRS = ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr")

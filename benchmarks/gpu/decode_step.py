@@ -3,7 +3,7 @@
 A stack of 16 Llama layers (hidden 2048, 32 heads / 8 KV heads of 64, MLP 8192, tied
 vocabulary of 49152; random bf16 weights from a fixed seed) written with torch matmuls
 and treadle's Triton kernels (K/V write, split-K decode attention, paged prefill), its
-decode step captured by treadle's CudaGraphRunner (worker/cuda_graphs.py) at a few batch
+decode step captured by treadle's CudaGraphRunner (worker/cuda/cuda_graphs.py) at a few batch
 sizes. It prints
 - the decode step at batch 1, 64 and 256, eager and by graph replay, against the HBM
   floor (weights + the KV bytes the step reads, over 4.8 TB/s and over the device copy
@@ -40,8 +40,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from treadle.worker.cuda_graphs import CudaGraphRunner, ReplayByCall, StaticInput  # noqa: E402
-from treadle.worker.triton import (choose_num_splits, decode_attention,  # noqa: E402
+from treadle.worker.cuda.cuda_graphs import CudaGraphRunner, ReplayByCall, StaticInput  # noqa: E402
+from treadle.worker.cuda.triton import (choose_num_splits, decode_attention,  # noqa: E402
                                    prefill_attention, write_kv)
 
 HBM_BYTES_PER_S = 4.8e12

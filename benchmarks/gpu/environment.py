@@ -55,8 +55,8 @@ def main() -> int:
     sys.meta_path.insert(0, _Block())
     for module in ("treadle", "treadle.engine.llm", "treadle.bench.static",
                    "treadle.measure.workloads", "treadle.bench.throughput", "treadle.engine.trace",
-                   "treadle.worker.triton", "treadle.worker.cuda_graphs",
-                   "treadle.worker.attention_reference", "engine_check", "make_llama_1b"):
+                   "treadle.worker.cuda.triton", "treadle.worker.cuda.cuda_graphs",
+                   "treadle.worker.cuda.attention_reference", "engine_check", "make_llama_1b"):
         importlib.import_module(module)
     print("offline path, kernels and check scripts import without", ", ".join(SERVER_ONLY))
     if missing:

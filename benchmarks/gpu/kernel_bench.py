@@ -1,4 +1,4 @@
-"""Times the Triton kernels (treadle/worker/triton/) at real shapes on a GPU.
+"""Times the Triton kernels (treadle/worker/cuda/triton/) at real shapes on a GPU.
 
 Prints, per case, the kernel's time (triton.testing.do_bench: median of repeated launches
 after warm-up, L2 flushed between them), the bytes or FLOPs it must move or do, and the
@@ -32,7 +32,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from treadle.worker.triton import (choose_num_splits, decode_attention,  # noqa: E402
+from treadle.worker.cuda.triton import (choose_num_splits, decode_attention,  # noqa: E402
                                    prefill_attention, write_kv)
 
 HBM_BYTES_PER_S = 4.8e12

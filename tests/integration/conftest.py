@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
-from treadle.worker.cpu_isa import executable_levels
+from treadle.worker.cpu.cpu_isa import executable_levels
 
 KERNEL_LEVELS = executable_levels() or ["native"]
-"""The C kernels' ISA levels this CPU executes (worker/cpu_isa.py): on an AVX-512 BF16
+"""The C kernels' ISA levels this CPU executes (worker/cpu/cpu_isa.py): on an AVX-512 BF16
 machine the AVX-512F and AVX2 builds run too, so their tests are the twins of a machine
 without BF16."""
 
@@ -24,7 +24,7 @@ def kernel_level(request) -> str:
 @pytest.fixture(scope="module")
 def level_kernels(kernel_level):
     """The C kernels built for `kernel_level` (gcc is required on test machines)."""
-    from treadle.worker.native import load_kernels
+    from treadle.worker.cpu.native import load_kernels
     kernels = load_kernels(kernel_level)
     assert kernels is not None, "the C kernels must build on the test machine (gcc is required)"
     return kernels

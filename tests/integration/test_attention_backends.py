@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from treadle.models.rope import RotaryInputs
-from treadle.worker.attention import AttentionLayer, AttentionStep, make_attention_backend
-from treadle.worker.native import load_kernels
-from treadle.worker.native_linear import NativeLayerOps
-from treadle.worker.platform import CPU
+from treadle.layers.rotary import RotaryInputs
+from treadle.layers.attention import AttentionLayer, AttentionStep
+from treadle.worker.attention_backends import make_attention_backend
+from treadle.worker.cpu.native import load_kernels
+from treadle.worker.cpu.native_linear import NativeLayerOps
+from treadle.worker.cpu.platform import CPU
 
 NUM_BLOCKS, BLOCK_SIZE = 48, 16
 

@@ -1,5 +1,5 @@
 """The GPU path's start-up and decode pieces, run on CPU: decode steps replayed through
-worker/decode_graphs.py (with cuda_graphs.ReplayByCall in place of a CUDA capture, the
+worker/cuda/decode_graphs.py (with cuda_graphs.ReplayByCall in place of a CUDA capture, the
 triton backend under triton's interpreter) give the eager engine's tokens; the profiling
 step; the platform's KV budget and swap copies; the GPU flags' validation."""
 
@@ -20,9 +20,10 @@ from conftest import make_tiny_checkpoint  # noqa: E402
 
 from treadle import LLM, SamplingParams  # noqa: E402
 from treadle.config import CacheConfig, ModelConfig  # noqa: E402
-from treadle.worker.cuda_graphs import ReplayByCall  # noqa: E402
+from treadle.worker.cuda.cuda_graphs import ReplayByCall  # noqa: E402
 from treadle.worker.kv_cache import _copy_blocks_across, copy_blocks  # noqa: E402
-from treadle.worker.platform import CPU, get_platform  # noqa: E402
+from treadle.worker.cpu.platform import CPU  # noqa: E402
+from treadle.worker.device import get_platform  # noqa: E402
 from treadle.worker.profile_step import profile_lengths, profile_steps  # noqa: E402
 
 PLATFORM = get_platform("auto")
@@ -65,7 +66,7 @@ def test_padding_rows_touch_no_cache_block(tmp_path):
     worker = llm.engine.executor.worker
     worker.enable_decode_graphs([4], ReplayByCall())
     graphs, runner = worker.runner.decode_graphs, worker.runner
-    from treadle.worker.attention import AttentionStep
+    from treadle.layers.attention import AttentionStep
 
     # Rows with contexts of 5, 9 and 2 tokens in blocks (0, 1), (2, 3, 4), (5,).
     table = np.array([[0, 1, 0], [2, 3, 4], [5, 0, 0]], dtype=np.int64)
@@ -100,7 +101,7 @@ def test_graphs_refuse_prefill_and_oversized_steps(tmp_path):
     model_dir = make_tiny_checkpoint(tmp_path / "tiny", "llama")
     worker = _llm(model_dir).engine.executor.worker
     worker.enable_decode_graphs([2], ReplayByCall())
-    from treadle.worker.attention import AttentionStep
+    from treadle.layers.attention import AttentionStep
 
     def step(q_lens):
         q = np.array(q_lens, dtype=np.int64)

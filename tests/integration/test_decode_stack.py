@@ -1,4 +1,4 @@
-"""The decode stack (worker/decode_stack.py, kernels/decode_stack.c): every layer of a
+"""The decode stack (worker/cpu/decode_stack.py, kernels/decode_stack.c): every layer of a
 decode step in one C call gives the same log-probabilities, bit for bit, as the model's
 layers run one by one on the same kernels, at every ISA level this CPU runs, with dense
 and with quantized weights (`--quantization`); and it stays out of the steps and models
@@ -17,9 +17,9 @@ from treadle.engine.core import EngineCore
 from treadle.request import Request
 from treadle.sampling_params import SamplingParams
 from treadle.models.quant_weights import choose_path
-from treadle.worker.decode_stack import QUANT_PATH_CODES, DecodeStack
-from treadle.worker.native_linear import WIDENING_GEMM_ROWS
-from treadle.worker.quantized_linears import QuantizedLinearKernel
+from treadle.worker.cpu.decode_stack import QUANT_PATH_CODES, DecodeStack
+from treadle.worker.cpu.native_linear import WIDENING_GEMM_ROWS
+from treadle.worker.cpu.quantized_linears import QuantizedLinearKernel
 
 
 def _core(path, level, **options) -> EngineCore:

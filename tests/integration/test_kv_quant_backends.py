@@ -12,17 +12,18 @@ import pytest
 import torch
 
 from treadle.worker import kv_quant
-from treadle.worker.attention import AttentionLayer, make_attention_backend
+from treadle.layers.attention import AttentionLayer
+from treadle.worker.attention_backends import make_attention_backend
 from treadle.worker.kv_cache import KVCacheSpec, allocate_kv_caches, allocate_swap_space, copy_blocks
-from treadle.worker.platform import CPU
+from treadle.worker.cpu.platform import CPU
 
 from test_attention_backends import (BLOCK_SIZE, NUM_BLOCKS, STEPS, backend, make_step,
                                       rotary_for)
 
 
 def quantized_backend(name, kv_heads, head_dim, dtype, kind):
-    from treadle.worker.native import load_kernels
-    from treadle.worker.native_linear import NativeLayerOps
+    from treadle.worker.cpu.native import load_kernels
+    from treadle.worker.cpu.native_linear import NativeLayerOps
     kernels = load_kernels()
     ops = NativeLayerOps.load(kernels.lib) if kernels is not None else None
     return make_attention_backend(name, CPU, kv_heads, head_dim, dtype, kernels=kernels,
@@ -138,13 +139,13 @@ def test_backends_refuse_formats_they_cannot_read():
 
 
 def _levels():
-    from treadle.worker.cpu_isa import executable_levels
+    from treadle.worker.cpu.cpu_isa import executable_levels
     return executable_levels() or ["native"]
 
 
 @pytest.fixture(scope="module", params=_levels())
 def level_kernels(request):
-    from treadle.worker.native import load_kernels
+    from treadle.worker.cpu.native import load_kernels
     k = load_kernels(request.param)
     assert k is not None, "the C kernels must build on the test machine (gcc is required)"
     return k

@@ -205,7 +205,7 @@ def test_speculative_decoding_with_adapters_stays_lossless(setup, method):
 
 
 class _EagerGraphs:
-    """Stands in for the GPU's DecodeGraphs (worker/decode_graphs.py needs triton): it
+    """Stands in for the GPU's DecodeGraphs (worker/cuda/decode_graphs.py needs triton): it
     accepts the steps DecodeGraphs accepts (decodes only) and replays one by running the
     model eagerly, counting replays."""
 

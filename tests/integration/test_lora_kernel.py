@@ -1,4 +1,4 @@
-"""The C LoRA kernel (kernels/lora_bf16.c through worker/lora/native_ops.py) against the
+"""The C LoRA kernel (kernels/lora_bf16.c through worker/cpu/native_lora.py) against the
 torch path on the same weights, at every kernel ISA level this CPU executes (AVX-512 and
 AVX2 builds: the AVX2 run is the twin that any x86-64 test machine has): fused targets of
 several parts, odd ranks, column counts that are not a multiple of the vector width,
@@ -12,7 +12,7 @@ import torch
 
 from treadle.lora import LoRARequest
 from treadle.worker.lora.layers import TorchLoRAOps
-from treadle.worker.lora.native_ops import NativeLoRAOps
+from treadle.worker.cpu.native_lora import NativeLoRAOps
 from treadle.worker.lora.weights import AdapterWeights, PartWeights, TargetWeights
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,13 @@ import pytest
 import torch
 import transformers
 
+from treadle.layers.attention import AttentionStep
+from treadle.layers.rotary import RotaryEmbedding
 from treadle.models.llama import LlamaForCausalLM
 from treadle.models.loader import iterate_weights, load_model, resolve_dtype, safetensors_files
 from treadle.models.registry import SUPPORTED_ARCHITECTURES, resolve_model_class
-from treadle.models.rope import RotaryEmbedding
-from treadle.worker.attention import AttentionStep
 from treadle.worker.attention.torch_backend import TorchBackend
+from treadle.worker.cpu.platform import auto_dtype
 
 ATOL = 1e-4
 NUM_BLOCKS = 24
@@ -240,7 +241,7 @@ def test_bfloat16_is_close_to_float32(checkpoints):
 def test_resolve_dtype():
     assert resolve_dtype("float32") is torch.float32
     assert resolve_dtype("bfloat16") is torch.bfloat16
-    assert resolve_dtype("auto") in (torch.float32, torch.bfloat16)
+    assert resolve_dtype("auto", auto_dtype) in (torch.float32, torch.bfloat16)
     with pytest.raises(ValueError, match="float16"):
         resolve_dtype("float16")
 

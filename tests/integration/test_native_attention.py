@@ -1,5 +1,5 @@
 """The C decode-attention kernel against a plain softmax(QK^T)V over each request's blocks,
-once per kernel ISA level this CPU executes (worker/cpu_isa.py)."""
+once per kernel ISA level this CPU executes (worker/cpu/cpu_isa.py)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""The small-batch bf16 C kernels (worker/native_linear.py) against torch: the linear layer
+"""The small-batch bf16 C kernels (worker/cpu/native_linear.py) against torch: the linear layer
 against F.linear in float32 rounded to bf16, the fused residual-add + RMSNorm and
 silu * mul against the model's torch code, the fallbacks, and an engine whose bf16 model
 runs them against the same engine on torch alone. Every test runs once per kernel ISA level
-this CPU executes (avx512bf16, avx512, avx2: worker/cpu_isa.py), so the widening kernels of
+this CPU executes (avx512bf16, avx512, avx2: worker/cpu/cpu_isa.py), so the widening kernels of
 CPUs without AVX-512 BF16 are tested on a machine that has it."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from treadle.models.llama import rms_norm
-from treadle.worker.linear_kernels import DenseLinearKernel, dense_kernel_factory
-from treadle.worker.native import load_kernels
-from treadle.worker.native_linear import (AMX_MAX_ROWS, MAX_ROWS, WIDENING_GEMM_ROWS,
+from treadle.worker.cpu.linear_kernels import DenseLinearKernel, dense_kernel_factory
+from treadle.worker.cpu.native import load_kernels
+from treadle.worker.cpu.native_linear import (AMX_MAX_ROWS, MAX_ROWS, WIDENING_GEMM_ROWS,
                                          WIDENING_MAX_ROWS,
                                          NativeLayerOps, onednn_uses_amx)
 
@@ -236,7 +236,7 @@ def test_silu_mul_matches_torch(ops, m, i):
 def test_rope_kv_matches_torch_bit_for_bit(ops, m, heads, kv_heads, head_dim):
     """Rotated queries, and keys and values at their slots, exactly as apply_rotary then
     write_kv (the same bf16 roundings); other cache slots untouched."""
-    from treadle.models.rope import apply_rotary
+    from treadle.layers.rotary import apply_rotary
     from treadle.worker.attention.torch_backend import write_kv
 
     gen = torch.Generator().manual_seed(m * heads + head_dim)
@@ -513,7 +513,7 @@ def test_read_probe_reads_huge_page_buffers_whole(level_kernels):
     import ctypes
 
     from benchmarks.linear_kernel import read_bandwidth
-    from treadle.worker.huge_pages import HugePageArena
+    from treadle.worker.cpu.huge_pages import HugePageArena
 
     fn = level_kernels.lib.read_probe_sum
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64]

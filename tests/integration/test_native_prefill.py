@@ -1,6 +1,6 @@
-"""The C prefill-attention kernel (worker/kernels/paged_prefill.c) against a plain causal
+"""The C prefill-attention kernel (worker/cpu/kernels/paged_prefill.c) against a plain causal
 softmax(QK^T)V over each span's blocks, and the engine's prefill logprobs with it against
-the torch attention path; once per kernel ISA level this CPU executes (worker/cpu_isa.py)."""
+the torch attention path; once per kernel ISA level this CPU executes (worker/cpu/cpu_isa.py)."""
 
 from __future__ import annotations
 

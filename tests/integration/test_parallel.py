@@ -23,7 +23,8 @@ from server_fixtures import running_server
 from treadle import LLM, SamplingParams
 from treadle.executor import WorkerDiedError
 from treadle.models.loader import build_model, safetensors_files
-from treadle.worker.parallel_state import ParallelContext, layer_partition
+from treadle.layers.parallel import ParallelContext
+from treadle.worker.parallel_state import layer_partition
 
 PROMPTS = [{"prompt_token_ids": [3 + (7 * i + 11 * j) % 500 for j in range(5 + 3 * i)]}
            for i in range(16)]

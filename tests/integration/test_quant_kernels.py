@@ -1,4 +1,4 @@
-"""The weight-only quantized kernels (worker/native_quant.py, kernels/quant_*.c) against
+"""The weight-only quantized kernels (worker/cpu/native_quant.py, kernels/quant_*.c) against
 dequantize-then-matmul references built from gguf.quants.dequantize, on every ISA level
 they have code for: the engine's -march=native build, and the same sources built for
 AVX-512 BF16 (no AMX), AVX-512 VNNI, AVX-512F alone, AVX2 + AVX-VNNI, AVX2 and plain C
@@ -12,9 +12,9 @@ import pytest
 import torch
 from quant_data import make_weight
 
-from treadle.worker.linear_kernels import packed_kernel_works
-from treadle.worker.native import load_kernels
-from treadle.worker.native_quant import (ISA_VARIANTS, QuantKernelError, QuantKernels,
+from treadle.worker.cpu.linear_kernels import packed_kernel_works
+from treadle.worker.cpu.native import load_kernels
+from treadle.worker.cpu.native_quant import (ISA_VARIANTS, QuantKernelError, QuantKernels,
                                          build_variant, cpu_runs)
 
 FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "INT8")

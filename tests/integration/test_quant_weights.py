@@ -13,8 +13,8 @@ from quant_data import make_weight
 
 from treadle.models.quant_formats import FORMATS, dequantize_torch, format_of, quantize_int8
 from treadle.models.quant_weights import QuantizedLinear, choose_path
-from treadle.worker.native import load_kernels
-from treadle.worker.native_quant import ISA_VARIANTS, QuantKernels, build_variant, cpu_runs
+from treadle.worker.cpu.native import load_kernels
+from treadle.worker.cpu.native_quant import ISA_VARIANTS, QuantKernels, build_variant, cpu_runs
 
 ROWS = (1, 3, 16, 17, 64, 200)
 

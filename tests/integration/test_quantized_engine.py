@@ -1,4 +1,4 @@
-"""--quantization in the engine (worker/quantized_linears.py): a GGUF file's blocks or
+"""--quantization in the engine (worker/cpu/quantized_linears.py): a GGUF file's blocks or
 int8 weights made at load run the model's linears and LM head on the C quantized
 kernels; layers the kernels cannot hold stay dense and are named; wrong uses are errors
 naming the option."""
@@ -17,9 +17,9 @@ from treadle.config import EngineConfig
 from treadle.engine.core import EngineCore
 from treadle.request import Request
 from treadle.sampling_params import SamplingParams
-from treadle.worker.linear_kernels import DenseLinearKernel
-from treadle.worker.native_quant import QuantKernels
-from treadle.worker.quantized_linears import QuantizedLinearKernel, resolve_mode
+from treadle.worker.cpu.linear_kernels import DenseLinearKernel
+from treadle.worker.cpu.native_quant import QuantKernels
+from treadle.worker.cpu.quantized_linears import QuantizedLinearKernel, resolve_mode
 
 # q/k/v of one format fuse; v in another format keeps qkv dense; Q5_0 has no kernel.
 TYPES = {"self_attn.q": "Q8_0", "self_attn.k": "Q8_0", "self_attn.v": "Q8_0",

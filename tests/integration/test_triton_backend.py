@@ -1,4 +1,4 @@
-"""The `triton` attention backend (worker/attention/triton_backend.py) against the
+"""The `triton` attention backend (worker/cuda/triton_attention.py) against the
 `reference` backend on the steps of test_attention_backends, and the engine's greedy
 tokens with it against the reference backend's. On CPU under triton's interpreter."""
 
@@ -20,10 +20,12 @@ from test_attention_backends import (BLOCK_SIZE, NUM_BLOCKS, STEPS, make_step,  
                                      rotary_for)
 
 from treadle import LLM, SamplingParams  # noqa: E402
-from treadle.models.rope import RotaryInputs  # noqa: E402
-from treadle.worker.attention import AttentionLayer, make_attention_backend  # noqa: E402
+from treadle.layers.rotary import RotaryInputs  # noqa: E402
+from treadle.layers.attention import AttentionLayer  # noqa: E402
+from treadle.worker.attention_backends import make_attention_backend  # noqa: E402
 from treadle.worker.kv_cache import KVCacheSpec  # noqa: E402
-from treadle.worker.platform import CPU, get_platform  # noqa: E402
+from treadle.worker.cpu.platform import CPU  # noqa: E402
+from treadle.worker.device import get_platform  # noqa: E402
 
 pytestmark = pytest.mark.triton
 PLATFORM = get_platform("auto")

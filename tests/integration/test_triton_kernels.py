@@ -1,4 +1,4 @@
-"""The Triton kernels (worker/triton/) against the plain-torch reference.
+"""The Triton kernels (worker/cuda/triton/) against the plain-torch reference.
 
 On CPU they run under triton's interpreter (TRITON_INTERPRET=1, set here before the
 kernels are defined) at tiny shapes; on a GPU the same tests run compiled, and the
@@ -18,8 +18,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="the triton extra is not installed "
                                      "(pip install -e '.[triton]')")
 
-from treadle.worker.attention_reference import paged_attention_reference  # noqa: E402
-from treadle.worker.triton import (MAX_SPLITS, choose_num_splits, decode_attention,  # noqa: E402
+from treadle.worker.cuda.attention_reference import paged_attention_reference  # noqa: E402
+from treadle.worker.cuda.triton import (MAX_SPLITS, choose_num_splits, decode_attention,  # noqa: E402
                                    paged_attention, prefill_attention, write_kv)
 
 pytestmark = pytest.mark.triton

@@ -1,4 +1,4 @@
-"""The kernel ISA levels (worker/cpu_isa.py): which levels a CPU's flags allow, the order
+"""The kernel ISA levels (worker/cpu/cpu_isa.py): which levels a CPU's flags allow, the order
 `auto` tries them in, the error for a level the CPU cannot execute, each level's build
 being what it says (vector width, vdpbf16ps or widening), what dtype=auto picks, and the
 start-up line that says which kernels run."""
@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from treadle.config import EngineConfig
-from treadle.models import loader
-from treadle.worker import cpu_isa
-from treadle.worker.cpu_isa import (REQUIRED_CPU_FLAGS, candidate_levels, cpu_flags,
+from treadle.worker.cpu import cpu_isa
+from treadle.worker.cpu import platform as cpu_platform
+from treadle.worker.cpu.cpu_isa import (REQUIRED_CPU_FLAGS, candidate_levels, cpu_flags,
                                     describe_kernels, executable_levels)
-from treadle.worker.native import load_kernels
-from treadle.worker.native_linear import WIDENING_GEMM_ROWS, NativeLayerOps
+from treadle.worker.cpu.native import load_kernels
+from treadle.worker.cpu.native_linear import WIDENING_GEMM_ROWS, NativeLayerOps
 
 LEVELS = executable_levels() or ["native"]
 V3 = frozenset(REQUIRED_CPU_FLAGS["avx2"])
@@ -87,18 +87,17 @@ def test_each_level_builds_what_it_says(level):
 
 
 def test_auto_dtype_is_bf16_where_the_widening_kernels_build(monkeypatch, caplog):
-    monkeypatch.setattr(loader, "cpu_supports_bf16", lambda: False)
+    monkeypatch.setattr(cpu_platform, "cpu_supports_bf16", lambda: False)
     monkeypatch.setattr(cpu_isa, "cpu_flags", lambda cpuinfo=None: V3)  # an AVX2-only CPU
     with caplog.at_level(logging.INFO, logger="treadle.models.loader"):
-        assert loader.resolve_dtype("auto") is torch.bfloat16
+        assert cpu_platform.CPU.resolve_dtype("auto") is torch.bfloat16
     assert "dtype auto -> bfloat16" in caplog.text and "avx2" in caplog.text
 
-    import treadle.worker.native as native_module
-    monkeypatch.setattr(native_module, "load_kernels", lambda isa="auto": None)
-    dtype, why = loader.auto_dtype()
+    monkeypatch.setattr(cpu_platform, "load_kernels", lambda isa="auto": None)
+    dtype, why = cpu_platform.auto_dtype()
     assert dtype is torch.float32 and "no AVX-512 or AVX2" in why
-    monkeypatch.setattr(loader, "cpu_supports_bf16", lambda: True)
-    assert loader.auto_dtype()[0] is torch.bfloat16
+    monkeypatch.setattr(cpu_platform, "cpu_supports_bf16", lambda: True)
+    assert cpu_platform.auto_dtype()[0] is torch.bfloat16
 
 
 @pytest.mark.parametrize("level", LEVELS)

@@ -1,5 +1,5 @@
-"""The CUDA platform's sizing functions (worker/cuda_support.py) and the CUDA-graph
-runner's buffer logic (worker/cuda_graphs.py) with a fake capture: no GPU needed."""
+"""The CUDA platform's sizing functions (worker/cuda/cuda_support.py) and the CUDA-graph
+runner's buffer logic (worker/cuda/cuda_graphs.py) with a fake capture: no GPU needed."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import logging
 import pytest
 import torch
 
-from treadle.worker.cuda_graphs import CudaGraphRunner, ReplayByCall, StaticInput
-from treadle.worker.cuda_support import (GIB, MemorySnapshot, bytes_per_block,
+from treadle.worker.cuda.cuda_graphs import CudaGraphRunner, ReplayByCall, StaticInput
+from treadle.worker.cuda.cuda_support import (GIB, MemorySnapshot, bytes_per_block,
                                          check_cuda_graph_sizes, check_free_at_start,
                                          default_cuda_graph_sizes, kv_cache_bytes,
                                          num_kv_blocks, padded_batch_size, swap_space_blocks)

@@ -1,5 +1,5 @@
 """keep_freed_memory: memory a step frees stays in the heap, so the next step does not
-fault it in again (treadle/worker/heap.py). Each case runs in its own process: mallopt
+fault it in again (treadle/worker/cpu/heap.py). Each case runs in its own process: mallopt
 changes the whole process, and the test process has engines in it."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(
 # A step's pattern in miniature: a few activation-sized buffers, written, freed, again.
 ROUNDS = """
 import ctypes, resource, sys
-from treadle.worker.heap import keep_freed_memory
+from treadle.worker.cpu.heap import keep_freed_memory
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]

@@ -1,4 +1,4 @@
-"""HugePageArena: tensors cut from huge-page-backed chunks (worker/huge_pages.py)."""
+"""HugePageArena: tensors cut from huge-page-backed chunks (worker/cpu/huge_pages.py)."""
 
 import mmap
 import pathlib
@@ -6,7 +6,7 @@ import pathlib
 import pytest
 import torch
 
-from treadle.worker.huge_pages import HUGE_PAGE, HugePageArena
+from treadle.worker.cpu.huge_pages import HUGE_PAGE, HugePageArena
 
 
 def test_tensors_are_aligned_disjoint_and_of_the_asked_size():

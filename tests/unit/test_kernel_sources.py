@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from treadle.worker import native
+from treadle.worker.cpu import native
 
 LEVELS = ("avx512bf16", "avx512", "avx2")
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from treadle.sampling_params import SamplingParams
-from treadle.worker.native import load_kernels
+from treadle.worker.cpu.native import load_kernels
+from treadle.worker.cpu.native_sampling import NativeSampling
 from treadle.worker.sampler import Sampler
 from treadle.worker.spec.rejection import RejectionSampler, SampleRow
 
@@ -27,7 +28,7 @@ def kernels(request):
         return None
     k = load_kernels()
     assert k is not None, "the C kernels must build on the test machine (gcc is required)"
-    return k
+    return NativeSampling(k)
 
 
 def chi_square_bound(dof: int, z: float = 3.72) -> float:
@@ -198,7 +199,8 @@ def test_plain_argmax_covers_only_what_leaves_logits_alone():
 def test_seeded_request_draws_what_it_would_without_proposals():
     """The coupled path puts a seeded request's generator back: after the tokens kept,
     the next draw is the one sampling without speculation would make."""
-    kernels = load_kernels()
+    built = load_kernels()
+    kernels = None if built is None else NativeSampling(built)
     params = SamplingParams(temperature=1.0, seed=42)
     logits = target_logits(4, 3)
     plain = Sampler(0, kernels)

@@ -15,19 +15,21 @@ from transformers.generation.logits_process import (MinPLogitsWarper,
                                                     TopPLogitsWarper)
 
 from treadle.sampling_params import SamplingParams
-from treadle.worker.cpu_isa import executable_levels
-from treadle.worker.native import load_kernels
+from treadle.worker.cpu.cpu_isa import executable_levels
+from treadle.worker.cpu.native import load_kernels
+from treadle.worker.cpu.native_sampling import NativeSampling
 from treadle.worker.sampler import Sampler, prompt_logprobs
 
 
 @pytest.fixture(params=["torch", *(executable_levels() or ["native"])])
 def kernels(request):
-    """None (the torch path) or the C kernels of one ISA level this CPU executes."""
+    """None (the torch path) or the C kernels of one ISA level this CPU executes (the
+    sampler's kernel path)."""
     if request.param == "torch":
         return None
     k = load_kernels(request.param)
     assert k is not None, "the C kernels must build on the test machine (gcc is required)"
-    return k
+    return NativeSampling(k)
 
 
 def reference(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -10,8 +10,8 @@ import torch
 from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
-from treadle.worker.cpu_isa import executable_levels
-from treadle.worker.native import load_kernels
+from treadle.worker.cpu.cpu_isa import executable_levels
+from treadle.worker.cpu.native import load_kernels
 
 LEVELS = executable_levels() or ["native"]  # every kernel ISA level this CPU executes
 

@@ -42,9 +42,11 @@ def resolve_model_once(config: EngineConfig) -> EngineConfig:
     import dataclasses
 
     from treadle.models.resolve import resolve_model  # imports torch: not at module level
+    from treadle.worker.device import auto_dtype
 
     m = config.model
-    path = resolve_model(m.model, m.revision, m.download_dir, m.dtype)
+    path = resolve_model(m.model, m.revision, m.download_dir, m.dtype,
+                         auto=lambda: auto_dtype(m.device, m.kernel_isa))
     return dataclasses.replace(config, model=dataclasses.replace(m, model=str(path)))
 
 

@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treadle.models.linear import Linear
+from treadle.layers.attention import AttentionLayer
+from treadle.layers.linear import Linear
+from treadle.layers.parallel import ParallelContext
+from treadle.layers.rotary import RotaryEmbedding, RotaryInputs
+from treadle.layers.tensor_parallel import RowParallelLinear, ShardGeometry, VocabParallelEmbedding
 from treadle.models.llama import LlamaForCausalLM
-from treadle.models.parallel_layers import RowParallelLinear, ShardGeometry, VocabParallelEmbedding
-from treadle.models.rope import RotaryEmbedding, RotaryInputs
-from treadle.worker.attention import AttentionLayer
-from treadle.worker.parallel_state import ParallelContext
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 _ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
@@ -70,7 +70,7 @@ def layer_types(cfg: dict[str, Any]) -> list[str]:
 
 
 def rope_configs(cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The rope settings of each layer kind as a config dict models/rope.py reads."""
+    """The rope settings of each layer kind as a config dict layers/rotary.py reads."""
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and (SLIDING in params or FULL in params):
         full = dict(params.get(FULL) or {})

@@ -3,22 +3,23 @@
 Owns the model's parameters in fused form (one `qkv_proj` and one `gate_up_proj` per
 layer), the forward pass over a flat batch of tokens (all requests concatenated, no
 padding, one position per token), the logits, and the mapping of Hugging Face weight
-names onto the fused parameters, read by slices for a tensor-parallel rank. Attention
-over the paged KV cache is delegated to `treadle.worker.attention`; this module never
-builds attention metadata, picks tokens or samples. It takes the checkpoint's parsed
-config.json dict, not a transformers config object, so it does not depend on the
-transformers version.
+names onto the fused parameters, read by slices for a tensor-parallel rank. It is built
+from treadle/layers/ (attention, rotary, norms, linears, tensor-parallel layers); attention
+over the paged KV cache is computed by the backend the step's metadata carries. This
+module never builds attention metadata, picks tokens or samples, and never imports the
+worker. It takes the checkpoint's parsed config.json dict, not a transformers config
+object, so it does not depend on the transformers version.
 
 Kernels are handed in by the worker and never chosen here (`set_kernels`): one
-`LinearKernel` per linear layer (models/linear.py), and optionally elementwise ops
+`LinearKernel` per linear layer (layers/linear.py), and optionally elementwise ops
 (`LayerOps`: fused residual-add + RMSNorm, silu(gate) * up; each returns None where it
 does not apply, and the torch code below runs instead). Attention is one
 `AttentionLayer` call per layer with un-rotated queries and keys; the attention backend
 does the rest.
 
-Tensor and pipeline parallelism (`parallel`: worker.parallel_state.ParallelContext): a
+Tensor and pipeline parallelism (`parallel`: layers.parallel.ParallelContext): a
 rank holds its heads, MLP columns and vocabulary range of every layer of its stage
-(models/parallel_layers.py), reads only those slices from the checkpoint, and
+(layers/tensor_parallel.py), reads only those slices from the checkpoint, and
 all-reduces after attention and after the MLP; the first stage embeds, the last one
 normalizes and computes logits (gathered to the stage's first rank). With one rank all of
 this is the plain model.
@@ -31,19 +32,21 @@ and Qwen3 read `attention_bias`, Llama reads `mlp_bias`.
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Protocol
+from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treadle.models.linear import (Linear, LinearKernelFactory, LoRAPart, LoRATarget,
+from treadle.layers.attention import AttentionLayer
+from treadle.layers.linear import (Linear, LinearKernelFactory, LoRAPart, LoRATarget,
                                    attach_linear_kernels)
-from treadle.models.parallel_layers import RowParallelLinear, ShardGeometry, VocabParallelEmbedding
-from treadle.models.rope import RotaryEmbedding, RotaryInputs
+from treadle.layers.norm import LayerOps, RMSNorm, add_rms_norm, rms_norm
+from treadle.layers.parallel import ParallelContext
+from treadle.layers.plain_layer import PlainDecoder, PlainLayer
+from treadle.layers.rotary import RotaryEmbedding, RotaryInputs
+from treadle.layers.tensor_parallel import RowParallelLinear, ShardGeometry, VocabParallelEmbedding
 from treadle.models.weights import TensorSource, WeightSource
-from treadle.worker.attention import AttentionLayer
-from treadle.worker.parallel_state import ParallelContext
 
 _ARCH_TO_FAMILY = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
@@ -77,44 +80,6 @@ def _layer_windows(cfg: dict[str, Any], family: str, num_layers: int) -> list[in
             else "full_attention" for i in range(num_layers)]
         return [int(window) if t == "sliding_attention" else None for t in types]
     return [None] * num_layers
-
-
-class LayerOps(Protocol):
-    """Fused elementwise kernels (worker.native_linear.NativeLayerOps); each returns None
-    where it does not apply."""
-
-    def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None,
-                     weight: torch.Tensor, eps: float) -> torch.Tensor | None: ...
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None: ...
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim: normalized in float32, cast back, then scaled (as HF)."""
-    xf = x.float()
-    variance = xf.pow(2).mean(-1, keepdim=True)
-    normed = xf * torch.rsqrt(variance.add_(eps))
-    return normed.to(x.dtype).mul_(weight)  # a fresh tensor either way: safe in place
-
-
-def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm,
-                 ops: LayerOps | None) -> torch.Tensor:
-    """`hidden += delta` in place (when delta is given), then rms_norm(hidden): one fused
-    call through `ops` where it applies."""
-    if ops is not None:
-        out = ops.add_rms_norm(hidden, delta, norm.weight, norm.eps)
-        if out is not None:
-            return out
-    if delta is not None:
-        hidden.add_(delta)
-    return rms_norm(hidden, norm.weight, norm.eps)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
-        self.eps = eps
 
 
 class Attention(nn.Module):
@@ -242,9 +207,10 @@ class LlamaForCausalLM(nn.Module):
     """Whether `forward` takes `keep_rows` (a subclass with its own forward says False)."""
 
     decode_stack: Any = None
-    """Set by the worker (worker/decode_stack.py), or None: called with (hidden, rotary,
-    kv_caches, attn_metadata) after the embedding, it runs every layer and the final norm
-    of a step it covers in one kernel call and returns the result, else None."""
+    """Set by the worker (worker/cpu/decode_stack.py, from `plain_decoder`), or None:
+    called with (hidden, rotary, kv_caches, attn_metadata) after the embedding, it runs
+    every layer and the final norm of a step it covers in one kernel call and returns the
+    result, else None."""
 
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype,
                  parallel: ParallelContext | None = None) -> None:
@@ -370,6 +336,27 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (DecoderLayer, MLP)):
                 module.ops = ops
         return count
+
+    def plain_decoder(self) -> PlainDecoder | None:
+        """This stage's layers and final norm as a fused kernel may run them
+        (layers/plain_layer.py), when every layer has the plain Llama shape: Llama,
+        Mistral and Qwen2 layers without per-head q/k norms, sliding windows or softcaps,
+        on the last stage. None for anything else (Qwen3, Gemma 3, a sliding model)."""
+        if self.family not in ("llama", "mistral", "qwen2") or not self.parallel.is_last_stage:
+            return None
+        layers = list(self.model.layers.values())
+        if not layers or any(type(layer) is not DecoderLayer for layer in layers):
+            return None
+        plain = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if (attn.q_norm is not None or attn.attn.sliding_window is not None
+                    or attn.attn.logit_softcap is not None):
+                return None
+            plain.append(PlainLayer(layer.input_layernorm, layer.post_attention_layernorm,
+                                    attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                    mlp.down_proj, attn.scale, mlp.intermediate))
+        return PlainDecoder(tuple(plain), self.model.norm)
 
     # ----- adapters --------------------------------------------------------------------
 

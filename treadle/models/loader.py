@@ -1,7 +1,7 @@
 """Loading a Hugging Face checkpoint directory into a treadle model.
 
-Owns reading config.json, choosing the dtype (`resolve_dtype`; for `auto` it may build
-the C kernels to learn whether bf16 runs fast here), finding the safetensors files
+Owns reading config.json, the dtype a name means (`resolve_dtype`; what `auto` means is
+the platform's answer, handed in: worker/cpu/platform.py), finding the safetensors files
 (single file or sharded index) and handing them to the model's `load_weights` as a
 WeightSource (models/weights.py: tensors read whole or by slices, cast to the dtype as
 they are read). It never downloads anything, never touches the tokenizer and never
@@ -12,60 +12,37 @@ from __future__ import annotations
 
 import json
 import logging
-import platform
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from safetensors import safe_open
 
 from treadle.models.registry import resolve_model_class
 from treadle.models.weights import SafetensorsSource
-from treadle.worker.cpu_isa import cpu_flags
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 flags in /proc/cpuinfo
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def cpu_supports_bf16() -> bool:
-    """True when the CPU does bfloat16 math natively (x86 AVX512-BF16/AMX, ARM BF16).
-
-    False whenever this cannot be established (non-Linux, unreadable /proc/cpuinfo).
-    """
-    words = cpu_flags()
-    if platform.machine().lower() in ("aarch64", "arm64"):
-        return "bf16" in words
-    return any(flag in words for flag in _BF16_CPU_FLAGS)
+AutoDtype = Callable[[], "tuple[torch.dtype, str]"]
+"""What `dtype=auto` means where the model runs, and why (for the log): the platform's
+answer (worker/cpu/platform.py `auto_dtype` on the CPU), asked only for `auto`."""
 
 
-def auto_dtype(kernel_isa: str = "auto") -> tuple[torch.dtype, str]:
-    """What `dtype=auto` means on this machine, and why (for the log).
-
-    bfloat16 where the CPU does bf16 math natively, or where the C kernels build for an
-    AVX-512 or AVX2 level (kernel_isa: ModelConfig.kernel_isa): they keep bf16 weights and
-    KV in memory and widen them to fp32 in registers, so a decode step reads half the
-    bytes of float32. float32 only where neither holds.
-    """
-    if cpu_supports_bf16():
-        return torch.bfloat16, "the CPU has bf16 instructions"
-    from treadle.worker.native import load_kernels
-
-    kernels = load_kernels(kernel_isa)
-    if kernels is not None and kernels.simd_width:
-        return torch.bfloat16, (f"no bf16 instructions, but the {kernels.isa} C kernels "
-                                f"widen bf16 to fp32 in registers")
-    return torch.float32, "no bf16 instructions and no AVX-512 or AVX2 C kernels"
-
-
-def resolve_dtype(name: str, kernel_isa: str = "auto") -> torch.dtype:
-    """`float32`, `bfloat16`, or `auto` (`auto_dtype`: bfloat16 unless neither bf16
-    instructions nor the AVX-512/AVX2 kernels are there; the choice is logged)."""
+def resolve_dtype(name: str | torch.dtype, auto: AutoDtype | None = None) -> torch.dtype:
+    """A torch dtype as it is; `float32`, `bfloat16`; or `auto`: what `auto()` chooses
+    (the choice is logged). `auto` without a chooser is a ValueError: only the platform
+    knows what it means."""
+    if isinstance(name, torch.dtype):
+        return name
     if name == "auto":
-        dtype, why = auto_dtype(kernel_isa)
+        if auto is None:
+            raise ValueError("dtype auto needs the platform's choice (resolve_dtype's `auto`)")
+        dtype, why = auto()
         logger.info("dtype auto -> %s: %s", str(dtype).replace("torch.", ""), why)
         return dtype
     if name not in _DTYPES:
@@ -113,19 +90,19 @@ def iterate_weights(files: list[Path], dtype: torch.dtype) -> Iterator[tuple[str
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype,
-               device: torch.device | str = "cpu", parallel=None, kernel_isa: str = "auto"
+               device: torch.device | str = "cpu", parallel=None, auto: AutoDtype | None = None
                ) -> tuple[torch.nn.Module, dict[str, Any]]:
     """Build the checkpoint's model with its weights on `device`, in eval mode and without
-    gradients. `dtype` is a torch dtype or a name for `resolve_dtype` (with `kernel_isa`,
-    ModelConfig.kernel_isa, which matters for `auto` only); `parallel` (a
-    worker.parallel_state.ParallelContext) makes it this rank's shard, reading only its
+    gradients. `dtype` is a torch dtype or a name for `resolve_dtype` (with `auto`, the
+    platform's choice, which matters for `auto` only); `parallel` (a
+    layers.parallel.ParallelContext) makes it this rank's shard, reading only its
     slices of the files. Returns (model, config dict)."""
-    model, config, _ = build_model(model_dir, dtype, device, parallel, kernel_isa)
+    model, config, _ = build_model(model_dir, dtype, device, parallel, auto)
     return model, config
 
 
 def build_model(model_dir: str | Path, dtype: str | torch.dtype,
-                device: torch.device | str = "cpu", parallel=None, kernel_isa: str = "auto"
+                device: torch.device | str = "cpu", parallel=None, auto: AutoDtype | None = None
                 ) -> tuple[torch.nn.Module, dict[str, Any], int]:
     """`load_model`, also returning the bytes read from the checkpoint files.
 
@@ -133,7 +110,7 @@ def build_model(model_dir: str | Path, dtype: str | torch.dtype,
     empty) since every one of them is overwritten."""
     config = read_config(model_dir)
     model_class = resolve_model_class(config.get("architectures"))
-    torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, kernel_isa)
+    torch_dtype = resolve_dtype(dtype, auto)
     files = safetensors_files(model_dir)
     with torch.device("meta"):
         model = (model_class(config, torch_dtype) if parallel is None

@@ -122,7 +122,8 @@ def choose_path(kernels, fmt: str, rows: int, dtype: torch.dtype = torch.bfloat1
 class QuantizedLinear:
     """y = x @ W.T + bias with W [out_features, in_features] kept quantized.
 
-    `kernels`: treadle.worker.native_quant.QuantKernels (None: the torch fallback).
+    `kernels`: the worker's quantized kernels (worker/cpu/native_quant.py QuantKernels;
+    None: the torch fallback).
     """
 
     def __init__(self, fmt: QuantFormat | str, blocks: torch.Tensor, in_features: int,

@@ -9,7 +9,9 @@ Owns the one decision of which checkpoint a model string means:
 - a directory with config.json: itself;
 - `org/name` that is not a path: a Hugging Face Hub id, through huggingface_hub
   (`snapshot_download`; only the local HF cache when HF_HUB_OFFLINE=1);
-and the served name that goes with it. It loads no model.
+and the served name that goes with it. It loads no model. A GGUF file is converted to
+the engine's dtype; what `auto` means there is the caller's `auto` (models/loader.py
+`AutoDtype`: the platform's answer), asked only when a conversion needs it.
 """
 
 from __future__ import annotations
@@ -29,11 +31,9 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt", "*.ti
 """Files fetched from a Hub repository: configs, safetensors weights, tokenizer files."""
 
 
-def _dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
+def _dtype(dtype: str | torch.dtype, auto) -> torch.dtype:
     from treadle.models.loader import resolve_dtype
-    return resolve_dtype(dtype)
+    return resolve_dtype(dtype, auto)
 
 
 def is_hub_id(model: str) -> bool:
@@ -82,24 +82,24 @@ def _gguf_in(directory: Path) -> Path | None:
 
 
 def local_checkpoint(path: Path, dtype: str | torch.dtype = "auto",
-                     name: str | None = None) -> Path:
-    """A local directory or .gguf file as a checkpoint directory."""
+                     name: str | None = None, auto=None) -> Path:
+    """A local directory or .gguf file as a checkpoint directory (`auto`: see the module)."""
     from treadle.models.gguf_convert import cached_checkpoint
 
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"model file {path} is not a .gguf file; pass a checkpoint "
                              "directory, a .gguf file or a Hugging Face id")
-        return cached_checkpoint(path, _dtype(dtype), name=name)
+        return cached_checkpoint(path, _dtype(dtype, auto), name=name)
     if (path / "config.json").is_file():
         return path
     gguf = _gguf_in(path)
     if gguf is not None:
-        return cached_checkpoint(gguf, _dtype(dtype), name=name)
+        return cached_checkpoint(gguf, _dtype(dtype, auto), name=name)
     raise FileNotFoundError(f"{path} has neither config.json nor a .gguf file")
 
 
-def default_checkpoint(dtype: str | torch.dtype = "auto") -> Path:
+def default_checkpoint(dtype: str | torch.dtype = "auto", auto=None) -> Path:
     """The default model's checkpoint, or the demo model when it cannot be fetched."""
     from treadle.models import default_model
     from treadle.models.demo import demo_model_path
@@ -111,26 +111,28 @@ def default_checkpoint(dtype: str | torch.dtype = "auto") -> Path:
                        "demo model instead (its answers are noise; pass --model to choose)",
                        default_model.DEFAULT_MODEL_NAME, exc)
         return demo_model_path()
-    return local_checkpoint(gguf, dtype, name=default_model.DEFAULT_MODEL_NAME)
+    return local_checkpoint(gguf, dtype, name=default_model.DEFAULT_MODEL_NAME, auto=auto)
 
 
 def resolve_model(model: str | None, revision: str | None = None,
-                  download_dir: str | None = None, dtype: str | torch.dtype = "auto") -> Path:
+                  download_dir: str | None = None, dtype: str | torch.dtype = "auto",
+                  auto=None) -> Path:
     """The checkpoint directory `model` names (see the module docstring).
 
-    `dtype` is the engine's (float32, bfloat16 or auto): a GGUF file is converted to it.
+    `dtype` is the engine's (float32, bfloat16 or auto): a GGUF file is converted to it;
+    `auto` (models.loader.AutoDtype) says what auto means, when a conversion asks.
     """
     if model is None:
-        return default_checkpoint(dtype)
+        return default_checkpoint(dtype, auto)
     if model == DEMO:
         from treadle.models.demo import demo_model_path
         return demo_model_path()
     path = Path(model).expanduser()
     if path.exists():
-        return local_checkpoint(path, dtype)
+        return local_checkpoint(path, dtype, auto=auto)
     if is_hub_id(model):
         return local_checkpoint(hub_snapshot(model, revision, download_dir), dtype,
-                                name=model.split("/")[-1])
+                                name=model.split("/")[-1], auto=auto)
     raise FileNotFoundError(f"model {model!r} not found: it is neither a folder with "
                             "config.json, a .gguf file, 'demo', nor a Hugging Face id (org/name)")
 

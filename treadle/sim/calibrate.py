@@ -4,7 +4,7 @@ A step-time model fitted on one workload's trace knows only the step shapes that
 made: a light replay seldom decodes more than a few requests at once, so its fit never sees
 what a 24-request decode step costs, and the cost of a step is not linear across that range
 (the bf16 linears switch from the C small-row kernels to oneDNN above 16 rows, above 4
-where oneDNN has AMX: treadle/worker/native_linear.py). `calibrate` runs the engine, with
+where oneDNN has AMX: treadle/worker/cpu/native_linear.py). `calibrate` runs the engine, with
 the options it will serve with, on closed batches of every size in `rows` (random prompts
 of `prompt_len` tokens; outputs long enough that the whole batch decodes together, then
 thinning out one request at a time): prefill chunks up to the step budget, prefill mixed

@@ -47,7 +47,7 @@ class LinearStepModel:
     read, an attended (query, key) pair, a swapped byte). With `narrow_max_rows` > 0, a
     step whose linears multiply at most that many rows (`linear_rows`) takes its own
     intercept and coefficients instead (`narrow_*`): the engine runs such steps with other
-    kernels (the C small-row ones, treadle/worker/native_linear.py), whose cost per row is
+    kernels (the C small-row ones, treadle/worker/cpu/native_linear.py), whose cost per row is
     not the wide steps' (the fit finds the split, treadle/sim/fit.py)."""
 
     intercept: float

@@ -24,7 +24,7 @@ import torch
 
 from treadle.core.outputs import KVCompaction
 from treadle.worker import kv_quant
-from treadle.worker.attention.base import AttentionStep
+from treadle.layers.attention import AttentionStep
 
 
 def select_kept(scores: torch.Tensor, num_kept: int, num_recent: int) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch
 
 from treadle.core.kv.specs import CACHE_DTYPES
 from treadle.worker import kv_quant
-from treadle.worker.huge_pages import HugePageArena
+from treadle.worker.cpu.huge_pages import HugePageArena
 
 KV_LAYOUTS = {"heads_first": 2, "blocks_first": 1}
 """Layout name -> the dimension that indexes blocks."""
@@ -98,7 +98,7 @@ def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, block_size: int,
 
     Zeroed, not empty: padded attention positions are masked to probability 0, and
     0 x NaN from uninitialised memory would still poison the output. On the CPU the
-    tensors are cut from transparent huge pages (worker/huge_pages.py): a decode step
+    tensors are cut from transparent huge pages (worker/cpu/huge_pages.py): a decode step
     streams every running request's K/V, and in 4 KiB pages the hardware prefetcher
     stops at each page's end (docs/benchmarks.md, round 22).
     """

@@ -23,7 +23,7 @@ logits are gathered to the stage's first rank, the output rank, which alone samp
 answers (worker/parallel_state.py); the other ranks return None.
 
 On a GPU, a step of decodes only replays a CUDA graph of the forward pass captured at its
-padded batch size (worker/decode_graphs.py) instead of building the attention metadata
+padded batch size (worker/cuda/decode_graphs.py) instead of building the attention metadata
 and calling the model; every other step runs eagerly, and so does a step with a row that
 has a LoRA adapter (the graphs hold no adapter terms).
 
@@ -43,7 +43,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,13 +51,13 @@ import torch
 
 from treadle.core.outputs import (ModelRunnerOutput, PromptLogprobs, ScheduledRequest,
                                   SchedulerOutput, StepTimings)
-from treadle.worker.attention import AttentionBackend, AttentionStep
-from treadle.worker.decode_graphs import DecodeGraphs
+from treadle.layers.attention import AttentionStep
+from treadle.layers.parallel import ParallelContext
+from treadle.worker.attention.base import AttentionBackend
 from treadle.worker.grammar import GrammarState
 from treadle.worker.input_batch import CachedRequestState, InputBatch
 from treadle.worker.kv_cache import copy_blocks
 from treadle.worker.platform import no_wait, run_copies_now
-from treadle.worker.parallel_state import ParallelContext
 from treadle.worker.sampler import (Sampler, group_order, prompt_logprobs,
                                     takes_plain_argmax)
 from treadle.worker.spec.base import ProposalBatch, ProposalRequest, Proposer
@@ -160,8 +160,9 @@ class ModelRunner:
         self.eos_token_id = eos_token_id
         """The model's end-of-sequence id, masked until a request's min_tokens."""
         self.batch = InputBatch(-(-max_model_len // block_size))
-        self.decode_graphs: DecodeGraphs | None = None
-        """Captured decode steps (worker/decode_graphs.py; the GPU's, unless enforce_eager)."""
+        self.decode_graphs: Any = None
+        """Captured decode steps (worker/cuda/decode_graphs.py DecodeGraphs: the GPU's,
+        unless enforce_eager), or None."""
         self.proposer = proposer
         self.rejection = RejectionSampler(sampler, eos_token_id)
 
@@ -314,24 +315,8 @@ class ModelRunner:
         if not every_row and inputs.attn_metadata is not None and self._keeps_rows(rows):
             keep_rows = torch.from_numpy(logits_indices).to(self.device)
         t1 = time.perf_counter()
-        received = None
-        if not par.is_first_stage:
-            received = par.recv_prev_stage((len(inputs.host_positions), self.model.hidden_size),
-                                           self.model.dtype)
         failed: dict[str, str] = {}
-        if inputs.attn_metadata is None:  # a decode graph: no adapter rows (prepare)
-            hidden = self.decode_graphs.run(inputs.host_input_ids, inputs.host_positions,
-                                            inputs.step)
-        else:
-            if self.lora is not None:
-                failed.update(self._begin_lora_step(rows, inputs.lora_segments))
-            try:
-                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                                    inputs.attn_metadata, received,
-                                    **({} if keep_rows is None else {"keep_rows": keep_rows}))
-            finally:
-                if self.lora is not None:
-                    self.lora.end_step()
+        hidden = self._forward(inputs, keep_rows, failed)
         if not par.is_last_stage:
             par.send_next_stage(hidden)
             return None
@@ -370,6 +355,29 @@ class ModelRunner:
         timings.comm_s = par.take_comm_seconds()
         output.timings = timings
         return output
+
+    def _forward(self, inputs: PreparedInputs, keep_rows: torch.Tensor | None,
+                 failed: dict[str, str]) -> torch.Tensor:
+        """The step's forward pass: the previous stage's activations received first (a
+        later pipeline stage), then the decode graph's replay or the model with the
+        step's adapters (requests whose adapter cannot load go into `failed`)."""
+        par = self.parallel
+        received = None
+        if not par.is_first_stage:
+            received = par.recv_prev_stage((len(inputs.host_positions), self.model.hidden_size),
+                                           self.model.dtype)
+        if inputs.attn_metadata is None:  # a decode graph: no adapter rows (prepare)
+            return self.decode_graphs.run(inputs.host_input_ids, inputs.host_positions,
+                                          inputs.step)
+        if self.lora is not None:
+            failed.update(self._begin_lora_step(inputs.rows, inputs.lora_segments))
+        try:
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                              inputs.attn_metadata, received,
+                              **({} if keep_rows is None else {"keep_rows": keep_rows}))
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
 
     def _begin_lora_step(self, rows: list[_Row], segments: list) -> dict[str, str]:
         """Make the step's adapters resident. An adapter that cannot be loaded (its files

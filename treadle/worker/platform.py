@@ -1,27 +1,27 @@
-"""The device a worker runs on: the only module that knows whether it is a CPU or a GPU.
+"""The device a worker runs on, as one interface: what the worker asks instead of testing
+for a device.
 
-Owns, per platform: the torch device, what `--dtype auto` means there, which attention
-backends exist there (in order of preference), whether the C kernels and CUDA graphs
-apply, pinned host memory for swap and the stream its copies run on, the torch.distributed
-backend (gloo on CPU, NCCL on GPU), generators on the device, and how many bytes the KV
-cache may take (configured on the CPU; profiled against --gpu-memory-utilization on a
-GPU). Code elsewhere asks the platform
-instead of testing for a device (`if cuda` appears nowhere else). Chosen once per worker
-from `--device` (`auto`: CUDA when torch sees a GPU, else the CPU).
+`Platform` is the question list; worker/cpu/platform.py (`CpuPlatform`) and
+worker/cuda/platform.py (`CudaPlatform`) are the only places that know which device they
+are, and worker/device.py picks one from `--device`. A platform answers: its torch device
+and torch.distributed backend, what `--dtype auto` means there, which attention backends
+exist there (most preferred first), pinned host memory for swap and the stream its copies
+run on, how many bytes the KV cache may take (configured, or profiled against
+--gpu-memory-utilization), and which device-specific pieces a worker gets: the C kernels
+and what they drive (linear kernels, fused layer ops, quantized linears, the LoRA kernel,
+the decode stack, the sampler's kernel, the start-up line naming them), decode CUDA
+graphs. The defaults below are "none here"; a platform overrides what it has. A platform
+holds no request or model state and decides no policy.
 """
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass, field
-from typing import Callable
+from abc import ABC, abstractmethod
+from typing import Any, Callable
 
 import torch
 
 from treadle.models.loader import resolve_dtype
-from treadle.worker import cuda_support
-
-logger = logging.getLogger(__name__)
 
 
 def no_wait() -> None:
@@ -29,98 +29,73 @@ def no_wait() -> None:
 
 
 def run_copies_now(copy: Callable[[], None]) -> Callable[[], None]:
-    """Run the copies synchronously (the CPU's Platform.start_copies)."""
+    """Run the copies synchronously (a platform without a copy stream)."""
     copy()
     return no_wait
 
-DEVICES = ("auto", "cpu", "cuda")
 
-
-@dataclass(frozen=True)
-class Platform:
+class Platform(ABC):
     """What a worker needs to know about its device."""
 
     name: str
-    device: torch.device
     dist_backend: str
     """torch.distributed backend between workers of this platform."""
     attention_backends: tuple[str, ...]
     """Attention backends that run here, most preferred first (`auto` takes the first
     that can be built)."""
-    uses_native_kernels: bool
-    """The C kernels of worker/kernels (CPU only)."""
     pin_swap_memory: bool
     """Swap space in pinned host memory, for asynchronous device <-> host copies."""
     supports_cuda_graphs: bool = False
-    """Decode steps can be captured as CUDA graphs (worker/decode_graphs.py)."""
+    """Decode steps can be captured as CUDA graphs (worker/cuda/decode_graphs.py)."""
+    triton_needs_interpreter: bool = False
+    """The Triton kernels run here only under TRITON_INTERPRET=1 (tests)."""
 
-    _side_stream: object = field(default=None, repr=False, compare=False)
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.device})"
+
+    # ----- the device --------------------------------------------------------------------
+
+    @abstractmethod
+    def auto_dtype(self, kernel_isa: str = "auto") -> tuple[torch.dtype, str]:
+        """What `--dtype auto` means here, and why (models.loader.AutoDtype; `kernel_isa`,
+        ModelConfig.kernel_isa, matters where C kernels decide it)."""
 
     def resolve_dtype(self, name: str, kernel_isa: str = "auto") -> torch.dtype:
-        """The model dtype for `--dtype` (`auto` is the platform's choice: on the CPU, by
-        what the C kernels of `kernel_isa` run fast)."""
-        if name == "auto" and self.name == "cuda":
-            return torch.bfloat16
-        return resolve_dtype(name, kernel_isa)
+        """The model dtype for `--dtype` (`auto`: `auto_dtype`, logged)."""
+        return resolve_dtype(name, lambda: self.auto_dtype(kernel_isa))
 
     def generator(self, seed: int) -> torch.Generator:
         """A random generator on the device (samplers draw there, without a host sync)."""
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def synchronize(self) -> None:
-        if self.name == "cuda":
-            torch.cuda.synchronize(self.device)
+        """Wait for the device's queued work (nothing to wait for by default)."""
 
     def num_multiprocessors(self) -> int:
-        """Streaming multiprocessors of the GPU (what a kernel's grid must fill); 1 on the
-        CPU."""
-        if self.name == "cuda":
-            return torch.cuda.get_device_properties(self.device).multi_processor_count
+        """Parallel units a kernel's grid must fill (a GPU's multiprocessors); 1 here."""
         return 1
+
+    def prepare_process(self, keep_freed_memory: bool) -> None:
+        """Once per worker process, before loading (ModelConfig.keep_freed_memory)."""
 
     def check_memory_at_start(self, gpu_memory_utilization: float) -> None:
         """Before loading: refuse when other processes already hold the memory this one
-        is allowed (GPU); nothing to check on the CPU."""
-        if self.name == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            cuda_support.check_free_at_start(total, free, gpu_memory_utilization)
-            torch.cuda.reset_peak_memory_stats(self.device)
+        is allowed; nothing to check by default."""
 
     def kv_cache_bytes(self, configured: int, profile_step: Callable[[], None],
                        gpu_memory_utilization: float) -> int:
-        """Bytes the KV cache may take. CPU: `configured` (--kv-cache-memory). GPU: what
-        total x utilization leaves after the peak of `profile_step` (a forward pass at
-        the largest step, run here) and the memory torch does not hold (as vLLM)."""
-        if self.name != "cuda":
-            return configured
-        profile_step()
-        torch.cuda.synchronize(self.device)
-        snapshot = cuda_support.memory_snapshot(self.device)
-        kv_bytes = cuda_support.kv_cache_bytes(snapshot, gpu_memory_utilization)
-        logger.info("GPU memory: %.2f GiB total, peak %.2f GiB by torch, %.2f GiB besides; "
-                    "%.2f GiB for the KV cache", snapshot.total_bytes / 2**30,
-                    snapshot.torch_peak_bytes / 2**30, snapshot.non_torch_bytes / 2**30,
-                    kv_bytes / 2**30)
-        torch.cuda.empty_cache()
-        return kv_bytes
+        """Bytes the KV cache may take: `configured` (--kv-cache-memory) by default; a
+        platform that profiles runs `profile_step` (a forward pass at the largest step)."""
+        return configured
 
     def start_copies(self, copy: Callable[[], None]) -> Callable[[], None]:
-        """Run `copy` (swap copies between the device and pinned host memory) and return
-        the wait that the step's compute must call before it reads or writes the KV
-        cache. GPU: the copies go on a side stream, after all work queued so far (the
-        blocks swapped out were written by earlier steps), so that they overlap the
-        host's preparation of the step; CPU: they run now and the wait does nothing."""
-        if self.name != "cuda":
-            return run_copies_now(copy)
-        if self._side_stream is None:
-            object.__setattr__(self, "_side_stream", torch.cuda.Stream(self.device))
-        stream = self._side_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            copy()
-            done = torch.cuda.Event()
-            done.record(stream)
-        return lambda: torch.cuda.current_stream(self.device).wait_event(done)
+        """Run `copy` (swap copies between the device and host memory) and return the wait
+        that the step's compute must call before it reads or writes the KV cache. By
+        default the copies run now and the wait does nothing."""
+        return run_copies_now(copy)
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """Move a host tensor built for a step onto the device (once per step)."""
@@ -128,29 +103,64 @@ class Platform:
             return tensor
         return tensor.to(self.device, non_blocking=True)
 
+    # ----- what the worker runs here -----------------------------------------------------
 
-CPU = Platform(name="cpu", device=torch.device("cpu"), dist_backend="gloo",
-               attention_backends=("cpu-native", "torch", "reference", "triton"),
-               uses_native_kernels=True, pin_swap_memory=False)
+    def load_native_kernels(self, kernel_isa: str, attention_backend: str,
+                            dtype: torch.dtype) -> Any:
+        """The compiled C kernels the worker uses (attention, sampling, the layer kernels'
+        library), or None: none on this platform."""
+        return None
 
+    def layer_ops(self, native: Any, dtype: torch.dtype) -> Any:
+        """Fused elementwise ops for the model's layers (layers.norm.LayerOps), or None."""
+        return None
 
-def cuda_platform(index: int = 0) -> Platform:
-    return Platform(name="cuda", device=torch.device("cuda", index), dist_backend="nccl",
-                    attention_backends=("triton", "torch", "reference"),
-                    uses_native_kernels=False, pin_swap_memory=True,
-                    supports_cuda_graphs=True)
+    def attach_linear_kernels(self, model: Any, dtype: torch.dtype, layer_ops: Any) -> int:
+        """Give the model (or a draft model) its linear kernels and `layer_ops`
+        (model.set_kernels); returns how many kernels were attached. By default plain
+        F.linear everywhere."""
+        return model.set_kernels(None, layer_ops)
 
+    def quantize(self, model: Any, config: Any, dtype: torch.dtype, native: Any,
+                 world_size: int) -> Any:
+        """--quantization (config: EngineConfig): the model's linears on quantized weights,
+        returning what was done, or None when they stay dense. Only `none` and `auto`
+        (which is none here) by default."""
+        mode = config.model.quantization
+        if mode in ("none", "auto"):
+            return None
+        raise ValueError(f"quantization={mode} runs on the CPU in bfloat16 or float32 "
+                         f"(device {self.device.type}, dtype {dtype})")
 
-def get_platform(device: str = "auto", index: int = 0) -> Platform:
-    """The platform `--device` names (rank `index`: its GPU on a multi-GPU node);
-    ValueError for one that is not here."""
-    if device not in DEVICES:
-        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("device='cuda' but torch sees no GPU (torch.cuda.is_available() "
-                             "is False)")
-        return cuda_platform(index % torch.cuda.device_count())
-    return CPU
+    def lora_ops(self, native: Any, dtype: torch.dtype, num_targets: int) -> Any:
+        """The LoRA layers' ops (worker/lora/layers.py), or None for the torch ones."""
+        return None
+
+    def lora_weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype adapters are kept in under a model of `dtype`."""
+        return dtype
+
+    def decode_stack(self, model: Any, layer_ops: Any, attention: Any) -> Any:
+        """The one-call decode stack of the model's layers (model.decode_stack), or None."""
+        return None
+
+    def sampler_kernels(self, native: Any, attention: Any) -> Any:
+        """The sampler's kernel path (worker/sampler.py `kernels`), or None for torch's."""
+        return None
+
+    def describe_kernels(self, native: Any, dtype: torch.dtype, head_dim: int,
+                         layer_ops: Any, attention: Any) -> str | None:
+        """What the start-up line says about this platform's kernels, or None."""
+        return None
+
+    def use_native_kernels(self, model: Any, attention: Any, sampler: Any, kernels: Any,
+                           layer_ops: Any) -> None:
+        """Switch a loaded model, its attention backend and sampler to another build of
+        the C kernels (benchmarks, tests)."""
+        raise ValueError(f"the C kernels do not run on {self.name}")
+
+    def default_decode_graph_sizes(self, model_config: Any, max_num_seqs: int,
+                                   attention: Any, world_size: int) -> list[int] | None:
+        """The batch sizes whose decode steps are captured as graphs at start-up, or None:
+        no graphs here."""
+        return None

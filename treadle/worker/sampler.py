@@ -11,8 +11,9 @@ dropped together); min-p keeps tokens at least min_p times as likely as the best
 
 Two implementations, same distribution:
 
-* The C kernel (worker/kernels/sampling.c, when `kernels` is given: the model runner
-  passes the engine's NativeKernels). logit_bias, min_tokens and the penalties touch few
+* The C kernel (worker/cpu/kernels/sampling.c through worker/cpu/native_sampling.py, when
+  `kernels` is given: the CPU platform hands it to the sampler with the cpu-native
+  backend). logit_bias, min_tokens and the penalties touch few
   entries and are applied here, in place; then one kernel call samples every row, rows in
   parallel. Each row is read from memory once; in cache, its max, its weights
   exp((x - max) / T), the top-k and top-p cuts (a threshold on the logit, found by a
@@ -89,8 +90,9 @@ class Sampler:
     """Chooses one token per row of logits."""
 
     def __init__(self, seed: int, kernels=None, device: torch.device | str = "cpu") -> None:
-        """`kernels` (worker.native.NativeKernels): sample with the C kernel when given.
-        Random numbers are drawn on `device` (the logits' device)."""
+        """`kernels`: the platform's kernel path (worker/cpu/native_sampling.py
+        `NativeSampling`: the C kernel), which samples the logits it `covers`; None: torch
+        only. Random numbers are drawn on `device` (the logits' device)."""
         self.device = torch.device(device)
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
@@ -153,9 +155,9 @@ class Sampler:
         applied after logit_bias and the penalties (logprobs stay the raw logits').
         Rows in `group_order` are sampled in place; others are first copied into it
         (the C kernel takes rows in any order)."""
-        if self.kernels is not None and logits.dtype == torch.float32 and logits.stride(1) == 1:
-            return self._sample_native(logits, request_ids, params, prompt_token_ids,
-                                       output_token_ids, eos_token_id, masks)
+        if self.kernels is not None and self.kernels.covers(logits):
+            return self.kernels.sample(logits, request_ids, params, prompt_token_ids,
+                                       output_token_ids, eos_token_id, masks, self._draw)
         num_rows = logits.shape[0]
         order = group_order(params)
         if order != list(range(num_rows)):
@@ -176,7 +178,7 @@ class Sampler:
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw = logits[logprob_rows] if logprob_rows else None
         adjust_logits(logits, params, prompt_token_ids, output_token_ids, eos_token_id)
-        _apply_masks(logits, masks)
+        apply_masks(logits, masks)
         kinds = [_kind(p) for p in params]
         num_greedy = kinds.count(_GREEDY)
         tokens = torch.empty(num_rows, dtype=torch.long, device=logits.device)
@@ -196,57 +198,6 @@ class Sampler:
                 entries[i] = entry
         return SamplerOutput(tokens.tolist(), entries)
 
-    def _sample_native(self, logits: torch.Tensor, request_ids: Sequence[str],
-                       params: Sequence[SamplingParams],
-                       prompt_token_ids: Sequence[Sequence[int]] | None,
-                       output_token_ids: Sequence[Sequence[int]] | None,
-                       eos_token_id: int | None, masks=None) -> SamplerOutput:
-        """`sample` through the C kernel: penalties in place here, then one kernel call for
-        every row; the logprob rows get their raw logits back (the kernel leaves the
-        logits as it found them, so only the few adjusted entries need restoring; a
-        masked row that asks for logprobs is kept whole before its mask)."""
-        num_rows = logits.shape[0]
-        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        masked_lp = sorted(set(logprob_rows) & set(masks.rows)) if masks is not None else []
-        raw_masked = logits[masked_lp].clone() if masked_lp else None
-        saved = adjust_logits(logits, params, prompt_token_ids, output_token_ids,
-                              eos_token_id, save_rows=logprob_rows)
-        _apply_masks(logits, masks)
-        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        u = torch.zeros(num_rows, dtype=torch.float64)
-        if random_rows:
-            u[random_rows] = self._draw([request_ids[i] for i in random_rows],
-                                        [params[i] for i in random_rows])
-        # Greedy rows: inverse temperature 0. 1 / T is rounded to float32 as in the torch path.
-        inv_t = torch.tensor([0.0 if p.is_greedy else 1.0 / p.temperature for p in params],
-                             dtype=torch.float32)
-        top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
-        tokens = self.kernels.sample(logits, inv_t, top_k, top_p, min_p, u)
-        token_list = tokens.tolist()
-
-        entries: list[TokenLogprobs | None] = [None] * num_rows
-        if logprob_rows:
-            for rows, cols, values in reversed(saved):
-                logits[rows, cols] = values
-            if raw_masked is not None:
-                logits[masked_lp] = raw_masked
-            rows = torch.tensor(logprob_rows, dtype=torch.int64)
-            num_top = [params[i].logprobs for i in logprob_rows]
-            stats = self.kernels.logprobs(logits, rows, tokens[rows].contiguous(),
-                                          max(num_top))
-            chosen = logits[rows, tokens[rows]].double()
-            chosen_lps = (chosen - stats.lse).tolist()
-            ranks, lse = stats.ranks.tolist(), stats.lse
-            top_lps = (stats.top_values.double() - lse.unsqueeze(1)).tolist()
-            top_ids = stats.top_ids.tolist()
-            for j, (i, n) in enumerate(zip(logprob_rows, num_top)):
-                entries[i] = TokenLogprobs([token_list[i]] + top_ids[j][:n],
-                                           [chosen_lps[j]] + top_lps[j][:n],
-                                           [ranks[j]] + list(range(1, n + 1)))
-        return SamplerOutput(token_list, entries)
-
     @torch.inference_mode()
     def probs(self, logits: torch.Tensor, params: Sequence[SamplingParams],
               prompt_token_ids: Sequence[Sequence[int]] | None = None,
@@ -257,15 +208,9 @@ class Sampler:
         `sample`, temperature, top-k, top-p, min-p); greedy rows one-hot at their token.
         `logits` is overwritten (the penalties are applied in place). Through the C
         kernel when there is one, else by sorting (processed_logits)."""
-        if self.kernels is not None and logits.dtype == torch.float32 and logits.stride(1) == 1:
-            adjust_logits(logits, params, prompt_token_ids, output_token_ids, eos_token_id)
-            _apply_masks(logits, masks)
-            inv_t = torch.tensor([0.0 if p.is_greedy else 1.0 / p.temperature for p in params],
-                                 dtype=torch.float32)
-            return self.kernels.probs(
-                logits, inv_t, torch.tensor([p.top_k for p in params], dtype=torch.int64),
-                torch.tensor([p.top_p for p in params], dtype=torch.float64),
-                torch.tensor([p.min_p for p in params], dtype=torch.float32))
+        if self.kernels is not None and self.kernels.covers(logits):
+            return self.kernels.probs(logits, params, prompt_token_ids, output_token_ids,
+                                      eos_token_id, masks)
         x = self.processed_logits(logits, params, prompt_token_ids, output_token_ids,
                                   eos_token_id, masks)
         out = torch.softmax(x.float(), dim=-1)
@@ -287,7 +232,7 @@ class Sampler:
         never does)."""
         x = logits.clone()
         adjust_logits(x, params, prompt_token_ids, output_token_ids, eos_token_id)
-        _apply_masks(x, masks)
+        apply_masks(x, masks)
         groups: dict[int, list[int]] = {}
         for i, p in enumerate(params):
             if not p.is_greedy:
@@ -304,7 +249,7 @@ class Sampler:
         return x
 
 
-def _apply_masks(logits: torch.Tensor, masks) -> None:
+def apply_masks(logits: torch.Tensor, masks) -> None:
     """Disallowed tokens of the constrained rows to -inf, in place (the others untouched)."""
     if masks is None or not masks.rows:
         return
@@ -342,7 +287,6 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
     Returns, for the rows in `save_rows`, the (rows, cols, values) each change overwrote,
     in order: written back in reverse order, they restore the raw logits.
     """
-    vocab = logits.shape[1]
     num_rows = logits.shape[0]
     dev = logits.device
     outputs = output_token_ids if output_token_ids is not None else [()] * num_rows
@@ -359,6 +303,16 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
             if bool(keep.any()):
                 saved.append((r[keep], c[keep], logits[r[keep], c[keep]].clone()))
 
+    _bias_and_bans(logits, params, outputs, eos_token_id, remember)
+    _penalties(logits, params, prompts, outputs, remember)
+    return saved
+
+
+def _bias_and_bans(logits: torch.Tensor, params: Sequence[SamplingParams], outputs,
+                   eos_token_id: int | None, remember) -> None:
+    """logit_bias added, then the stop tokens (and EOS) of rows still short of min_tokens
+    set to -inf; `remember(rows, cols)` is called before each change."""
+    vocab, dev = logits.shape[1], logits.device
     rows, cols, values = [], [], []
     for i, p in enumerate(params):
         if p.logit_bias:
@@ -387,6 +341,12 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
         remember(r, c)
         logits[r, c] = float("-inf")
 
+
+def _penalties(logits: torch.Tensor, params: Sequence[SamplingParams], prompts, outputs,
+               remember) -> None:
+    """The repetition penalty, then the frequency and presence penalties (see
+    `adjust_logits`); `remember(rows, cols)` is called before each change."""
+    vocab, dev = logits.shape[1], logits.device
     rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if rep:
         r, c = _distinct_pairs([itertools.chain(prompts[i], outputs[i]) for i in rep],
@@ -414,7 +374,6 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
                                 dtype=logits.dtype, device=dev)[index]
             remember(r, c)
             logits[r, c] -= f * counts.to(logits.dtype) + pres
-    return saved
 
 
 def _distinct_pairs(token_lists, lengths: list[int], rows: list[int], vocab: int,

@@ -1,14 +1,16 @@
 """A worker: one device, one rank's share of the model (all of it with one rank), its KV
 cache.
 
-Owns everything the engine core must not know: the platform, its place among the ranks
-(worker/parallel_state.py: joining the process group, the cores it is bound to), loading
-its shard of the model, the C kernels and which of them run (linear, elementwise,
-attention, sampling), the attention backend, the KV-cache and swap tensors (on a GPU
+Owns everything the engine core must not know: the platform (worker/platform.py: every
+device-specific piece comes from it, never from a test of the device), its place among
+the ranks (worker/parallel_state.py: joining the process group, the cores it is bound
+to), loading its shard of the model, the kernels the platform runs it with (on the CPU
+the C kernels: linear, elementwise, attention, sampling), the attention backend
+(worker/attention_backends.py), the KV-cache and swap tensors (on a GPU
 sized by a profiling step, worker/profile_step.py), the start-up cost probes, the LoRA
 manager (worker/lora/) when adapters are served, the model runner and, on a GPU, its
-decode CUDA graphs (worker/decode_graphs.py; off for steps with adapter rows), and on the
-output rank the speculative proposer (worker/spec: with `draft`, the draft model and its
+decode CUDA graphs (worker/cuda/decode_graphs.py; off for steps with adapter rows), and
+on the output rank the speculative proposer (worker/spec: with `draft`, the draft model and its
 KV cache, counted in the blocks that fit; with an adaptive policy, the measured step
 costs in WorkerInfo; it proposes without adapters, docs/lora.md).
 Its life has three calls, made by an executor (treadle/executor): `load()` (model,
@@ -30,32 +32,21 @@ import torch
 
 from treadle.config import EngineConfig
 from treadle.core.kv.config import KVCacheConfig, kv_cache_config
+from treadle.layers.parallel import ParallelContext
 from treadle.worker.h2o import HeavyHitterTracker
 from treadle.core.outputs import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 from treadle.core.policy import PreemptionCosts
 from treadle.config import parse_layer_partition
 from treadle.models.loader import build_model, read_config
-from treadle.models.resolve import gguf_source
 from treadle.models.registry import resolve_model_class
-from treadle.worker.attention import make_attention_backend
-from treadle.worker.attention.cpu_native import CpuNativeBackend
-from treadle.worker.attention.triton_backend import TritonBackend
-from treadle.worker.cuda_support import default_cuda_graph_sizes
-from treadle.worker.decode_graphs import DecodeGraphs
+from treadle.worker.attention_backends import make_attention_backend
+from treadle.worker.device import get_platform
 from treadle.worker.grammar import GrammarState
-from treadle.worker.heap import keep_freed_memory
-from treadle.worker.cpu_isa import describe_kernels
 from treadle.worker.cost_probe import measure_copy_bytes_per_s, measure_matmul_flops_per_s
 from treadle.worker.kv_cache import KVCacheSpec, allocate_kv_caches, allocate_swap_space
 from treadle.worker import kv_transfer
-from treadle.worker import quantized_linears
-from treadle.worker.decode_stack import DecodeStack
-from treadle.worker.linear_kernels import DenseLinearKernel, dense_kernel_factory
 from treadle.worker.model_runner import ModelRunner
-from treadle.worker.native_linear import NativeLayerOps
-from treadle.worker.native_quant import QuantKernels
-from treadle.worker.parallel_state import ParallelContext, init_parallel
-from treadle.worker.platform import get_platform
+from treadle.worker.parallel_state import init_parallel
 from treadle.worker.profile_step import profile_lengths, profile_steps
 from treadle.worker.sampler import Sampler
 from treadle.worker.spec.base import Proposer
@@ -63,13 +54,15 @@ from treadle.worker.spec.base import Proposer
 logger = logging.getLogger(__name__)
 
 
-def resolve_model_dir(config: EngineConfig) -> Path:
+def resolve_model_dir(config: EngineConfig, platform) -> Path:
     """The checkpoint directory (EngineCore resolved `model` already; a Worker made
-    directly, as benchmarks do, resolves it here: treadle/models/resolve.py)."""
+    directly, as benchmarks do, resolves it here: treadle/models/resolve.py, a GGUF file
+    converted to what `platform` makes of --dtype)."""
     from treadle.models.resolve import resolve_model
 
     m = config.model
-    return resolve_model(m.model, m.revision, m.download_dir, m.dtype)
+    return resolve_model(m.model, m.revision, m.download_dir, m.dtype,
+                         auto=lambda: platform.auto_dtype(m.kernel_isa))
 
 
 def read_eos_token_id(model_dir: Path, hf_config: dict) -> int | None:
@@ -94,9 +87,7 @@ class Worker:
         self.config = config
         self.rank = rank
         self.platform = get_platform(config.model.device, rank)
-        if self.platform.device.type == "cpu" and config.model.keep_freed_memory:
-            if not keep_freed_memory():
-                logger.info("keep_freed_memory: not glibc, the C library's malloc left as is")
+        self.platform.prepare_process(config.model.keep_freed_memory)
         self.runner: ModelRunner | None = None
         self.draft_model = None
         """The draft checkpoint's model (speculative method draft, output rank)."""
@@ -106,7 +97,7 @@ class Worker:
         elif config.model.num_threads is not None:
             torch.set_num_threads(config.model.num_threads)
         par = config.parallel
-        self.model_dir = resolve_model_dir(config)
+        self.model_dir = resolve_model_dir(config, self.platform)
         self.hf_config = read_config(self.model_dir)
         if par.world_size > 1:
             self.parallel = init_parallel(
@@ -127,23 +118,7 @@ class Worker:
         self.model, self.hf_config, self.num_bytes_loaded = build_model(
             self.model_dir, dtype, self.platform.device, self.parallel)
         self.dtype = dtype
-        self.native = self._load_native()
-        self.layer_ops = (NativeLayerOps.load(self.native.lib)
-                          if self.native is not None and dtype == torch.bfloat16 else None)
-        factory = (dense_kernel_factory(dtype, self.layer_ops)
-                   if self.platform.uses_native_kernels else None)  # oneDNN packs host weights
-        num_kernels = self.model.set_kernels(factory, self.layer_ops)
-        if num_kernels:
-            logger.info("linear layers: %d kernels attached (%s)", num_kernels,
-                        "C kernels: " + self.layer_ops.describe() if self.layer_ops is not None
-                        else "oneDNN prepacked bf16")
-        self.quantized = self._quantize(dtype)
-        self.lora = self._make_lora_manager(dtype)
-        self.attention = make_attention_backend(
-            config.model.attention_backend, self.platform, self.model.num_kv_heads,
-            self.model.head_dim, dtype, kernels=self.native, layer_ops=self.layer_ops,
-            kv_cache_dtype=config.cache.kv_cache_dtype)
-        self.model.decode_stack = DecodeStack.build(self.model, self.layer_ops, self.attention)
+        self._load_kernels(dtype)
         self.eos_token_id = read_eos_token_id(self.model_dir, self.hf_config)
         self.max_model_len = self._resolve_max_model_len()
         cache = config.cache
@@ -160,10 +135,10 @@ class Worker:
             cache.kv_cache_memory, self._profile_step,
             cache.gpu_memory_utilization) // block_bytes
         kernels = f"attention backend {self.attention.name}"
-        if self.platform.uses_native_kernels:
-            kernels += "; " + describe_kernels(
-                self.native, dtype, self.model.head_dim, self.layer_ops,
-                native_attention=self.attention.name == "cpu-native")
+        described = self.platform.describe_kernels(self.native, dtype, self.model.head_dim,
+                                                   self.layer_ops, self.attention)
+        if described is not None:
+            kernels += "; " + described
         if self.quantized is not None:
             kernels += "; " + self.quantized.describe()
         if self.lora is not None:
@@ -181,40 +156,34 @@ class Worker:
             spec_costs=self._spec_costs(num_kv_blocks),
             layer_windows=tuple(getattr(self.model, "layer_windows", ())))
 
-    def _quantize(self, dtype: torch.dtype):
-        """--quantization: the linear layers on quantized weights (worker/
-        quantized_linears.py); None when they stay dense."""
-        m = self.config.model
-        if m.quantization == "none":
-            return None
-        on_cpu = self.platform.device.type == "cpu"
-        if m.quantization != "auto" and (not on_cpu or dtype not in (torch.bfloat16,
-                                                                      torch.float32)):
-            raise ValueError(f"quantization={m.quantization} runs on the CPU in bfloat16 or "
-                             f"float32 (device {self.platform.device.type}, dtype {dtype})")
-        kernels = (QuantKernels.load(self.native.lib)
-                   if self.native is not None and on_cpu else None)
-        gguf = gguf_source(m.model, m.revision, m.download_dir)
-        mode = quantized_linears.resolve_mode(
-            m.quantization, gguf, kernels, dtype=dtype, world_size=self.parallel.world_size,
-            lora=self.config.lora.enable_lora)
-        report = quantized_linears.attach(self.model, mode, kernels, gguf)
-        if report is not None:
-            logger.info("%s", report.describe())
-        return report
+    def _load_kernels(self, dtype: torch.dtype) -> None:
+        """What the platform runs the model with: its C kernels (`native`, None where there
+        are none), fused layer ops, linear kernels, quantized linears (--quantization),
+        the LoRA manager, the attention backend and the decode stack."""
+        config, platform = self.config, self.platform
+        self.native = platform.load_native_kernels(config.model.kernel_isa,
+                                                   config.model.attention_backend, dtype)
+        self.layer_ops = platform.layer_ops(self.native, dtype)
+        platform.attach_linear_kernels(self.model, dtype, self.layer_ops)
+        self.quantized = platform.quantize(self.model, config, dtype, self.native,
+                                           self.parallel.world_size)
+        self.lora = self._make_lora_manager(dtype)
+        self.attention = make_attention_backend(
+            config.model.attention_backend, platform, self.model.num_kv_heads,
+            self.model.head_dim, dtype, kernels=self.native, layer_ops=self.layer_ops,
+            kv_cache_dtype=config.cache.kv_cache_dtype)
+        self.model.decode_stack = platform.decode_stack(self.model, self.layer_ops,
+                                                        self.attention)
 
     def _make_lora_manager(self, dtype: torch.dtype):
         """The LoRA manager (it wraps the adapted layers' kernels), or None without LoRA."""
         if not self.config.lora.enable_lora:
             return None
         from treadle.worker.lora import LoRAManager
-        ops = None
-        if self.native is not None and dtype == torch.bfloat16 \
-                and self.platform.device.type == "cpu":
-            from treadle.worker.lora.native_ops import NativeLoRAOps
-            ops = NativeLoRAOps.load(self.native.lib, len(self.model.lora_targets()))
+        ops = self.platform.lora_ops(self.native, dtype, len(self.model.lora_targets()))
         return LoRAManager(self.model, self.config.lora, self.platform.device, dtype, ops=ops,
-                           pin_memory=self.platform.pin_swap_memory)
+                           pin_memory=self.platform.pin_swap_memory,
+                           weight_dtype=self.platform.lora_weight_dtype(dtype))
 
     def _whole_model_parameters(self) -> int:
         """Parameters of the whole model, not of this rank's shard (counted on a copy built
@@ -301,7 +270,7 @@ class Worker:
             raise ValueError(f"speculative_config: the draft model {spec.model!r} has a "
                              f"vocabulary of {draft.vocab_size} tokens, the target "
                              f"{self.model.vocab_size}: they must share the tokenizer")
-        draft.set_kernels(dense_kernel_factory(self.dtype, self.layer_ops), self.layer_ops)
+        self.platform.attach_linear_kernels(draft, self.dtype, self.layer_ops)
         self.draft_model = draft
         self.draft_attention = make_attention_backend(
             self.config.model.attention_backend, self.platform, draft.num_kv_heads,
@@ -368,18 +337,20 @@ class Worker:
         return costs if self.parallel.is_output_rank else None
 
     def _enable_default_graphs(self) -> None:
-        """Decode CUDA graphs where they apply (a GPU, the triton backend, one rank, not
-        enforce_eager)."""
-        model = self.config.model
-        if (self.platform.supports_cuda_graphs and not model.enforce_eager
-                and isinstance(self.attention, TritonBackend)
-                and self.parallel.world_size == 1):
-            self.enable_decode_graphs(model.cuda_graph_sizes or default_cuda_graph_sizes(
-                self.config.scheduler.max_num_seqs))
+        """Decode CUDA graphs where the platform has them by default (worker/cuda/
+        platform.py: the triton backend, one rank, not enforce_eager)."""
+        sizes = self.platform.default_decode_graph_sizes(
+            self.config.model, self.config.scheduler.max_num_seqs, self.attention,
+            self.parallel.world_size)
+        if sizes:
+            self.enable_decode_graphs(sizes)
 
     def enable_decode_graphs(self, sizes, capture=None) -> None:
-        """Capture the decode steps at `sizes` (worker/decode_graphs.py); `capture` is the
-        graph capture (CUDA's by default; tests pass cuda_graphs.ReplayByCall)."""
+        """Capture the decode steps at `sizes` (worker/cuda/decode_graphs.py); `capture` is the
+        graph capture (CUDA's by default; tests pass cuda_graphs.ReplayByCall, which
+        replays by calling the forward pass on any platform)."""
+        from treadle.worker.cuda.decode_graphs import DecodeGraphs
+
         graphs = DecodeGraphs(self.model, self.runner.kv_caches, self.attention, sizes,
                               self.max_model_len, self.config.cache.block_size,
                               self.platform.device, capture)
@@ -405,22 +376,10 @@ class Worker:
         runner.execute(step)
         runner.execute(finish)
 
-    def _load_native(self):
-        """The compiled C kernels (worker.native.NativeKernels), or None when they cannot
-        be built, the platform has none, or nothing would use them: the attention backend
-        is not cpu-native and the model is not bf16 (the layer kernels are bf16 only)."""
-        if not self.platform.uses_native_kernels:
-            return None
-        backend = self.config.model.attention_backend
-        if backend in ("torch", "reference") and self.dtype != torch.bfloat16:
-            return None
-        from treadle.worker.native import load_kernels
-        return load_kernels(self.config.model.kernel_isa)
-
     def _sampler_kernels(self):
-        """The C sampling kernel runs with the cpu-native attention backend; the other
-        backends are the all-torch path."""
-        return self.native if self.attention.name == "cpu-native" else None
+        """The sampler's kernel path the platform gives with this attention backend (the
+        CPU's C kernel with cpu-native), or None for the torch path."""
+        return self.platform.sampler_kernels(self.native, self.attention)
 
     def _preemption_costs(self) -> PreemptionCosts | None:
         """Measured rates for preemption_mode=auto (None for the fixed modes)."""
@@ -470,27 +429,13 @@ class Worker:
         self.use_native_kernels(self.native, self.layer_ops if enabled else None)
 
     def use_native_kernels(self, kernels, layer_ops) -> None:
-        """Run on another build of the C kernels (`kernels`: worker.native.NativeKernels of
-        some ISA level, for attention and sampling; `layer_ops`: its NativeLayerOps, or None
-        for torch's layers) — for benchmarks comparing builds in one engine."""
-        for module in self.model.modules():
-            kernel = getattr(module, "kernel", None)
-            kernel = getattr(kernel, "base", kernel)  # under a LoRA layer's kernel
-            if isinstance(kernel, DenseLinearKernel):
-                kernel.native = layer_ops
-        if isinstance(self.model.lm_head_kernel, DenseLinearKernel):
-            self.model.lm_head_kernel.native = layer_ops
-        self.model.ops = layer_ops
-        for module in self.model.modules():
-            if hasattr(module, "ops"):
-                module.ops = layer_ops
-        if isinstance(self.attention, CpuNativeBackend):
-            self.attention.kernels = kernels
-            self.attention.layer_ops = layer_ops
-        if hasattr(self.model, "decode_stack"):
-            self.model.decode_stack = DecodeStack.build(self.model, layer_ops, self.attention)
-        if self.runner is not None and self.runner.sampler.kernels is not None:
-            self.runner.sampler.kernels = kernels
+        """Run on another build of the C kernels (`kernels`: worker.cpu.native.NativeKernels
+        of some ISA level, for attention and sampling; `layer_ops`: its NativeLayerOps, or
+        None for torch's layers) — for benchmarks comparing builds in one engine (the CPU
+        platform's; worker/cpu/platform.py)."""
+        self.platform.use_native_kernels(
+            self.model, self.attention, None if self.runner is None else self.runner.sampler,
+            kernels, layer_ops)
 
     # ----- P/D: a request's KV blocks out and in (worker/kv_transfer.py) -----------------
 

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from treadle.worker import kv_quant
-from treadle.worker.attention.base import (AttentionBackend, AttentionLayer, AttentionStep,
-                                           Rotary, split_rotated)
+from treadle.layers.attention import AttentionLayer, AttentionStep, Rotary
+from treadle.worker.attention.base import AttentionBackend, split_rotated
 
 
 @dataclass

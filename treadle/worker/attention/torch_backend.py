@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from treadle.worker import kv_quant
-from treadle.worker.attention.base import (AttentionBackend, AttentionLayer, AttentionStep,
-                                           Rotary, split_rotated)
+from treadle.layers.attention import AttentionLayer, AttentionStep, Rotary
+from treadle.worker.attention.base import AttentionBackend, split_rotated
 
 _DECODE_GROUP_SPREAD = 2.0
 """Decodes are padded to the longest context of their group. A group holds contexts

@@ -1,6 +1,6 @@
 """The LoRA term of a linear layer over a flat batch of several adapters' segments.
 
-`LoRALinearKernel` is the kernel object (models/linear.py) of a layer an adapter may
+`LoRALinearKernel` is the kernel object (layers/linear.py) of a layer an adapter may
 change: it runs the layer's own kernel once over every row (one base matmul for the whole
 batch), then adds each adapter segment's low-rank term, y[rows] += (x[rows] @ A.T) @ B.T
 per module, in the spirit of Punica's SGMV: the runner orders its rows so that each
@@ -79,7 +79,7 @@ class LoRALinearKernel:
     def __init__(self, base: Callable[[torch.Tensor], torch.Tensor], index: int,
                  step: LoRAStep) -> None:
         self.base = base
-        """The layer's own kernel (worker/linear_kernels.py, or F.linear)."""
+        """The layer's own kernel (worker/cpu/linear_kernels.py, or F.linear)."""
         self.index = index
         """This layer's index among the model's LoRA targets (AdapterWeights.targets)."""
         self.step = step

@@ -47,12 +47,13 @@ class LoRAManager:
     """Adapter slots and host cache of one worker, and the LoRA layers of its model."""
 
     def __init__(self, model: torch.nn.Module, config: LoRAConfig, device: torch.device,
-                 dtype: torch.dtype, ops=None, pin_memory: bool = False) -> None:
+                 dtype: torch.dtype, ops=None, pin_memory: bool = False,
+                 weight_dtype: torch.dtype | None = None) -> None:
         self.config = config
         self.device, self.dtype = device, dtype
-        self.weight_dtype = (torch.float32 if device.type == "cpu"
-                             and dtype in (torch.bfloat16, torch.float16) else dtype)
-        """The adapters' dtype: fp32 under a bf16 / fp16 model on CPU (layers.py says why)."""
+        self.weight_dtype = dtype if weight_dtype is None else weight_dtype
+        """The adapters' dtype, the platform's choice (Platform.lora_weight_dtype: fp32
+        under a bf16 / fp16 model on CPU, layers.py says why); the model's by default."""
         self.pin_memory = pin_memory
         self.targets = model.lora_targets()
         self.module_shapes = model.lora_module_shapes()

@@ -1,6 +1,6 @@
 """An adapter's weights as the LoRA layers use them, and reading them from a PEFT folder.
 
-Owns the layout: per target layer of this rank (models.linear.LoRATarget, a fused layer
+Owns the layout: per target layer of this rank (layers.linear.LoRATarget, a fused layer
 such as qkv_proj), the A matrices of the modules the adapter has there stacked into one
 [sum of ranks, in_features] tensor (one shrink matmul for q, k and v together), and per
 module its B [out_features, rank] with the module's scaling folded in and the output
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from treadle.lora import LoRAError, LoRARequest, inspect_adapter
-from treadle.models.linear import LoRATarget
+from treadle.layers.linear import LoRATarget
 
 
 @dataclass

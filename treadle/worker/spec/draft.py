@@ -51,9 +51,10 @@ import numpy as np
 import torch
 
 from treadle.core.outputs import SchedulerOutput
-from treadle.models.llama import add_rms_norm
-from treadle.models.rope import RotaryInputs
-from treadle.worker.attention import AttentionBackend, AttentionStep
+from treadle.layers.attention import AttentionStep
+from treadle.layers.norm import add_rms_norm
+from treadle.layers.rotary import RotaryInputs
+from treadle.worker.attention.base import AttentionBackend
 from treadle.worker.kv_cache import copy_blocks
 from treadle.worker.sampler import Sampler, adjust_logits
 from treadle.worker.spec.base import ProposalBatch, ProposalRequest, Proposer

@@ -4,9 +4,9 @@ RMSNorm, silu(gate) * up, and rotary embedding fused with the K/V cache write.
 
 A decode step runs every layer on a few rows (one per request), where a linear layer is
 bound by reading its weight and the elementwise steps by per-op dispatch. `NativeLayerOps`
-takes the library that `treadle.worker.native.load_kernels` built (all kernels live in one
+takes the library that `treadle.worker.cpu.native.load_kernels` built (all kernels live in one
 shared object) and is handed by the worker to the model's layers (`LlamaForCausalLM.
-set_kernels`, worker/linear_kernels.py) and to the cpu-native attention backend
+set_kernels`, worker/cpu/linear_kernels.py) and to the cpu-native attention backend
 (`rope_kv`); each method returns None where it does not apply (dtype, rows, layout)
 so that the caller runs its torch path instead. How many rows the linear kernel takes
 depends on the library's ISA level and on whether oneDNN has AMX (`MAX_ROWS`,
@@ -14,7 +14,7 @@ depends on the library's ISA level and on whether oneDNN has AMX (`MAX_ROWS`,
 from `WIDENING_GEMM_ROWS` rows on take the register-tiled GEMM instead of the
 dot-product kernel. Where it has vdpbf16ps and oneDNN has no AMX (`NativeLayerOps.vnni`),
 a linear whose weight has its packed copy (`pack`, made at load by
-worker/linear_kernels.py) runs on the packed GEMM at every row count, prefill included.
+worker/cpu/linear_kernels.py) runs on the packed GEMM at every row count, prefill included.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from treadle.worker.huge_pages import HugePageArena
+from treadle.worker.cpu.huge_pages import HugePageArena
 
 MAX_ROWS = 64
 """Rows up to which the C linear kernel is used where it has vdpbf16ps (AVX-512 BF16) and
@@ -117,9 +117,9 @@ class NativeLayerOps:
         GEMM (gemm_bf16_vnni.c) at every row count: vdpbf16ps here and no AMX in oneDNN."""
         self._packed_memory = HugePageArena()
         """Where `pack` puts the packed copies: huge pages, which every decode step
-        streams (worker/huge_pages.py)."""
+        streams (worker/cpu/huge_pages.py)."""
         self.lib = lib
-        """The library (worker/decode_stack.py finds its layer driver there)."""
+        """The library (worker/cpu/decode_stack.py finds its layer driver there)."""
         self._gemv = lib.gemv_bf16
         self._gemv.argtypes = [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int]
         self._gemv.restype = ctypes.c_int

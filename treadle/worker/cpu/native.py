@@ -2,7 +2,7 @@
 use and called through ctypes.
 
 Owns building (gcc: every `kernels/*.c`, which may include the shared `kernels/*.h`,
-compiled with `-O3 -fopenmp`, the ISA level's target flags (worker/cpu_isa.py) and its
+compiled with `-O3 -fopenmp`, the ISA level's target flags (worker/cpu/cpu_isa.py) and its
 own flags, linked into one shared object without fast-math; into `<cache>/kernels/`,
 keyed by a hash of all sources, headers, flags and the CPU's features, written
 atomically; the sources compile in parallel) and the typed call wrappers. One library
@@ -13,7 +13,7 @@ torch already loaded its own libgomp there is one OpenMP runtime and one thread 
 binds its own symbols (-Bsymbolic), so libraries of several levels can be loaded at once.
 
 When no compiler is available or the build fails, `load_kernels()` returns None and the
-torch implementations (worker/attention.py, worker/sampler.py) are used instead: slower,
+torch implementations (worker/attention/, worker/sampler.py) are used instead: slower,
 same results.
 """
 
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from treadle.paths import cache_dir
-from treadle.worker import cpu_isa
+from treadle.worker.cpu import cpu_isa
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +77,9 @@ class NativeKernels:
 
     def __init__(self, lib: ctypes.CDLL, isa: str = "native") -> None:
         self.lib = lib
-        """The loaded library; worker/native_linear.py wraps its bf16 layer kernels."""
+        """The loaded library; worker/cpu/native_linear.py wraps its bf16 layer kernels."""
         self.isa = isa
-        """The ISA level it was built for (worker/cpu_isa.py)."""
+        """The ISA level it was built for (worker/cpu/cpu_isa.py)."""
         self.march = cpu_isa.compile_flags(isa)
         """gcc's target flags of that level."""
         lib.kernels_simd_width.restype = ctypes.c_int

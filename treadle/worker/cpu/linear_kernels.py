@@ -9,12 +9,12 @@ inductor uses for frozen CPU models), so it is probed once and the plain `F.line
 path is kept wherever the probe fails or the dtype is not bfloat16.
 
 At the few rows of a decode step, a C kernel that streams the original [out, in] weight
-(worker/native_linear.py, `NativeLayerOps.linear`) is faster still; `DenseLinearKernel`
+(worker/cpu/native_linear.py, `NativeLayerOps.linear`) is faster still; `DenseLinearKernel`
 takes it first wherever it applies. Where the C kernels have the packed vdpbf16ps GEMM
 (AVX-512 BF16 without AMX: `NativeLayerOps.vnni`), each weight gets that GEMM's packed
 copy instead of oneDNN's, and the C kernels take every row count; oneDNN's copy is then
 made only if a call ever falls back to it. The worker attaches one kernel per layer
-(models.linear.attach_linear_kernels with `dense_kernel_factory`).
+(layers.linear.attach_linear_kernels with `dense_kernel_factory`).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class DenseLinearKernel:
 def dense_kernel_factory(dtype: torch.dtype, native=None):
     """The factory of DenseLinearKernels for a model of `dtype` (models.linear
     LinearKernelFactory): weights packed where the packed kernel works, `native`
-    (worker.native_linear.NativeLayerOps) for small batches when given. None when
+    (worker.cpu.native_linear.NativeLayerOps) for small batches when given. None when
     neither applies (the layers keep plain F.linear)."""
     packs = packed_kernel_works(dtype)
     if not packs and native is None:

@@ -7,10 +7,12 @@ Python (module calls, the wrappers' checks, ctypes' argument conversion) that wa
 in the same order, so the hidden states are bit-identical to that path's
 (tests/integration/test_decode_stack.py).
 
-`DecodeStack.build` says whether a model qualifies (the plain Llama layer: no per-head
-q/k norms, no sliding window or softcap, every linear on the C kernel's `DenseLinearKernel`
-or on a quantized weight with the same library's kernels (`--quantization`), and so no
-adapters, one rank, a bf16 `cpu-native` cache); calling the stack says whether a step
+`DecodeStack.build` says whether a model qualifies: the model declares its layers plain
+(`model.plain_decoder()`, layers/plain_layer.py: the plain Llama layer, no per-head q/k
+norms, no sliding window or softcap; the stack never looks at the model's classes), and
+here every linear is on the C kernel's `DenseLinearKernel` or on a quantized weight with
+the same library's kernels (`--quantization`), and so no adapters, one rank, a bf16
+`cpu-native` cache; calling the stack says whether a step
 does (every row a single-token decode in the kernel's row order, at most the linear
 kernels' rows, no heavy-hitter observer) and returns None otherwise, when the model runs
 its layers one by one as before. A quantized linear runs the path `QuantizedLinear.apply`
@@ -25,12 +27,12 @@ from typing import Any
 
 import torch
 
-from treadle.models.llama import DecoderLayer, LlamaForCausalLM
+from treadle.layers.plain_layer import PlainDecoder
 from treadle.models.quant_weights import QuantizedLinear, choose_path
-from treadle.worker.attention.cpu_native import CpuNativeBackend, CpuNativeMetadata
-from treadle.worker.linear_kernels import DenseLinearKernel
-from treadle.worker.native_quant import FORMAT_CODES
-from treadle.worker.quantized_linears import QuantizedLinearKernel
+from treadle.worker.cpu.linear_kernels import DenseLinearKernel
+from treadle.worker.cpu.native_attention import CpuNativeBackend, CpuNativeMetadata
+from treadle.worker.cpu.native_quant import FORMAT_CODES
+from treadle.worker.cpu.quantized_linears import QuantizedLinearKernel
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -114,30 +116,29 @@ def _quant_paths(quantized: list[QuantizedLinear]) -> list[tuple[int, ...]]:
 class DecodeStack:
     """One model's layers as the C driver reads them; `__call__` runs a qualifying step."""
 
-    def __init__(self, layer_ops: Any, model: LlamaForCausalLM,
+    def __init__(self, layer_ops: Any, model: Any, plain: PlainDecoder,
                  kernels: list[tuple[DenseLinearKernel | QuantizedLinear, ...]]) -> None:
         lib = layer_ops.lib
         self._fn = lib.decode_stack_bf16
         self._fn.argtypes = [_P, _I64, _P, _P, _P, _P, _I64, _P, _P, _I64, _P, _P, _I64, _P,
                              ctypes.c_int]
         self._fn.restype = ctypes.c_int
-        self.model = model
-        layers = list(model.model.layers.values())
-        self._layers = (_Layer * len(layers))()
-        for entry, layer, (qkv, o, gate_up, down) in zip(self._layers, layers, kernels):
-            entry.input_norm = _ptr(layer.input_layernorm.weight)
-            entry.post_norm = _ptr(layer.post_attention_layernorm.weight)
+        self._final_norm = plain.final_norm
+        self._layers = (_Layer * len(plain.layers))()
+        for entry, layer, (qkv, o, gate_up, down) in zip(self._layers, plain.layers, kernels):
+            entry.input_norm = _ptr(layer.input_norm.weight)
+            entry.post_norm = _ptr(layer.post_attention_norm.weight)
             _entry(entry.qkv, qkv)
             _entry(entry.o, o)
             _entry(entry.gate_up, gate_up)
             _entry(entry.down, down)
         self._cache_ptrs: tuple[int, ...] = ()
-        first = layers[0]
+        first = plain.layers[0]
         self._dims = _Dims(hidden=model.hidden_size, heads=model.num_heads,
                            kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-                           intermediate=first.mlp.intermediate,
-                           eps=float(first.input_layernorm.eps),
-                           scale=float(first.self_attn.scale))
+                           intermediate=first.intermediate,
+                           eps=float(first.input_norm.eps),
+                           scale=float(first.scale))
         flat = [k for layer in kernels for k in layer]
         dense = [k for k in flat if isinstance(k, DenseLinearKernel)]
         self._quant_paths = _quant_paths([k for k in flat if isinstance(k, QuantizedLinear)])
@@ -164,33 +165,28 @@ class DecodeStack:
     @classmethod
     def build(cls, model: Any, layer_ops: Any, attention: Any) -> DecodeStack | None:
         """The stack for `model`, or None where it does not qualify. layer_ops:
-        worker.native_linear.NativeLayerOps (its library holds the driver); attention: the
+        worker.cpu.native_linear.NativeLayerOps (its library holds the driver); attention: the
         worker's backend."""
         if (layer_ops is None or type(attention) is not CpuNativeBackend
                 or attention.layer_ops is None or attention.kv_cache_dtype != "auto"
-                or not isinstance(model, LlamaForCausalLM)
-                or getattr(model, "family", None) not in ("llama", "mistral", "qwen2")
                 or model.dtype != torch.bfloat16 or model.parallel.world_size != 1):
             return None
-        layers = list(model.model.layers.values())
-        if not layers or any(type(layer) is not DecoderLayer for layer in layers):
+        plain_decoder = getattr(model, "plain_decoder", None)
+        plain = plain_decoder() if plain_decoder is not None else None
+        if plain is None:
             return None
-        norms = [model.model.norm] + [n for layer in layers for n in
-                                      (layer.input_layernorm, layer.post_attention_layernorm)]
+        norms = [plain.final_norm] + [n for layer in plain.layers for n in
+                                      (layer.input_norm, layer.post_attention_norm)]
         if any(n.eps != norms[0].eps or not n.weight.is_contiguous() for n in norms):
             return None
         kernels = []
-        for layer in layers:
-            attn = layer.self_attn
-            if (attn.q_norm is not None or attn.attn.sliding_window is not None
-                    or attn.attn.logit_softcap is not None):
-                return None
-            found = tuple(_kernel(linear, layer_ops.lib) for linear in (
-                attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
+        for layer in plain.layers:
+            found = tuple(_kernel(linear, layer_ops.lib)
+                          for linear in (layer.qkv, layer.o, layer.gate_up, layer.down))
             if any(k is None for k in found):
                 return None
             kernels.append(found)
-        return cls(layer_ops, model, kernels)
+        return cls(layer_ops, model, plain, kernels)
 
     def _bind_caches(self, kv_caches: list[torch.Tensor]) -> bool:
         """Point the layers at this step's caches (re-done only when they moved)."""
@@ -239,7 +235,7 @@ class DecodeStack:
             self._paths_for = m
         out = torch.empty_like(hidden)
         status = self._fn(self._layers, len(self._layers), ctypes.byref(self._dims),
-                          self.model.model.norm.weight.data_ptr(), hidden.data_ptr(),
+                          self._final_norm.weight.data_ptr(), hidden.data_ptr(),
                           out.data_ptr(), m, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
                           slots.data_ptr(), nd.block_table.data_ptr(), nd.block_table.shape[1],
                           nd.ctx_lens.data_ptr(), 0)

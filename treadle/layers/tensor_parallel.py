@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treadle.models.linear import Linear
-from treadle.worker.parallel_state import ParallelContext
+from treadle.layers.linear import Linear
+from treadle.layers.parallel import ParallelContext
 
 
 @dataclass(frozen=True)

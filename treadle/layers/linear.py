@@ -4,8 +4,8 @@
 `.bias`) and computes y = x @ weight.T + bias with the `LinearKernel` the worker attached
 to it (plain `F.linear` until then). A kernel is an explicit per-layer object (a packed
 copy of the weight, small-batch C kernels, later quantized weights or LoRA terms), never
-state hidden on the module. This module knows no kernel: worker/linear_kernels.py makes
-them.
+state hidden on the module. This module knows no kernel: the worker makes them
+(worker/cpu/linear_kernels.py, worker/cpu/quantized_linears.py, worker/lora/).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ for the prefill path, and the activation quantizer (for tests).
 Owns the calling convention only: which path runs for which rows is decided by
 treadle/models/quant_weights.py, and the weight layouts (GGUF blocks, treadle's INT8) by
 treadle/models/quant_formats.py. `QuantKernels.load` takes the library that
-`treadle.worker.native.load_kernels` built (every kernels/*.c is linked into one shared
+`treadle.worker.cpu.native.load_kernels` built (every kernels/*.c is linked into one shared
 object), or any shared object built from the quant_*.c files alone (the tests build one
 per ISA level). Every entry point runs on every x86 level (AVX-512, AVX2, plain C); `isa`
 says which one this library was compiled for.
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from treadle.paths import cache_dir
-from treadle.worker.huge_pages import HugePageArena
+from treadle.worker.cpu.huge_pages import HugePageArena
 
 FORMAT_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "INT8": 4}
 """Format name -> the kernels' format number (quant_simd.h)."""

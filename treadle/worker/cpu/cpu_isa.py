@@ -5,7 +5,7 @@ Owns the ISA levels (`avx512bf16`: AVX-512 with vdpbf16ps; `avx512`: AVX-512F/BW
 bf16 widened to fp32 in registers; `avx2`: x86-64-v3, AVX2 + FMA + F16C, widened likewise;
 `native`: gcc's -march=native, whatever that enables), the gcc flags of each, which levels
 this CPU can execute (its /proc/cpuinfo flags), the order `auto` tries them in, and
-`describe_kernels`. It must not build or load anything (worker/native.py does) and does
+`describe_kernels`. It must not build or load anything (worker/cpu/native.py does) and does
 not import torch.
 """
 
@@ -14,10 +14,11 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
-ISA_LEVELS = ("avx512bf16", "avx512", "avx2")
-"""The explicit levels, best first."""
-KERNEL_ISA_CHOICES = ("auto", *ISA_LEVELS, "native")
-"""What `kernel_isa` may be (ModelConfig.kernel_isa, load_kernels(isa=...))."""
+from treadle.config import KERNEL_ISA_CHOICES, KERNEL_ISA_LEVELS
+
+ISA_LEVELS = KERNEL_ISA_LEVELS
+"""The explicit levels, best first (config.py holds the list, so that it validates
+--kernel-isa without importing the worker); KERNEL_ISA_CHOICES adds `auto` and `native`."""
 WIDENING_LEVELS = ("avx512", "avx2")
 """Levels without vdpbf16ps whose kernels keep bf16 in memory and widen it to fp32."""
 
@@ -103,9 +104,9 @@ def describe_kernels(kernels, dtype, head_dim: int | None = None, layer_ops=None
     """One line for the start-up log: the model dtype, the kernel ISA level and which C
     kernels run.
 
-    kernels: the worker.native.NativeKernels loaded (None: none could be built); dtype:
+    kernels: the worker.cpu.native.NativeKernels loaded (None: none could be built); dtype:
     the model's torch dtype; head_dim: the model's (it decides the attention fast paths);
-    layer_ops: the worker.native_linear.NativeLayerOps attached to the model (None: its
+    layer_ops: the worker.cpu.native_linear.NativeLayerOps attached to the model (None: its
     layers run torch); native_attention: False when the attention backend is torch.
     """
     dtype_name = str(dtype).replace("torch.", "")

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from treadle.worker.triton.decode import decode_attention
-from treadle.worker.triton.prefill import prefill_attention
+from treadle.worker.cuda.triton.decode import decode_attention
+from treadle.worker.cuda.triton.prefill import prefill_attention
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

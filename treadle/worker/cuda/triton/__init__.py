@@ -6,10 +6,10 @@ machine without a GPU the kernels run under TRITON_INTERPRET=1, which is how CI 
 them. KV layout and design: docs/gpu.md.
 """
 
-from treadle.worker.triton.attention import paged_attention
-from treadle.worker.triton.decode import MAX_SPLITS, choose_num_splits, decode_attention
-from treadle.worker.triton.kv_write import write_kv
-from treadle.worker.triton.prefill import prefill_attention
+from treadle.worker.cuda.triton.attention import paged_attention
+from treadle.worker.cuda.triton.decode import MAX_SPLITS, choose_num_splits, decode_attention
+from treadle.worker.cuda.triton.kv_write import write_kv
+from treadle.worker.cuda.triton.prefill import prefill_attention
 
 __all__ = ["MAX_SPLITS", "choose_num_splits", "decode_attention", "paged_attention",
            "prefill_attention", "write_kv"]

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from treadle.worker.triton.common import (check_attention_inputs, check_sliding_window,
+from treadle.worker.cuda.triton.common import (check_attention_inputs, check_sliding_window,
                                           dot_in_fp32, fp8_rows, is_fp8_cache, mma,
                                           next_pow2)
 

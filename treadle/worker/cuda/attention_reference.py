@@ -1,7 +1,7 @@
 """Plain-torch paged attention: the reference every GPU kernel is tested against.
 
 Owns one function that computes, request by request and in float32, what the Triton
-kernels (worker/triton/) compute for a flat batch of mixed decodes and prefill chunks over
+kernels (worker/cuda/triton/) compute for a flat batch of mixed decodes and prefill chunks over
 the paged KV layout of docs/gpu.md: per layer, K and V each of shape
 [num_blocks, block_size, num_kv_heads, head_dim]. It is slow on purpose (a Python loop
 per request, the whole score matrix materialised) and must never be used to serve.

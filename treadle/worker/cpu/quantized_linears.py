@@ -12,7 +12,7 @@ then dropped (its parameter kept on the meta device, for its shape): nothing rea
 after this (LoRA wraps the layer's kernel, the torch fallback dequantizes its own copy),
 so the weights take the memory of their blocks.
 
-Decode steps run quantized linears inside the decode stack (worker/decode_stack.py) like
+Decode steps run quantized linears inside the decode stack (worker/cpu/decode_stack.py) like
 dense ones. `auto` (`resolve_mode`) is `gguf` for a GGUF file whose linears hold blocks
 of the formats the r16 kernel runs (Q8_0, Q4_0, Q4_1), where the kernels have it (an
 AVX-512 VNNI build, or AVX2 without VNNI), in bfloat16 on one CPU rank without LoRA; else
@@ -43,7 +43,7 @@ _GGUF_FORMATS = {name for name, f in FORMATS.items() if f.ggml_type is not None}
 
 
 class QuantizedLinearKernel:
-    """A LinearKernel (models/linear.py) on a quantized weight: x @ W.T + bias in x's dtype."""
+    """A LinearKernel (layers/linear.py) on a quantized weight: x @ W.T + bias in x's dtype."""
 
     def __init__(self, weight: QuantizedLinear) -> None:
         self.weight = weight
@@ -78,7 +78,7 @@ def resolve_mode(requested: str, gguf_path: Path | None, kernels=None, *,
                  dtype: torch.dtype = torch.bfloat16, world_size: int = 1,
                  lora: bool = False) -> str:
     """none, gguf or int8 for `requested` (config.QUANTIZATION_CHOICES); `auto` per the
-    module docstring (kernels: worker.native_quant.QuantKernels or None)."""
+    module docstring (kernels: worker.cpu.native_quant.QuantKernels or None)."""
     if requested == "none":
         return "none"
     if requested == "auto":
@@ -113,7 +113,7 @@ def _bias(linear) -> torch.Tensor | None:
 
 def attach(model, mode: str, kernels, gguf_path: Path | None) -> QuantizedModel | None:
     """Put every linear layer (and the LM head) of `model` on a quantized weight; None for
-    mode none. kernels: worker.native_quant.QuantKernels (None: the torch fallback)."""
+    mode none. kernels: worker.cpu.native_quant.QuantKernels (None: the torch fallback)."""
     if mode == "none":
         return None
     if model.parallel.world_size != 1:

@@ -21,7 +21,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from treadle.worker.cuda_support import check_cuda_graph_sizes, padded_batch_size
+from treadle.worker.cuda.cuda_support import check_cuda_graph_sizes, padded_batch_size
 
 StepFn = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 

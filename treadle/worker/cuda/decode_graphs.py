@@ -3,7 +3,7 @@
 Owns which steps a graph serves (every row has one new token; the runner asks
 `accepts`), the static inputs of such a step (token ids, positions, cache slots, context
 lengths, block-table rows, in the runner's row order), the forward pass captured at each
-size of `cuda_graph_sizes` (worker/cuda_graphs.py: padded replay), and the decode
+size of `cuda_graph_sizes` (worker/cuda/cuda_graphs.py: padded replay), and the decode
 kernel's split-K factor per size. A graph fixes its launch grid, so each size is
 captured with the splits that `choose_num_splits` gives for a context of max_model_len,
 the longest any row can have; a shorter context leaves trailing splits empty (they add
@@ -23,9 +23,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from treadle.worker.attention import AttentionStep
-from treadle.worker.attention.triton_backend import TritonBackend, TritonMetadata
-from treadle.worker.cuda_graphs import Capture, CudaGraphRunner, StaticInput
+from treadle.layers.attention import AttentionStep
+from treadle.worker.cuda.triton_attention import TritonBackend, TritonMetadata
+from treadle.worker.cuda.cuda_graphs import Capture, CudaGraphRunner, StaticInput
 
 
 class DecodeGraphs:

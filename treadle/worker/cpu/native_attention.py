@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from treadle.worker import kv_quant
-from treadle.worker.attention.base import (AttentionBackend, AttentionLayer, AttentionStep,
-                                           Rotary, split_rotated)
+from treadle.layers.attention import AttentionLayer, AttentionStep, Rotary
+from treadle.worker.attention.base import AttentionBackend, split_rotated
 from treadle.worker.attention.torch_backend import (LayerViews, PrefillSpan,
                                                     attend_decode_groups,
                                                     attend_prefill_spans, layer_views,
@@ -61,7 +61,7 @@ class NativeDecode:
 
 @dataclass
 class NativePrefill:
-    """All multi-token rows of a step for the C kernel (worker/kernels/paged_prefill.c)."""
+    """All multi-token rows of a step for the C kernel (worker/cpu/kernels/paged_prefill.c)."""
 
     spans: torch.Tensor
     """[num_spans, 3] int64: first row in the flat batch, new tokens, positions before."""
@@ -99,8 +99,8 @@ class CpuNativeBackend(AttentionBackend):
 
     def __init__(self, kernels: Any, layer_ops: Any, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, kv_cache_dtype: str = "auto") -> None:
-        """`kernels`: worker.native.NativeKernels (decode, prefill); `layer_ops`:
-        worker.native_linear.NativeLayerOps or None (rope_kv, bf16 only)."""
+        """`kernels`: worker.cpu.native.NativeKernels (decode, prefill); `layer_ops`:
+        worker.cpu.native_linear.NativeLayerOps or None (rope_kv, bf16 only)."""
         if not kernels.supports(dtype):
             raise ValueError(f"the C attention kernels do not support {dtype}")
         self.kernels = kernels

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from treadle.worker.triton.common import check_kv_cache, is_fp8_cache, next_pow2
+from treadle.worker.cuda.triton.common import check_kv_cache, is_fp8_cache, next_pow2
 
 _E4M3_MAX = 448.0
 _FP16_MAX = 65504.0

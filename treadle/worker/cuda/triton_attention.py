@@ -1,4 +1,4 @@
-"""The `triton` attention backend: the Triton kernels of worker/triton/ behind the backend
+"""The `triton` attention backend: the Triton kernels of worker/cuda/triton/ behind the backend
 interface.
 
 Owns the step's metadata for those kernels (built once per step from the runner's
@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from treadle.worker.attention.base import (AttentionBackend, AttentionLayer, AttentionStep,
-                                           Rotary, split_rotated)
+from treadle.layers.attention import AttentionLayer, AttentionStep, Rotary
+from treadle.worker.attention.base import AttentionBackend, split_rotated
 
 
 @dataclass
@@ -46,7 +46,7 @@ class TritonBackend(AttentionBackend):
     kv_layout = "blocks_first"
 
     def __init__(self, num_kv_heads: int, num_multiprocessors: int) -> None:
-        from treadle.worker import triton as kernels
+        from treadle.worker.cuda import triton as kernels
 
         self.kernels = kernels
         self.num_kv_heads = num_kv_heads
@@ -97,12 +97,12 @@ class TritonBackend(AttentionBackend):
 
 
 def build_triton_backend(platform: Any, num_kv_heads: int) -> TritonBackend | None:
-    """The backend, or None where it cannot run: triton missing, or a CPU run not under
-    triton's interpreter."""
+    """The backend, or None where it cannot run: triton missing, or a platform where the
+    kernels need triton's interpreter (the CPU) not under it."""
     try:
-        from treadle.worker.triton.common import interpreting
+        from treadle.worker.cuda.triton.common import interpreting
     except ImportError:
         return None
-    if platform.name == "cpu" and not interpreting():
+    if platform.triton_needs_interpreter and not interpreting():
         return None
     return TritonBackend(num_kv_heads, platform.num_multiprocessors())
