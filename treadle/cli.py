@@ -14,8 +14,8 @@ import logging
 import sys
 from pathlib import Path
 
-from treadle.config import (ServerConfig, add_config_arguments, add_dataclass_arguments,
-                            options_from_args)
+from treadle.config import add_config_arguments, add_dataclass_arguments, options_from_args
+from treadle.server.config import ServerConfig
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -63,7 +63,7 @@ def _cmd_bench_perplexity(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from treadle.config import EngineConfig, ServerConfig, dataclass_from_args
+    from treadle.config import EngineConfig, dataclass_from_args
     from treadle.executor.torchrun import launcher_rank
     from treadle.server.serve import serve
 

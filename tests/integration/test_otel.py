@@ -211,7 +211,7 @@ def test_without_an_endpoint_opentelemetry_is_never_imported():
 import sys
 from types import SimpleNamespace
 from fastapi import FastAPI
-from treadle.config import ServerConfig
+from treadle.server.config import ServerConfig
 from treadle.engine.timeline import StepRecorder
 from treadle.server.auth import KeyRing
 from treadle.server.dashboard import install_observability

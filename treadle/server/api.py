@@ -24,7 +24,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
-from treadle.config import ServerConfig
+from treadle.server.config import ServerConfig
 from treadle.engine.async_engine import AsyncEngine, EngineDeadError, EngineFailedError
 from treadle.sampling_params import SamplingParams
 from treadle.server import protocol

@@ -17,7 +17,8 @@ import time
 
 import uvicorn
 
-from treadle.config import EngineConfig, ServerConfig
+from treadle.config import EngineConfig
+from treadle.server.config import ServerConfig
 from treadle.engine.async_engine import AsyncEngine
 from treadle.server.api import build_app
 from treadle.server.auth import KeyRing
