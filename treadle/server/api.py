@@ -25,7 +25,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
 from treadle.server.config import ServerConfig
-from treadle.engine.async_engine import AsyncEngine, EngineDeadError, EngineFailedError
+from treadle.engine.async_engine import AsyncEngine
+from treadle.engine.client import EngineDeadError, EngineFailedError
 from treadle.sampling_params import SamplingParams
 from treadle.server import protocol
 from treadle.server.admission import (AdmissionControl, AdmissionLimits, NeverAdmissible,

@@ -59,7 +59,7 @@ def model_cards(engine, tenant: Tenant, created: int, max_model_len: int,
     cards = []
     if tenant.may_use(base):
         cards.append({"id": base, "object": "model", "created": created, "owned_by": "treadle",
-                      "root": str(engine.core.model_dir), "parent": None,
+                      "root": str(engine.model_dir), "parent": None,
                       "max_model_len": max_model_len, "vocab_size": vocab_size})
     if engine.lora_enabled:
         for lora in engine.list_loras():
