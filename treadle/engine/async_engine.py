@@ -4,8 +4,9 @@ Owns the thread that steps the engine (EngineCore through the EngineDriver that 
 offline LLM uses too), the command queue into it (add, abort), the delivery of each
 request's outputs to the event loop of its caller, the per-request timings behind the
 latency metrics, and the engine's limits and controls the server may read or set
-(`limits`, `set_tenant_weight`, `record_steps`). Tokenization happens in the caller's worker threads
-(see server/api.py), never on the engine thread or the event loop. While idle the loop
+(`limits`, `set_tenant_weight`, `record_steps`: the EngineClient of engine/client.py).
+Tokenization happens in the caller's worker threads (see server/serving.py), never on
+the engine thread or the event loop. While idle the loop
 still checks, every 0.1 s, that the workers are alive: a dead worker fails every stream
 and turns `is_alive` (and so /health) false.
 
