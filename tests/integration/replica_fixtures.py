@@ -12,7 +12,7 @@ from pathlib import Path
 
 from conftest import make_tiny_checkpoint
 from server_fixtures import free_port
-from treadle.config import ServerConfig
+from treadle.server.config import ServerConfig
 from treadle.models.demo import write_demo_model
 
 OPTIONS = dict(dtype="float32", num_kv_blocks=128, num_threads=1)

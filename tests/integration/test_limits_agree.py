@@ -79,7 +79,8 @@ def offline_verdicts(llm: LLM, sizes: list[int]) -> list:
 
 def http_verdicts(model: str, options: dict, sizes: list[int]) -> list:
     """Verdicts through the HTTP server (the whole app, in process), one request each."""
-    from treadle.config import EngineConfig, ServerConfig
+    from treadle.config import EngineConfig
+    from treadle.server.config import ServerConfig
     from treadle.engine.async_engine import AsyncEngine
     from treadle.server.api import build_app
     from treadle.server.auth import KeyRing

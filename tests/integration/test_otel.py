@@ -211,24 +211,27 @@ def test_without_an_endpoint_opentelemetry_is_never_imported():
 import sys
 from types import SimpleNamespace
 from fastapi import FastAPI
-from treadle.config import ServerConfig
 from treadle.engine.timeline import StepRecorder
 from treadle.server.auth import KeyRing
+from treadle.server.config import ServerConfig
 from treadle.server.dashboard import install_observability
+from treadle.server.serving import OpenAIServing
 import treadle.server.api, treadle.server.serve
 app = FastAPI()
-app.state.shutting_down = False
-engine = SimpleNamespace(config=SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=4)),
-                         model_name="m", record_steps=lambda s, f: StepRecorder(None, s, f))
-install_observability(app, engine, ServerConfig(otlp_traces_endpoint=sys.argv[1] or None),
-                      KeyRing({}), lambda request: "default")
-assert app.state.step_recorder is not None
-assert (app.state.request_spans is not None) == bool(sys.argv[1])
+scheduler = SimpleNamespace(max_num_seqs=4, scheduling_policy="fcfs", priority_aging=0.0)
+engine = SimpleNamespace(config=SimpleNamespace(scheduler=scheduler), limits=None,
+                         tokenizer=None, model_name="m",
+                         record_steps=lambda s, f: StepRecorder(None, s, f))
+serving = OpenAIServing(engine, ServerConfig(otlp_traces_endpoint=sys.argv[1] or None),
+                        KeyRing({}))
+install_observability(app, serving)
+assert serving.step_recorder is not None
+assert (serving.request_spans is not None) == bool(sys.argv[1])
 # (FastAPI itself imports the opentelemetry API package when installed: not counted)
 print(any(m.startswith(("opentelemetry.sdk", "opentelemetry.exporter", "treadle.server.otel"))
           for m in sys.modules))
-if app.state.request_spans is not None:
-    app.state.request_spans.shutdown()
+if serving.request_spans is not None:
+    serving.request_spans.shutdown()
 """
     for endpoint, imported in (("", "False"), ("http://127.0.0.1:9/v1/traces", "True")):
         out = subprocess.run([sys.executable, "-c", code, endpoint], capture_output=True,

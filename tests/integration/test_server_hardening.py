@@ -251,10 +251,11 @@ def test_a_non_streaming_request_ended_by_shutdown_is_a_503_with_the_reason(tiny
 
 
 def test_a_request_ended_by_an_engine_failure_is_a_500_with_the_reason(tiny_demo):
-    from treadle.config import EngineConfig, ServerConfig
+    from treadle.config import EngineConfig
     from treadle.engine.async_engine import AsyncEngine
     from treadle.server.api import build_app
     from treadle.server.auth import KeyRing
+    from treadle.server.config import ServerConfig
 
     engine = AsyncEngine(EngineConfig.from_options(model=tiny_demo, dtype="float32",
                                                    num_kv_blocks=32), "tiny")

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from treadle import compat
-from treadle.config import EngineConfig, ServerConfig
+from treadle.config import EngineConfig
+from treadle.server.config import ServerConfig
 from treadle.core.kv.specs import (CACHE_DTYPES, FullAttentionSpec, H2OSpec, SlidingWindowSpec,
                                    primary_spec)
 from treadle.distributed.config import ReplicaConfig

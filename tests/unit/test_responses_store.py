@@ -1,6 +1,7 @@
 """The Responses API's store: per-tenant LRU bound, and no tenant reads another's."""
 
-from treadle.server.responses_api import ResponseStore, input_messages
+from treadle.server.responses_api import ResponseStore
+from treadle.server.responses_items import input_messages
 
 
 def test_store_is_per_tenant_and_bounded():

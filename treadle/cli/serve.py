@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 
-from treadle.config import ServerConfig, add_config_arguments, add_dataclass_arguments, options_from_args
+from treadle.config import add_config_arguments, add_dataclass_arguments, options_from_args
+from treadle.server.config import ServerConfig
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from treadle.config import EngineConfig, ServerConfig, dataclass_from_args
+    from treadle.config import EngineConfig, dataclass_from_args
     from treadle.executor.torchrun import launcher_rank
     from treadle.server.serve import serve
 

@@ -7,9 +7,8 @@ outputs back (a Ray streaming generator per request), aborts (the client went aw
 shutdown), and the replicas' health: a thread asks every replica for its load every
 `poll_interval_s`; a replica whose actor died is out of routing at once (its in-flight
 requests end with an error) and back in once its restarted actor answers again, with the
-adapters and tenant weights it was given replayed. The server (treadle/server/api.py)
-uses this object exactly as it uses an AsyncEngine: `generate`, `limits`, `tokenizer`,
-`metrics.exposition()`, `is_alive`, `abort_all` ...
+adapters and tenant weights it was given replayed. It is an EngineClient
+(treadle/engine/client.py), as an AsyncEngine is: the server uses the two alike.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import logging
 import os
 import threading
 import time
-from types import SimpleNamespace
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -29,7 +27,7 @@ from treadle.config import EngineConfig
 from treadle.distributed.actor import EngineReplica
 from treadle.distributed.config import ReplicaConfig
 from treadle.distributed.metrics import FrontEndMetrics, merge_expositions
-from treadle.engine.async_engine import EngineDeadError, EngineFailedError
+from treadle.engine.client import EngineDeadError, EngineFailedError
 from treadle.engine.llm import STRUCTURED_UNSUPPORTED
 from treadle.lora import LoRARequest
 from treadle.models.tokenizer import load_tokenizer
@@ -143,8 +141,8 @@ class ReplicaSet:
         self.limits = min((i["limits"] for i in infos), key=lambda lim: lim.num_kv_tokens)
         self.model_name = info["model_name"]
         self.eos_token_id = info["eos_token_id"]
-        self.core = SimpleNamespace(model_dir=info["model_dir"])
-        """What the server reads of an engine's core (the model folder, /v1/models)."""
+        self.model_dir = info["model_dir"]
+        """The checkpoint folder the replicas loaded (/v1/models' root)."""
         self.tokenizer = load_tokenizer(info["model_dir"])
         self.supports_structured_outputs = info["supports_structured_outputs"]
         self.lora_enabled = info["lora_enabled"]
@@ -169,18 +167,20 @@ class ReplicaSet:
         logger.info("%d replicas of %s on Ray, %d threads each, routing %s", n,
                     self.model_name, threads, replica_config.routing)
 
-    # ----- the engine interface the server uses -------------------------------------------
+    # ----- the engine interface the server uses (EngineClient) ----------------------------
 
     def start(self) -> None:
-        pass
+        """Nothing to start: the replicas step from their construction."""
 
     @property
     def is_alive(self) -> bool:
+        """Some replica is healthy and the set has not been shut down."""
         return self.error is None and not self._stop.is_set() \
             and any(r.healthy for r in self._replicas)
 
     @property
     def num_in_flight(self) -> int:
+        """Requests routed to a replica and not yet finished."""
         return sum(r.in_flight for r in self._replicas)
 
     @property
@@ -290,16 +290,19 @@ class ReplicaSet:
                         if r.role == "decode" and r.healthy])
 
     def abort(self, request_id: str) -> None:
+        """End a request early on the replica serving it."""
         replica = self._where.get(request_id)
         if replica is not None:
             replica.actor.abort.remote(request_id)
 
     def abort_all(self, reason: str) -> None:
+        """End every in-flight request, on every healthy replica, with `reason`."""
         for r in self._replicas:
             if r.healthy:
                 r.actor.abort_all.remote(reason)
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop polling, kill the actors, and Ray if this set started it."""
         self._stop.set()
         self._poller.join(timeout)
         self._kill_all()
@@ -307,6 +310,7 @@ class ReplicaSet:
             ray.shutdown()
 
     def record_steps(self, max_steps: int = 2048, max_finished: int = 1000):
+        """No recorder: the steps are the replicas' (a ValueError saying what to turn off)."""
         raise ValueError("the dashboard, request timelines and OTLP spans read one engine's "
                          "steps: with replicas, serve with --no-dashboard --request-timelines 0"
                          " and no --otlp-traces-endpoint")
@@ -325,14 +329,17 @@ class ReplicaSet:
     # ----- tenants and adapters: every replica gets every call ----------------------------
 
     def set_tenant_weight(self, tenant: str, weight: float) -> None:
+        """Set a tenant's weight on every replica (replayed to a restarted one)."""
         self._weights[tenant] = weight
         ray.get([r.actor.set_tenant_weight.remote(tenant, weight) for r in self._replicas])
 
     @property
     def tenant_weights(self) -> dict[str, float]:
+        """The weights this set gave its replicas (a copy)."""
         return dict(self._weights)
 
     def add_lora(self, name: str, path: str):
+        """Register an adapter on every healthy replica (replayed to a restarted one)."""
         specs = ray.get([r.actor.add_lora.remote(name, path) for r in self._replicas
                          if r.healthy])
         self._lora_paths[name] = path
@@ -340,9 +347,11 @@ class ReplicaSet:
         return specs[0]
 
     def check_lora(self, name: str, path: str):
+        """Check an adapter's files on one healthy replica, registering nothing."""
         return ray.get(self._any_healthy().actor.check_lora.remote(name, path))
 
     def remove_lora(self, name: str):
+        """Forget an adapter on every healthy replica."""
         removed = ray.get([r.actor.remove_lora.remote(name) for r in self._replicas
                            if r.healthy])
         self._lora_paths.pop(name, None)
@@ -350,9 +359,11 @@ class ReplicaSet:
         return removed[0]
 
     def get_lora(self, name: str) -> LoRARequest | None:
+        """The adapter registered under `name` (as the replicas last listed it), or None."""
         return self._loras.get(name)
 
     def list_loras(self) -> list[LoRARequest]:
+        """Every registered adapter."""
         return list(self._loras.values())
 
     def _refresh_loras(self) -> None:

@@ -4,8 +4,9 @@ Owns the thread that steps the engine (EngineCore through the EngineDriver that 
 offline LLM uses too), the command queue into it (add, abort), the delivery of each
 request's outputs to the event loop of its caller, the per-request timings behind the
 latency metrics, and the engine's limits and controls the server may read or set
-(`limits`, `set_tenant_weight`, `record_steps`). Tokenization happens in the caller's worker threads
-(see server/api.py), never on the engine thread or the event loop. While idle the loop
+(`limits`, `set_tenant_weight`, `record_steps`: the EngineClient of engine/client.py).
+Tokenization happens in the caller's worker threads (see server/serving.py), never on
+the engine thread or the event loop. While idle the loop
 still checks, every 0.1 s, that the workers are alive: a dead worker fails every stream
 and turns `is_alive` (and so /health) false.
 
@@ -34,9 +35,11 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import AsyncIterator
 
 from treadle.config import EngineConfig
+from treadle.engine.client import EngineDeadError, EngineFailedError
 from treadle.engine.core import EngineCore
 from treadle.engine.driver import EngineDriver
 from treadle.engine.limits import EngineLimits
@@ -48,14 +51,6 @@ from treadle.models.resolve import served_model_name as resolved_name
 from treadle.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped; no request can be served."""
-
-
-class EngineFailedError(EngineDeadError):
-    """The engine loop failed while the request was in flight (an internal error)."""
 
 
 @dataclass
@@ -73,7 +68,8 @@ class _Stream:
 
 
 class AsyncEngine:
-    """Serves many concurrent requests from one EngineCore stepping in a thread."""
+    """Serves many concurrent requests from one EngineCore stepping in a thread; an
+    EngineClient (engine/client.py), as the server uses it."""
 
     def __init__(self, config: EngineConfig, served_model_name: str | None = None) -> None:
         """Builds the EngineCore on the engine thread (see the module docstring) and
@@ -104,9 +100,11 @@ class AsyncEngine:
     # ----- lifecycle ------------------------------------------------------------------
 
     def start(self) -> None:
+        """Start stepping (the core is built by the constructor)."""
         self._go.set()
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop (waiting up to `timeout` seconds for it) and the workers."""
         self._stop.set()
         self._go.set()
         self._wake.set()
@@ -121,6 +119,7 @@ class AsyncEngine:
 
     @property
     def lora_enabled(self) -> bool:
+        """Whether this engine serves adapters (enable_lora)."""
         return self.core.loras is not None
 
     def add_lora(self, name: str, path: str) -> AdapterSpec:
@@ -136,12 +135,15 @@ class AsyncEngine:
         return self.core.loras.inspect(path)
 
     def remove_lora(self, name: str) -> LoRARequest | None:
+        """Forget an adapter (None when there was none of that name)."""
         return self.core.remove_lora(name)
 
     def get_lora(self, name: str) -> LoRARequest | None:
+        """The adapter registered under `name`, or None."""
         return None if self.core.loras is None else self.core.loras.get(name)
 
     def list_loras(self) -> list[LoRARequest]:
+        """Every registered adapter."""
         return self.core.list_loras()
 
     @property
@@ -159,7 +161,13 @@ class AsyncEngine:
         return recorder
 
     @property
+    def model_dir(self) -> Path:
+        """The checkpoint folder the core loaded."""
+        return self.core.model_dir
+
+    @property
     def is_alive(self) -> bool:
+        """The loop runs and has not failed (/health)."""
         return self._thread.is_alive() and self.error is None and not self._stop.is_set()
 
     @property
@@ -169,6 +177,7 @@ class AsyncEngine:
 
     @property
     def num_in_flight(self) -> int:
+        """Requests whose stream has not finished."""
         return len(self._streams)
 
     # ----- requests (called from the event loop) -----------------------------------------
@@ -207,6 +216,7 @@ class AsyncEngine:
                 self._send(("abort", request_id))
 
     def abort(self, request_id: str) -> None:
+        """End a request early, between steps."""
         self._send(("abort", request_id))
 
     def abort_all(self, reason: str) -> None:

@@ -1,8 +1,8 @@
 """Seeing the engine work, over HTTP: the live dashboard, request timelines, OTLP spans.
 
-Owns the routes (an APIRouter) and their wiring to the engine's StepRecorder
+Owns the routes (two route tables) and their wiring to the engine's StepRecorder
 (treadle.engine.timeline), which `install_observability` asks the engine for when any of
-them is on:
+them is on, and keeps on the serving object (server/serving.py):
 
 - `GET /dashboard`: one static HTML page (treadle/server/static/dashboard.html; plain
   canvas, no library, no network beyond this server), off with `--no-dashboard`;
@@ -25,13 +25,16 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Optional
+from typing import AsyncIterator, Optional
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, StreamingResponse
 from pydantic import BaseModel
 
 from treadle.server.dashboard_data import Viewer, build_event
+from treadle.server.errors import APIError
+from treadle.server.routes import Route, add_routes
+from treadle.server.serving import OpenAIServing, serving_of
 
 _PAGE = Path(__file__).parent / "static" / "dashboard.html"
 
@@ -89,87 +92,90 @@ class RequestTimelines(BaseModel):
     requests: list[RequestTimelineBody]
 
 
-def observability_router(engine, server_config, recorder, authenticate, keyed: bool,
-                         is_shutting_down) -> APIRouter:
-    router = APIRouter()
+def _timelines(request: Request, request_id: str) -> dict:
+    """The caller's timelines of a request id; 404 (as for an unknown id) otherwise."""
+    serving = serving_of(request)
+    tenant = serving.authenticate(request)
+    found = [t for t in serving.step_recorder.timelines_of(request_id) if t["tenant"] == tenant]
+    if not found:
+        raise APIError(404, f"no timeline of request {request_id!r}: unknown, another "
+                       f"tenant's, or finished longer ago than the last "
+                       f"{serving.config.request_timelines} requests (request_timelines)",
+                       kind="not_found_error")
+    return {"id": request_id, "object": "request.timeline", "requests": found}
+
+
+async def _events(serving: OpenAIServing, viewer: Viewer) -> AsyncIterator[str]:
+    """One dashboard event every dashboard_interval seconds until shutdown."""
+    engine = serving.engine
     max_num_seqs = engine.config.scheduler.max_num_seqs
-    interval = server_config.dashboard_interval
-
-    def timelines(request: Request, request_id: str) -> dict:
-        from treadle.server.errors import APIError
-
-        tenant = authenticate(request)
-        found = [t for t in recorder.timelines_of(request_id) if t["tenant"] == tenant]
-        if not found:
-            raise APIError(404, f"no timeline of request {request_id!r}: unknown, another "
-                           f"tenant's, or finished longer ago than the last "
-                           f"{server_config.request_timelines} requests (request_timelines)",
-                           kind="not_found_error")
-        return {"id": request_id, "object": "request.timeline", "requests": found}
-
-    @router.get("/v1/requests/{request_id}", response_model=RequestTimelines)
-    async def request_timeline(request_id: str, request: Request):
-        """The timeline of one of the caller's requests: arrival, queue wait, each
-        scheduled chunk with its step, preemptions with their kind, first token, finish."""
-        return timelines(request, request_id)
-
-    if not server_config.dashboard:
-        return router
-
-    @router.get("/dashboard/requests/{request_id}", response_model=RequestTimelines)
-    async def dashboard_request_timeline(request_id: str, request: Request):
-        """GET /v1/requests/{id} for the page (the key as Bearer or as a Basic password)."""
-        return timelines(request, request_id)
-
-    @router.get("/dashboard", response_class=HTMLResponse)
-    async def dashboard(request: Request):
-        """The live dashboard: one static HTML page, no library, no network beyond this
-        server (docs/dashboard.md)."""
-        authenticate(request)
-        return HTMLResponse(_PAGE.read_text(encoding="utf-8"),
-                            headers={"Cache-Control": "no-cache"})
-
-    @router.get("/dashboard/events", response_class=StreamingResponse)
-    async def dashboard_events(request: Request):
-        """Server-sent events, one JSON object every dashboard_interval seconds until the
-        client leaves or the server shuts down (the format: docs/dashboard.md)."""
-        tenant = authenticate(request)
-        viewer = Viewer(tenant if keyed else None)
-
-        async def body():
-            while not is_shutting_down():
-                event = build_event(viewer, recorder, engine.metrics, engine.tenant_weights,
-                                    max_num_seqs)
-                yield f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
-                await asyncio.sleep(interval)
-
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache",
-                                          "X-Accel-Buffering": "no"})
-
-    return router
+    while not serving.shutting_down:
+        event = build_event(viewer, serving.step_recorder, engine.metrics,
+                            engine.tenant_weights, max_num_seqs)
+        yield f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
+        await asyncio.sleep(serving.config.dashboard_interval)
 
 
-def install_observability(app: FastAPI, engine, server_config, keyring, authenticate) -> None:
+async def request_timeline(request_id: str, request: Request):
+    """The timeline of one of the caller's requests: arrival, queue wait, each
+    scheduled chunk with its step, preemptions with their kind, first token, finish."""
+    return _timelines(request, request_id)
+
+
+async def dashboard_request_timeline(request_id: str, request: Request):
+    """GET /v1/requests/{id} for the page (the key as Bearer or as a Basic password)."""
+    return _timelines(request, request_id)
+
+
+async def dashboard(request: Request):
+    """The live dashboard: one static HTML page, no library, no network beyond this
+    server (docs/dashboard.md)."""
+    serving_of(request).authenticate(request)
+    return HTMLResponse(_PAGE.read_text(encoding="utf-8"),
+                        headers={"Cache-Control": "no-cache"})
+
+
+async def dashboard_events(request: Request):
+    """Server-sent events, one JSON object every dashboard_interval seconds until the
+    client leaves or the server shuts down (the format: docs/dashboard.md)."""
+    serving = serving_of(request)
+    tenant = serving.authenticate(request)
+    viewer = Viewer(tenant if serving.keyring.enabled else None)
+    return StreamingResponse(_events(serving, viewer), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+TIMELINE_ROUTES = (
+    Route("GET", "/v1/requests/{request_id}", request_timeline, response_model=RequestTimelines),
+)
+"""On whenever the engine records steps."""
+DASHBOARD_ROUTES = (
+    Route("GET", "/dashboard/requests/{request_id}", dashboard_request_timeline,
+          response_model=RequestTimelines),
+    Route("GET", "/dashboard", dashboard, HTMLResponse),
+    Route("GET", "/dashboard/events", dashboard_events, StreamingResponse),
+)
+"""The page, its events and its timeline route: on unless --no-dashboard."""
+
+
+def install_observability(app: FastAPI, serving: OpenAIServing) -> None:
     """Ask the engine for a step recorder and add the routes, when any is on; the OTLP
-    exporter too (its spans flushed at shutdown). Sets app.state.request_spans (None
-    without an endpoint), which api.py tells the traceparent of each request."""
-    app.state.request_spans = None
-    app.state.step_recorder = None
-    if not (server_config.dashboard or server_config.request_timelines
-            or server_config.otlp_traces_endpoint):
+    exporter too (its spans flushed at shutdown). Sets the serving object's
+    step_recorder and request_spans (None without an endpoint), which it tells the
+    traceparent of each request."""
+    config, engine = serving.config, serving.engine
+    if not (config.dashboard or config.request_timelines or config.otlp_traces_endpoint):
         return
-    recorder = engine.record_steps(server_config.recorded_steps,
-                                   server_config.request_timelines)
-    app.state.step_recorder = recorder
-    if server_config.otlp_traces_endpoint:
+    recorder = engine.record_steps(config.recorded_steps, config.request_timelines)
+    serving.step_recorder = recorder
+    if config.otlp_traces_endpoint:
         from treadle.server.otel import RequestSpans  # opentelemetry: imported only here
 
-        spans = RequestSpans(server_config.otlp_traces_endpoint, engine.model_name,
+        spans = RequestSpans(config.otlp_traces_endpoint, engine.model_name,
                              recorder.wall_offset)
         recorder.add_finish_listener(spans.on_finish)
-        app.state.request_spans = spans
+        serving.request_spans = spans
         app.router.on_shutdown.append(spans.shutdown)
-    app.include_router(observability_router(
-        engine, server_config, recorder, authenticate, keyring.enabled,
-        lambda: app.state.shutting_down))
+    add_routes(app, TIMELINE_ROUTES)
+    if config.dashboard:
+        add_routes(app, DASHBOARD_ROUTES)

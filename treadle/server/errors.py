@@ -4,7 +4,7 @@ Owns `APIError`, the one error body (`{"error": {"message", "type", "param", "co
 `param` naming a body field or null, never a character offset), and the exception
 handlers that turn validation errors, unparseable bodies (invalid JSON or UTF-8, nesting
 too deep), unknown routes and methods, and unexpected failures into that body. It does
-not decide which requests are valid: protocol.py and api.py do.
+not decide which requests are valid: protocol.py and validation.py do.
 """
 
 from __future__ import annotations

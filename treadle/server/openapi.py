@@ -9,7 +9,7 @@ the context and the KV cache) are written into the request schemas from the same
 EngineLimits the validators use; with API keys configured every route but /health and
 /metrics declares Bearer auth (the dashboard's Basic too). The one rule JSON Schema
 cannot state, prompt tokens + max_tokens <= the request limit, is in the description of
-max_tokens. It validates nothing itself (protocol.py and api.py do).
+max_tokens. It validates nothing itself (protocol.py and validation.py do).
 """
 
 from __future__ import annotations
@@ -100,8 +100,8 @@ def token_id_pattern(vocab_size: int) -> str:
 
 
 def _set_limits(schemas: dict, limits: EngineLimits) -> None:
-    """Write the model's bounds into the request schemas (the validators in api.py apply
-    the same EngineLimits)."""
+    """Write the model's bounds into the request schemas (server/validation.py applies the
+    same EngineLimits)."""
     longest = limits.max_request_tokens - 1  # at least one prompt token
     top_id = limits.vocab_size - 1
     joint = (f"prompt tokens + max_tokens must not exceed {limits.max_request_tokens} "

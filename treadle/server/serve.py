@@ -18,10 +18,13 @@ import time
 import uvicorn
 
 from treadle.compat import check_serving
-from treadle.config import EngineConfig, ServerConfig
+from treadle.config import EngineConfig
+from treadle.server.config import ServerConfig
 from treadle.engine.async_engine import AsyncEngine
+from treadle.engine.client import EngineClient
 from treadle.server.api import build_app
 from treadle.server.auth import KeyRing
+from treadle.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +35,10 @@ ENGINE_DEATH_GRACE_S = 2.0
 class _GracefulServer(uvicorn.Server):
     """uvicorn, with a drain phase between the signal and the exit."""
 
-    def __init__(self, config: uvicorn.Config, app, engine: AsyncEngine,
+    def __init__(self, config: uvicorn.Config, serving: OpenAIServing,
                  shutdown_timeout: float) -> None:
         super().__init__(config)
-        self._app, self._engine, self._timeout = app, engine, shutdown_timeout
+        self._serving, self._engine, self._timeout = serving, serving.engine, shutdown_timeout
         self._draining = False
         self.engine_died_at: float | None = None
 
@@ -55,7 +58,7 @@ class _GracefulServer(uvicorn.Server):
             self.should_exit = True
             return
         self._draining = True
-        self._app.state.shutting_down = True
+        self._serving.shutting_down = True
         logger.info("shutting down: draining %d in-flight requests (up to %.0f s)",
                     self._engine.num_in_flight, self._timeout)
         asyncio.get_event_loop().create_task(self._drain())
@@ -98,9 +101,9 @@ def parse_lora_modules(entries: list[str] | None) -> list[tuple[str, str]]:
 
 
 def make_engine(engine_config: EngineConfig, server_config: ServerConfig,
-                replica_config=None):
-    """One AsyncEngine in this process, or replicas on Ray behind a ReplicaSet (the same
-    interface) when replica_config asks for them."""
+                replica_config=None) -> EngineClient:
+    """One AsyncEngine in this process, or replicas on Ray behind a ReplicaSet (both an
+    EngineClient) when replica_config asks for them."""
     if replica_config is None or not replica_config.on_ray:
         return AsyncEngine(engine_config, server_config.served_model_name)
     from treadle.distributed.replica_set import ReplicaSet  # ray: imported only here
@@ -129,7 +132,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig,
     app = build_app(engine, server_config, keyring)
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                             log_level="info", timeout_graceful_shutdown=5)
-    server = _GracefulServer(config, app, engine, server_config.shutdown_timeout)
+    server = _GracefulServer(config, app.state.serving, server_config.shutdown_timeout)
     logger.info("serving %s on http://%s:%d", engine.model_name, server_config.host,
                 server_config.port)
     try:

@@ -1,0 +1,403 @@
+"""`OpenAIServing`: the one object behind every route, and the steps the endpoints share.
+
+Owns the server's state over one EngineClient (treadle/engine/client.py): the server
+config, the tokenizer, the model's limits, the overload control (server/admission.py),
+the lazily built grammar compiler, the Responses store, the shutting-down flag and the
+request spans. Its methods are the steps every generating endpoint takes, in this order:
+authentication (the key was checked by server/middleware.py; here the tenant, and 503
+while shutting down), the model a request names (the base or a LoRA adapter:
+server/lora_routes.py), field checks (server/fields.py), tokenization and chat
+templating in worker threads, the limits a request must fit (server/validation.py),
+sampling parameters, structured-output grammars compiled off the event loop, admission,
+running the engine request (aborted the moment its client goes away), and the answer:
+server-sent events or one final body. The endpoints themselves are one module each
+(server/completions.py, server/chat.py, server/responses_api.py) plus the small ones
+here (health, metrics, models, tokenize); the routes (server/routes.py) only parse and
+call. Scheduling and generation stay in the engine; this module never touches FastAPI's
+app or routing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
+
+from treadle.engine.client import EngineClient, EngineDeadError, EngineFailedError
+from treadle.sampling_params import SamplingParams
+from treadle.server import protocol, validation
+from treadle.server.admission import (AdmissionControl, AdmissionLimits, NeverAdmissible,
+                                      Overloaded, Ticket)
+from treadle.server.auth import KeyRing, Tenant
+from treadle.server.config import ServerConfig
+from treadle.server.errors import APIError, error_body, error_field, error_response
+from treadle.server.fields import check_fields, check_message_fields
+from treadle.server.responses import Formatting
+from treadle.server.responses_api import ResponseStore
+from treadle.server.streams import merge
+from treadle.server.tool_calls import ToolRequestError, ToolSetup, setup_tools, template_message
+from treadle.structured import (StructuredOutputError, StructuredSpec, from_response_format,
+                                from_structured_outputs)
+
+
+class LazyGrammarCompiler:
+    """The grammar compiler for the served tokenizer, built on first use in a thread
+    (converting a 49152-id tokenizer takes ~0.3 s); None without a tokenizer."""
+
+    def __init__(self, engine: EngineClient) -> None:
+        self._engine = engine
+        self._compiler = None
+        self._lock = asyncio.Lock()
+
+    async def get(self):
+        if self._compiler is None and self._engine.tokenizer is not None:
+            async with self._lock:
+                if self._compiler is None:
+                    from treadle.structured.compiler import GrammarCompiler
+                    self._compiler = await asyncio.to_thread(
+                        GrammarCompiler.from_hf_tokenizer, self._engine.tokenizer,
+                        self._engine.limits.vocab_size, self._engine.eos_token_id)
+        return self._compiler
+
+
+def admission_limits(config: ServerConfig, engine: EngineClient) -> AdmissionLimits:
+    """The overload bounds of the server's options, ordered as the engine's policy orders."""
+    scheduler = engine.config.scheduler
+    return AdmissionLimits(
+        config.max_waiting_requests, config.max_waiting_tokens,
+        config.tenant_max_concurrent_requests, config.tenant_tokens_per_minute,
+        config.max_queue_delay, scheduler.scheduling_policy == "priority",
+        scheduler.priority_aging)
+
+
+async def _latest_per_source(merged):
+    """From (source index, output) pairs: the latest output of every source, in order."""
+    latest: dict[int, object] = {}
+    try:
+        async for i, output in merged:
+            latest[i] = output
+            yield [latest[k] for k in sorted(latest)]
+    finally:
+        await merged.aclose()
+
+
+async def _until_disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def serving_of(request: Request) -> "OpenAIServing":
+    """The app's serving object (build_app puts it in the app's state)."""
+    return request.app.state.serving
+
+
+class OpenAIServing:
+    """The OpenAI server's state over one engine, and the steps its endpoints share."""
+
+    def __init__(self, engine: EngineClient, config: ServerConfig, keyring: KeyRing) -> None:
+        self.engine = engine
+        self.config = config
+        self.keyring = keyring
+        self.limits = engine.limits
+        self.tokenizer = engine.tokenizer
+        self.admission = AdmissionControl(admission_limits(config, engine))
+        self.grammars = LazyGrammarCompiler(engine)
+        self.responses = ResponseStore(config.responses_store_size)
+        """Stored Responses-API responses (server/responses_api.py)."""
+        self.created = protocol.now()
+        """/v1/models: when this server started serving the model."""
+        self.shutting_down = False
+        """Set by the SIGTERM drain (server/serve.py): new requests get 503."""
+        self.request_spans = None
+        """The OTLP exporter (server/otel.py) when configured (server/dashboard.py)."""
+        self.step_recorder = None
+        """The engine's StepRecorder while the dashboard, timelines or spans are on."""
+
+    # ----- the small endpoints ------------------------------------------------------------
+
+    def health(self):
+        if self.engine.is_alive and not self.shutting_down:
+            return {"status": "ok"}
+        return error_response(503, "engine is not running", kind="server_error")
+
+    async def metrics(self) -> Response:
+        # In a thread: a replica set (treadle/distributed) asks every replica for its own.
+        text = await run_in_threadpool(self.engine.metrics.exposition)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    def models(self, request: Request) -> dict:
+        """/v1/models: the entries this key may see, the base model, then each adapter
+        with the base as its parent (vLLM's fields)."""
+        tenant, engine = self.authorize(request), self.engine
+        base = engine.model_name
+
+        def card(name: str, root: str, parent: str | None) -> dict:
+            return {"id": name, "object": "model", "created": self.created,
+                    "owned_by": "treadle", "root": root, "parent": parent,
+                    "max_model_len": self.limits.max_model_len,
+                    "vocab_size": self.limits.vocab_size}
+
+        cards = [card(base, str(engine.model_dir), None)] if tenant.may_use(base) else []
+        if engine.lora_enabled:
+            cards += [card(lora.lora_name, lora.lora_path, base) for lora in engine.list_loras()
+                      if tenant.may_use(lora.lora_name)]
+        return {"object": "list", "data": cards}
+
+    async def tokenize(self, body: protocol.TokenizeRequest) -> dict:
+        if body.messages is not None:
+            refused = check_message_fields(body.messages)
+            if refused is not None:
+                raise APIError(400, refused[1], refused[0])
+            ids = await run_in_threadpool(self.chat_token_ids, body.messages, True)
+        elif body.prompt is not None:
+            ids = await run_in_threadpool(self.encode, body.prompt, body.add_special_tokens)
+        else:
+            raise APIError(400, "one of prompt or messages is required", "prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.limits.max_model_len}
+
+    async def detokenize(self, body: protocol.DetokenizeRequest) -> dict:
+        vocab = self.limits.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens: {bad} is outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": await run_in_threadpool(self.require_tokenizer().decode, body.tokens)}
+
+    # ----- who asks, for which model, with which fields -----------------------------------
+
+    def authorize(self, request: Request) -> Tenant:
+        """The caller's key (checked by AuthFirst): its tenant and the models it may use;
+        503 while shutting down."""
+        if self.shutting_down:
+            raise APIError(503, "server is shutting down", kind="server_error")
+        return request.state.key
+
+    def authenticate(self, request: Request) -> str:
+        """The caller's tenant name; 503 while shutting down."""
+        return self.authorize(request).name
+
+    def check_model(self, body: protocol.SamplingFields, request: Request):
+        """The adapter the body's model names (None: the base model, also when no model
+        is given); 404 when the name is neither or not the caller key's: another
+        tenant's adapter is the same 404 as a name that does not exist (no oracle)."""
+        tenant, name = self.authorize(request), body.model
+        base = self.engine.model_name
+        if name is None or name == base:
+            if tenant.may_use(base):
+                return None
+            name = base
+        else:
+            lora = self.engine.get_lora(name) if self.engine.lora_enabled else None
+            if lora is not None and tenant.may_use(name):
+                return lora
+        raise APIError(404, f"model {name!r} does not exist; GET /v1/models lists the models "
+                       "this key may use", "model", kind="model_not_found")
+
+    def refuse_unsupported(self, body, endpoint: str) -> None:
+        """400 naming a field the endpoint refuses (server/fields.py)."""
+        refused = check_fields(body, endpoint)
+        if refused is None and endpoint == "chat":
+            refused = check_message_fields(body.messages)
+        if refused is not None:
+            raise APIError(400, refused[1], refused[0])
+
+    def tools(self, tools: list[dict] | None, tool_choice, parallel_tool_calls) -> ToolSetup:
+        """The request's tools under the server's parser options (400 naming the field)."""
+        try:
+            return setup_tools(tools, tool_choice, parallel_tool_calls,
+                               self.config.tool_call_parser, self.config.enable_auto_tool_choice)
+        except ToolRequestError as exc:
+            raise APIError(400, str(exc), exc.field) from None
+
+    # ----- tokenization (in worker threads) -------------------------------------------------
+
+    def require_tokenizer(self):
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send prompt token ids", "prompt")
+        return self.tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.require_tokenizer().encode(text, add_special_tokens=add_special_tokens)
+
+    def chat_token_ids(self, messages: list[protocol.ChatMessage], add_generation_prompt: bool,
+                       tools: list[dict] | None = None) -> list[int]:
+        tok = self.require_tokenizer()
+        if not getattr(tok, "chat_template", None):
+            raise APIError(400, "this model has no chat template", "messages")
+        try:
+            conversation = [template_message(m) for m in messages]
+        except ValueError as exc:
+            raise APIError(400, f"messages: {exc}", "messages") from None
+        try:
+            text = tok.apply_chat_template(conversation, tokenize=False, tools=tools,
+                                           add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # a template may reject any conversation it dislikes
+            raise APIError(400, f"messages: the chat template failed: {exc}",
+                           "messages") from None
+        return tok.encode(text, add_special_tokens=False)
+
+    # ----- what the request asks of the engine ----------------------------------------------
+
+    def check_lengths(self, prompt_ids: list[int], requested: int | None,
+                      default: int | None) -> int:
+        """max_tokens for this prompt (server/validation.py)."""
+        return validation.check_lengths(self.limits, prompt_ids, requested, default)
+
+    def check_vocab(self, prompt_ids: list[int]) -> None:
+        validation.check_vocab(self.limits, prompt_ids)
+
+    def sampling_params(self, body: protocol.SamplingFields, max_tokens: int,
+                        logprobs: int | None, prompt_logprobs: int | None = None,
+                        structured: StructuredSpec | None = None,
+                        skip_special_tokens: bool | None = None) -> SamplingParams:
+        """The body's sampling fields as SamplingParams (400 naming the field)."""
+        return validation.sampling_params(self.limits, body, max_tokens, logprobs,
+                                          prompt_logprobs, structured, skip_special_tokens)
+
+    async def structured_spec(self, body: protocol.SamplingFields,
+                              tool_spec: StructuredSpec | None = None) -> StructuredSpec | None:
+        """The request's grammar, compiled (cached) off the event loop; 400s name the
+        field and the construct."""
+        try:
+            specs = [spec for spec in (from_response_format(body.response_format),
+                                       from_structured_outputs(body.structured_outputs),
+                                       tool_spec) if spec is not None]
+        except StructuredOutputError as exc:
+            raise APIError(400, str(exc), exc.field) from None
+        if len(specs) > 1:
+            raise APIError(400, f"{specs[1].field}: only one of response_format, "
+                           "structured_outputs and a 'required' or named tool_choice may "
+                           "constrain a request", specs[1].field)
+        if not specs:
+            return None
+        spec = specs[0]
+        compiler = await self.grammars.get()
+        if compiler is None:
+            raise APIError(400, f"{spec.field}: structured outputs need the model's tokenizer",
+                           spec.field)
+        try:
+            await compiler.compile_async(spec)
+        except StructuredOutputError as exc:
+            raise APIError(400, str(exc), exc.field) from None
+        if not self.engine.supports_structured_outputs:
+            raise APIError(400, f"{spec.field}: this model has no tokenizer files, so no "
+                           "grammar can be built for it", spec.field)
+        return spec
+
+    # ----- admission, running, answering ------------------------------------------------------
+
+    def admit(self, tenant: str, prompt_ids: list[int], params: SamplingParams,
+              priority: int = 0) -> Ticket:
+        """Count the request in (429 with Retry-After when overloaded, 400 when no wait
+        could ever admit it)."""
+        try:
+            return self.admission.admit(tenant, len(prompt_ids), params.max_tokens * params.n,
+                                        time.monotonic(), priority)
+        except NeverAdmissible as exc:
+            raise APIError(400, str(exc), exc.param) from None
+        except Overloaded as exc:
+            raise APIError(429, str(exc), kind="rate_limit_error",
+                           headers={"Retry-After": str(exc.retry_after_s)}) from None
+
+    async def run(self, request: Request, request_id: str, prompt: str | None,
+                  prompt_ids: list[int], params: SamplingParams, priority: int, tenant: str,
+                  ticket: Ticket, lora=None):
+        """The request's outputs (with the LoRA adapter `lora`, None: the base model); the
+        ticket is released however it ends."""
+        if self.request_spans is not None:  # its span joins the caller's trace
+            self.request_spans.note_parent(request_id, request.headers)
+        try:
+            async for output in self.engine.generate(request_id, prompt, prompt_ids, params,
+                                                     priority, tenant, lora):
+                self.admission.started(ticket, time.monotonic())
+                yield output
+        except EngineFailedError as exc:
+            raise APIError(500, str(exc), kind="server_error") from None
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), kind="server_error") from None
+        finally:
+            self.admission.release(ticket)
+
+    async def final_output(self, request: Request, outputs: AsyncIterator):
+        """The last output, or None if the client went away first (request aborted)."""
+        async def consume():
+            last = None
+            async for out in outputs:
+                last = out
+            return last
+
+        consumer = asyncio.ensure_future(consume())
+        watcher = asyncio.ensure_future(_until_disconnected(request))
+        done, _ = await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if consumer in done:
+            watcher.cancel()
+            return consumer.result()
+        consumer.cancel()  # closes the generator: the engine aborts the request
+        await asyncio.gather(consumer, return_exceptions=True)
+        await outputs.aclose()
+        return None
+
+    def sse(self, events: AsyncIterator[dict]) -> StreamingResponse:
+        """Chat and completions chunks as server-sent events, then [DONE]; an error ends
+        the stream with an error body."""
+        async def body():
+            try:
+                async for event in events:
+                    if "error" in event:  # the engine ended the request: same body as whole
+                        exc = self.ended_by_engine(event["error"]["message"])
+                        event = error_body(exc.status, exc.message, exc.param, exc.kind)
+                    yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+            except APIError as exc:
+                event = error_body(exc.status, exc.message, exc.param, exc.kind)
+                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def respond(self, request: Request, body: protocol.SamplingFields, tenant: str,
+                      id_prefix: str, texts: list[str | None], id_lists: list[list[int]],
+                      params_list: list[SamplingParams], fmt: Formatting, chunks, whole,
+                      lora=None):
+        """Admit every prompt, run them, and answer: a stream of `chunks` events, or one
+        `whole` body made from the final output of each prompt."""
+        tickets = []
+        try:
+            for ids, params in zip(id_lists, params_list):
+                tickets.append(self.admit(tenant, ids, params, body.priority or 0))
+        except APIError:
+            for ticket in tickets:
+                self.admission.release(ticket)
+            raise
+        request_id = protocol.random_id(id_prefix)
+        many = len(id_lists) > 1
+        outputs = merge([self.run(request, f"{request_id}-{i}" if many else request_id,
+                                  texts[i], id_lists[i], params_list[i], body.priority, tenant,
+                                  tickets[i], lora)
+                         for i in range(len(id_lists))])
+        model_name = self.engine.model_name if lora is None else lora.lora_name
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return self.sse(chunks(request_id, model_name, outputs, include_usage, fmt))
+        finals = await self.final_output(request, _latest_per_source(outputs))
+        if finals is None:  # the client went away; the requests were aborted
+            return Response(status_code=499)
+        for final in finals:
+            if final.error is not None:
+                raise self.ended_by_engine(final.error)
+        return whole(request_id, model_name, finals, fmt)
+
+    def ended_by_engine(self, reason: str) -> APIError:
+        """A request the engine ended with an error: the shutdown drain's abort (503), or
+        the engine refusing it at admission or ending it while it ran (400 naming the
+        field at fault, e.g. a grammar that failed while generating; the checks before
+        admission make admission refusals rare)."""
+        if self.shutting_down or not self.engine.is_alive:
+            return APIError(503, reason, kind="server_error")
+        return APIError(400, reason, error_field(reason))
