@@ -127,6 +127,10 @@ class SamplingParams:
         if bad is not None:
             return (f"logit_bias has token id {bad}, outside the vocabulary "
                     f"[0, {vocab_size})")
+        bad = next((t for t in self.stop_token_ids if t >= vocab_size), None)
+        if bad is not None:
+            return (f"stop_token_ids has token id {bad}, outside the vocabulary "
+                    f"[0, {vocab_size})")
         return None
 
     def for_sample(self, index: int) -> SamplingParams:

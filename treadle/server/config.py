@@ -44,6 +44,11 @@ class ServerConfig:
         "Prompt + max_tokens per tenant per minute (0: unlimited)"))
     max_request_body_bytes: int = field(default=8 * 1024**2, metadata=_help(
         "Largest accepted request body"))
+    body_read_timeout_s: float = field(default=30.0, metadata=_help(
+        "A request body that stops arriving for this long gets 408 (a body shorter than "
+        "its Content-Length no longer holds the connection)"))
+    max_header_bytes: int = field(default=64 * 1024, metadata=_help(
+        "Largest request head (request line and headers) accepted; larger gets 431"))
     shutdown_timeout: float = field(default=30.0, metadata=_help(
         "Seconds in-flight requests may finish after SIGTERM before they are aborted"))
     lora_modules: list[str] | None = field(default=None, metadata=_help(
@@ -76,6 +81,10 @@ class ServerConfig:
                      "responses_store_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.body_read_timeout_s > 0:
+            raise ValueError(f"body_read_timeout_s must be > 0, got {self.body_read_timeout_s}")
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"max_header_bytes must be >= 1024, got {self.max_header_bytes}")
         if self.max_queue_delay < 0:
             raise ValueError(f"max_queue_delay must be >= 0 seconds, got {self.max_queue_delay}")
         if self.tenant_tokens_per_minute < 0:

@@ -32,7 +32,7 @@ from fastapi.responses import HTMLResponse, StreamingResponse
 from pydantic import BaseModel
 
 from treadle.server.dashboard_data import Viewer, build_event
-from treadle.server.errors import APIError
+from treadle.server.errors import APIError, quoted
 from treadle.server.routes import Route, add_routes
 from treadle.server.serving import OpenAIServing, serving_of
 
@@ -98,7 +98,7 @@ def _timelines(request: Request, request_id: str) -> dict:
     tenant = serving.authenticate(request)
     found = [t for t in serving.step_recorder.timelines_of(request_id) if t["tenant"] == tenant]
     if not found:
-        raise APIError(404, f"no timeline of request {request_id!r}: unknown, another "
+        raise APIError(404, f"no timeline of request {quoted(request_id)}: unknown, another "
                        f"tenant's, or finished longer ago than the last "
                        f"{serving.config.request_timelines} requests (request_timelines)",
                        kind="not_found_error")

@@ -35,10 +35,29 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
+MAX_ECHO_CHARS = 64
+"""Longest piece of a request (an id, a name) an error message quotes back."""
+MAX_MESSAGE_CHARS = 2000
+"""Longest error message answered; past it the message is cut (whatever it quotes)."""
+
+
+def quoted(value: object) -> str:
+    """`value` as an error message quotes it: repr, at most MAX_ECHO_CHARS of it (a 404
+    once echoed a 50 KB request id back)."""
+    text = repr(value)
+    if len(text) <= MAX_ECHO_CHARS:
+        return text
+    return f"{text[:MAX_ECHO_CHARS]}... ({len(str(value))} characters)"
+
+
 def error_body(status: int, message: str, param: str | None = None,
                kind: str | None = None) -> dict:
     kind = kind or _KIND_OF_STATUS.get(status, "server_error" if status >= 500
                                        else "invalid_request_error")
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[:MAX_MESSAGE_CHARS] + "..."
+    if param is not None and len(param) > MAX_ECHO_CHARS:
+        param = param[:MAX_ECHO_CHARS] + "..."
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 

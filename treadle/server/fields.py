@@ -31,6 +31,8 @@ ACCEPTED_IGNORED: dict[str, dict[str, str]] = {
         "prompt_cache_retention": "a cache lifetime hint; the prefix cache evicts by LRU",
         "prediction": "predicted output, a latency optimization; the output is the same",
     },
+    "tokenize": {},
+    "detokenize": {},
     "responses": {
         "user": "an end-user tag for abuse monitoring",
         "metadata": "tags kept with the stored response",
@@ -90,6 +92,8 @@ def check_fields(body: Any, endpoint: str) -> tuple[str, str] | None:
             if _harmless(name, value, body):
                 continue
             return name, f"{name}: {UNSUPPORTED[name]}"
+        if not ignored:
+            return name, f"{name}: unknown field for this endpoint"
         return name, (f"{name}: unknown field for this endpoint (fields that are accepted "
                       f"and ignored: {', '.join(sorted(ignored))})")
     options = getattr(body, "stream_options", None)

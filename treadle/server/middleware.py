@@ -1,9 +1,10 @@
-"""ASGI middleware that runs before any route reads a body: authentication, body size.
+"""ASGI middleware that runs before any route reads a body: authentication, the body.
 
-Owns the two checks every request passes first, in this order: the API key (a 401 for
+Owns the checks every request passes first, in this order: the API key (a 401 for
 every path but /health and /metrics, before the body is even read, so a keyless caller
-learns nothing about validation), then the body size (a 413 whether the size was
-declared in Content-Length or only found while reading a chunked body). The tenant of
+learns nothing about validation), then the body: its size (a 413 whether the size was
+declared in Content-Length or only found while reading a chunked body) and its arrival
+(a 408 when it stops arriving for body_read_timeout_s). The tenant of
 the key is left in `request.state.tenant` for the routes, the key's Tenant (with the
 models it may use) in `request.state.key`. GETs under /dashboard also take the key as
 the password of HTTP Basic auth, and their 401 asks for it, so that a browser prompts
@@ -14,6 +15,7 @@ to /v1). Pure ASGI: no engine.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
@@ -86,12 +88,18 @@ class _TooLarge(Exception):
     pass
 
 
-class BodySizeLimit:
-    """Refuse bodies over the limit with 413: at once when Content-Length says so, else as
-    soon as the chunks read so far pass it (the route's own answer is then dropped)."""
+class _TooSlow(Exception):
+    pass
 
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+
+class BodyLimits:
+    """Refuse bodies over the size limit with 413: at once when Content-Length says so,
+    else as soon as the chunks read so far pass it; and bodies that stop arriving with
+    408 (a body shorter than its Content-Length once held the connection open for good).
+    In both cases the route's own answer is dropped."""
+
+    def __init__(self, app, max_bytes: int, read_timeout_s: float) -> None:
+        self.app, self.max_bytes, self.read_timeout_s = app, max_bytes, read_timeout_s
 
     def _message(self) -> str:
         return f"request body exceeds {self.max_bytes} bytes (max_request_body_bytes)"
@@ -102,28 +110,39 @@ class BodySizeLimit:
         declared = dict(scope.get("headers") or {}).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await _send_error(send, 413, self._message())
-        seen, exceeded, started = 0, False, False
+        seen, refused, started, done = 0, None, False, False
 
         async def limited_receive():
-            nonlocal seen, exceeded
-            message = await receive()
+            nonlocal seen, refused, done
+            if done:  # the body is read: what follows is the disconnect, whenever it comes
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.read_timeout_s)
+            except asyncio.TimeoutError:
+                refused = 408
+                raise _TooSlow() from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
+                done = not message.get("more_body", False)
                 if seen > self.max_bytes:
-                    exceeded = True
+                    refused = 413
                     raise _TooLarge()
             return message
 
         async def guarded_send(message):
             nonlocal started
-            if exceeded:  # whatever the route made of a truncated body is not the answer
+            if refused:  # whatever the route made of a truncated body is not the answer
                 return
             started = True
             await send(message)
 
         try:
             await self.app(scope, limited_receive, guarded_send)
-        except _TooLarge:
+        except (_TooLarge, _TooSlow):
             pass
-        if exceeded and not started:
+        if refused == 413 and not started:
             await _send_error(send, 413, self._message())
+        elif refused == 408 and not started:
+            await _send_error(send, 408, f"the request body did not arrive within "
+                                         f"{self.read_timeout_s:g} s (body_read_timeout_s)",
+                              headers=[(b"connection", b"close")])

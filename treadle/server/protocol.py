@@ -167,6 +167,20 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_kind_of_prompt(cls, value):
+        """A list holds strings, or token ids, or lists of token ids: never a mix (a
+        string of digits stays text, as OpenAI reads it)."""
+        if isinstance(value, list) and value:
+            kinds = {"a string" if isinstance(v, str) else "a list" if isinstance(v, list)
+                     else "a token id" for v in value}
+            if len(kinds) > 1:
+                raise PydanticCustomError(
+                    "prompt_mix", "a list of prompts mixes " + " and ".join(sorted(kinds))
+                    + "; send strings, token ids, or lists of token ids")
+        return value
+
     @field_validator("prompt")
     @classmethod
     def _bounded_prompts(cls, value):

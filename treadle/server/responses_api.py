@@ -25,7 +25,7 @@ from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
 from treadle.server import protocol
-from treadle.server.errors import APIError
+from treadle.server.errors import APIError, quoted
 from treadle.server.responses_items import (MAX_INPUT_ITEMS, as_message, chat_tools,
                                             input_messages, new_id, output_items, usage)
 from treadle.server.responses_stream import response_events, responses_sse
@@ -131,7 +131,7 @@ def _conversation(serving: OpenAIServing, body: ResponsesRequest,
         previous = serving.responses.get(tenant, body.previous_response_id)
         if previous is None:
             raise APIError(404, f"previous_response_id: no stored response "
-                           f"{body.previous_response_id!r}", "previous_response_id")
+                           f"{quoted(body.previous_response_id)}", "previous_response_id")
         history = previous["messages"]
     try:
         new_messages = input_messages(body.input)
@@ -198,12 +198,12 @@ def get_response(serving: OpenAIServing, response_id: str, request: Request) -> 
     tenant = serving.authenticate(request)
     record = serving.responses.get(tenant, response_id)
     if record is None:
-        raise APIError(404, f"no stored response {response_id!r}", "response_id")
+        raise APIError(404, f"no stored response {quoted(response_id)}", "response_id")
     return record["body"]
 
 
 def delete_response(serving: OpenAIServing, response_id: str, request: Request) -> dict:
     tenant = serving.authenticate(request)
     if not serving.responses.delete(tenant, response_id):
-        raise APIError(404, f"no stored response {response_id!r}", "response_id")
+        raise APIError(404, f"no stored response {quoted(response_id)}", "response_id")
     return {"id": response_id, "object": "response", "deleted": True}

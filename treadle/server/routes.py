@@ -56,11 +56,11 @@ async def models(request: Request):
 
 
 async def tokenize(body: protocol.TokenizeRequest, request: Request):
-    return await serving_of(request).tokenize(body)
+    return await serving_of(request).tokenize(body, request)
 
 
 async def detokenize(body: protocol.DetokenizeRequest, request: Request):
-    return await serving_of(request).detokenize(body)
+    return await serving_of(request).detokenize(body, request)
 
 
 async def completions(body: protocol.CompletionRequest, request: Request):

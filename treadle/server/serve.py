@@ -24,6 +24,7 @@ from treadle.engine.async_engine import AsyncEngine
 from treadle.engine.client import EngineClient
 from treadle.server.api import build_app
 from treadle.server.auth import KeyRing
+from treadle.server.http_protocol import bounded_head_protocol
 from treadle.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -130,8 +131,11 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig,
         engine.set_tenant_weight(tenant, weight)
     engine.start()
     app = build_app(engine, server_config, keyring)
+    head = server_config.max_header_bytes  # h11's own buffer above it: ours answers 431
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
-                            log_level="info", timeout_graceful_shutdown=5)
+                            log_level="info", timeout_graceful_shutdown=5,
+                            http=bounded_head_protocol(head),
+                            h11_max_incomplete_event_size=head + 64 * 1024)
     server = _GracefulServer(config, app.state.serving, server_config.shutdown_timeout)
     logger.info("serving %s on http://%s:%d", engine.model_name, server_config.host,
                 server_config.port)

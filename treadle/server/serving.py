@@ -20,6 +20,7 @@ app or routing.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from typing import AsyncIterator
@@ -36,7 +37,7 @@ from treadle.server.admission import (AdmissionControl, AdmissionLimits, NeverAd
                                       Overloaded, Ticket)
 from treadle.server.auth import KeyRing, Tenant
 from treadle.server.config import ServerConfig
-from treadle.server.errors import APIError, error_body, error_field, error_response
+from treadle.server.errors import APIError, error_body, error_field, error_response, quoted
 from treadle.server.fields import check_fields, check_message_fields
 from treadle.server.responses import Formatting
 from treadle.server.responses_api import ResponseStore
@@ -139,19 +140,26 @@ class OpenAIServing:
         tenant, engine = self.authorize(request), self.engine
         base = engine.model_name
 
-        def card(name: str, root: str, parent: str | None) -> dict:
+        def card(name: str, parent: str | None) -> dict:
+            # `root` is the served name, not the checkpoint's or adapter's path: a key
+            # holder learns nothing of the server's file system
             return {"id": name, "object": "model", "created": self.created,
-                    "owned_by": "treadle", "root": root, "parent": parent,
+                    "owned_by": "treadle", "root": name, "parent": parent,
                     "max_model_len": self.limits.max_model_len,
                     "vocab_size": self.limits.vocab_size}
 
-        cards = [card(base, str(engine.model_dir), None)] if tenant.may_use(base) else []
+        cards = [card(base, None)] if tenant.may_use(base) else []
         if engine.lora_enabled:
-            cards += [card(lora.lora_name, lora.lora_path, base) for lora in engine.list_loras()
+            cards += [card(lora.lora_name, base) for lora in engine.list_loras()
                       if tenant.may_use(lora.lora_name)]
         return {"object": "list", "data": cards}
 
-    async def tokenize(self, body: protocol.TokenizeRequest) -> dict:
+    async def tokenize(self, body: protocol.TokenizeRequest, request: Request) -> dict:
+        """/tokenize, under the rules of every route: the 503 while shutting down, the
+        key's models, unknown fields refused, the prompt's bytes bounded before any
+        tokenizing."""
+        self.check_model(body, request)
+        self.refuse_unsupported(body, "tokenize")
         if body.messages is not None:
             refused = check_message_fields(body.messages)
             if refused is not None:
@@ -163,7 +171,9 @@ class OpenAIServing:
             raise APIError(400, "one of prompt or messages is required", "prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": self.limits.max_model_len}
 
-    async def detokenize(self, body: protocol.DetokenizeRequest) -> dict:
+    async def detokenize(self, body: protocol.DetokenizeRequest, request: Request) -> dict:
+        self.check_model(body, request)
+        self.refuse_unsupported(body, "detokenize")
         vocab = self.limits.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
@@ -197,8 +207,8 @@ class OpenAIServing:
             lora = self.engine.get_lora(name) if self.engine.lora_enabled else None
             if lora is not None and tenant.may_use(name):
                 return lora
-        raise APIError(404, f"model {name!r} does not exist; GET /v1/models lists the models "
-                       "this key may use", "model", kind="model_not_found")
+        raise APIError(404, f"model {quoted(name)} does not exist; GET /v1/models lists the "
+                       "models this key may use", "model", kind="model_not_found")
 
     def refuse_unsupported(self, body, endpoint: str) -> None:
         """400 naming a field the endpoint refuses (server/fields.py)."""
@@ -223,8 +233,31 @@ class OpenAIServing:
             raise APIError(400, "this model has no tokenizer: send prompt token ids", "prompt")
         return self.tokenizer
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.require_tokenizer().encode(text, add_special_tokens=add_special_tokens)
+    def encode(self, text: str, add_special_tokens: bool = True,
+               field: str = "prompt") -> list[int]:
+        tok = self.require_tokenizer()
+        self.check_text_size(text, field)
+        return tok.encode(text, add_special_tokens=add_special_tokens)
+
+    def check_text_size(self, text: str, field: str) -> None:
+        """400 before tokenizing a text that must have more tokens than the context holds:
+        no token of the vocabulary is longer than `max_token_bytes`, so N bytes are at
+        least N / max_token_bytes tokens (a 1 MB prompt was tokenized in full, 8 s, before
+        its 400; a 7.5 MB /tokenize cost a minute of CPU)."""
+        num_bytes = len(text.encode("utf-8", "surrogatepass"))
+        least = -(-num_bytes // self.max_token_bytes)
+        if least > self.limits.max_model_len:
+            raise APIError(400, f"{field}: {num_bytes} bytes of text are at least {least} "
+                           f"tokens (no token is longer than {self.max_token_bytes} bytes), "
+                           f"more than the model's context length of "
+                           f"{self.limits.max_model_len} tokens", field)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes one token of the vocabulary stands for (its UTF-8 spelling, an
+        overestimate for byte-level tokens: a safe bound)."""
+        vocab = self.require_tokenizer().get_vocab()
+        return max(1, max(len(t.encode("utf-8", "surrogatepass")) for t in vocab))
 
     def chat_token_ids(self, messages: list[protocol.ChatMessage], add_generation_prompt: bool,
                        tools: list[dict] | None = None) -> list[int]:
@@ -235,6 +268,8 @@ class OpenAIServing:
             conversation = [template_message(m) for m in messages]
         except ValueError as exc:
             raise APIError(400, f"messages: {exc}", "messages") from None
+        self.check_text_size("".join(str(m.get("content") or "") for m in conversation),
+                             "messages")
         try:
             text = tok.apply_chat_template(conversation, tokenize=False, tools=tools,
                                            add_generation_prompt=add_generation_prompt)
