@@ -134,8 +134,9 @@ class ModelConfig:
         "at the next size up, eagerly above the largest); 1, 2, 4, then multiples of 8 up "
         "to max_num_seqs when not given"))
     grammar_mask_budget_ms: float = field(default=50.0, metadata=_help(
-        "Structured outputs: longest a request's token mask may take in one step; a "
-        "request over it ends with finish reason 'error' instead of slowing the batch"))
+        "Structured outputs: the most CPU time a request's grammar (its token mask) may "
+        "take in one step; a request over it ends with finish reason 'error' instead of "
+        "slowing the batch"))
 
     def __post_init__(self) -> None:
         if self.grammar_mask_budget_ms <= 0:
