@@ -131,6 +131,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig,
         engine.set_tenant_weight(tenant, weight)
     engine.start()
     app = build_app(engine, server_config, keyring)
+    app.state.serving.grammars.warm_up()  # before any request: its GIL time stalls nobody
     head = server_config.max_header_bytes  # h11's own buffer above it: ours answers 431
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                             log_level="info", timeout_graceful_shutdown=5,

@@ -20,8 +20,10 @@ app or routing.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import json
+import threading
 import time
 from typing import AsyncIterator
 
@@ -48,23 +50,38 @@ from treadle.structured import (StructuredOutputError, StructuredSpec, from_resp
 
 
 class LazyGrammarCompiler:
-    """The grammar compiler for the served tokenizer, built on first use in a thread
-    (converting a 49152-id tokenizer takes ~0.3 s); None without a tokenizer."""
+    """The grammar compiler for the served tokenizer, built in a thread (converting a
+    49152-id tokenizer takes ~0.3 s, much of it holding the GIL: the engine's thread waits
+    meanwhile): at start by `treadle serve` (`warm_up`), before any request, else on first
+    use; None without a tokenizer."""
 
     def __init__(self, engine: EngineClient) -> None:
         self._engine = engine
-        self._compiler = None
-        self._lock = asyncio.Lock()
+        self._future: concurrent.futures.Future | None = None
+        self._lock = threading.Lock()
+
+    def warm_up(self) -> None:
+        """Start building the compiler in a thread now (no-op without a tokenizer)."""
+        with self._lock:
+            if self._future is None and self._engine.tokenizer is not None:
+                from treadle.structured.compiler import GrammarCompiler
+                self._future = concurrent.futures.Future()
+                engine = self._engine
+
+                def build() -> None:
+                    try:
+                        self._future.set_result(GrammarCompiler.from_hf_tokenizer(
+                            engine.tokenizer, engine.limits.vocab_size, engine.eos_token_id))
+                    except BaseException as exc:  # noqa: BLE001 - raised again by get()
+                        self._future.set_exception(exc)
+                threading.Thread(target=build, name="treadle-grammar-compiler",
+                                 daemon=True).start()
 
     async def get(self):
-        if self._compiler is None and self._engine.tokenizer is not None:
-            async with self._lock:
-                if self._compiler is None:
-                    from treadle.structured.compiler import GrammarCompiler
-                    self._compiler = await asyncio.to_thread(
-                        GrammarCompiler.from_hf_tokenizer, self._engine.tokenizer,
-                        self._engine.limits.vocab_size, self._engine.eos_token_id)
-        return self._compiler
+        self.warm_up()
+        if self._future is None:
+            return None
+        return await asyncio.wrap_future(self._future)
 
 
 def admission_limits(config: ServerConfig, engine: EngineClient) -> AdmissionLimits:

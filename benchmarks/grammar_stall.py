@@ -1,0 +1,113 @@
+"""Does compiling a grammar stall the other streams? (issue: compiling never stalls others)
+
+Serves a model, runs one long plain stream (greedy, ignore_eos), and measures its
+inter-token gaps in windows of equal length: `quiet` windows with nothing else running,
+and `compile` windows during each of the heaviest grammars the server accepts, each one a
+cache miss (a schema of N optional integer properties, an enum of M strings, both made
+unique per repeat). The first constrained request of the process builds the grammar
+compilers (a one-time cost, done before measuring). Windows alternate, `--repeats` times;
+the figure is the ratio of the p90 gap in compile windows to the p90 gap in quiet windows
+(target: within 1.2x).
+
+    python benchmarks/grammar_stall.py --model PATH [--repeats 5] [--output stall.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+
+import httpx
+
+from treadle.measure.launch import launched_server
+
+
+def heavy_bodies(repeat: int, properties: int, enum_values: int) -> dict[str, dict]:
+    """The heaviest accepted schemas, unique per repeat (the compile cache never hits)."""
+    tag = f"r{repeat}"
+    props = {"type": "object", "properties": {
+        f"{tag}_p{i}": {"type": "integer"} for i in range(properties)}}
+    enum = {"type": "object", "required": ["x"], "properties": {"x": {
+        "enum": [f"{tag}_value{i}" for i in range(enum_values)]}}}
+    return {f"{properties} optional properties": props, f"enum of {enum_values}": enum}
+
+
+class Stream:
+    """A plain greedy stream whose token arrival times are recorded."""
+
+    def __init__(self, base: str, model: str) -> None:
+        self.times: list[float] = []
+        self._stop = threading.Event()
+        body = {"model": model, "prompt": "Once upon a time", "max_tokens": 8000,
+                "temperature": 0, "ignore_eos": True, "stream": True}
+
+        def run() -> None:
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=None) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        self.times.append(time.monotonic())
+                    if self._stop.is_set():
+                        return
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def gaps(self, start: float, end: float) -> list[float]:
+        t = [x for x in self.times if start <= x <= end]
+        return [b - a for a, b in zip(t, t[1:])]
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def p90(values: list[float]) -> float:
+    values = sorted(values)
+    return values[int(0.9 * (len(values) - 1))] if values else float("nan")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="the served model (default: treadle's)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--properties", type=int, default=420)
+    parser.add_argument("--enum-values", type=int, default=15_000)
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args()
+    served = ["--served-model-name", "m"] + (["--model", args.model] if args.model else [])
+    result = {"quiet": [], "compile": [], "requests": []}
+    with launched_server(served, startup_timeout=600) as (base, _):
+        warm = {"model": "m", "prompt": "x", "max_tokens": 2,
+                "structured_outputs": {"regex": "[a-z]+"}}
+        httpx.post(base + "/v1/completions", json=warm, timeout=300).raise_for_status()
+        stream = Stream(base, "m")
+        time.sleep(3)
+        for repeat in range(args.repeats):
+            for name, schema in heavy_bodies(repeat, args.properties, args.enum_values).items():
+                t0 = time.monotonic()
+                r = httpx.post(base + "/v1/chat/completions", timeout=300, json={
+                    "model": "m", "max_tokens": 4, "messages": [
+                        {"role": "user", "content": "JSON please"}],
+                    "response_format": {"type": "json_schema",
+                                        "json_schema": {"name": "x", "schema": schema}}})
+                t1 = time.monotonic()
+                time.sleep(t1 - t0)  # a quiet window as long as the compile one
+                t2 = time.monotonic()
+                result["compile"] += stream.gaps(t0, t1)
+                result["quiet"] += stream.gaps(t1, t2)
+                result["requests"].append({"schema": name, "status": r.status_code,
+                                           "seconds": round(t1 - t0, 3)})
+        stream.stop()
+    summary = {"p90_quiet_s": p90(result["quiet"]), "p90_compile_s": p90(result["compile"])}
+    summary["ratio"] = summary["p90_compile_s"] / summary["p90_quiet_s"]
+    print(json.dumps(summary, indent=1))
+    for request in result["requests"]:
+        print(request)
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"summary": summary, **result}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
