@@ -18,6 +18,8 @@ _GREEDY_BELOW = 1e-5
 """Temperatures below this sample greedily (1 / T would overflow float32 logits)."""
 MAX_LOGPROBS = 20
 """Most alternatives per token that `logprobs` and `prompt_logprobs` may ask for."""
+ALL_LOGPROBS = -1
+"""prompt_logprobs: the whole vocabulary's log-probabilities, as an array (offline)."""
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_N = 128
 
@@ -64,7 +66,9 @@ class SamplingParams:
     logprobs: int | None = None
     """Return the chosen token's logprob and this many most likely alternatives (0..20)."""
     prompt_logprobs: int | None = None
-    """Return, for every prompt token, its logprob and this many alternatives (0..20)."""
+    """Return, for every prompt token, its logprob and this many alternatives (0..20); -1
+    (offline only, vLLM's convention for "all"): every position's log-probabilities over
+    the whole vocabulary, as one float16 array (RequestOutput.prompt_logprob_array)."""
     n: int = 1
     """Number of independent samples of the prompt (they share the prompt's KV blocks)."""
     logit_bias: dict[int, float] | None = None
@@ -107,9 +111,10 @@ class SamplingParams:
                      "speculative"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("logprobs", "prompt_logprobs"):
-            if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), low=0, high=MAX_LOGPROBS)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None and self.prompt_logprobs != ALL_LOGPROBS:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
         _check_int("n", self.n, low=1, high=MAX_N)
         self.logit_bias = _check_logit_bias(self.logit_bias)
         if (self.structured_outputs is not None

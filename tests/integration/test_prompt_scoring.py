@@ -75,3 +75,29 @@ def test_structured_request_without_tokenizer_is_refused(tmp_path):
                             structured_outputs=from_structured_outputs({"regex": "[0-9]+"}))
     with pytest.raises(ValueError, match="structured_outputs.*tokenizer"):
         llm.generate([[5, 6, 7]], params, use_tqdm=False)
+
+
+def test_whole_vocabulary_prompt_logprobs_equal_transformers_across_chunks(tmp_path):
+    """prompt_logprobs -1 (offline): every position's log-probabilities over the whole
+    vocabulary as one float16 array, the same whatever the chunking (what `treadle bench
+    quality` compares engines with); row 0 scores nothing."""
+    import numpy as np
+    import torch
+    import transformers
+    path = write_demo_model(tmp_path / "m", seed=4, config_overrides=TINY_DEMO)
+    ids = list(range(5, 61))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([ids])).logits[0], -1).numpy()
+    for chunk in (16, 512):
+        llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64,
+                  max_num_batched_tokens=chunk)
+        out, = llm.generate([{"prompt_token_ids": ids}],
+                            SamplingParams(max_tokens=0, prompt_logprobs=-1), use_tqdm=False)
+        array = out.prompt_logprob_array
+        assert array.dtype == np.float16 and array.shape == (len(ids), reference.shape[1])
+        assert np.isnan(array[0]).all() and out.prompt_logprobs is None
+        assert np.abs(array[1:].astype(np.float32) - reference[:-1]).max() < 0.02
+        llm.engine.shutdown()
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(max_tokens=0, prompt_logprobs=-2)

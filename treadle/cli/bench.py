@@ -18,5 +18,6 @@ def add_parser(sub) -> None:
                 bench_offline.add_engine_core, bench_offline.add_compare,
                 bench_online.add_serve, bench_online.add_soak, bench_online.add_dashboard,
                 bench_offline.add_scheduling, bench_offline.add_lora, bench_offline.add_spec,
-                bench_offline.add_perplexity, bench_offline.add_kv):
+                bench_offline.add_perplexity, bench_offline.add_quality,
+                bench_offline.add_kv):
         add(bench_sub)

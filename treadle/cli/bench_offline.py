@@ -119,6 +119,27 @@ def _cmd_bench_perplexity(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_quality(args: argparse.Namespace) -> int:
+    from treadle.bench.quantized_quality import run_quality
+    from treadle.measure.report import format_table
+
+    result = run_quality(args.model, window=args.window)
+    rows = []
+    for name, row in result["rows"].items():
+        rows.append({"configuration": name,
+                     "top-1 agreement": row.get("top1_agreement", 1.0),
+                     "mean KL (nats)": row.get("mean_kl", 0.0),
+                     "vs bf16: top-1 / KL": ("" if "vs_bf16" not in row else
+                                             f"{row['vs_bf16']['top1_agreement']:.4f} / "
+                                             f"{row['vs_bf16']['mean_kl']:.5f}"),
+                     "seconds": row["seconds"]})
+    print(format_table(rows, list(rows[0])))
+    print(f"{result['num_scored']} tokens scored, teacher-forced, windows of {args.window}; "
+          "against the float32 reference")
+    print("wrote", write_result(result, args.output, "quality.json"))
+    return 0
+
+
 def _cmd_bench_kv(args: argparse.Namespace) -> int:
     from treadle.bench import kv_pressure
     from treadle.measure import workloads
@@ -238,6 +259,19 @@ def add_perplexity(sub) -> None:
                      help="treadle only (no reference run)")
     ppl.add_argument("--output", default=None)
     ppl.set_defaults(func=_cmd_bench_perplexity)
+
+
+def add_quality(sub) -> None:
+    """Register `bench quality`."""
+    quality = sub.add_parser("quality", help="each quantized path (GGUF kernels, int8 and "
+                                             "fp8 KV, H2O) against a float32 reference: "
+                                             "top-1 agreement and KL, teacher-forced")
+    quality.add_argument("--model", default=None,
+                         help="as `serve --model`; the default model when not given (a real "
+                              "trained model: quality is never measured on random weights)")
+    quality.add_argument("--window", type=int, default=512, help="tokens per scored window")
+    quality.add_argument("--output", default=None)
+    quality.set_defaults(func=_cmd_bench_quality)
 
 
 def add_kv(sub) -> None:

@@ -184,6 +184,9 @@ class PromptLogprobs:
     """Index in the prompt of the token that entries[0] scores (>= 1: nothing predicts
     token 0). A recomputed chunk repeats positions already reported; readers key by it."""
     entries: list[TokenLogprobs]
+    full: object = None
+    """With prompt_logprobs -1: a numpy float16 array [positions, vocab] of every
+    position's log-probabilities (then `entries` is empty)."""
 
 
 @dataclass

@@ -21,12 +21,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from treadle.core.outputs import EngineCoreOutput, PromptLogprobs, TokenLogprobs
 from treadle.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher, make_decode
 from treadle.lora import LoRARequest
 from treadle.request import FinishReason, Request
-from treadle.sampling_params import SamplingParams
+from treadle.sampling_params import ALL_LOGPROBS, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +92,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     """Per prompt token (None for the first): its logprob and the top-N."""
+    prompt_logprob_array: Any = None
+    """With prompt_logprobs -1: numpy float16 [prompt tokens, vocab], row j the
+    log-probabilities of the token at position j given those before it (row 0 NaN)."""
     num_cached_tokens: int = 0
     """Prompt tokens the prefix cache supplied (OpenAI's usage.prompt_tokens_details)."""
 
@@ -141,8 +147,12 @@ class _UserRequest:
         self.arrival_time = arrival_time
         self.samples: list[_Sample] = []
         self.error: str | None = None
+        whole = params.prompt_logprobs == ALL_LOGPROBS
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
-            None if params.prompt_logprobs is None else [None] * len(prompt_token_ids))
+            None if params.prompt_logprobs is None or whole else [None] * len(prompt_token_ids))
+        self.prompt_logprob_array = None
+        """The whole vocabulary's prompt log-probabilities (prompt_logprobs -1), filled
+        as chunks arrive."""
         self.finished_time: float | None = None
         self.num_cached_tokens = 0
 
@@ -338,6 +348,13 @@ class OutputProcessor:
                 s.ready = True
 
     def _add_prompt_logprobs(self, state: _UserRequest, chunk: PromptLogprobs) -> None:
+        if chunk.full is not None:
+            if state.prompt_logprob_array is None:
+                state.prompt_logprob_array = np.full(
+                    (len(state.prompt_token_ids), chunk.full.shape[1]), np.nan, np.float16)
+            first = chunk.first_position
+            state.prompt_logprob_array[first:first + len(chunk.full)] = chunk.full
+            return
         if state.prompt_logprobs is None:
             return
         for k, entry in enumerate(chunk.entries):
@@ -365,6 +382,7 @@ class OutputProcessor:
             error=state.error, metrics=state.metrics(),
             prompt_logprobs=(None if state.prompt_logprobs is None
                              else list(state.prompt_logprobs)),
+            prompt_logprob_array=state.prompt_logprob_array,
             num_cached_tokens=state.num_cached_tokens)
 
     def _finish(self, state: _UserRequest) -> RequestOutput:

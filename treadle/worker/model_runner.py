@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from treadle.sampling_params import ALL_LOGPROBS
 from treadle.core.outputs import (ModelRunnerOutput, PromptLogprobs, ScheduledRequest,
                                   SchedulerOutput, StepTimings)
 from treadle.layers.attention import AttentionStep
@@ -488,12 +489,18 @@ class ModelRunner:
             end = min(start + s.num_scheduled_tokens, len(prompt) - 1)
             if num_top is None or end <= start:
                 continue
-            entries = []
+            entries, full = [], []
             first = row.first_token
             for a in range(start, end, _PROMPT_LOGPROBS_ROWS):
                 b = min(end, a + _PROMPT_LOGPROBS_ROWS)
                 logits = self.model.compute_logits(hidden[first + a - start:first + b - start])
-                if logits is not None:  # None on a rank that only lent its vocabulary shard
+                if logits is None:  # a rank that only lent its vocabulary shard
+                    continue
+                if num_top == ALL_LOGPROBS:
+                    full.append(torch.log_softmax(logits.float(), dim=-1)
+                                .to(torch.float16).cpu().numpy())
+                else:
                     entries += prompt_logprobs(logits, prompt[a + 1:b + 1], num_top)
-            result[state.request_id] = PromptLogprobs(start + 1, entries)
+            result[state.request_id] = PromptLogprobs(
+                start + 1, entries, np.concatenate(full) if full else None)
         return result
