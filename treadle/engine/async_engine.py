@@ -209,6 +209,14 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every prefix-cache block no request holds, on the engine thread between
+        steps (KV events announce it); whether nothing cached is left."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self._send(("reset_prefix_cache", loop, done))
+        return await done
+
     def abort_all(self, reason: str) -> None:
         """End every in-flight request with an error (shutdown past its timeout)."""
         self._send(("abort_all", reason))
@@ -262,6 +270,9 @@ class AsyncEngine:
                     self._abort(request_id, error=command[1])
             elif kind == "observe":
                 self.core.trace.add(command[1])
+            elif kind == "reset_prefix_cache":
+                _, loop, done = command
+                loop.call_soon_threadsafe(done.set_result, self.core.reset_prefix_cache())
             else:
                 self._handle(command)
 
