@@ -108,6 +108,8 @@ class ZmqEventPublisher:
                 self._send(batch)
             except Exception:  # noqa: BLE001 - one bad batch must not stop the events
                 logger.exception("kv_events: a batch could not be sent")
+            finally:
+                self._queue.task_done()
 
     def _send(self, batch: EventBatch) -> None:
         payload = encode_batch(batch, self._encoding)

@@ -5,8 +5,10 @@
 endpoint, a DEALER socket to its ROUTER. It hands `on_batch(seq, batch)` every batch in
 sequence order exactly once:
 
-- the first batch it sees, when a replay endpoint is known, is preceded by a replay from
-  0, so batches sent before the SUB socket joined (ZMQ's slow joiner) are not lost;
+- with a replay endpoint, it first asks for every batch the publisher still has (it
+  catches up on joining), and a first live batch numbered past what it has is preceded
+  by a replay from 0, so batches sent before the SUB socket joined (ZMQ's slow joiner)
+  are not lost;
 - a batch whose number jumps past the next one expected is held, the missing range is
   asked of the replay socket, and the held batches follow once it is filled;
 - a range the publisher's buffer no longer has (or a publisher without a replay socket)
@@ -14,7 +16,10 @@ sequence order exactly once:
   on from the batches it has;
 - a number below the next one expected on a batch newer than the last handed over (its
   timestamp) is a restarted publisher: `on_reset()`, then from its 0 again (a replay
-  overlap's duplicates are older, and dropped).
+  overlap's duplicates are older, and dropped). Since a restarted publisher's first
+  batches may go out before the SUB socket has reconnected, every reconnection (the
+  socket's monitor says so) asks the replay socket for all it has, which shows a new
+  life by its numbers; without a replay socket a reconnection resets.
 
 The handlers run on the subscriber's thread. Owns the sockets and the ordering, not what
 the events mean (index.py).
@@ -30,7 +35,7 @@ from treadle.integrations.kv_events.wire import END_SEQ, EventBatch, decode_batc
 
 logger = logging.getLogger(__name__)
 
-_REPLAY_TIMEOUT_MS = 1000
+_REPLAY_TIMEOUT_MS = 2000
 
 
 class EventSubscriber:
@@ -47,6 +52,8 @@ class EventSubscriber:
         self.num_gaps = 0
         """Missing ranges seen (each asked of the replay socket)."""
         self.num_resets = 0
+        self.num_live = 0
+        """Batches received on the SUB socket (not by replay)."""
         self._held: dict[int, EventBatch] = {}
         self._last_ts = float("-inf")
         self._stop = threading.Event()
@@ -81,20 +88,44 @@ class EventSubscriber:
             sub.close(linger=0)
             self._ready.set()
             return
-        self._ready.set()
         self._replay_socket = replay
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        self._ready.set()
+        num_connects = 0
         try:
+            if replay is not None:
+                self._fill(0, None)  # catch up with what the publisher still has
             while not self._stop.is_set():
-                if not sub.poll(50):
-                    continue
-                frames = sub.recv_multipart()
-                if len(frames) != 3:
-                    continue
-                self._receive(int.from_bytes(frames[1], "big"), frames[2])
+                ready = dict(poller.poll(50))
+                if monitor in ready:
+                    monitor.recv_multipart()
+                    num_connects += 1
+                    if num_connects > 1:
+                        self._resync()
+                if sub in ready:
+                    frames = sub.recv_multipart()
+                    if len(frames) == 3:
+                        self.num_live += 1
+                        self._receive(int.from_bytes(frames[1], "big"), frames[2])
         finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
             if replay is not None:
                 replay.close(linger=0)
+
+    def _resync(self) -> None:
+        """After a reconnection: all the publisher still has, in order, as if live."""
+        got = self._replay_from(0)
+        if not got:  # nothing to tell a new life from a blip: start afresh
+            self._reset()
+            self.next_seq = None
+            return
+        for seq, batch in sorted(got.items()):
+            self._receive_batch(seq, batch)
 
     def _receive(self, seq: int, payload: bytes) -> None:
         try:
@@ -103,6 +134,9 @@ class EventSubscriber:
             logger.warning("kv_events: batch %d from %s could not be decoded", seq,
                            self.endpoint)
             return
+        self._receive_batch(seq, batch)
+
+    def _receive_batch(self, seq: int, batch: EventBatch) -> None:
         expected = self.next_seq
         if expected is not None and seq < expected:
             if batch.ts <= self._last_ts:
@@ -136,20 +170,16 @@ class EventSubscriber:
             seq = self.next_seq
             self._deliver(seq, self._held.pop(seq))
 
-    def _fill(self, start: int, end: int) -> None:
-        """Batches start..end-1 from the replay socket, then the held ones in order; a
-        part the publisher no longer has resets what the consumer holds."""
-        replay = self._replay_socket
-        got: dict[int, EventBatch] = {}
-        if replay is not None:
-            replay.send_multipart((b"", seq_bytes(start)))
-            while replay.poll(_REPLAY_TIMEOUT_MS):
-                frames = replay.recv_multipart()
-                if len(frames) != 3 or frames[1] == END_SEQ:
-                    break
-                seq = int.from_bytes(frames[1], "big")
-                if start <= seq < end:
-                    got[seq] = decode_batch(frames[2])
+    def _fill(self, start: int, end: int | None) -> None:
+        """Batches start..end-1 (end None: all the publisher has) from the replay socket,
+        then the held ones in order; a part the publisher no longer has resets what the
+        consumer holds."""
+        got = {seq: batch for seq, batch in self._replay_from(start).items()
+               if end is None or seq < end}
+        if end is None:
+            if not got:
+                return
+            end = max(got) + 1
         if self.next_seq is None and 0 in got:
             self.next_seq = 0
         if self.next_seq is None or any(s not in got for s in range(self.next_seq, end)):
@@ -164,6 +194,25 @@ class EventSubscriber:
         if self._held and self.next_seq not in self._held:  # still a hole: skip to the next
             self.next_seq = min(self._held)
             self._drain_held()
+
+    def _replay_from(self, start: int) -> dict[int, EventBatch]:
+        """Every batch from `start` on that the publisher's buffer has (none without a
+        replay socket, or when it does not answer in time)."""
+        replay = self._replay_socket
+        got: dict[int, EventBatch] = {}
+        if replay is None:
+            return got
+        while replay.poll(0):  # late answers to an earlier request that timed out
+            replay.recv_multipart()
+        replay.send_multipart((b"", seq_bytes(start)))
+        while replay.poll(_REPLAY_TIMEOUT_MS):
+            frames = replay.recv_multipart()
+            if len(frames) != 3 or frames[1] == END_SEQ:
+                break
+            seq = int.from_bytes(frames[1], "big")
+            if seq >= start:
+                got[seq] = decode_batch(frames[2])
+        return got
 
     def _reset(self) -> None:
         self.num_resets += 1
