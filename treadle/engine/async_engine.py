@@ -44,6 +44,7 @@ from treadle.engine.llm import STRUCTURED_UNSUPPORTED, load_tokenizer
 from treadle.engine.output_processor import RequestOutput
 from treadle.lora import AdapterSpec, LoRARequest
 from treadle.metrics import EngineMetrics
+from treadle.metrics_vllm import cache_config_labels, lora_adapters
 from treadle.models.resolve import served_model_name as resolved_name
 from treadle.sampling_params import SamplingParams
 
@@ -95,6 +96,9 @@ class AsyncEngine:
         self.driver = EngineDriver(self.core, self.tokenizer)
         self.eos_token_id = self.core.eos_token_id
         self.metrics = EngineMetrics(self.model_name)
+        self.metrics.vllm.set_cache_config(**cache_config_labels(config, self.core))
+        if self.core.loras is not None:
+            self.metrics.vllm.set_max_lora(config.lora.max_loras)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -310,6 +314,8 @@ class AsyncEngine:
             self.core.stats(), sched.num_running, sched.num_waiting, sched.num_swapped,
             sched.stats.num_scheduled_requests - num_scheduled_before,
             self.config.scheduler.max_num_seqs)
+        if self.core.loras is not None:
+            self.metrics.vllm.set_lora_adapters(*lora_adapters(sched))
         for output in request_outputs:
             self._deliver(output.request_id, output)
 

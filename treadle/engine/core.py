@@ -315,6 +315,7 @@ class EngineCore:
                                       / (s.num_steps * self.config.scheduler.max_num_seqs)
                                       if s.num_steps else 0.0),
             "mean_tokens_per_step": s.num_scheduled_tokens / s.num_steps if s.num_steps else 0.0,
+            "num_scheduled_tokens": s.num_scheduled_tokens,
             "num_preemptions": s.num_preemptions,
             "num_preemptions_recompute": s.num_preemptions_recompute,
             "num_preemptions_swap": s.num_preemptions_swap,
