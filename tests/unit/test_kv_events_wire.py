@@ -282,3 +282,26 @@ def _skip_many(send, count: int):
         finally:
             publisher._pub.send_multipart = real
     return wrapped
+
+
+def test_options_are_checked_and_replicas_get_their_own_ports():
+    from treadle.config import EngineConfig
+    from treadle.integrations.kv_events.config import KVEventsConfig
+
+    config = KVEventsConfig("tcp://*:5557", "tcp://*:5558", "kv@x")
+    second = config.for_replica(2)
+    assert (second.kv_events_endpoint, second.kv_events_replay_endpoint,
+            second.kv_events_rank) == ("tcp://*:5559", "tcp://*:5560", 2)
+    assert KVEventsConfig("ipc:///tmp/kv").for_replica(1).kv_events_endpoint == \
+        "ipc:///tmp/kv_dp1"
+    assert KVEventsConfig().for_replica(3) == KVEventsConfig()  # off stays off
+    for bad in (dict(kv_events_endpoint="http://x:1"), dict(kv_events_endpoint="tcp://*"),
+                dict(kv_events_replay_endpoint="tcp://*:5558"),
+                dict(kv_events_endpoint="tcp://*:1", kv_events_encoding="json"),
+                dict(kv_events_endpoint="tcp://*:1", kv_events_buffer_steps=0)):
+        with pytest.raises(ValueError):
+            KVEventsConfig(**bad)
+    with pytest.raises(ValueError, match="enable_prefix_caching off does not support "
+                                         "kv_events_endpoint"):
+        EngineConfig.from_options(kv_events_endpoint="tcp://*:5557",
+                                  enable_prefix_caching=False)
