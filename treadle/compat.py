@@ -3,8 +3,8 @@
 Each participant in a check is an `Element`: a KV spec (core/kv/specs.py: full
 attention, a sliding-window group, H2O eviction), the KV cache dtype, or a feature of the
 configuration (speculative decoding and its method, tensor / pipeline parallelism, a
-named attention backend, P/D disaggregation, prefix caching off, replicas behind the
-server). An element declares the capabilities it `needs` of every other element and the
+named attention backend, P/D disaggregation, prefix caching off, KV events, replicas
+behind the server). An element declares the capabilities it `needs` of every other element and the
 ones it `lacks`, each with the reason; two elements conflict when one needs what the
 other lacks, and the error names both and says why: "<lacking> does not support
 <needing>: <why>". The specs declare their capabilities themselves (`supports_*`,
@@ -70,7 +70,10 @@ SHARDING = Element("tensor_parallel_size or pipeline_parallel_size > 1",
 DISAGGREGATION = Element("P/D disaggregation", frozenset({"prefix_transfer"}))
 PREFIX_CACHING_OFF = Element("enable_prefix_caching off", lacks={
     "prefix_transfer": "P/D lands KV as prefix-cache blocks: enable_prefix_caching must "
-                       "be on"})
+                       "be on",
+    "prefix_events": "KV events announce the prefix cache's blocks: enable_prefix_caching "
+                     "must be on"})
+KV_EVENTS = Element("kv_events_endpoint", frozenset({"prefix_events"}))
 PIPELINE = Element("pipeline_parallel_size > 1", lacks={
     "prefix_transfer": "P/D's KV reads and writes reach the workers between steps, and "
                        "pipeline stages keep steps in flight (tensor_parallel_size is "
@@ -118,6 +121,8 @@ def config_elements(config: Any) -> list[Element]:
         elements.append(_backend_element(backend))
     if not config.cache.enable_prefix_caching:
         elements.append(PREFIX_CACHING_OFF)
+    if config.kv_events.enabled:
+        elements.append(KV_EVENTS)
     return elements
 
 

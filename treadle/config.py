@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from treadle.compat import check_config
+from treadle.integrations.kv_events.config import KVEventsConfig
 
 KERNEL_ISA_LEVELS = ("avx512bf16", "avx512", "avx2")
 """--kernel-isa's explicit levels of the CPU's C kernels, best first (what each means and
@@ -602,8 +603,10 @@ class EngineConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     """Given whole, as the one option `speculative_config` (a dict or JSON string)."""
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    """KV-cache events in vLLM's format (treadle/integrations/kv_events/config.py)."""
 
-    _SECTIONS = ("model", "cache", "scheduler", "parallel", "lora")
+    _SECTIONS = ("model", "cache", "scheduler", "parallel", "lora", "kv_events")
 
     def __post_init__(self) -> None:
         check_config(self)  # feature combinations (treadle/compat.py)
@@ -611,7 +614,7 @@ class EngineConfig:
     @classmethod
     def section_types(cls) -> dict[str, type]:
         return {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                "parallel": ParallelConfig, "lora": LoRAConfig}
+                "parallel": ParallelConfig, "lora": LoRAConfig, "kv_events": KVEventsConfig}
 
     @classmethod
     def from_options(cls, **options: Any) -> "EngineConfig":

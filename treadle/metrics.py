@@ -3,7 +3,8 @@
 Owns one CollectorRegistry per engine (no module-level state), the conversions from
 engine stats and request timings to gauges, counters and histograms, so dashboards and
 routers built for vLLM read treadle unchanged, and the last minute of TTFT / TPOT
-observations for treadle's own dashboard (`LatencyWindow`). It never decides anything.
+observations for treadle's own dashboard (`LatencyWindow`). vLLM's own names are served
+beside these by treadle/metrics_vllm.py, which reads `families`. It never decides anything.
 """
 
 from __future__ import annotations
@@ -15,11 +16,15 @@ from collections import deque
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
                                generate_latest)
 
+from treadle.metrics_vllm import VLLMMetrics
+
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 _TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                           0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _FRACTION_BUCKETS = tuple(i / 10 for i in range(1, 11))
+_STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_REQUEST_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
 
 # Engine counters (cumulative in EngineCore.stats()) -> Prometheus counter names.
 _COUNTER_STATS = {
@@ -80,16 +85,25 @@ class EngineMetrics:
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, CPU seconds
         r, labels = self.registry, ["model_name"]
         self._model = model_name
+        self.families: dict = {}
+        """treadle family name -> its metric (what metrics_vllm.py copies)."""
+
+        def family(name, metric):
+            self.families[name] = metric
+            return metric
 
         def gauge(name, doc):
-            return Gauge(f"treadle:{name}", doc, labels, registry=r).labels(model_name)
+            name = f"treadle:{name}"
+            return family(name, Gauge(name, doc, labels, registry=r)).labels(model_name)
 
         def counter(name, doc):
-            return Counter(f"treadle:{name}", doc, labels, registry=r).labels(model_name)
+            name = f"treadle:{name}"
+            return family(name, Counter(name, doc, labels, registry=r)).labels(model_name)
 
         def histogram(name, doc, buckets):
-            return Histogram(f"treadle:{name}", doc, labels, buckets=buckets,
-                             registry=r).labels(model_name)
+            name = f"treadle:{name}"
+            return family(name, Histogram(name, doc, labels, buckets=buckets,
+                                          registry=r)).labels(model_name)
 
         self.running = gauge("num_requests_running", "Requests holding KV and scheduled")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
@@ -103,14 +117,15 @@ class EngineMetrics:
             _FRACTION_BUCKETS)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
-        self._success = Counter("treadle:request_success", "Finished requests by reason",
-                                ["model_name", "finished_reason"], registry=r)
+        self._success = family("treadle:request_success", Counter(
+            "treadle:request_success", "Finished requests by reason",
+            ["model_name", "finished_reason"], registry=r))
         self._engine_counters = {key: counter(name, doc)
                                  for key, (name, doc) in _COUNTER_STATS.items()}
-        self._accepted_per_pos = Counter(
+        self._accepted_per_pos = family("treadle:spec_decode_num_accepted_tokens_per_pos", Counter(
             "treadle:spec_decode_num_accepted_tokens_per_pos",
             "Accepted proposed tokens by position in their draft (0: the first)",
-            ["model_name", "position"], registry=r)
+            ["model_name", "position"], registry=r))
         self._last_per_pos: list[int] = []
         self._last_stats: dict[str, float] = {}
         self._preemption_tax: Counter | None = None
@@ -129,6 +144,19 @@ class EngineMetrics:
                                       "First scheduled to first token", _LATENCY_BUCKETS)
         self.decode_time = histogram("request_decode_time_seconds", "First token to finish",
                                      _LATENCY_BUCKETS)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens per engine step",
+                                          _STEP_TOKEN_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds",
+                                        "First scheduled to finish", _LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram("request_prompt_tokens",
+                                               "Prompt tokens per finished request",
+                                               _REQUEST_TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "Generated tokens per finished request",
+                                                   _REQUEST_TOKEN_BUCKETS)
+        self.vllm = VLLMMetrics(self.families, model_name)
+        """vLLM's names for these (treadle/metrics_vllm.py), in the same registry."""
+        r.register(self.vllm)
         self.recent_ttft = LatencyWindow()
         """The TTFT observations of the last minute (also in the histogram)."""
         self.recent_tpot = LatencyWindow()
@@ -156,6 +184,11 @@ class EngineMetrics:
                 self._accepted_per_pos.labels(self._model, str(position)).inc(total - before)
         self._last_per_pos = list(per_pos)
         self._record_preemption_tax(stats)
+        tokens = stats.get("num_scheduled_tokens", 0) - self._last_stats.get(
+            "num_scheduled_tokens", 0)
+        if tokens > 0:
+            self.iteration_tokens.observe(tokens)
+            self._last_stats["num_scheduled_tokens"] = stats["num_scheduled_tokens"]
 
     def record_gauges(self, num_running: int, num_waiting: int, num_swapped: int,
                       kv_usage: float) -> None:
@@ -197,9 +230,12 @@ class EngineMetrics:
         """A request's counters and latency histograms (monotonic-clock timestamps)."""
         self._success.labels(self._model, finish_reason).inc()
         self.prompt_tokens.inc(num_prompt_tokens)
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_generation_tokens.observe(num_output_tokens)
         self.e2e.observe(finished - arrival)
         if first_scheduled is not None:
             self.queue_time.observe(first_scheduled - arrival)
+            self.inference_time.observe(finished - first_scheduled)
         if first_token is not None:
             if first_scheduled is not None:
                 self.prefill_time.observe(first_token - first_scheduled)

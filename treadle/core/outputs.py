@@ -63,6 +63,8 @@ class WorkerInfo:
     layer_windows: tuple[int | None, ...] = ()
     """Each layer's sliding window (None: full attention), whole model: the engine core
     splits the KV memory from it once (core/kv/config.py) and tells the workers."""
+    kv_medium: str = "CPU"
+    """Where the KV cache lives, as KV events name it: CPU (host memory) or GPU."""
 
 
 @dataclass

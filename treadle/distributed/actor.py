@@ -32,6 +32,8 @@ class EngineReplica:
     def __init__(self, config: EngineConfig, served_model_name: str | None,
                  index: int, role: str = "both", max_held: int = 16) -> None:
         self.index, self.role = index, role
+        # Each replica publishes its KV events on its own ports, with its index as rank.
+        config = dataclasses.replace(config, kv_events=config.kv_events.for_replica(index))
         if role == "both":
             self.engine = AsyncEngine(config, served_model_name)
         else:  # P/D: KV holding (prefill) and landing (decode) on the engine thread

@@ -47,6 +47,7 @@ from treadle.engine.llm import STRUCTURED_UNSUPPORTED, load_tokenizer
 from treadle.engine.output_processor import RequestOutput
 from treadle.lora import AdapterSpec, LoRARequest
 from treadle.metrics import EngineMetrics
+from treadle.metrics_vllm import cache_config_labels, lora_adapters
 from treadle.models.resolve import served_model_name as resolved_name
 from treadle.sampling_params import SamplingParams
 
@@ -91,6 +92,9 @@ class AsyncEngine:
         self.driver = EngineDriver(self.core, self.tokenizer)
         self.eos_token_id = self.core.eos_token_id
         self.metrics = EngineMetrics(self.model_name)
+        self.metrics.vllm.set_cache_config(**cache_config_labels(config, self.core))
+        if self.core.loras is not None:
+            self.metrics.vllm.set_max_lora(config.lora.max_loras)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -219,6 +223,14 @@ class AsyncEngine:
         """End a request early, between steps."""
         self._send(("abort", request_id))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every prefix-cache block no request holds, on the engine thread between
+        steps (KV events announce it); whether nothing cached is left."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self._send(("reset_prefix_cache", loop, done))
+        return await done
+
     def abort_all(self, reason: str) -> None:
         """End every in-flight request with an error (shutdown past its timeout)."""
         self._send(("abort_all", reason))
@@ -272,6 +284,9 @@ class AsyncEngine:
                     self._abort(request_id, error=command[1])
             elif kind == "observe":
                 self.core.trace.add(command[1])
+            elif kind == "reset_prefix_cache":
+                _, loop, done = command
+                loop.call_soon_threadsafe(done.set_result, self.core.reset_prefix_cache())
             else:
                 self._handle(command)
 
@@ -309,6 +324,8 @@ class AsyncEngine:
             self.core.stats(), sched.num_running, sched.num_waiting, sched.num_swapped,
             sched.stats.num_scheduled_requests - num_scheduled_before,
             self.config.scheduler.max_num_seqs)
+        if self.core.loras is not None:
+            self.metrics.vllm.set_lora_adapters(*lora_adapters(sched))
         for output in request_outputs:
             self._deliver(output.request_id, output)
 

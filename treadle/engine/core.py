@@ -7,9 +7,10 @@ admission check of step 1 of DESIGN.md ("ingest"): a request that can never fit 
 longer than the model's context, or larger than the whole KV cache) ends at once with an
 error and never reaches the scheduler. With LoRA it keeps the adapters it knows
 (engine/lora_registry.py): a request's adapter is checked against the model when it is
-first seen, and the scheduler gets the worker's slot count. It works on token ids only:
-tokenization, detokenization and user-facing outputs belong to the layers above. No torch
-here.
+first seen, and the scheduler gets the worker's slot count. With `kv_events_endpoint`
+set it publishes the prefix cache's changes once per step (treadle/integrations/kv_events,
+imported only then). It works on token ids only: tokenization, detokenization and
+user-facing outputs belong to the layers above. No torch here.
 """
 
 from __future__ import annotations
@@ -96,6 +97,17 @@ class EngineCore:
         """Forward time spent recomputing what recompute preemptions threw away."""
         self._in_flight: deque[tuple] = deque()
         """Submitted steps not answered yet: (SchedulerOutput, step number, start time)."""
+        self.kv_events = None
+        """The KV-event recorder and publisher (integrations/kv_events/engine.py), or None."""
+        if config.kv_events.enabled:
+            from treadle.integrations.kv_events.engine import KVEvents
+
+            try:
+                self.kv_events = KVEvents.attach(self.scheduler.kv, config.kv_events,
+                                                 config.cache.block_size, info.kv_medium)
+            except BaseException:
+                self.executor.shutdown()
+                raise
 
     def _size_cache(self, info: WorkerInfo) -> None:
         """Decide the KV config from the workers' report, once (core/kv/config.py: the
@@ -222,13 +234,29 @@ class EngineCore:
             pass
         self.executor.shutdown()
         self.trace.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block no request holds (KV events: their removal, then
+        AllBlocksCleared when nothing cached is left); whether the cache is now empty."""
+        self.scheduler.kv.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.flush()
+        return self.scheduler.kv.pool.num_cached_blocks == 0
 
     # ----- one step ------------------------------------------------------------------------
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule and submit steps until the executor has `max_in_flight` of them
         running (one, unless pipeline stages can overlap), then take the oldest one's
-        answer and update the requests with it."""
+        answer and update the requests with it (and publish the step's KV events)."""
+        outputs = self._step()
+        if self.kv_events is not None:
+            self.kv_events.flush()
+        return outputs
+
+    def _step(self) -> list[EngineCoreOutput]:
         while len(self._in_flight) < self.executor.max_in_flight:
             t_start = time.monotonic()
             step = self.scheduler.stats.num_steps
@@ -287,6 +315,7 @@ class EngineCore:
                                       / (s.num_steps * self.config.scheduler.max_num_seqs)
                                       if s.num_steps else 0.0),
             "mean_tokens_per_step": s.num_scheduled_tokens / s.num_steps if s.num_steps else 0.0,
+            "num_scheduled_tokens": s.num_scheduled_tokens,
             "num_preemptions": s.num_preemptions,
             "num_preemptions_recompute": s.num_preemptions_recompute,
             "num_preemptions_swap": s.num_preemptions_swap,

@@ -211,6 +211,11 @@ class LLM:
         """Engine-side statistics accumulated since the engine started."""
         return self.engine.stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every prefix-cache block no request holds (KV events announce it);
+        whether nothing cached is left."""
+        return self.engine.reset_prefix_cache()
+
 
 def _per_prompt(value, count: int, name: str) -> list:
     """One value per prompt: a scalar repeated, or a sequence of exactly `count`."""

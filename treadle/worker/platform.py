@@ -45,6 +45,8 @@ class Platform(ABC):
     that can be built)."""
     pin_swap_memory: bool
     """Swap space in pinned host memory, for asynchronous device <-> host copies."""
+    kv_medium: str
+    """Where the KV cache lives, as vLLM's KV events name it (CPU or GPU)."""
     supports_cuda_graphs: bool = False
     """Decode steps can be captured as CUDA graphs (worker/cuda/decode_graphs.py)."""
     triton_needs_interpreter: bool = False

@@ -154,7 +154,8 @@ class Worker:
             lora_module_shapes=self.model.lora_module_shapes(),
             num_layers=self.model.num_layers,
             spec_costs=self._spec_costs(num_kv_blocks),
-            layer_windows=tuple(getattr(self.model, "layer_windows", ())))
+            layer_windows=tuple(getattr(self.model, "layer_windows", ())),
+            kv_medium=self.platform.kv_medium)
 
     def _load_kernels(self, dtype: torch.dtype) -> None:
         """What the platform runs the model with: its C kernels (`native`, None where there

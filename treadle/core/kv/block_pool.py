@@ -9,6 +9,10 @@ recently freed first; taking a cached-free block evicts its hash.
 This module knows blocks only by id; which request holds which block, and in what order,
 is the KV cache manager's business. No torch here.
 
+`on_removed`, when set (KV events: core/kv/events.py), is called with the hash of every
+block that leaves the prefix cache (evicted for reuse, uncached, reset); `cache` says
+whether it registered the block, so the manager can announce the blocks stored.
+
 Blocks never used yet are not objects until first taken: the queue is the untouched ids
 (`_fresh` and up, in id order) followed by the freed blocks, which is the order a queue
 filled with every id at the start would have. So a pool of a million blocks (a tiny
@@ -33,7 +37,7 @@ remainder back (`_spare` runs, merged with their neighbours and the untouched ta
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 
 class KVBlock:
@@ -99,6 +103,8 @@ class BlockPool:
         unused remainders, handed back)."""
         self._spare_by_end: dict[int, int] = {}
         self._num_spare = 0
+        self.on_removed: Callable[[bytes], None] | None = None
+        """Told the hash of each block that leaves the prefix cache (None: nobody)."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -141,6 +147,8 @@ class BlockPool:
             _, block = self._free.popitem(last=False)
             if block.block_hash is not None:
                 del self._cached[block.block_hash]
+                if self.on_removed is not None:
+                    self.on_removed(block.block_hash)
                 block.block_hash = None
                 self.num_evictions += 1
             block.ref_cnt = 1
@@ -268,21 +276,24 @@ class BlockPool:
     def lookup(self, block_hash: bytes) -> KVBlock | None:
         return self._cached.get(block_hash)
 
-    def cache(self, block: KVBlock, block_hash: bytes) -> None:
-        """Record that `block` holds the full block with this prefix hash.
+    def cache(self, block: KVBlock, block_hash: bytes) -> bool:
+        """Record that `block` holds the full block with this prefix hash; whether it did.
 
         If another block already holds the same content, this one stays uncached (it is
         a duplicate computed before the first was registered) and is simply freed later.
         """
         if block.block_hash is not None or block_hash in self._cached:
-            return
+            return False
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        return True
 
     def uncache(self, block: KVBlock) -> None:
         """Forget the prefix hash of a held block whose contents are about to change."""
         if block.block_hash is not None:
             del self._cached[block.block_hash]
+            if self.on_removed is not None:
+                self.on_removed(block.block_hash)
             block.block_hash = None
 
     def reset_prefix_cache(self) -> int:
@@ -291,6 +302,8 @@ class BlockPool:
         for block in self._free.values():
             if block.block_hash is not None:
                 del self._cached[block.block_hash]
+                if self.on_removed is not None:
+                    self.on_removed(block.block_hash)
                 block.block_hash = None
                 dropped += 1
         return dropped

@@ -4,12 +4,15 @@ Owns the request-level block table (the one whose length is the request's KV cap
 `Request.num_kv_tokens`), prefix hits taken whole, runs of consecutive blocks per request
 (`contiguous`: BlockPool extents sized for its prompt and max_tokens), and swapping a
 preempted request's blocks out to a swap pool and back. It holds no policy: the composite
-(core/kv/manager.py) asks, this answers. No torch here.
+(core/kv/manager.py) asks, this answers. With a KV event sink attached (`events`,
+core/kv/events.py) it announces the blocks it registers and the cached blocks a swap
+parks in swap memory. No torch here.
 """
 
 from __future__ import annotations
 
 from treadle.core.kv.block_pool import BlockPool, KVBlock
+from treadle.core.kv.events import KVEventSink
 from treadle.core.kv.interface import BlockHashes, SpecManager
 from treadle.core.kv.specs import KVSpec
 from treadle.request import Request
@@ -32,6 +35,9 @@ class FullAttentionManager(SpecManager):
         self._blocks: dict[str, list[KVBlock]] = {}
         self._block_ids: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}
+        self.events: KVEventSink | None = None
+        """Told what this group's prefix cache stores and what a swap parks (None: nobody;
+        KVCacheManager.set_event_sink attaches one)."""
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -103,8 +109,14 @@ class FullAttentionManager(SpecManager):
             return
         blocks = self._blocks[rid]
         block_hashes = hashes(num_full_blocks)
-        for i in range(start, num_full_blocks):
-            self.pool.cache(blocks[i], block_hashes[i])
+        if self.events is None:
+            for i in range(start, num_full_blocks):
+                self.pool.cache(blocks[i], block_hashes[i])
+        else:
+            stored = [i for i in range(start, num_full_blocks)
+                      if self.pool.cache(blocks[i], block_hashes[i])]
+            if stored:
+                self.events.blocks_stored(request, stored, block_hashes)
         self._num_cached_blocks[rid] = num_full_blocks
 
     # ----- release ----------------------------------------------------------------------
@@ -164,6 +176,8 @@ class FullAttentionManager(SpecManager):
         self._num_cached_blocks.pop(rid, None)
         swap_blocks = self.swap_pool.allocate(len(blocks))
         self._swapped[rid] = swap_blocks
+        if self.events is not None:
+            self.events.swapped_out(request, [b.block_hash for b in blocks])
         plan = [(d.block_id, s.block_id) for d, s in zip(blocks, swap_blocks)]
         self.pool.free(reversed(blocks))
         self.pool.release(rid)
@@ -182,6 +196,8 @@ class FullAttentionManager(SpecManager):
         self._block_ids[rid] = [b.block_id for b in blocks]
         plan = [(s.block_id, d.block_id) for s, d in zip(swap_blocks, blocks)]
         self.swap_pool.free(swap_blocks)
+        if self.events is not None:
+            self.events.swap_released(rid)
         return plan
 
     def num_swapped_blocks(self, request_id: str) -> int:
@@ -192,3 +208,5 @@ class FullAttentionManager(SpecManager):
         blocks = self._swapped.pop(request.request_id, None)
         if blocks:
             self.swap_pool.free(blocks)
+            if self.events is not None:
+                self.events.swap_released(request.request_id)

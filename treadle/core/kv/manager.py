@@ -9,7 +9,9 @@ first group (`primary`) spans a request's whole context: its table is the reques
 capacity, its pool the one the scheduler counts, and it alone swaps and compacts. The
 composite holds each request's chained prefix hashes (core/kv/hashing.py) and the
 prefix-cache counters. It never decides *which* request gets memory: the scheduler asks,
-this module answers yes or no. No torch here.
+this module answers yes or no. KV events (core/kv/events.py): `set_event_sink` attaches
+the observer of the request-level group's prefix cache; `reset_prefix_cache` drops every
+cached block no request holds. No torch here.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 from treadle.core.kv.block_pool import BlockPool, KVBlock
 from treadle.core.kv.config import KVCacheConfig
+from treadle.core.kv.events import KVEventSink
 from treadle.core.kv.eviction import EvictionBudget
 from treadle.core.kv.full import FullAttentionManager
 from treadle.core.kv.h2o import H2OManager
@@ -280,3 +283,24 @@ class KVCacheManager:
     def free_swapped(self, request: Request) -> None:
         """Release the swap blocks of a request that ends while swapped out."""
         self.primary.free_swapped(request)
+
+    # ----- events and reset ---------------------------------------------------------------
+
+    def set_event_sink(self, sink: KVEventSink | None) -> None:
+        """Tell `sink` what the request-level group's prefix cache stores and drops, and
+        which cached blocks a swap parks (None: stop telling)."""
+        self.primary.events = sink
+        self.pool.on_removed = None if sink is None else sink.blocks_removed
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds, in every group (blocks held keep
+        their hashes: a running request's prefix stays valid). Returns how many blocks of
+        the request-level group were dropped; the event sink hears each, then
+        `all_cleared` when nothing cached is left."""
+        dropped = self.pool.reset_prefix_cache()
+        for group in self._others:
+            group.pool.reset_prefix_cache()
+        sink = self.primary.events
+        if sink is not None and self.pool.num_cached_blocks == 0:
+            sink.all_cleared()
+        return dropped

@@ -71,6 +71,7 @@ class CpuPlatform(Platform):
     dist_backend = "gloo"
     attention_backends = ("cpu-native", "torch", "reference", "triton")
     pin_swap_memory = False
+    kv_medium = "CPU"
     triton_needs_interpreter = True
 
     def __init__(self) -> None:

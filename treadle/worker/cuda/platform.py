@@ -30,6 +30,7 @@ class CudaPlatform(Platform):
     dist_backend = "nccl"
     attention_backends = ("triton", "torch", "reference")
     pin_swap_memory = True
+    kv_medium = "GPU"
     supports_cuda_graphs = True
 
     def __init__(self, index: int = 0) -> None:
