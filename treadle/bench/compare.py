@@ -223,15 +223,14 @@ def compare(config: dict) -> dict:
     """Run every system `repeats` times, alternating; keep every point of every run.
     Checks the optional dependencies first (`check_dependencies`)."""
     check_dependencies()
-    from treadle.models.resolve import resolve_model
-    from treadle.worker.device import auto_dtype
+    from treadle.engine.core import resolve_checkpoint
 
     # Every system loads the same files: a folder or a .gguf file given is passed as is (a
     # GGUF's quantized weights are what llama-server and treadle's --quantization gguf
     # both run); demo (the default) or a Hub id become the folder treadle resolves them to.
     model = config.get("model") or "demo"
     if not Path(model).is_dir() and not (model.endswith(".gguf") and Path(model).is_file()):
-        model = str(resolve_model(model, auto=auto_dtype))
+        model = str(resolve_checkpoint(model))
     workload = make_workload(config["workload"], model)
     runs: dict[str, list[list[dict]]] = {s["name"]: [] for s in config["systems"]}
     for _ in range(int(config["repeats"])):

@@ -214,12 +214,11 @@ def run(args) -> dict:
     for s in systems:
         if s not in SYSTEMS:
             raise ValueError(f"--systems: {s!r} is not one of {', '.join(SYSTEMS)}")
-    from treadle.models.resolve import resolve_model
-    from treadle.worker.device import auto_dtype
+    from treadle.engine.core import resolve_checkpoint
 
     # A .gguf file (the default SmolLM2 among them) is converted to a checkpoint in the
     # run's dtype first: the draft is cut out of that checkpoint.
-    model_dir = str(resolve_model(args.model, dtype=args.dtype, auto=auto_dtype))
+    model_dir = str(resolve_checkpoint(args.model, dtype=args.dtype))
     draft_dir = None
     if "draft" in systems:
         draft_dir = truncated_checkpoint(model_dir, args.draft_layers, Path(args.draft_dir))

@@ -36,11 +36,10 @@ def workload(args: argparse.Namespace, model_path: str):
 def model_path(args: argparse.Namespace) -> str:
     """The checkpoint directory of a benchmark's --model: the demo model when not given
     (benchmarks measure speed on the fixed demo checkpoint unless told otherwise)."""
-    from treadle.models.resolve import resolve_model
-    from treadle.worker.device import auto_dtype
-    return str(resolve_model(args.model or "demo", getattr(args, "revision", None),
-                             getattr(args, "download_dir", None),
-                             getattr(args, "dtype", None) or "auto", auto=auto_dtype))
+    from treadle.engine.core import resolve_checkpoint
+    return str(resolve_checkpoint(args.model or "demo", getattr(args, "revision", None),
+                                  getattr(args, "download_dir", None),
+                                  getattr(args, "dtype", None) or "auto"))
 
 
 def failed(what: str, num_failed: int, num_requests: int, errors: list) -> int:

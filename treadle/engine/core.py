@@ -36,18 +36,28 @@ from treadle.request import FinishReason, Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 
-def resolve_model_once(config: EngineConfig) -> EngineConfig:
-    """The config with `model` resolved to a local checkpoint directory (the default model
-    fetched, a GGUF file converted, a Hub id downloaded: treadle/models/resolve.py), done
-    here, once, so that no worker rank fetches or converts anything."""
-    import dataclasses
-
+def resolve_checkpoint(model: str | None, revision: str | None = None,
+                       download_dir: str | None = None, dtype: str = "auto",
+                       device: str = "auto", kernel_isa: str = "auto") -> Path:
+    """The local checkpoint directory a model string names, as the engine resolves it
+    (the default model fetched, a GGUF file converted in the dtype `auto` means on this
+    device, a Hub id downloaded: treadle/models/resolve.py). The public way for tools
+    (benchmarks, the CLI) to find the checkpoint an engine will load."""
     from treadle.models.resolve import resolve_model  # imports torch: not at module level
     from treadle.worker.device import auto_dtype
 
+    return resolve_model(model, revision, download_dir, dtype,
+                         auto=lambda: auto_dtype(device, kernel_isa))
+
+
+def resolve_model_once(config: EngineConfig) -> EngineConfig:
+    """The config with `model` resolved to a local checkpoint directory, done here, once,
+    so that no worker rank fetches or converts anything."""
+    import dataclasses
+
     m = config.model
-    path = resolve_model(m.model, m.revision, m.download_dir, m.dtype,
-                         auto=lambda: auto_dtype(m.device, m.kernel_isa))
+    path = resolve_checkpoint(m.model, m.revision, m.download_dir, m.dtype, m.device,
+                              m.kernel_isa)
     return dataclasses.replace(config, model=dataclasses.replace(m, model=str(path)))
 
 
