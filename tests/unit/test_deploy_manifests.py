@@ -19,9 +19,10 @@ import yaml
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 from treadle.cli.serve import add_parser  # noqa: E402
-from treadle.config import (CacheConfig, EngineConfig, ServerConfig,  # noqa: E402
+from treadle.config import (CacheConfig, EngineConfig,  # noqa: E402
                             dataclass_from_args, options_from_args)
 from treadle.metrics import EngineMetrics  # noqa: E402
+from treadle.server.config import ServerConfig  # noqa: E402
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 CUSTOM_KINDS = {"InferencePool", "ServingRuntime", "InferenceService"}

@@ -27,7 +27,7 @@ from treadle.sampling_params import SamplingParams
     (dict(skip_special_tokens="no"), "skip_special_tokens", "bool"),
     (dict(include_stop_str_in_output=None), "include_stop_str_in_output", "bool"),
     (dict(logprobs=21), "logprobs", "[0, 20]"),
-    (dict(prompt_logprobs=-1), "prompt_logprobs", "[0, 20]"),
+    (dict(prompt_logprobs=-2), "prompt_logprobs", "[0, 20]"),
     (dict(n=0), "n", "[1, 128]"),
     (dict(logit_bias={5: 101.0}), "logit_bias", "[-100, 100]"),
     (dict(logit_bias={-1: 1.0}), "logit_bias", ">= 0"),

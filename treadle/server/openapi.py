@@ -53,8 +53,8 @@ _GENERATION = (400, 404, 413, 429, 500, 503)
 _ROUTE_ERRORS = {
     ("/v1/completions", "post"): _GENERATION,
     ("/v1/chat/completions", "post"): _GENERATION,
-    ("/tokenize", "post"): (400, 413),
-    ("/detokenize", "post"): (400, 413),
+    ("/tokenize", "post"): (400, 404, 413),
+    ("/detokenize", "post"): (400, 404, 413),
     ("/v1/responses", "post"): _GENERATION,
     ("/v1/responses/{response_id}", "get"): (404,),
     ("/v1/responses/{response_id}", "delete"): (404,),
@@ -148,8 +148,10 @@ def _set_limits(schemas: dict, limits: EngineLimits) -> None:
 
 _REQUEST_SCHEMAS = {"CompletionRequest": "completions", "ChatCompletionRequest": "chat",
                     "ResponsesRequest": "responses"}
-_CLOSED_SCHEMAS = ("LoadLoRAAdapterRequest", "UnloadLoRAAdapterRequest")
-"""Bodies refused whole on an unknown key (pydantic extra="forbid")."""
+_CLOSED_SCHEMAS = ("LoadLoRAAdapterRequest", "UnloadLoRAAdapterRequest", "TokenizeRequest",
+                   "DetokenizeRequest")
+"""Bodies refused on an unknown key (pydantic extra="forbid", or server/fields.py's check
+for an endpoint that ignores nothing)."""
 
 
 def _close_request_schemas(schemas: dict) -> None:
