@@ -10,6 +10,13 @@ other lacks, and the error names both and says why: "<lacking> does not support
 <needing>: <why>". The specs declare their capabilities themselves (`supports_*`,
 `why_not`); the features' are declared below. No rule is written as a pair of names.
 
+Batch invariance (`batch_invariant`, docs/batch_invariance.md) is the element
+BATCH_INVARIANT, which needs `batch_invariance`; what cannot give it lacks it: the KV specs
+that say so, the attention backends other than cpu-native, float32, a CUDA device, tensor
+parallelism, LoRA, and, once the worker knows them (`check_batch_invariant_run`), the
+backend `auto` chose, the dtype `auto` chose, a CPU without the C linear kernels and
+logit-softcapped layers.
+
 Where the checks run, all at start:
 - `check_config`: EngineConfig.__post_init__ (LLM, `treadle serve`, every replica), for
   what the configuration alone tells.
@@ -19,6 +26,8 @@ Where the checks run, all at start:
   once its KV specs are known (PDEngine).
 - `check_serving`: `treadle serve` (and `--replicas`), for what the server's and the
   replicas' options add.
+- `check_batch_invariant_run`: each worker, once its dtype, kernels and attention backend
+  are chosen, before the KV cache is made.
 
 Each config section still validates its own fields (ranges, choices, one section's
 fields among themselves: CacheConfig, ParallelConfig, SpeculativeConfig ...); this module
@@ -58,11 +67,58 @@ def _cache_dtype_element(name: str) -> Element:
 
 
 def _backend_element(backend: str) -> Element:
-    """A named attention backend: it lacks every cache dtype it cannot read."""
+    """A named attention backend: it lacks every cache dtype it cannot read, and batch
+    invariance unless it is cpu-native."""
     reads = [d for d, spec in CACHE_DTYPES.items() if backend in spec.backends]
     why = f"it reads {', '.join(reads)}"
-    return Element(f"attention_backend {backend}",
-                   lacks={f"reads {d}": why for d in CACHE_DTYPES if d not in reads})
+    lacks = {f"reads {d}": why for d in CACHE_DTYPES if d not in reads}
+    if backend in INVARIANCE_LACKING_BACKENDS:
+        lacks["batch_invariance"] = INVARIANCE_LACKING_BACKENDS[backend]
+    return Element(f"attention_backend {backend}", lacks=lacks)
+
+
+BATCH_INVARIANT = Element("batch_invariant", frozenset({"batch_invariance"}))
+INVARIANCE_LACKING_BACKENDS = {
+    "torch": "its attention runs torch's matmuls, whose kernels change with the step's "
+             "shapes (cpu-native is batch-invariant)",
+    "reference": "it is the float32 test oracle, on torch's matmuls (cpu-native is "
+                 "batch-invariant)",
+    "triton": "its decode split and prefill tiles follow the step's shapes (cpu-native, "
+              "on the CPU, is batch-invariant)",
+}
+FLOAT32 = Element("dtype float32", lacks={
+    "batch_invariance": "the kernels that fix each sum's order whatever the rows are "
+                        "bf16; float32 linears run on torch (MKL), whose kernels change "
+                        "with the rows"})
+CUDA = Element("device cuda", lacks={
+    "batch_invariance": "the GPU's linears (cuBLAS) and Triton attention choose their "
+                        "tiling by the step's shapes; it is built for the CPU kernels"})
+TENSOR_PARALLEL = Element("tensor_parallel_size > 1", lacks={
+    "batch_invariance": "the all-reduce adds the ranks' shares in an order that depends on "
+                        "the size of the step (pipeline_parallel_size is supported)"})
+LORA = Element("enable_lora", lacks={
+    "batch_invariance": "the adapters' terms run torch's matmuls for large segments, "
+                        "whose kernels change with the rows"})
+SOFTCAP = Element("logit-softcapped attention layers", lacks={
+    "batch_invariance": "they run the torch attention path (the C kernels have no "
+                        "softcap), whose matmuls change with the step's shapes"})
+NO_LINEAR_KERNELS = Element("a CPU without the C linear kernels (AVX-512 or AVX2)", lacks={
+    "batch_invariance": "the linears then run on torch, whose kernels change with the "
+                        "rows"})
+
+
+def _invariance_elements(config: Any) -> list[Element]:
+    """What the configuration turns on that cannot be batch-invariant (and the mode)."""
+    elements = [BATCH_INVARIANT] if config.model.batch_invariant else []
+    if config.model.dtype == "float32":
+        elements.append(FLOAT32)
+    if config.model.device == "cuda":
+        elements.append(CUDA)
+    if config.parallel.tensor_parallel_size > 1:
+        elements.append(TENSOR_PARALLEL)
+    if config.lora.enable_lora:
+        elements.append(LORA)
+    return elements
 
 
 SHARDING = Element("tensor_parallel_size or pipeline_parallel_size > 1",
@@ -123,7 +179,7 @@ def config_elements(config: Any) -> list[Element]:
         elements.append(PREFIX_CACHING_OFF)
     if config.kv_events.enabled:
         elements.append(KV_EVENTS)
-    return elements
+    return elements + _invariance_elements(config)
 
 
 def check(elements: Sequence[Element]) -> None:
@@ -177,6 +233,23 @@ def check_serving(config: Any, server_config: Any, replica_config: Any = None) -
 def check_attention_backend(backend: str, kv_cache_dtype: str) -> None:
     """A backend named for a cache dtype (worker/attention's `make_attention_backend`)."""
     check([_cache_dtype_element(kv_cache_dtype), _backend_element(backend)])
+
+
+def check_batch_invariant_run(backend: str, dtype: str, device: str,
+                              linear_kernels: bool, softcapped_layers: bool) -> None:
+    """What a batch-invariant worker chose or found (`auto` resolved): its attention
+    backend, dtype ("bfloat16", "float32") and device ("cpu", "cuda"), whether the C
+    linear kernels run here and whether the model has logit-softcapped layers."""
+    elements = [BATCH_INVARIANT, _backend_element(backend)]
+    if dtype != "bfloat16":
+        elements.append(Element(f"dtype {dtype}", lacks=FLOAT32.lacks))
+    if device != "cpu":
+        elements.append(Element(f"device {device}", lacks=CUDA.lacks))
+    if not linear_kernels:
+        elements.append(NO_LINEAR_KERNELS)
+    if softcapped_layers:
+        elements.append(SOFTCAP)
+    check(elements)
 
 
 def backends_reading() -> dict[str, tuple[str, ...]]:

@@ -125,6 +125,11 @@ class ModelConfig:
         "(gguf for a GGUF file with Q8_0/Q4_0/Q4_1 linears where the C kernels have AVX-512 "
         "VNNI, in bfloat16 on one CPU rank without LoRA, where it measured faster; else "
         "none)"))
+    batch_invariant: bool = field(default=False, metadata=_help(
+        "The same request gives bit-identical logits whatever else runs: alone or in any "
+        "batch, with any prefix-cache hit and chunk size (CPU, bf16, cpu-native "
+        "attention; one kernel path for every row count, at a throughput cost: "
+        "docs/batch_invariance.md)"))
     keep_freed_memory: bool = field(default=True, metadata=_help(
         "CPU: keep the memory a step frees in the heap for the next step (glibc mallopt; "
         "without it a prefill step faults its activations in again, page by page)"))

@@ -131,3 +131,94 @@ def test_session_keeps_history_with_the_chat_template_and_reset_clears_it(chat_m
     finally:
         session.close()
         engine.shutdown()
+
+
+INVARIANT_CHAT = dict(TINY, hidden_size=256, intermediate_size=768)
+"""head_dim 64 (the decode kernel's vector path) and sums long enough that the default
+kernels' orders differ by rows (docs/batch_invariance.md)."""
+TURNS = ["Hello, my name is Ada.", "What is my name?", "Tell me a story about it."]
+
+
+class RecordingEngine:
+    """An engine whose streams' last outputs are kept: each answer's token logprobs."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.logprobs: list[list[float]] = []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    async def generate(self, *args, **kwargs):
+        last = None
+        async for output in self.engine.generate(*args, **kwargs):
+            last = output
+            yield output
+        completion = last.outputs[0]
+        self.logprobs.append([step[token].logprob for token, step
+                              in zip(completion.token_ids, completion.logprobs)])
+
+
+def test_chat_answers_as_the_server_under_batch_invariance(tmp_path, monkeypatch):
+    """Issue 49, item 7: a three-turn `treadle chat` at temperature 0 (piped input, its
+    turn 2 and 3 prompts hitting the prefix cache over what it computed before) and the
+    same conversations sent to `/v1/chat/completions` of a fresh server (each turn's
+    messages as the chat kept them, all three at once: prefilled, batched together) give
+    the same answers, down to the bits of every token's logprob, under batch invariance
+    (without it the logprobs part: the random model's answers are too repetitive for its
+    near-ties to flip, as SmolLM2's did)."""
+    import json
+    import threading
+    import urllib.request
+
+    from server_fixtures import running_server
+    from treadle import chat
+
+    model = str(write_demo_model(tmp_path / "tiny-chat", seed=5,
+                                 config_overrides=INVARIANT_CHAT))
+    sessions = []
+
+    class Recorded(chat.ChatSession):
+        def __init__(self, engine, *args, **kwargs):
+            super().__init__(RecordingEngine(engine), *args, **kwargs)
+            sessions.append(self)
+
+    monkeypatch.setattr(chat, "ChatSession", Recorded)
+    out = io.StringIO()
+    status = chat.run_chat(
+        dict(model=model, dtype="bfloat16", batch_invariant=True, num_kv_blocks=256),
+        SamplingParams(max_tokens=24, temperature=0, logprobs=1), system="Be brief.",
+        stdin=io.StringIO("\n".join(TURNS) + "\n/exit\n"), out=out)
+    assert status == 0
+    session = sessions[0]
+    messages = session.messages
+    assert [m["role"] for m in messages] == ["system"] + ["user", "assistant"] * 3
+    answers = [m["content"] for m in messages[2::2]]
+    assert all(answers) and out.getvalue().count("> ") == 4
+    assert [len(lp) for lp in session.engine.logprobs] == [24] * 3
+
+    served: dict[int, dict] = {}
+    with running_server(model, "--dtype", "bfloat16", "--batch-invariant",
+                        "--num-kv-blocks", "256") as (base, _):
+        def ask(turn: int) -> None:
+            body = {"model": "tiny", "messages": messages[:2 + 2 * turn], "max_tokens": 24,
+                    "temperature": 0, "logprobs": True}
+            request = urllib.request.Request(f"{base}/v1/chat/completions",
+                                             json.dumps(body).encode(),
+                                             {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=300) as response:
+                served[turn] = json.loads(response.read())
+
+        threads = [threading.Thread(target=ask, args=(turn,)) for turn in (2, 1, 0)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    for turn, answer in enumerate(answers):
+        choice = served[turn]["choices"][0]
+        assert choice["message"]["content"] == answer, f"turn {turn + 1}"
+        got = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+        assert got == session.engine.logprobs[turn], f"turn {turn + 1}'s logprobs"
+    # The same rendering: turn 3's prompt as the server counted it is the chat's own.
+    session.messages = messages[:6]
+    assert served[2]["usage"]["prompt_tokens"] == len(session.prompt_token_ids())

@@ -128,3 +128,54 @@ def test_every_entry_point_reaches_the_check_at_start(monkeypatch, capsys):
                   "--decode-replicas", "1", "--no-enable-prefix-caching"]):
         assert main(argv) == 2
         assert "does not support" in capsys.readouterr().err
+
+
+BATCH_INVARIANT = dict(batch_invariant=True)
+
+
+@pytest.mark.parametrize("options, lacking", [
+    (dict(attention_backend="torch"), "attention_backend torch"),
+    (dict(attention_backend="reference"), "attention_backend reference"),
+    (dict(attention_backend="triton"), "attention_backend triton"),
+    (dict(dtype="float32"), "dtype float32"),
+    (dict(device="cuda"), "device cuda"),
+    (dict(distributed_executor_backend="mp", tensor_parallel_size=2),
+     "tensor_parallel_size > 1"),
+    (dict(enable_lora=True), "enable_lora"),
+    (H2O, "kv_eviction h2o"),
+])
+def test_batch_invariance_is_refused_with_what_cannot_give_it(options, lacking):
+    with pytest.raises(ValueError) as info:
+        EngineConfig.from_options(**BATCH_INVARIANT, **options)
+    message = str(info.value)
+    assert message.startswith(f"{lacking} does not support batch_invariant: ")
+    EngineConfig.from_options(**options)  # alone it runs
+
+
+def test_batch_invariance_combines_with_the_rest():
+    EngineConfig.from_options(**BATCH_INVARIANT, attention_backend="cpu-native",
+                              dtype="bfloat16", kv_cache_dtype="int8", speculative_config=NGRAM,
+                              distributed_executor_backend="mp", pipeline_parallel_size=2,
+                              max_num_batched_tokens=16, enable_prefix_caching=False)
+    config = EngineConfig.from_options(**BATCH_INVARIANT)
+    with pytest.raises(ValueError, match="a sliding-window layer group .* does not support "
+                                         "batch_invariant"):
+        compat.check_kv_specs(config, [FullAttentionSpec(16), sliding()])
+
+
+@pytest.mark.parametrize("run, lacking", [
+    (dict(backend="torch"), "attention_backend torch"),
+    (dict(dtype="float32"), "dtype float32"),
+    (dict(device="cuda", backend="triton"), "attention_backend triton"),
+    (dict(device="cuda"), "device cuda"),
+    (dict(linear_kernels=False), "without the C linear kernels"),
+    (dict(softcapped_layers=True), "logit-softcapped attention layers"),
+])
+def test_what_a_worker_chose_under_auto_is_checked_too(run, lacking):
+    """`auto` (backend, dtype, device) resolved on the worker, and what only the model and
+    the CPU tell: refused at load, before the KV cache."""
+    facts = dict(backend="cpu-native", dtype="bfloat16", device="cpu", linear_kernels=True,
+                 softcapped_layers=False)
+    compat.check_batch_invariant_run(**facts)
+    with pytest.raises(ValueError, match=f"{lacking}.* does not support batch_invariant: "):
+        compat.check_batch_invariant_run(**{**facts, **run})

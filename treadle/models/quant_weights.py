@@ -48,6 +48,16 @@ The in-register `deq` path is never chosen (it lost or tied everywhere measured)
 stays callable for measurements. Paths round differently (int8 activations on the dot
 paths, bf16 weights on the bf16 ones), so a row's output depends slightly on how many
 rows share the call, as the bf16 kernels' already does.
+
+Batch-invariant kernels (`kernels.batch_invariant`, docs/batch_invariance.md) take one
+path per format at every row count (`invariant_path`): each path's sums run in an order
+that does not depend on the rows, but two paths' results differ in the last float bits
+(even the int8 ones, whose integer sums agree: the per-chunk scalings round in another
+order), so no switch between them is kept. `r16` for its formats wherever it runs (with
+AMX too: it is the decode rows' fastest, at 2.4x the default's time for a 512-row
+prefill's linears, `python benchmarks/quant_kernel.py`); Q4_K (and every format where
+r16 does not run): `amx_dot` with AMX, `dot` with VNNI, else the widening `gemm` (bf16
+activations; `deq_buffered` for fp32 ones).
 Without the C kernels (`kernels=None`) a dense copy in the activations' dtype is made on
 first use and `F.linear` runs on it: slower to load and larger, same results to rounding.
 
@@ -87,13 +97,28 @@ TILE_ROWS = 1024
 """Weight rows per dequantized tile of the prefill path."""
 
 
+def invariant_path(kernels, fmt: str, dtype: torch.dtype = torch.bfloat16) -> str:
+    """The one path batch-invariant kernels take for a `fmt` weight at every row count
+    (see the module docstring)."""
+    if fmt in getattr(kernels, "r16_formats", ()):
+        return "r16"
+    if kernels.has_amx:
+        return "amx_dot"
+    if kernels.has_vnni:
+        return "dot"
+    return ("gemm" if dtype == torch.bfloat16 and getattr(kernels, "has_gemm", False)
+            else "deq_buffered")
+
+
 def choose_path(kernels, fmt: str, rows: int, dtype: torch.dtype = torch.bfloat16) -> str:
     """The kernel path for `rows` rows of `dtype` activations and a `fmt` weight on
     `kernels` (see the module docstring): r16, dot, deq_buffered, amx_dot, amx, gemm,
     prefill, or torch (no kernels). The bf16 AMX tiles take bf16 activations only: fp32 ones stay on
-    amx_dot there."""
+    amx_dot there. Batch-invariant kernels: `invariant_path` whatever the rows."""
     if kernels is None:
         return "torch"
+    if getattr(kernels, "batch_invariant", False):
+        return invariant_path(kernels, fmt, dtype)
     r16 = fmt in getattr(kernels, "r16_formats", ())
     if kernels.has_amx:
         if r16 and rows <= AMX_R16_MAX_ROWS:

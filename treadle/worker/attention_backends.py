@@ -35,14 +35,16 @@ worker/cuda/triton/common.py)."""
 def make_attention_backend(name: str, platform: Any, num_kv_heads: int, head_dim: int,
                            dtype: torch.dtype, kernels: Any = None,
                            layer_ops: Any = None,
-                           kv_cache_dtype: str = "auto") -> AttentionBackend:
+                           kv_cache_dtype: str = "auto",
+                           batch_invariant: bool = False) -> AttentionBackend:
     """The backend `name` names (`auto`: the platform's first that builds).
 
     `kernels` (worker.cpu.native.NativeKernels) and `layer_ops` (NativeLayerOps) are what the
     C kernels need; without them `cpu-native` cannot be built. `kv_cache_dtype`: what the
     cache stores (worker/kv_quant.py); a backend that cannot read it is skipped by `auto`
-    and an error when named. Raises ValueError naming the backend when one asked for by
-    name cannot run here."""
+    and an error when named. `batch_invariant`: the backend's batch-invariant mode where it
+    has one (cpu-native; treadle/compat.py refuses the others). Raises ValueError naming
+    the backend when one asked for by name cannot run here."""
     name = ALIASES.get(name, name)
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}, "
@@ -57,7 +59,7 @@ def make_attention_backend(name: str, platform: Any, num_kv_heads: int, head_dim
                 check_attention_backend(candidate, kv_cache_dtype)  # raises, naming both
             continue
         backend = _build(candidate, platform, num_kv_heads, head_dim, dtype, kernels,
-                         layer_ops, kv_cache_dtype)
+                         layer_ops, kv_cache_dtype, batch_invariant)
         if backend is not None:
             return backend
         if name != "auto":
@@ -69,13 +71,14 @@ def make_attention_backend(name: str, platform: Any, num_kv_heads: int, head_dim
 
 
 def _build(name: str, platform: Any, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-           kernels: Any, layer_ops: Any, kv_cache_dtype: str) -> AttentionBackend | None:
+           kernels: Any, layer_ops: Any, kv_cache_dtype: str,
+           batch_invariant: bool = False) -> AttentionBackend | None:
     if name == "cpu-native":
         if kernels is None or not kernels.supports(dtype):
             return None
         from treadle.worker.cpu.native_attention import CpuNativeBackend
         return CpuNativeBackend(kernels, layer_ops, num_kv_heads, head_dim, dtype,
-                                kv_cache_dtype)
+                                kv_cache_dtype, batch_invariant)
     if name == "triton":
         from treadle.worker.cuda.triton_attention import build_triton_backend
         return build_triton_backend(platform, num_kv_heads)

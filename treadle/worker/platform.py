@@ -113,8 +113,10 @@ class Platform(ABC):
         library), or None: none on this platform."""
         return None
 
-    def layer_ops(self, native: Any, dtype: torch.dtype) -> Any:
-        """Fused elementwise ops for the model's layers (layers.norm.LayerOps), or None."""
+    def layer_ops(self, native: Any, dtype: torch.dtype, batch_invariant: bool = False) -> Any:
+        """Fused elementwise ops for the model's layers (layers.norm.LayerOps), or None;
+        batch_invariant: ops whose linears take one kernel at every row count (a platform
+        without such kernels returns None, and treadle/compat.py refuses the mode)."""
         return None
 
     def attach_linear_kernels(self, model: Any, dtype: torch.dtype, layer_ops: Any) -> int:

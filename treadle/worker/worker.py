@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from treadle.compat import check_batch_invariant_run
 from treadle.config import EngineConfig
 from treadle.core.kv.config import KVCacheConfig, kv_cache_config
 from treadle.layers.parallel import ParallelContext
@@ -164,7 +165,8 @@ class Worker:
         config, platform = self.config, self.platform
         self.native = platform.load_native_kernels(config.model.kernel_isa,
                                                    config.model.attention_backend, dtype)
-        self.layer_ops = platform.layer_ops(self.native, dtype)
+        invariant = config.model.batch_invariant
+        self.layer_ops = platform.layer_ops(self.native, dtype, batch_invariant=invariant)
         platform.attach_linear_kernels(self.model, dtype, self.layer_ops)
         self.quantized = platform.quantize(self.model, config, dtype, self.native,
                                            self.parallel.world_size)
@@ -172,7 +174,12 @@ class Worker:
         self.attention = make_attention_backend(
             config.model.attention_backend, platform, self.model.num_kv_heads,
             self.model.head_dim, dtype, kernels=self.native, layer_ops=self.layer_ops,
-            kv_cache_dtype=config.cache.kv_cache_dtype)
+            kv_cache_dtype=config.cache.kv_cache_dtype, batch_invariant=invariant)
+        if invariant:
+            check_batch_invariant_run(
+                self.attention.name, str(dtype).replace("torch.", ""), platform.name,
+                self.layer_ops is not None,
+                any(getattr(m, "logit_softcap", None) is not None for m in self.model.modules()))
         self.model.decode_stack = platform.decode_stack(self.model, self.layer_ops,
                                                         self.attention)
 
@@ -276,7 +283,8 @@ class Worker:
         self.draft_attention = make_attention_backend(
             self.config.model.attention_backend, self.platform, draft.num_kv_heads,
             draft.head_dim, self.dtype, kernels=self.native, layer_ops=self.layer_ops,
-            kv_cache_dtype=self.config.cache.kv_cache_dtype)
+            kv_cache_dtype=self.config.cache.kv_cache_dtype,
+            batch_invariant=self.config.model.batch_invariant)
         self.draft_kv_spec = KVCacheSpec(draft.num_local_layers, draft.num_kv_heads,
                                          draft.head_dim, self.dtype,
                                          self.draft_attention.kv_layout,

@@ -14,6 +14,8 @@ class-level flag with the reason when it is False (`why_not`):
 - `supports_draft_kv`: a draft model's KV (speculative `draft`, `self`) can ride on this
   group's block ids.
 - `supports_sharding`: tensor / pipeline parallel ranks can each hold their share.
+- `supports_batch_invariance`: a request's logits can be made independent of the batch,
+  prefix hits and chunking (`batch_invariant`, docs/batch_invariance.md).
 
 Which manager handles a spec is core/kv/manager.py's registry; which combinations of
 specs and features are refused, and with what message, is treadle/compat.py's, read from
@@ -29,7 +31,7 @@ from typing import ClassVar
 from treadle.core.kv.eviction import EvictionBudget
 
 CAPABILITIES = ("swap", "prefix_caching", "prefix_transfer", "eviction", "speculation",
-                "draft_kv", "sharding")
+                "draft_kv", "sharding", "batch_invariance")
 """Every capability a spec declares (`supports_<name>`)."""
 
 ATTENTION_BACKENDS = ("cpu-native", "triton", "torch", "reference")
@@ -80,6 +82,7 @@ class KVSpec:
     supports_speculation: ClassVar[bool] = True
     supports_draft_kv: ClassVar[bool] = True
     supports_sharding: ClassVar[bool] = True
+    supports_batch_invariance: ClassVar[bool] = True
     chunks_prompts: ClassVar[bool] = False
     """Its requests' steps are capped whatever the scheduler's settings (a prompt longer
     than a step's budget runs in chunks even without chunked prefill)."""
@@ -131,9 +134,12 @@ class SlidingWindowSpec(KVSpec):
     supports_prefix_transfer: ClassVar[bool] = False
     supports_eviction: ClassVar[bool] = False
     supports_draft_kv: ClassVar[bool] = False
+    supports_batch_invariance: ClassVar[bool] = False
     why_not: ClassVar[dict[str, str]] = {
         "swap": "there is no swap plan for its second block table: such requests are "
                 "preempted by recompute",
+        "batch_invariance": "its layers run the torch attention path (the C kernels have no "
+                            "window bound), whose matmuls change with the step's shapes",
         "prefix_transfer": "P/D moves one block table's KV and a sliding-window model has a "
                            "second one (Gemma 3, Mistral's sliding_window): serve such a "
                            "model with --replicas instead",
@@ -164,8 +170,12 @@ class H2OSpec(KVSpec):
     supports_prefix_transfer: ClassVar[bool] = False
     supports_speculation: ClassVar[bool] = False
     supports_sharding: ClassVar[bool] = False
+    supports_batch_invariance: ClassVar[bool] = False
     chunks_prompts: ClassVar[bool] = True
     why_not: ClassVar[dict[str, str]] = {
+        "batch_invariance": "the attention scores that choose the evicted tokens are "
+                            "summed by torch's matmuls over each step's chunk, so which "
+                            "tokens a request keeps depends on how its prompt was chunked",
         "prefix_transfer": "the decode engine would receive KV without its attention scores",
         "speculation": "rejected proposals would leave scores of tokens that are not the "
                        "request's",

@@ -17,7 +17,10 @@ does (every row a single-token decode in the kernel's row order, at most the lin
 kernels' rows, no heavy-hitter observer) and returns None otherwise, when the model runs
 its layers one by one as before. A quantized linear runs the path `QuantizedLinear.apply`
 would choose for the step's rows (models/quant_weights.py `choose_path`), so quantized
-models stay bit-identical to their layer-by-layer run too.
+models stay bit-identical to their layer-by-layer run too. With batch-invariant kernels
+(docs/batch_invariance.md) the attention's context split is the backend's fixed one
+(`decode_split`), and a model whose dense weights those kernels would route one by one
+(a shape the AMX kernel does not take, a weight without its packed copy) is not run here.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class _Dims(ctypes.Structure):
         "hidden", "heads", "kv_heads", "head_dim", "intermediate", "num_blocks",
         "block_size", "amx_first", "amx_last", "widen_first", "vnni")] + [
         ("quant_path", _I64 * len(FORMAT_CODES)), ("eps", ctypes.c_float),
-        ("scale", ctypes.c_float)]
+        ("scale", ctypes.c_float), ("decode_split", _I64)]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -117,7 +120,8 @@ class DecodeStack:
     """One model's layers as the C driver reads them; `__call__` runs a qualifying step."""
 
     def __init__(self, layer_ops: Any, model: Any, plain: PlainDecoder,
-                 kernels: list[tuple[DenseLinearKernel | QuantizedLinear, ...]]) -> None:
+                 kernels: list[tuple[DenseLinearKernel | QuantizedLinear, ...]],
+                 decode_split: int | None = None) -> None:
         lib = layer_ops.lib
         self._fn = lib.decode_stack_bf16
         self._fn.argtypes = [_P, _I64, _P, _P, _P, _P, _I64, _P, _P, _I64, _P, _P, _I64, _P,
@@ -138,7 +142,8 @@ class DecodeStack:
                            kv_heads=model.num_kv_heads, head_dim=model.head_dim,
                            intermediate=first.intermediate,
                            eps=float(first.input_norm.eps),
-                           scale=float(first.scale))
+                           scale=float(first.scale),
+                           decode_split=-1 if decode_split is None else decode_split)
         flat = [k for layer in kernels for k in layer]
         dense = [k for k in flat if isinstance(k, DenseLinearKernel)]
         self._quant_paths = _quant_paths([k for k in flat if isinstance(k, QuantizedLinear)])
@@ -157,6 +162,11 @@ class DecodeStack:
         self._dims.vnni = int(vnni)
         limits = ([_VNNI_MAX_ROWS if vnni else layer_ops.linear_rows if amx
                    else layer_ops.max_rows] if dense else [])
+        if dense and layer_ops.batch_invariant and not (
+                amx if layer_ops.amx_rows is not None else vnni or not layer_ops.vnni):
+            # Batch-invariant ops route each weight alone (AMX or packed where it has
+            # them, the widening GEMM otherwise); the driver routes all alike: not here.
+            limits.append(0)
         if len(dense) < len(flat):
             limits.append(len(self._quant_paths))
         self.max_rows = min(limits)
@@ -186,7 +196,7 @@ class DecodeStack:
             if any(k is None for k in found):
                 return None
             kernels.append(found)
-        return cls(layer_ops, model, plain, kernels)
+        return cls(layer_ops, model, plain, kernels, attention.decode_split)
 
     def _bind_caches(self, kv_caches: list[torch.Tensor]) -> bool:
         """Point the layers at this step's caches (re-done only when they moved)."""

@@ -90,12 +90,14 @@ class NativeKernels:
         """Whether bf16 dot products use vdpbf16ps (else bf16 is widened to fp32)."""
         lib.paged_decode_fast_path.argtypes = [_I64, _I64]
         lib.paged_decode_fast_path.restype = ctypes.c_int
-        self._decode = {torch.bfloat16: lib.paged_decode_bf16, torch.float32: lib.paged_decode_f32}
-        self._decode_q8 = {torch.bfloat16: lib.paged_decode_q8_bf16,
-                           torch.float32: lib.paged_decode_q8_f32}
+        # The entry points that take the context split (`split_tokens`, paged_decode.c).
+        self._decode = {torch.bfloat16: lib.paged_decode_bf16_fixed,
+                        torch.float32: lib.paged_decode_f32_fixed}
+        self._decode_q8 = {torch.bfloat16: lib.paged_decode_q8_bf16_fixed,
+                           torch.float32: lib.paged_decode_q8_f32_fixed}
         """Over an int8 KV cache (worker/kv_quant.py rows), by the queries' dtype."""
         for fn in (*self._decode.values(), *self._decode_q8.values()):
-            fn.argtypes = _ARGTYPES
+            fn.argtypes = _ARGTYPES + [_I64]
             fn.restype = ctypes.c_int
         self._sample_rows = lib.sample_rows
         self._sample_rows.argtypes = _SAMPLE_ARGTYPES
@@ -128,13 +130,17 @@ class NativeKernels:
 
     def paged_decode(self, query: torch.Tensor, key_cache: torch.Tensor,
                      value_cache: torch.Tensor, block_table: torch.Tensor,
-                     ctx_lens: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+                     ctx_lens: torch.Tensor, out: torch.Tensor, scale: float,
+                     split_tokens: int | None = None) -> None:
         """Attention of one query token per request over its blocks, into `out`.
 
         query, out: [num_reqs, num_heads, head_dim]; key/value_cache: [kv_heads,
         num_blocks, block_size, head_dim] of the queries' dtype, or int8 rows [..., head_dim
         + 2] (worker/kv_quant.py); block_table: [num_reqs, max_blocks] int64; ctx_lens:
-        [num_reqs] int64. All contiguous, on CPU.
+        [num_reqs] int64. All contiguous, on CPU. split_tokens: None to split long contexts
+        across threads as the batch suits; else the fixed length of the ranges a context is
+        cut into (0: none), whatever the batch, so that each row's result depends on its
+        context alone (batch-invariant engines).
         """
         num_reqs, num_heads, head_dim = query.shape
         num_kv_heads, num_blocks, block_size, row = key_cache.shape
@@ -146,7 +152,7 @@ class NativeKernels:
             query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
             block_table.data_ptr(), ctx_lens.data_ptr(), out.data_ptr(),
             num_reqs, num_heads, num_kv_heads, head_dim, num_blocks, block_size,
-            block_table.shape[1], scale)
+            block_table.shape[1], scale, -1 if split_tokens is None else max(0, split_tokens))
         if status != 0:
             raise ValueError(f"paged_decode: head grouping {num_heads}/{num_kv_heads} x "
                              f"head_dim {head_dim} x block_size {block_size} exceeds its limits")

@@ -15,6 +15,15 @@ calls read and write int8 rows (worker/kv_quant.py): rope_kv quantizes as it sto
 decode and prefill kernels dequantize in registers (prefill: while packing its tiles);
 the torch fallbacks (and the sliding / soft-capped layers) quantize and dequantize with
 kv_quant.
+
+Batch-invariant (`batch_invariant=True`, docs/batch_invariance.md): every query token of
+the step, decode or prefill, new or after a prefix-cache hit, is a row of the decode
+kernel with the context its position sees, and long contexts are cut into ranges of
+`DECODE_SPLIT_TOKENS` whatever the batch: one algorithm and one order of the sums over
+keys for every row, set by the row's context length alone. The prefill kernel (tiles
+that depend on how the prompt is chunked) and the torch paths are not used; the
+sliding-window and soft-capped layers that need them are refused at start
+(treadle/compat.py).
 """
 
 from __future__ import annotations
@@ -41,6 +50,14 @@ prefill kernel: the prefill kernel packs the row's whole context into tiles in e
 layer, which a few queries do not repay (docs/speculative.md, "Verification rows": 5
 queries over 800 cached tokens took 65 us per layer as decode rows against 96 us in the
 prefill kernel; the decode rows read the context once per query, and lose past ~9)."""
+
+DECODE_SPLIT_TOKENS = 256
+"""Batch-invariant: the length of the ranges a longer context is cut into (parallel over
+threads, merged in order). Fixed, so that a row's sums do not depend on the step; 256
+keeps a lone long decode on more than one thread (1,000 tokens: 4 ranges per KV head)
+while a range is long enough that the merge costs little. The prefill rows the decode
+kernel takes in this mode cost ~1.3x the prefill kernel's time (one layer, a 512-token
+prompt, one thread: 5.0 against 3.9 ms; 2,048 tokens: 73 against 53 ms)."""
 
 
 @dataclass
@@ -98,9 +115,11 @@ class CpuNativeBackend(AttentionBackend):
     kv_layout = "heads_first"
 
     def __init__(self, kernels: Any, layer_ops: Any, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, kv_cache_dtype: str = "auto") -> None:
+                 dtype: torch.dtype, kv_cache_dtype: str = "auto",
+                 batch_invariant: bool = False) -> None:
         """`kernels`: worker.cpu.native.NativeKernels (decode, prefill); `layer_ops`:
-        worker.cpu.native_linear.NativeLayerOps or None (rope_kv, bf16 only)."""
+        worker.cpu.native_linear.NativeLayerOps or None (rope_kv, bf16 only);
+        batch_invariant: every query token on the decode kernel (see the top)."""
         if not kernels.supports(dtype):
             raise ValueError(f"the C attention kernels do not support {dtype}")
         self.kernels = kernels
@@ -111,13 +130,17 @@ class CpuNativeBackend(AttentionBackend):
             raise ValueError(f"the C attention kernels do not read kv_cache_dtype="
                              f"{kv_cache_dtype!r} (auto or int8)")
         self.kv_cache_dtype = kv_quant.check_kv_cache_dtype(kv_cache_dtype)
+        self.batch_invariant = batch_invariant
+        self.decode_split = DECODE_SPLIT_TOKENS if batch_invariant else None
+        """The decode kernel's context ranges (None: as the batch suits)."""
 
     def build_metadata(self, step: AttentionStep, device: torch.device) -> CpuNativeMetadata:
         meta = CpuNativeMetadata(self, torch.from_numpy(step.slot_mapping), step=step)
         num_decodes = step.num_single_token_rows
         multi = np.arange(num_decodes, len(step.query_lens))
-        short = multi[step.query_lens[multi] <= SHORT_ROW_TOKENS]
-        multi = multi[step.query_lens[multi] > SHORT_ROW_TOKENS]
+        longest = np.inf if self.batch_invariant else SHORT_ROW_TOKENS
+        short = multi[step.query_lens[multi] <= longest]
+        multi = multi[step.query_lens[multi] > longest]
         if num_decodes or short.size:
             meta.native_decode = _decode_rows(step, num_decodes, short)
         if multi.size and self.native_prefill:
@@ -140,6 +163,9 @@ class CpuNativeBackend(AttentionBackend):
         if layer.sliding_window is not None or layer.logit_softcap is not None:
             # The C kernels have no window bound and no softcap: these layers take the
             # torch path, which reads only the blocks inside each row's window.
+            if self.batch_invariant:
+                raise ValueError("batch_invariant: sliding-window and soft-capped layers "
+                                 "run the torch attention path (refused at start)")
             views = meta.views(layer.sliding_window)
             if views.slot_mapping is not None:
                 slots = views.slot_mapping
@@ -167,7 +193,8 @@ class CpuNativeBackend(AttentionBackend):
                 rows_query = query.index_select(0, index)
                 rows_out = query.new_empty(rows, num_heads, head_dim)
             self.kernels.paged_decode(rows_query.contiguous(), kv_cache[0], kv_cache[1],
-                                      nd.block_table, nd.ctx_lens, rows_out, layer.scale)
+                                      nd.block_table, nd.ctx_lens, rows_out, layer.scale,
+                                      self.decode_split)
             if index is not None:
                 out.index_copy_(0, index, rows_out.view(rows, -1))
         npf = meta.native_prefill

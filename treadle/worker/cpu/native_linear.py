@@ -15,6 +15,14 @@ from `WIDENING_GEMM_ROWS` rows on take the register-tiled GEMM instead of the
 dot-product kernel. Where it has vdpbf16ps and oneDNN has no AMX (`NativeLayerOps.vnni`),
 a linear whose weight has its packed copy (`pack`, made at load by
 worker/cpu/linear_kernels.py) runs on the packed GEMM at every row count, prefill included.
+
+Batch-invariant ops (`load(..., batch_invariant=True)`, docs/batch_invariance.md) give
+each weight one kernel for every row count, whose sums run over K in the same order
+whatever the rows: the AMX tile kernel where the CPU has AMX-BF16 (measured the cheapest
+there: `INVARIANT_KERNELS`), the packed GEMM where it has vdpbf16ps without AMX, the
+widening GEMM elsewhere and for a weight the first two do not take (shape, no packed
+copy). They never decline a call that fits the operands (no oneDNN, whose kernels change
+with the rows).
 """
 
 from __future__ import annotations
@@ -75,7 +83,18 @@ kernel 27 / 114 / 261-285 / 359-362 / 372 / 383, oneDNN's packed kernel 20 / 92 
 / 316 / 356 / 423 (`python -m treadle.bench.linear_kernel`; docs/benchmarks.md, "Round
 16")."""
 
+INVARIANT_KERNELS = "one kernel per weight at every row count"
+"""What batch-invariant ops run (`NativeLayerOps.batch_invariant`). On the AMX Xeon this
+was chosen on, a SmolLM2-135M step's layer linears and LM head, one thread, CPU ms at 1 /
+4 / 16 / 64 rows: AMX tiles 18.0 / 17.0 / 20.5 / 33.1, the packed vdpbf16ps GEMM 18.6 /
+20.7 / 43.0 / 156, the default routing (dot products to 3 rows, AMX to 64, oneDNN
+beyond) 16.6 / 17.2 / 20.7 / 31.0 (a busy machine; the kernels alternating, best of 7):
+AMX tiles at every row count there, the packed GEMM where there is no AMX (it is that
+CPU's default anyway), the widening GEMM without bf16 instructions (it already takes 20+
+rows there)."""
+
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_ANY_ROWS = 1 << 62  # batch-invariant ops: no row limit
 
 
 def _operands_fit(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -103,7 +122,9 @@ class NativeLayerOps:
 
     def __init__(self, lib: ctypes.CDLL, max_rows: int = MAX_ROWS,
                  amx_rows: tuple[int, int] | None = None, gemm_rows: int | None = None,
-                 vnni: bool = False) -> None:
+                 vnni: bool = False, batch_invariant: bool = False) -> None:
+        self.batch_invariant = batch_invariant
+        """One kernel per weight for every row count, never oneDNN (see the top)."""
         self.max_rows = max_rows
         """Rows up to which the dot-product kernel (gemv_bf16.c) runs a linear (or, from
         `gemm_rows` on, the widening GEMM)."""
@@ -159,11 +180,13 @@ class NativeLayerOps:
         self._vnni_pack.restype = ctypes.c_int
 
     @classmethod
-    def load(cls, lib: ctypes.CDLL | None, max_rows: int | None = None) -> NativeLayerOps | None:
+    def load(cls, lib: ctypes.CDLL | None, max_rows: int | None = None,
+             batch_invariant: bool = False) -> NativeLayerOps | None:
         """The kernels of `lib`, or None when it lacks them or was built without a vector
         unit (neither AVX-512 nor AVX2). max_rows: None for the level's default (MAX_ROWS
         with vdpbf16ps, AMX_MAX_ROWS where oneDNN has AMX too, else WIDENING_MAX_ROWS, with
-        the widening GEMM from WIDENING_GEMM_ROWS rows on)."""
+        the widening GEMM from WIDENING_GEMM_ROWS rows on). batch_invariant: one kernel per
+        weight at every row count (`INVARIANT_KERNELS`; max_rows is then ignored)."""
         if lib is None or not hasattr(lib, "gemv_bf16_available"):
             return None
         lib.gemv_bf16_available.restype = ctypes.c_int
@@ -171,6 +194,8 @@ class NativeLayerOps:
             return None
         lib.kernels_have_dpbf16.restype = ctypes.c_int
         dpbf16 = bool(lib.kernels_have_dpbf16())
+        if batch_invariant:
+            return cls._invariant(lib, dpbf16)
         if max_rows is None:
             if not dpbf16:
                 max_rows = WIDENING_MAX_ROWS
@@ -182,6 +207,18 @@ class NativeLayerOps:
         vnni = dpbf16 and bool(lib.gemm_bf16_vnni_available()) and not onednn_uses_amx()
         return cls(lib, max_rows, AMX_GEMM_ROWS if amx else None,
                    None if dpbf16 else WIDENING_GEMM_ROWS, vnni)
+
+    @classmethod
+    def _invariant(cls, lib: ctypes.CDLL, dpbf16: bool) -> NativeLayerOps:
+        """Batch-invariant ops of `lib`: AMX tiles at every row count where the CPU has
+        them (whatever oneDNN runs on), else the packed GEMM where there is vdpbf16ps, else
+        the widening GEMM; the widening GEMM for what the first two do not take."""
+        lib.gemm_bf16_amx_available.restype = ctypes.c_int
+        lib.gemm_bf16_vnni_available.restype = ctypes.c_int
+        if dpbf16 and lib.gemm_bf16_amx_available():
+            return cls(lib, 0, (1, _ANY_ROWS), batch_invariant=True)
+        vnni = dpbf16 and bool(lib.gemm_bf16_vnni_available())
+        return cls(lib, _ANY_ROWS, None, 1, vnni, batch_invariant=True)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The packed copy of a bf16 weight [N, K] for the packed GEMM (a flat bf16 tensor
@@ -224,11 +261,12 @@ class NativeLayerOps:
         n = weight.shape[0]
         vnni = self.packed_fits(packed, weight)
         amx = not vnni and self.amx_covers(m, n, k)
-        if not (vnni or amx) and m > self.max_rows:
+        widen = self.gemm_covers(m) or (self.batch_invariant and not (vnni or amx))
+        if not (vnni or amx or widen) and m > self.max_rows:
             return None
         y = torch.empty(m, n, dtype=torch.bfloat16)
         fn = (self._vnni if vnni else self._amx if amx
-              else self._widen if self.gemm_covers(m) else self._gemv)
+              else self._widen if widen else self._gemv)
         status = fn(x.data_ptr(), x.stride(0), packed.data_ptr() if vnni else weight.data_ptr(),
                     None if bias is None else bias.data_ptr(), y.data_ptr(), n, m, n, k, threads)
         if status:
@@ -278,6 +316,11 @@ class NativeLayerOps:
 
     def describe(self) -> str:
         """Which kernel takes which rows, for the start-up log."""
+        if self.batch_invariant:
+            kernel = ("AMX tiles" if self.amx_rows is not None else
+                      "packed vdpbf16ps GEMM" if self.vnni else "tiled GEMM")
+            return (f"batch-invariant: {kernel} at every row count"
+                    + ("" if kernel == "tiled GEMM" else " (tiled GEMM for other weights)"))
         if self.vnni:
             return f"{VNNI_GEMM} (dot products <= {self.max_rows} rows without a packed copy)"
         parts = []

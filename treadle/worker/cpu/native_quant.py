@@ -161,13 +161,20 @@ class QuantKernels:
         self.has_amx = (self.isa_flags & _AMX_BITS == _AMX_BITS
                         and bool(lib.quant_amx_available()))
         """Whether the AMX paths run here (compiled in, and Linux granted the tile state)."""
+        self.batch_invariant = False
+        """Whether the weights on these kernels take one path at every row count
+        (models/quant_weights.py `invariant_path`; a batch-invariant engine's)."""
 
     @classmethod
-    def load(cls, lib: ctypes.CDLL | None) -> QuantKernels | None:
-        """The kernels of `lib`, or None when there is no library or it lacks them."""
+    def load(cls, lib: ctypes.CDLL | None,
+             batch_invariant: bool = False) -> QuantKernels | None:
+        """The kernels of `lib`, or None when there is no library or it lacks them.
+        batch_invariant: see the attribute."""
         if lib is None or not hasattr(lib, "quant_isa"):
             return None
-        return cls(lib)
+        kernels = cls(lib)
+        kernels.batch_invariant = batch_invariant
+        return kernels
 
     @property
     def isa(self) -> str:

@@ -94,10 +94,11 @@ class CpuPlatform(Platform):
             return None
         return load_kernels(kernel_isa)
 
-    def layer_ops(self, native: Any, dtype: torch.dtype) -> NativeLayerOps | None:
+    def layer_ops(self, native: Any, dtype: torch.dtype,
+                  batch_invariant: bool = False) -> NativeLayerOps | None:
         if native is None or dtype != torch.bfloat16:
             return None
-        return NativeLayerOps.load(native.lib)
+        return NativeLayerOps.load(native.lib, batch_invariant=batch_invariant)
 
     def attach_linear_kernels(self, model: Any, dtype: torch.dtype, layer_ops: Any) -> int:
         """Dense kernels on every linear (linear_kernels.py: oneDNN packs host weights; the
@@ -119,7 +120,8 @@ class CpuPlatform(Platform):
             return None
         if m.quantization != "auto" and dtype not in (torch.bfloat16, torch.float32):
             return super().quantize(model, config, dtype, native, world_size)
-        kernels = QuantKernels.load(native.lib) if native is not None else None
+        kernels = (QuantKernels.load(native.lib, m.batch_invariant) if native is not None
+                   else None)
         gguf = gguf_source(m.model, m.revision, m.download_dir)
         mode = quantized_linears.resolve_mode(
             m.quantization, gguf, kernels, dtype=dtype, world_size=world_size,

@@ -12,7 +12,8 @@
  *                                       gemm_bf16_widen (by rows and packed copies, as
  *                                       NativeLayerOps.linear routes them)
  *   q = rope(q); cache <- rope(k), v    rope_kv_bf16
- *   a = attention(q, cache)             paged_decode_bf16
+ *   a = attention(q, cache)             paged_decode_bf16 (its context split as the
+ *                                       backend asks: decode_split)
  *   x = rms_norm(h += a . Wo^T (+ b))   gemv_bf16, add_rms_norm_bf16
  *   down = silu_mul(x . Wgu^T) . Wd^T   gemv_bf16, silu_mul_bf16, gemv_bf16
  *
@@ -66,11 +67,11 @@ int quant_gemv_deq(int fmt, const uint8_t *w, int64_t row_bytes, const float *sc
                    const void *x, int64_t ldx, int x_bf16, const float *bias, void *y,
                    int64_t ldy, int y_bf16, int64_t M, int64_t N, int64_t K, int buffered,
                    int threads);
-int paged_decode_bf16(const bf16_t *q, const bf16_t *k_cache, const bf16_t *v_cache,
-                      const int64_t *block_table, const int64_t *ctx_lens, bf16_t *out,
-                      int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
-                      int64_t head_dim, int64_t num_blocks, int64_t block_size,
-                      int64_t max_blocks, float scale);
+int paged_decode_bf16_fixed(const bf16_t *q, const bf16_t *k_cache, const bf16_t *v_cache,
+                            const int64_t *block_table, const int64_t *ctx_lens, bf16_t *out,
+                            int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, int64_t num_blocks, int64_t block_size,
+                            int64_t max_blocks, float scale, int64_t split_tokens);
 
 /* One linear layer's weight [N, K]: dense bf16 (fmt < 0; bias bf16 [N] or NULL; packed:
  * the packed GEMM's copy (gemm_bf16_vnni.c) or NULL) or quantized (fmt: quant_simd.h's
@@ -106,6 +107,8 @@ typedef struct {
     int64_t vnni;                 /* 1: dense linears on their packed copies, every row */
     int64_t quant_path[NUM_QUANT_FORMATS];  /* this step's path per quantized format */
     float eps, scale;
+    int64_t decode_split;         /* the attention's context ranges (paged_decode.c's
+                                     split_tokens: negative as the batch suits) */
 } decode_dims;
 
 /* One linear, y [M, N] rows N apart. Dense: on the packed GEMM where the caller enabled
@@ -180,9 +183,10 @@ int decode_stack_bf16(const decode_layer *layers, int64_t num_layers, const deco
                                   cs_row, slots, q, L->k_cache, L->v_cache, M, d->heads,
                                   d->kv_heads, D, slots_per_head);
         if (!status)
-            status = paged_decode_bf16(q, L->k_cache, L->v_cache, block_table, ctx_lens, attn,
-                                       M, d->heads, d->kv_heads, D, d->num_blocks,
-                                       d->block_size, max_blocks, d->scale);
+            status = paged_decode_bf16_fixed(q, L->k_cache, L->v_cache, block_table, ctx_lens,
+                                             attn, M, d->heads, d->kv_heads, D, d->num_blocks,
+                                             d->block_size, max_blocks, d->scale,
+                                             d->decode_split);
         if (!status)
             status = linear(d, attn, q_size, &L->o, delta, M, H, q_size, threads);
         if (!status)

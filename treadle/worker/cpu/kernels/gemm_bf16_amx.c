@@ -1,5 +1,6 @@
-/* bf16 linear layer on AMX tiles for a decode step's 4-64 rows: y[M, N] = x[M, K] .
- * W[N, K]^T (+ bias), the weight read once, straight from its row-major bf16 layout.
+/* bf16 linear layer on AMX tiles for a decode step's 4-64 rows (and, for batch-invariant
+ * engines, every row count): y[M, N] = x[M, K] . W[N, K]^T (+ bias), the weight read
+ * once, straight from its row-major bf16 layout.
  *
  * At these rows a linear layer is still bound by reading its weight, but the dot-product
  * kernel (gemv_bf16.c) pays a vdpbf16ps per 32 products per row, and oneDNN's packed
@@ -13,6 +14,10 @@
  *    [M/16][K/32][16 pairs][16 rows][2] (amx_pack.h);
  *  - four C tiles (16 weight rows x 16 x rows, fp32) per block of 16 weight rows, stored
  *    and written transposed into y, rounded to bf16 nearest-even like torch.
+ * Past 64 rows each block of 16 weight rows takes the rows 64 at a time (the block's A
+ * tiles come from L1 again for every 64 rows). Each output is the sum of its tdpbf16ps
+ * over K in order, from zero, whichever rows share the call: a row's results do not
+ * depend on how many rows there are (docs/batch_invariance.md).
  * OpenMP splits the weight blocks statically, each thread prefetching its own part two
  * blocks ahead (a tile load reads 16 short row streams, too short for the hardware
  * prefetchers). Every thread loads its tile configuration and releases the tiles before
@@ -40,7 +45,7 @@
 #include "amx_pack.h"
 
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
-#define MAX_AMX_ROWS 64
+#define PASS_ROWS 64  /* x rows per pass over a block: four C tiles */
 #define PF_AHEAD 2  /* blocks of 16 weight rows */
 
 int gemm_bf16_amx_available(void) {
@@ -82,11 +87,11 @@ AMX_TARGET static void block_pass(int G, const uint16_t *w, int64_t K, const uin
     if (G > 3) _tile_stored(3, tmp[3], 64);
 }
 
-/* Returns 0; -1 when not covered (M outside 1-64, K % 32, N % 16); -3 out of memory. */
+/* Returns 0; -1 when not covered (M < 1, K % 32, N % 16); -3 out of memory. */
 AMX_TARGET int gemm_bf16_amx(const uint16_t *x, int64_t ldx, const uint16_t *w,
                              const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t M,
                              int64_t N, int64_t K, int threads) {
-    if (M <= 0 || M > MAX_AMX_ROWS || K <= 0 || K % 32 || N <= 0 || N % 16) return -1;
+    if (M <= 0 || K <= 0 || K % 32 || N <= 0 || N % 16) return -1;
     const int64_t ngroups = (M + 15) / 16, gstride = K / 32 * 512, num_blocks = N / 16;
     uint16_t *xb = aligned_alloc(64, (size_t)(ngroups * gstride * 2));
     if (!xb) return -3;
@@ -109,17 +114,21 @@ AMX_TARGET int gemm_bf16_amx(const uint16_t *x, int64_t ldx, const uint16_t *w,
             const int64_t n0 = blk * 16;
             const char *pf = blk + PF_AHEAD < b1 ? (const char *)(w + (n0 + 16 * PF_AHEAD) * K)
                                                  : 0;
-            block_pass((int)ngroups, w + n0 * K, K, xb, gstride, pf, tmp);
-            for (int64_t m = 0; m < M; m++) {
-                const int64_t g = m / 16, mm = m % 16;
-                __m512 v = _mm512_i32gather_ps(column, &tmp[g][0][mm], 4);
-                if (bias) {
-                    const __m256i b = _mm256_loadu_si256((const __m256i *)(bias + n0));
-                    v = _mm512_add_ps(v, _mm512_castsi512_ps(
-                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+            for (int64_t m0 = 0; m0 < M; m0 += PASS_ROWS) {
+                const int64_t rows = M - m0 < PASS_ROWS ? M - m0 : PASS_ROWS;
+                block_pass((int)((rows + 15) / 16), w + n0 * K, K, xb + m0 / 16 * gstride,
+                           gstride, m0 ? 0 : pf, tmp);
+                for (int64_t m = 0; m < rows; m++) {
+                    const int64_t g = m / 16, mm = m % 16;
+                    __m512 v = _mm512_i32gather_ps(column, &tmp[g][0][mm], 4);
+                    if (bias) {
+                        const __m256i b = _mm256_loadu_si256((const __m256i *)(bias + n0));
+                        v = _mm512_add_ps(v, _mm512_castsi512_ps(
+                            _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+                    }
+                    _mm256_storeu_si256((__m256i *)(y + (m0 + m) * ldy + n0),
+                                        (__m256i)_mm512_cvtneps_pbh(v));
                 }
-                _mm256_storeu_si256((__m256i *)(y + m * ldy + n0),
-                                    (__m256i)_mm512_cvtneps_pbh(v));
             }
         }
         _tile_release();

@@ -25,7 +25,11 @@
  *    fold_values_dpbf16; elsewhere FMAs on widened values); the next block is prefetched when
  *    it does not follow the current one in memory. Work is split over (request, KV head) and, when there are too few of those to
  *    keep every thread busy (small batches, long contexts), over context ranges too, whose
- *    partial softmaxes are merged at the end (flash-decoding).
+ *    partial softmaxes are merged at the end (flash-decoding). The `_fixed` entry points
+ *    take the ranges' length instead (split_tokens, rounded up to whole blocks; 0: none):
+ *    every context longer than that is cut at the same positions whatever else the call
+ *    holds, and its parts merged in order, so a row's result depends on its context
+ *    alone, not on the batch (batch-invariant engines: docs/batch_invariance.md).
  *  - generic path (any shape, any CPU): the plain loops below, auto-vectorised by gcc.
  *
  * int8 caches (paged_decode_q8_*; worker/kv_quant.py): each cached row is head_dim int8
@@ -727,7 +731,7 @@ static int has_fast_path(int64_t head_dim, int64_t group) {
 
 /* Returns -1 when the shape has no fast path, else the kernel's status. */
 static int fast_decode(const decode_args *a, int64_t num_reqs, int64_t head_dim, int bf16,
-                       int q8) {
+                       int q8, int64_t split_tokens) {
     const int64_t group = a->num_heads / a->num_kv_heads;
     if (!has_fast_path(head_dim, group)) return -1;
     const item_fn fn = q8 ? ITEM_FNS_Q8_TABLE[bf16][head_dim == 128][group - 1]
@@ -751,7 +755,9 @@ static int fast_decode(const decode_args *a, int64_t num_reqs, int64_t head_dim,
        (request, KV head) pairs to share among the threads. */
     int64_t split_blocks = INT64_MAX;
     const int64_t target = (int64_t)UNITS_PER_THREAD * threads;
-    if (parallel && num_reqs * kvh < target) {
+    if (split_tokens >= 0) {  /* fixed ranges: the same cuts for a context in every call */
+        if (split_tokens > 0) split_blocks = (split_tokens + bs - 1) / bs;
+    } else if (parallel && num_reqs * kvh < target) {
         const int64_t min_blocks = (MIN_SPLIT_TOKENS + bs - 1) / bs;
         split_blocks = (total_blocks * kvh + target - 1) / target;
         if (split_blocks < min_blocks) split_blocks = min_blocks;
@@ -774,7 +780,10 @@ static int fast_decode(const decode_args *a, int64_t num_reqs, int64_t head_dim,
         const int64_t parts = (nb + split_blocks - 1) / split_blocks;
         merges[num_merges++] = (work_item){r, num_parts, parts, 0};
         for (int64_t s = 0; s < parts; s++) {
-            const int64_t b0 = nb * s / parts, b1 = nb * (s + 1) / parts;
+            /* even parts; fixed ranges: split_blocks each, the last one shorter */
+            const int64_t b0 = split_tokens > 0 ? s * split_blocks : nb * s / parts;
+            const int64_t b1 = split_tokens > 0 ? (s + 1 == parts ? nb : b0 + split_blocks)
+                                                : nb * (s + 1) / parts;
             items[i++] = (work_item){r, b0, b1, num_parts++};
         }
     }
@@ -830,18 +839,31 @@ static int fast_decode(const decode_args *a, int64_t num_reqs, int64_t head_dim,
 /* Exported entry points                                                                 */
 /* ------------------------------------------------------------------------------------ */
 
+/* NAME: contexts split across threads as the batch suits (see the top); NAME##_fixed:
+   split at every split_tokens (0: never; negative: as NAME), whatever the batch. The
+   generic path never splits a context. */
 #define DEFINE_PAGED_DECODE(NAME, T, C, GENERIC, BF16, Q8)                                  \
-int NAME(const T *q, const C *k_cache, const C *v_cache, const int64_t *block_table,       \
-         const int64_t *ctx_lens, T *out, int64_t num_reqs, int64_t num_heads,              \
-         int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,    \
-         int64_t max_blocks, float scale) {                                                 \
+int NAME##_fixed(const T *q, const C *k_cache, const C *v_cache,                            \
+                 const int64_t *block_table, const int64_t *ctx_lens, T *out,               \
+                 int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,                 \
+                 int64_t head_dim, int64_t num_blocks, int64_t block_size,                  \
+                 int64_t max_blocks, float scale, int64_t split_tokens) {                   \
     const int64_t group = num_heads / num_kv_heads;                                         \
     if (group > MAX_GROUP || group * head_dim > MAX_GROUP_DIM                               \
         || group * block_size > MAX_GROUP_TOKENS)                                           \
         return 1;                                                                           \
     FAST_PATH(BF16, Q8)                                                                     \
+    (void)split_tokens;                                                                     \
     return GENERIC(q, k_cache, v_cache, block_table, ctx_lens, out, num_reqs, num_heads,    \
                    num_kv_heads, head_dim, num_blocks, block_size, max_blocks, scale);      \
+}                                                                                           \
+int NAME(const T *q, const C *k_cache, const C *v_cache, const int64_t *block_table,       \
+         const int64_t *ctx_lens, T *out, int64_t num_reqs, int64_t num_heads,              \
+         int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,    \
+         int64_t max_blocks, float scale) {                                                 \
+    return NAME##_fixed(q, k_cache, v_cache, block_table, ctx_lens, out, num_reqs,          \
+                        num_heads, num_kv_heads, head_dim, num_blocks, block_size,          \
+                        max_blocks, scale, -1);                                             \
 }
 
 #if SIMD_WIDTH
@@ -850,7 +872,7 @@ int NAME(const T *q, const C *k_cache, const C *v_cache, const int64_t *block_ta
         const decode_args a = {q, k_cache, v_cache, block_table, ctx_lens, out, num_heads,  \
                                num_kv_heads, num_blocks, block_size, max_blocks,            \
                                scale * 1.4426950408889634f};                                \
-        const int status = fast_decode(&a, num_reqs, head_dim, BF16, Q8);                   \
+        const int status = fast_decode(&a, num_reqs, head_dim, BF16, Q8, split_tokens);     \
         if (status >= 0) return status;                                                     \
     }
 #else
