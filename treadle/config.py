@@ -661,7 +661,8 @@ def add_config_arguments(parser: argparse.ArgumentParser,
     if SPECULATIVE_OPTION not in skip:
         parser.add_argument_group("speculative decoding").add_argument(
             "--speculative-config", dest=SPECULATIVE_OPTION, default=None, metavar="JSON",
-            help="A JSON object with keys " + SpeculativeConfig().keys_help())
+            help="A JSON object with keys " + SpeculativeConfig().keys_help()
+            + " (default: not set: no speculation)")
 
 
 def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -680,7 +681,7 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, config_type: type,
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "")
+        help_text = f"{f.metadata.get('help', '')} (default: {_default_text(f)})"
         annotation = str(f.type)
         if "list" in annotation:  # repeatable, and several values after one flag
             group.add_argument(flag, dest=f.name, action="extend", nargs="+", default=None,
@@ -691,6 +692,17 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, config_type: type,
         else:
             group.add_argument(flag, dest=f.name, default=None, type=_flag_type(annotation),
                                help=help_text)
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    """A field's default as `--help` shows it (the flag's own default is None: unset)."""
+    if f.default is dataclasses.MISSING:
+        return "see above"
+    if f.default is None:
+        return "not set"
+    if isinstance(f.default, bool):
+        return "true" if f.default else "false"
+    return str(f.default) if f.default != "" else "''"
 
 
 def dataclass_from_args(config_type: type, args: argparse.Namespace):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -27,6 +28,11 @@ import torch
 
 from treadle.paths import cache_dir
 from treadle.worker.cpu.huge_pages import HugePageArena
+
+logger = logging.getLogger(__name__)
+
+QUANT_BUILD_CPU_SECONDS_PER_SOURCE = 3.0
+"""gcc's CPU time per quant_*.c source, roughly (they build one after another)."""
 
 FORMAT_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "INT8": 4}
 """Format name -> the kernels' format number (quant_simd.h)."""
@@ -92,6 +98,9 @@ def build_variant(flags: list[str]) -> QuantKernels | None:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     target = cache_dir() / "kernels" / f"quant-{digest.hexdigest()[:16]}.so"
     if not target.exists():
+        logger.info("building the quantized kernels with %s (%d sources, once; about %.0f s "
+                    "on an idle machine)", " ".join(flags), len(sources),
+                    len(sources) * QUANT_BUILD_CPU_SECONDS_PER_SOURCE)
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             objects = []
