@@ -140,6 +140,15 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path,
     return config
 
 
+def conversion_dir(gguf_path: str | Path, dtype: torch.dtype,
+                   cache_dir: str | Path | None = None) -> Path:
+    """`<cache>/gguf/<sha256 prefix>-<dtype>-v<version>`: the folder of the file's
+    conversion to `dtype` (the checkpoint is a folder inside it; the weight cache of its
+    quantized linears sits beside it, worker/cpu/weight_cache.py)."""
+    root = Path(cache_dir if cache_dir is not None else default_cache_dir()) / "gguf"
+    return root / f"{file_sha256(gguf_path)[:24]}-{_DTYPE_NAMES[dtype]}-v{CONVERTER_VERSION}"
+
+
 def cached_checkpoint(gguf_path: str | Path, dtype: torch.dtype, name: str | None = None,
                       cache_dir: str | Path | None = None) -> Path:
     """The converted checkpoint of a GGUF file, converting it on first use.
@@ -153,9 +162,9 @@ def cached_checkpoint(gguf_path: str | Path, dtype: torch.dtype, name: str | Non
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"cannot convert GGUF to dtype {dtype}")
-    root = Path(cache_dir if cache_dir is not None else default_cache_dir()) / "gguf"
-    key = f"{file_sha256(gguf_path)[:24]}-{_DTYPE_NAMES[dtype]}-v{CONVERTER_VERSION}"
-    path = root / key / (name or gguf_path.stem)
+    folder = conversion_dir(gguf_path, dtype, cache_dir)
+    root, key = folder.parent, folder.name
+    path = folder / (name or gguf_path.stem)
     if (path / SOURCE_FILE).is_file():
         _record_source(path, gguf_path)
         return path

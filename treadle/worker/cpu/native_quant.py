@@ -260,6 +260,18 @@ class QuantKernels:
         self._check(status, fmt, k, blocks)
         return out
 
+    def r16_adopt(self, fmt: str, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """A copy, in the memory r16 weights live in, of `packed`: what `r16_pack` made of
+        an [n, k] weight of `fmt` with this library (the weight cache's copy,
+        worker/cpu/weight_cache.py); QuantKernelError when its size is not that."""
+        size = self._r16_bytes(FORMAT_CODES[fmt], n, k) if fmt in R16_FORMATS else -1
+        if size < 0 or packed.dtype != torch.uint8 or packed.numel() != size:
+            raise QuantKernelError(f"a packed r16 {fmt} weight [{n}, {k}] needs {size} bytes, "
+                                   f"got {packed.numel()} {packed.dtype}")
+        out = self._packed_memory.empty(size, torch.uint8)
+        out.copy_(packed.reshape(-1))
+        return out
+
     def gemv_r16(self, fmt: str, packed: torch.Tensor, scales: torch.Tensor | None, n: int,
                  k: int, x: torch.Tensor, bias: torch.Tensor | None,
                  threads: int = 0) -> torch.Tensor:
