@@ -8,10 +8,20 @@ import pytest
 import torch
 
 from conftest import use_fresh_cache_dir
-from test_quantized_engine import _core, _logprobs, tiny_gguf  # noqa: F401 (a fixture)
-from test_gguf import prompts
+from gguf_files import write_tiny_gguf
+from test_gguf import prompts, tiny_hf
+from test_quantized_engine import TYPES, _core, _logprobs
 from treadle.worker.cpu import quantized_linears, weight_cache
 from treadle.worker.cpu.native_quant import QuantKernels
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """test_quantized_engine's file: q/k/v Q8_0, o Q4_0, gate/up Q4_1, down Q5_0 (dense)."""
+    root = tmp_path_factory.mktemp("weight-cache")
+    hf_dir = tiny_hf(root / "hf", "llama", hidden=64, inter=128)
+    (root / "gguf").mkdir()
+    return write_tiny_gguf(hf_dir, root / "gguf" / "tiny.gguf", "llama", TYPES)
 
 
 def _no(what: str):

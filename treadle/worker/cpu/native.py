@@ -53,6 +53,10 @@ _COMPILE_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-c"]
 _FILE_FLAGS = {"paged_decode.c": ["-ffast-math"], "paged_prefill.c": ["-ffast-math"],
                "sampling.c": ["-fno-trapping-math", "-fno-math-errno"]}
 _LINK_FLAGS = ["-shared", "-fopenmp", "-Wl,-Bsymbolic"]
+COMPILE_TIMEOUT_S = 3600
+"""Seconds one gcc call may take before the build counts as failed (a hung compiler):
+generous, since on a loaded 2-core machine one source took over 300 s (the former bound,
+which made a first start fall back from avx512bf16 to avx512 after 12 minutes)."""
 BUILD_CPU_SECONDS = 60.0
 """gcc's CPU time for one level's library, all sources: 58 s measured for avx512bf16 on
 the Xeon of docs/benchmarks.md (gcc 12, -O3); the wall time is this over the cores that
@@ -297,12 +301,12 @@ def _build(compiler: str, sources: list[Path], target: Path, isa: str) -> None:
         def compile_one(pair: tuple[Path, Path]) -> None:
             source, obj = pair
             subprocess.run([compiler, *_compile_flags(source, isa), str(source), "-o", str(obj)],
-                           check=True, capture_output=True, text=True, timeout=300)
+                           check=True, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
 
         with ThreadPoolExecutor(max_workers=max(1, min(len(sources), os.cpu_count() or 1))) as pool:
             list(pool.map(compile_one, zip(sources, objects)))
         subprocess.run([compiler, *_LINK_FLAGS, *map(str, objects), "-o", str(partial), "-lm"],
-                       check=True, capture_output=True, text=True, timeout=300)
+                       check=True, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
         os.replace(partial, target)
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from treadle.paths import cache_dir
+from treadle.worker.cpu.native import COMPILE_TIMEOUT_S
 from treadle.worker.cpu.huge_pages import HugePageArena
 
 logger = logging.getLogger(__name__)
@@ -107,10 +108,11 @@ def build_variant(flags: list[str]) -> QuantKernels | None:
             for source in sources:
                 objects.append(str(Path(tmp) / (source.stem + ".o")))
                 subprocess.run([compiler, "-O3", *flags, "-fopenmp", "-fPIC", "-c", str(source),
-                                "-o", objects[-1]], check=True, capture_output=True, timeout=300)
+                                "-o", objects[-1]], check=True, capture_output=True,
+                               timeout=COMPILE_TIMEOUT_S)
             partial = Path(tmp) / target.name
             subprocess.run([compiler, "-shared", "-fopenmp", *objects, "-o", str(partial), "-lm"],
-                           check=True, capture_output=True, timeout=300)
+                           check=True, capture_output=True, timeout=COMPILE_TIMEOUT_S)
             os.replace(partial, target)
     return QuantKernels(ctypes.CDLL(str(target)))
 
