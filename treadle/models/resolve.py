@@ -60,6 +60,14 @@ def hub_snapshot(repo_id: str, revision: str | None = None,
     except ImportError as exc:
         raise ImportError("Hugging Face ids need the `huggingface_hub` package") from exc
     offline = _offline()
+    if not offline:
+        from huggingface_hub import try_to_load_from_cache
+        if not isinstance(try_to_load_from_cache(repo_id, "config.json", cache_dir=download_dir,
+                                                 revision=revision), str):
+            logger.info("downloading %s (revision %s) from the Hugging Face Hub into %s: its "
+                        "configs, safetensors and tokenizer, once (huggingface_hub shows the "
+                        "progress; a model's size over the link's speed)", repo_id,
+                        revision or "main", download_dir or "the Hugging Face cache")
     try:
         path = snapshot_download(repo_id, revision=revision, cache_dir=download_dir,
                                  allow_patterns=_HUB_PATTERNS, local_files_only=offline)
