@@ -42,6 +42,10 @@ DEFAULT_SCHEDULING_POLICY = next(iter(SCHEDULING_POLICIES))
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8")
 """--quantization: weights kept quantized in memory (worker/cpu/quantized_linears.py)."""
 
+AUTO = "auto"
+"""kv_cache_memory / swap_space sized from the model and the machine
+(worker/memory_budget.py)."""
+
 _SIZE_UNITS = {
     "": 1, "b": 1,
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -176,8 +180,10 @@ class CacheConfig:
     """The paged KV cache."""
 
     block_size: int = field(default=16, metadata=_help("Tokens per KV-cache block"))
-    kv_cache_memory: int | str = field(default=2 * 1024**3, metadata=_help(
-        "Bytes of KV cache, e.g. 4GiB (ignored when num_kv_blocks is given)"))
+    kv_cache_memory: int | str = field(default="auto", metadata=_help(
+        "Bytes of KV cache, e.g. 4GiB, or auto: max_num_seqs x max_model_len tokens of the "
+        "model's KV, at most a quarter of the memory available at start (cgroup limits "
+        "included; docs/memory.md); ignored when num_kv_blocks is given"))
     num_kv_blocks: int | None = field(default=None, metadata=_help(
         "Exact number of KV-cache blocks; overrides kv_cache_memory"))
     enable_prefix_caching: bool = field(default=True, metadata=_help(
@@ -186,8 +192,10 @@ class CacheConfig:
         "Give each request a run of consecutive never-used KV blocks, sized for its prompt "
         "and max_tokens, to grow into (others take it back before any cached block is "
         "evicted): attention reads its context in long runs"))
-    swap_space: int | str = field(default=1024**3, metadata=_help(
-        "Bytes of swap memory for the KV of requests preempted by swap, e.g. 1GiB"))
+    swap_space: int | str = field(default="auto", metadata=_help(
+        "Bytes of host memory for the KV of requests preempted by swap, e.g. 1GiB, or "
+        "auto: half the KV cache, at most an eighth of the memory available at start; "
+        "reserved when first used"))
     gpu_memory_utilization: float = field(default=0.9, metadata=_help(
         "GPU: fraction of the card's memory this engine may use (weights, activations "
         "and KV cache); the KV cache gets what a profiling step leaves (kv_cache_memory "
@@ -210,9 +218,12 @@ class CacheConfig:
         if self.kv_cache_dtype not in ("auto", "int8", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be one of auto, int8, fp8_e4m3, "
                              f"got {self.kv_cache_dtype!r}")
-        object.__setattr__(self, "kv_cache_memory",
-                           parse_size(self.kv_cache_memory, "kv_cache_memory"))
-        object.__setattr__(self, "swap_space", parse_size(self.swap_space, "swap_space"))
+        for name in ("kv_cache_memory", "swap_space"):  # a byte count, or "auto"
+            value = getattr(self, name)
+            if not (isinstance(value, str) and value.strip().lower() == AUTO):
+                object.__setattr__(self, name, parse_size(value, name))
+            else:
+                object.__setattr__(self, name, AUTO)
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -670,7 +681,8 @@ def add_config_arguments(parser: argparse.ArgumentParser,
     if SPECULATIVE_OPTION not in skip:
         parser.add_argument_group("speculative decoding").add_argument(
             "--speculative-config", dest=SPECULATIVE_OPTION, default=None, metavar="JSON",
-            help="A JSON object with keys " + SpeculativeConfig().keys_help())
+            help="A JSON object with keys " + SpeculativeConfig().keys_help()
+            + " (default: not set: no speculation)")
 
 
 def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -689,7 +701,7 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, config_type: type,
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "")
+        help_text = f"{f.metadata.get('help', '')} (default: {_default_text(f)})"
         annotation = str(f.type)
         if "list" in annotation:  # repeatable, and several values after one flag
             group.add_argument(flag, dest=f.name, action="extend", nargs="+", default=None,
@@ -700,6 +712,17 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, config_type: type,
         else:
             group.add_argument(flag, dest=f.name, default=None, type=_flag_type(annotation),
                                help=help_text)
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    """A field's default as `--help` shows it (the flag's own default is None: unset)."""
+    if f.default is dataclasses.MISSING:
+        return "see above"
+    if f.default is None:
+        return "not set"
+    if isinstance(f.default, bool):
+        return "true" if f.default else "false"
+    return str(f.default) if f.default != "" else "''"
 
 
 def dataclass_from_args(config_type: type, args: argparse.Namespace):

@@ -8,11 +8,14 @@
     bench.py       bench ...             the benchmarks users run (bench_offline.py,
                                          bench_online.py, bench_common.py)
     simulate.py    simulate ...          the capacity simulator
+    build_kernels.py  build-kernels      the C kernels, built ahead of the first start
 
 Engine flags are generated from the config dataclasses (treadle/config.py), so every
-knob has exactly one name and one help text. These modules only parse arguments and call
-into the package; they hold no engine logic. A new command is one module with an
-`add_parser(sub)` plus its line in COMMANDS.
+knob has exactly one name and one help text. Shared option handling (help with defaults,
+`--config FILE.yaml`) is options.py's; the fail-fast checks before anything heavy are
+preflight.py's. These modules only parse arguments and call into the package; they hold
+no engine logic. A new command is one module with an `add_parser(sub)` plus its line in
+COMMANDS.
 """
 
 from __future__ import annotations
@@ -21,15 +24,16 @@ import argparse
 import logging
 import sys
 
-from treadle.cli import bench, demo_model, generate, serve, simulate, trace
+from treadle.cli import bench, build_kernels, demo_model, generate, serve, simulate, trace
+from treadle.cli.options import TreadleParser, config_file_of, expand_config_file
 
-COMMANDS = (generate, serve, trace, demo_model, bench, simulate)
+COMMANDS = (generate, serve, trace, demo_model, bench, simulate, build_kernels)
 """The modules that register the top-level commands, in the order `treadle --help` lists
 them."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="treadle")
+    parser = TreadleParser(prog="treadle")
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
@@ -38,8 +42,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with a `--config FILE.yaml`'s options under those given
+    (cli/options.py); ValueError for a bad file."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    given = config_file_of(args)
+    if given is not None:
+        args = parser.parse_args(expand_config_file(argv, given[1], given[0]))
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # httpx logs every request at INFO: a load generator's thousands of lines, not news.

@@ -7,6 +7,11 @@ benchmarks/, not subcommands.
 from __future__ import annotations
 
 from treadle.cli import bench_offline, bench_online
+from treadle.cli.options import add_config_file_argument
+
+NO_CONFIG_FILE = ("compare", "scheduling", "lora")
+"""Subcommands without `--config`: compare takes a YAML of its own, the other two hand
+their arguments whole to their own parser."""
 
 
 def add_parser(sub) -> None:
@@ -21,3 +26,6 @@ def add_parser(sub) -> None:
                 bench_offline.add_perplexity, bench_offline.add_quality,
                 bench_offline.add_kv):
         add(bench_sub)
+    for name, parser in bench_sub.choices.items():
+        if name not in NO_CONFIG_FILE:
+            add_config_file_argument(parser)

@@ -36,7 +36,10 @@ def workload(args: argparse.Namespace, model_path: str):
 def model_path(args: argparse.Namespace) -> str:
     """The checkpoint directory of a benchmark's --model: the demo model when not given
     (benchmarks measure speed on the fixed demo checkpoint unless told otherwise)."""
+    from treadle.cli.preflight import check_model
     from treadle.engine.core import resolve_checkpoint
+    check_model({"model": args.model, "revision": getattr(args, "revision", None),
+                 "download_dir": getattr(args, "download_dir", None)})
     return str(resolve_checkpoint(args.model or "demo", getattr(args, "revision", None),
                                   getattr(args, "download_dir", None),
                                   getattr(args, "dtype", None) or "auto"))

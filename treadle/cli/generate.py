@@ -10,10 +10,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from treadle.cli.options import add_config_file_argument
+from treadle.cli.preflight import check_engine_options
 from treadle.config import add_config_arguments, options_from_args
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    check_engine_options(options_from_args(args))  # before torch is imported
     from treadle import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -32,6 +35,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
+    check_engine_options(options_from_args(args))
     from treadle import SamplingParams
     from treadle.chat import run_chat
 
@@ -50,6 +54,7 @@ def add_parser(sub) -> None:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
+    add_config_file_argument(gen)
     add_config_arguments(gen)
     gen.set_defaults(func=_cmd_generate)
 
@@ -61,5 +66,6 @@ def add_parser(sub) -> None:
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--top-p", type=float, default=1.0)
     chat.add_argument("--sampling-seed", type=int, default=None)
+    add_config_file_argument(chat)
     add_config_arguments(chat)
     chat.set_defaults(func=_cmd_chat)

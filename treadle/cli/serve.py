@@ -1,24 +1,28 @@
 """`treadle serve` and `treadle worker`: the OpenAI-compatible server (one engine, or
 replicas on Ray), and the ranks other than 0 under torchrun.
 
-This module parses arguments and hands the configs to treadle.server.serve and the
-torchrun executor; it holds no engine or server logic.
+This module parses arguments, runs the fail-fast checks (cli/preflight.py: the configs,
+the optional packages, the model option, then the port, bound and held) before anything
+heavy is imported, and hands the configs and the bound socket to treadle.server.serve
+and the torchrun executor; it holds no engine or server logic.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
+from treadle.cli.options import add_config_file_argument
 from treadle.config import add_config_arguments, add_dataclass_arguments, options_from_args
 from treadle.server.config import ServerConfig
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from treadle.cli import preflight
+    from treadle.compat import check_serving
     from treadle.config import EngineConfig, dataclass_from_args
-    from treadle.executor.torchrun import launcher_rank
-    from treadle.server.serve import serve
-
     from treadle.distributed.config import ReplicaConfig
+    from treadle.executor.torchrun import launcher_rank
 
     config = EngineConfig.from_options(**options_from_args(args))
     if config.parallel.executor == "torchrun" and launcher_rank() != 0:
@@ -27,7 +31,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if replica_config.on_ray:  # these read one engine's steps: off unless asked for
         args.dashboard = False if args.dashboard is None else args.dashboard
         args.request_timelines = 0 if args.request_timelines is None else args.request_timelines
-    return serve(config, dataclass_from_args(ServerConfig, args), replica_config)
+    server_config = dataclass_from_args(ServerConfig, args)
+    check_serving(config, server_config, replica_config)  # refused combinations first
+    preflight.check_engine_options({
+        **dataclasses.asdict(config.model), **dataclasses.asdict(server_config),
+        **dataclasses.asdict(replica_config)})
+    sock = preflight.bind_port(server_config.host, server_config.port)
+    from treadle.server.serve import serve  # torch, uvicorn, the engine: after the checks
+
+    return serve(config, server_config, replica_config, sock=sock)
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
@@ -43,6 +55,7 @@ def add_parser(sub) -> None:
     """Register `serve` and `worker` on the top-level subparsers."""
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API "
                                        "(SmolLM2-135M-Instruct by default)")
+    add_config_file_argument(srv)
     add_config_arguments(srv)
     add_dataclass_arguments(srv, ServerConfig, "server options")
     from treadle.distributed.config import ReplicaConfig

@@ -126,11 +126,11 @@ class EngineCore:
         num_blocks = cache.num_kv_blocks or info.num_kv_blocks
         if num_blocks < 1:
             raise ValueError(
-                f"kv_cache_memory={cache.kv_cache_memory} bytes holds no block: one block of "
+                f"kv_cache_memory={cache.kv_cache_memory} holds no block: one block of "
                 f"{cache.block_size} tokens needs {info.kv_bytes_per_token * cache.block_size}"
                 " bytes")
         if self.config.scheduler.preemption_mode == "swap" and not info.num_swap_blocks:
-            logger.warning("preemption_mode=swap with swap_space=%d bytes holds no block: "
+            logger.warning("preemption_mode=swap with swap_space=%s holds no block: "
                            "preemption falls back to recompute", cache.swap_space)
         logger.info("model %s: %s, %s", info.model_dir, info.dtype, info.kernels)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%s, %d bytes per token, "

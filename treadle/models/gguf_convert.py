@@ -34,6 +34,9 @@ logger = logging.getLogger(__name__)
 
 CONVERTER_VERSION = 1
 """Part of the cache key: bump it when the files a conversion writes change."""
+CONVERT_SECONDS_PER_MB = 0.16
+"""A conversion's time per MB of GGUF file, for the log line before it: 16 s for the
+default model's 98 MB on a shared 2-core machine (38 s at a load average of 20)."""
 SHARD_BYTES = 4 * 1024**3
 SOURCE_FILE = "treadle_gguf.json"
 """Written last into a conversion: the GGUF file it came from and its tensor types."""
@@ -140,6 +143,15 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path,
     return config
 
 
+def conversion_dir(gguf_path: str | Path, dtype: torch.dtype,
+                   cache_dir: str | Path | None = None) -> Path:
+    """`<cache>/gguf/<sha256 prefix>-<dtype>-v<version>`: the folder of the file's
+    conversion to `dtype` (the checkpoint is a folder inside it; the weight cache of its
+    quantized linears sits beside it, worker/cpu/weight_cache.py)."""
+    root = Path(cache_dir if cache_dir is not None else default_cache_dir()) / "gguf"
+    return root / f"{file_sha256(gguf_path)[:24]}-{_DTYPE_NAMES[dtype]}-v{CONVERTER_VERSION}"
+
+
 def cached_checkpoint(gguf_path: str | Path, dtype: torch.dtype, name: str | None = None,
                       cache_dir: str | Path | None = None) -> Path:
     """The converted checkpoint of a GGUF file, converting it on first use.
@@ -153,9 +165,9 @@ def cached_checkpoint(gguf_path: str | Path, dtype: torch.dtype, name: str | Non
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"cannot convert GGUF to dtype {dtype}")
-    root = Path(cache_dir if cache_dir is not None else default_cache_dir()) / "gguf"
-    key = f"{file_sha256(gguf_path)[:24]}-{_DTYPE_NAMES[dtype]}-v{CONVERTER_VERSION}"
-    path = root / key / (name or gguf_path.stem)
+    folder = conversion_dir(gguf_path, dtype, cache_dir)
+    root, key = folder.parent, folder.name
+    path = folder / (name or gguf_path.stem)
     if (path / SOURCE_FILE).is_file():
         _record_source(path, gguf_path)
         return path
@@ -166,8 +178,10 @@ def cached_checkpoint(gguf_path: str | Path, dtype: torch.dtype, name: str | Non
             return path
         if path.exists():  # not a conversion of ours (ours appear whole): start afresh
             shutil.rmtree(path)
-        logger.info("converting %s to a Hugging Face checkpoint (%s) in %s; later starts "
-                    "reuse it", gguf_path, _DTYPE_NAMES[dtype], path)
+        size_mb = gguf_path.stat().st_size / 1e6
+        logger.info("converting %s (%.0f MB) to a Hugging Face checkpoint (%s) in %s: about "
+                    "%.0f s on an idle 2-core machine, once; later starts reuse it", gguf_path,
+                    size_mb, _DTYPE_NAMES[dtype], path, size_mb * CONVERT_SECONDS_PER_MB)
         start = time.perf_counter()
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
         try:

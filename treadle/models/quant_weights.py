@@ -153,7 +153,10 @@ class QuantizedLinear:
 
     def __init__(self, fmt: QuantFormat | str, blocks: torch.Tensor, in_features: int,
                  scales: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                 kernels=None, tile_rows: int = TILE_ROWS) -> None:
+                 kernels=None, tile_rows: int = TILE_ROWS,
+                 packed: torch.Tensor | None = None) -> None:
+        """`packed`: the r16 copy `kernels` made of these blocks before (a weight cache's,
+        or another QuantizedLinear's), taken instead of packing again."""
         self.format = fmt if isinstance(fmt, QuantFormat) else format_of(fmt)
         row_bytes = self.format.row_bytes(in_features)
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes:
@@ -176,7 +179,10 @@ class QuantizedLinear:
         """The weight in the r16 layout, where the kernels run that path for this format
         (a second copy of the blocks: the other paths read the GGUF layout)."""
         if kernels is not None and self.format.name in getattr(kernels, "r16_formats", ()):
-            self.packed = kernels.r16_pack(self.format.name, self.blocks, in_features)
+            self.packed = (kernels.r16_pack(self.format.name, self.blocks, in_features)
+                           if packed is None else
+                           kernels.r16_adopt(self.format.name, packed, self.out_features,
+                                             in_features))
         self._dense: torch.Tensor | None = None  # the fallback's copy
         self._bias_as: dict[torch.dtype, torch.Tensor] = {}
 

@@ -12,6 +12,8 @@ Owns the one decision of which checkpoint a model string means:
 and the served name that goes with it. It loads no model. A GGUF file is converted to
 the engine's dtype; what `auto` means there is the caller's `auto` (models/loader.py
 `AutoDtype`: the platform's answer), asked only when a conversion needs it.
+`check_model` applies the same rules without fetching, converting or importing torch: the
+command line's fail-fast check (treadle/cli/preflight.py), seconds before anything heavy.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ import logging
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +60,14 @@ def hub_snapshot(repo_id: str, revision: str | None = None,
     except ImportError as exc:
         raise ImportError("Hugging Face ids need the `huggingface_hub` package") from exc
     offline = _offline()
+    if not offline:
+        from huggingface_hub import try_to_load_from_cache
+        if not isinstance(try_to_load_from_cache(repo_id, "config.json", cache_dir=download_dir,
+                                                 revision=revision), str):
+            logger.info("downloading %s (revision %s) from the Hugging Face Hub into %s: its "
+                        "configs, safetensors and tokenizer, once (huggingface_hub shows the "
+                        "progress; a model's size over the link's speed)", repo_id,
+                        revision or "main", download_dir or "the Hugging Face cache")
     try:
         path = snapshot_download(repo_id, revision=revision, cache_dir=download_dir,
                                  allow_patterns=_HUB_PATTERNS, local_files_only=offline)
@@ -112,6 +124,49 @@ def default_checkpoint(dtype: str | torch.dtype = "auto", auto=None) -> Path:
                        default_model.DEFAULT_MODEL_NAME, exc)
         return demo_model_path()
     return local_checkpoint(gguf, dtype, name=default_model.DEFAULT_MODEL_NAME, auto=auto)
+
+
+def check_model(model: str | None, revision: str | None = None,
+                download_dir: str | None = None) -> None:
+    """Raise FileNotFoundError or ValueError, naming the problem and what to pass instead,
+    when `model` cannot name a checkpoint by resolve_model's rules; cheap (no torch, no
+    download, no conversion). A Hub id is checked against the local cache only when
+    HF_HUB_OFFLINE=1 (online, only the download can tell)."""
+    if model is None or model == DEMO:
+        return
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"model file {path} is not a .gguf file; pass a checkpoint "
+                             "directory, a .gguf file or a Hugging Face id")
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ValueError(f"model file {path} is not a GGUF file (it does not start "
+                                 "with the GGUF magic bytes)")
+        return
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            if not any(path.glob("*.safetensors")):
+                raise FileNotFoundError(f"model folder {path} has config.json but no "
+                                        "*.safetensors weights")
+            return
+        if _gguf_in(path) is None:
+            raise FileNotFoundError(f"model folder {path} has neither config.json nor a "
+                                    ".gguf file")
+        return
+    if not is_hub_id(model):
+        raise FileNotFoundError(f"model {model!r} not found: it is neither a folder with "
+                                "config.json, a .gguf file, 'demo', nor a Hugging Face id "
+                                "(org/name)")
+    if _offline():
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(model, "config.json", cache_dir=download_dir,
+                                       revision=revision)
+        if not isinstance(found, str):
+            raise FileNotFoundError(f"model {model} (revision {revision or 'main'}) is not in "
+                                    f"{download_dir or 'the Hugging Face cache'} and "
+                                    "HF_HUB_OFFLINE=1 forbids downloading it")
 
 
 def resolve_model(model: str | None, revision: str | None = None,

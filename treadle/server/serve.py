@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import time
 
 import uvicorn
@@ -42,6 +43,14 @@ class _GracefulServer(uvicorn.Server):
         self._serving, self._engine, self._timeout = serving, serving.engine, shutdown_timeout
         self._draining = False
         self.engine_died_at: float | None = None
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:  # said once the server answers, not before
+            for sock in sockets or []:
+                host, port = sock.getsockname()[:2]
+                logger.info("serving %s on http://%s:%d", self._engine.model_name,
+                            f"[{host}]" if ":" in host else host, port)
 
     async def on_tick(self, counter: int) -> bool:
         if self._engine.error is not None and not self._draining:
@@ -113,7 +122,13 @@ def make_engine(engine_config: EngineConfig, server_config: ServerConfig,
 
 
 def serve(engine_config: EngineConfig, server_config: ServerConfig,
-          replica_config=None) -> int:
+          replica_config=None, sock: socket.socket | None = None) -> int:
+    """Serve until SIGTERM / SIGINT (exit status 0) or the engine's death (1). `sock`: the
+    listening socket of host:port, bound by the caller before the engine started
+    (treadle/cli/preflight.py `bind_port`); bound here when not given."""
+    if sock is None:
+        from treadle.cli.preflight import bind_port
+        sock = bind_port(server_config.host, server_config.port)
     keyring = KeyRing.from_options(server_config.api_key, server_config.api_keys_file)
     lora_modules = parse_lora_modules(server_config.lora_modules)
     check_serving(engine_config, server_config, replica_config)  # treadle/compat.py
@@ -138,10 +153,9 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig,
                             http=bounded_head_protocol(head),
                             h11_max_incomplete_event_size=head + 64 * 1024)
     server = _GracefulServer(config, app.state.serving, server_config.shutdown_timeout)
-    logger.info("serving %s on http://%s:%d", engine.model_name, server_config.host,
-                server_config.port)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()
+        sock.close()
     return 1 if server.engine_died_at is not None else 0

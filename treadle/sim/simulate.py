@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from treadle.config import CacheConfig, SchedulerConfig
+from treadle.config import AUTO, CacheConfig, SchedulerConfig
 from treadle.core.policy import PreemptionCosts
 from treadle.router.routers import PrefixRouterOptions, Router, make_router
 from treadle.sim import workload as wl
@@ -164,7 +164,7 @@ def build(config: SimConfig, engine_options: dict | None = None) -> SimSetup:
     block_bytes = kv_bytes * cache.block_size
     if "num_kv_blocks" in engine_options:
         blocks = int(engine_options["num_kv_blocks"])
-    elif "kv_cache_memory" in engine_options:
+    elif engine_options.get("kv_cache_memory", AUTO) != AUTO:
         blocks = int(cache.kv_cache_memory // block_bytes)
     elif shape is not None:
         blocks = num_kv_blocks(hardware, shape, config.tensor_parallel_size, cache.block_size)
@@ -174,7 +174,9 @@ def build(config: SimConfig, engine_options: dict | None = None) -> SimSetup:
             blocks = blocks * int(facts["block_size"]) // cache.block_size
     if blocks < 1:
         raise ValueError(f"the KV cache holds no block of {cache.block_size} tokens")
-    if "swap_space" in engine_options or shape is not None:
+    if cache.swap_space == AUTO and ("swap_space" in engine_options or shape is not None):
+        swap_blocks = blocks // 2  # the engine's auto: half the KV cache (docs/memory.md)
+    elif "swap_space" in engine_options or shape is not None:
         swap_blocks = int(cache.swap_space // block_bytes)
     else:
         swap_blocks = int(facts.get("num_swap_blocks", 0))

@@ -15,7 +15,10 @@ business (worker/attention). A layout is named by the backend that uses it:
   a block contiguous across heads (one run per swap copy), one row per token for the
   K/V write, FlashAttention's paged layout; the Triton kernels read it (docs/gpu.md).
 
-On the CPU the tensors come from transparent huge pages (`allocate_kv_caches`).
+On the CPU the tensors come from transparent huge pages (`allocate_kv_caches`), zero
+without being written, so that memory becomes resident only as blocks are used. The swap
+space (`SwapSpace`) is made on its first use, the first swap-out: a server that never
+swaps never reserves it.
 
 With a quantized cache (`kv_cache_dtype` int8 or fp8_e4m3, worker/kv_quant.py) the last
 dimension is a row of `head_dim` values and their float16 scale (`head_dim + 2` bytes),
@@ -24,7 +27,9 @@ so every block carries its own scales through copies, swaps and prefix-cache reu
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +37,8 @@ import torch
 from treadle.core.kv.specs import CACHE_DTYPES
 from treadle.worker import kv_quant
 from treadle.worker.cpu.huge_pages import HugePageArena
+
+logger = logging.getLogger(__name__)
 
 KV_LAYOUTS = {"heads_first": 2, "blocks_first": 1}
 """Layout name -> the dimension that indexes blocks."""
@@ -100,23 +107,69 @@ def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, block_size: int,
     0 x NaN from uninitialised memory would still poison the output. On the CPU the
     tensors are cut from transparent huge pages (worker/cpu/huge_pages.py): a decode step
     streams every running request's K/V, and in 4 KiB pages the hardware prefetcher
-    stops at each page's end (docs/benchmarks.md, round 22).
+    stops at each page's end (docs/benchmarks.md, round 22). Fresh anonymous memory reads
+    as zeros, so nothing is written here: writing 2 GiB of zeros took 8 s of a start and
+    made all of it resident at once (issue 47).
     """
     shape = spec.shape(num_blocks, block_size)
     if torch.device(device).type == "cpu":
         arena = HugePageArena()
-        return [arena.empty(math.prod(shape), spec.storage_dtype).view(shape).zero_()
+        return [arena.zeros(math.prod(shape), spec.storage_dtype).view(shape)
                 for _ in range(spec.num_layers)]
     return [torch.zeros(shape, dtype=spec.storage_dtype, device=device)
             for _ in range(spec.num_layers)]
 
 
+class SwapSpace(Sequence):
+    """Host-memory blocks for swapped-out KV, one tensor per layer laid out like the cache
+    (pinned for a GPU), made when a layer's tensor is first asked for: the first
+    swap-out. Unpinned, they come from untouched anonymous memory (zeros), so only the
+    blocks written take memory. A sequence of tensors, as `copy_blocks` takes."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int,
+                 pin_memory: bool = False) -> None:
+        self.spec, self.num_blocks, self.block_size = spec, num_blocks, block_size
+        self.pin_memory = pin_memory
+        self._layers: list[torch.Tensor] | None = None
+
+    @property
+    def allocated(self) -> bool:
+        return self._layers is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes it reserves once allocated."""
+        itemsize = torch.empty((), dtype=self.spec.storage_dtype).element_size()
+        return (self.spec.num_layers * math.prod(self.spec.shape(self.num_blocks,
+                                                                 self.block_size)) * itemsize)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        if self._layers is None:
+            shape, dtype = self.spec.shape(self.num_blocks, self.block_size), self.spec.storage_dtype
+            if self.pin_memory:
+                self._layers = [torch.zeros(shape, dtype=dtype, pin_memory=True)
+                                for _ in range(self.spec.num_layers)]
+            else:
+                arena = HugePageArena()
+                self._layers = [arena.zeros(math.prod(shape), dtype).view(shape)
+                                for _ in range(self.spec.num_layers)]
+            logger.info("swap space reserved on first use: %d blocks, %.2f GiB%s",
+                        self.num_blocks, self.nbytes / 2**30, " pinned" if self.pin_memory
+                        else " (resident as blocks are written)")
+        return self._layers
+
+    def __len__(self) -> int:
+        return self.spec.num_layers
+
+    def __getitem__(self, index):
+        return self._tensors()[index]
+
+
 def allocate_swap_space(spec: KVCacheSpec, num_blocks: int, block_size: int,
-                        pin_memory: bool = False) -> list[torch.Tensor]:
-    """Host-memory blocks for swapped-out KV, laid out like the cache (pinned for a GPU)."""
-    shape = spec.shape(num_blocks, block_size)
-    return [torch.zeros(shape, dtype=spec.storage_dtype, pin_memory=pin_memory)
-            for _ in range(spec.num_layers)]
+                        pin_memory: bool = False) -> SwapSpace:
+    """Host-memory blocks for swapped-out KV, laid out like the cache (pinned for a GPU),
+    reserved on first use (`SwapSpace`)."""
+    return SwapSpace(spec, num_blocks, block_size, pin_memory)
 
 
 def copy_blocks(src: list[torch.Tensor], dst: list[torch.Tensor],

@@ -46,6 +46,7 @@ from treadle.worker.grammar import GrammarState
 from treadle.worker.cost_probe import measure_copy_bytes_per_s, measure_matmul_flops_per_s
 from treadle.worker.kv_cache import KVCacheSpec, allocate_kv_caches, allocate_swap_space
 from treadle.worker import kv_transfer
+from treadle.worker.memory_budget import cache_bytes
 from treadle.worker.model_runner import ModelRunner
 from treadle.worker.parallel_state import init_parallel
 from treadle.worker.profile_step import profile_lengths, profile_steps
@@ -130,10 +131,13 @@ class Worker:
         # A draft model's KV rides along with every target block (worker/spec/draft.py).
         bytes_per_token = self.kv_spec.bytes_per_token + self._draft_bytes_per_token
         block_bytes = bytes_per_token * cache.block_size
+        sizes = cache_bytes(config, bytes_per_token, self.max_model_len)  # `auto` resolved
+        if sizes.note is not None and self.rank == 0:
+            logger.info("%s", sizes.note)
         num_swap_blocks = (0 if config.scheduler.preemption_mode == "recompute" else
-                           cache.swap_space // block_bytes)
+                           sizes.swap // block_bytes)
         num_kv_blocks = self.platform.kv_cache_bytes(
-            cache.kv_cache_memory, self._profile_step,
+            sizes.kv_cache, self._profile_step,
             cache.gpu_memory_utilization) // block_bytes
         kernels = f"attention backend {self.attention.name}"
         described = self.platform.describe_kernels(self.native, dtype, self.model.head_dim,

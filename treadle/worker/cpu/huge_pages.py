@@ -53,6 +53,14 @@ class HugePageArena:
         self._used = -(-(start + size) // _ALIGN) * _ALIGN
         return self._chunk[start:start + size].view(dtype)
 
+    def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """`empty`, known to read as zeros without being written: every byte an arena
+        hands out comes from an anonymous mapping made by it and handed out once, which
+        the kernel fills with zeros on first touch. So nothing is touched here, and the
+        memory becomes resident only as it is written (a KV cache at rest costs the
+        blocks used so far, not its size)."""
+        return self.empty(numel, dtype)
+
     def _map(self, size: int) -> torch.Tensor:
         """`size` bytes starting on a 2 MiB boundary, huge pages asked for, untouched."""
         region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

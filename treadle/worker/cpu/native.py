@@ -14,7 +14,8 @@ binds its own symbols (-Bsymbolic), so libraries of several levels can be loaded
 
 When no compiler is available or the build fails, `load_kernels()` returns None and the
 torch implementations (worker/attention/, worker/sampler.py) are used instead: slower,
-same results.
+same results. A build is announced before it starts, with its expected duration
+(`build_estimate_s`), and `treadle build-kernels` runs every build ahead of a first start.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +53,14 @@ _COMPILE_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-c"]
 _FILE_FLAGS = {"paged_decode.c": ["-ffast-math"], "paged_prefill.c": ["-ffast-math"],
                "sampling.c": ["-fno-trapping-math", "-fno-math-errno"]}
 _LINK_FLAGS = ["-shared", "-fopenmp", "-Wl,-Bsymbolic"]
+COMPILE_TIMEOUT_S = 3600
+"""Seconds one gcc call may take before the build counts as failed (a hung compiler):
+generous, since on a loaded 2-core machine one source took over 300 s (the former bound,
+which made a first start fall back from avx512bf16 to avx512 after 12 minutes)."""
+BUILD_CPU_SECONDS = 60.0
+"""gcc's CPU time for one level's library, all sources: 58 s measured for avx512bf16 on
+the Xeon of docs/benchmarks.md (gcc 12, -O3); the wall time is this over the cores that
+compile in parallel, longer on a busy machine."""
 _ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float]
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _SAMPLE_ARGTYPES = [_P, _I64, _I64, _I64] + [_P] * 6
@@ -261,8 +271,12 @@ class NativeKernels:
         return out
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
+    """The C compiler the kernels are built with ($CC, gcc or cc), or None."""
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+_compiler = compiler
 
 
 def _sources() -> list[Path]:
@@ -277,6 +291,13 @@ def _compile_flags(source: Path, isa: str) -> list[str]:
     return _COMPILE_FLAGS + cpu_isa.compile_flags(isa) + _FILE_FLAGS.get(source.name, [])
 
 
+def build_estimate_s(num_jobs: int | None = None) -> float:
+    """The expected wall time of one level's build on an idle machine (BUILD_CPU_SECONDS
+    over the parallel compiles)."""
+    jobs = num_jobs or max(1, min(len(_sources()), os.cpu_count() or 1))
+    return BUILD_CPU_SECONDS / jobs
+
+
 def _build(compiler: str, sources: list[Path], target: Path, isa: str) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -286,12 +307,12 @@ def _build(compiler: str, sources: list[Path], target: Path, isa: str) -> None:
         def compile_one(pair: tuple[Path, Path]) -> None:
             source, obj = pair
             subprocess.run([compiler, *_compile_flags(source, isa), str(source), "-o", str(obj)],
-                           check=True, capture_output=True, text=True, timeout=300)
+                           check=True, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
 
         with ThreadPoolExecutor(max_workers=max(1, min(len(sources), os.cpu_count() or 1))) as pool:
             list(pool.map(compile_one, zip(sources, objects)))
         subprocess.run([compiler, *_LINK_FLAGS, *map(str, objects), "-o", str(partial), "-lm"],
-                       check=True, capture_output=True, text=True, timeout=300)
+                       check=True, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
         os.replace(partial, target)
 
 
@@ -343,8 +364,15 @@ def load_kernels(isa: str = "auto") -> NativeKernels | None:
         target = library_path(level, compiler)
         try:
             if not target.exists():
+                logger.info(
+                    "building the C kernels for %s (%d sources, gcc on %d cores: about %.0f s "
+                    "on an idle machine, once per machine and kernel version; `treadle "
+                    "build-kernels` builds them ahead)", level, len(sources),
+                    min(len(sources), os.cpu_count() or 1), build_estimate_s())
+                start = time.perf_counter()
                 _build(compiler, sources, target, level)
-                logger.info("built the CPU kernels for %s at %s", level, target)
+                logger.info("built the C kernels for %s in %.0f s: %s", level,
+                            time.perf_counter() - start, target)
             return NativeKernels(ctypes.CDLL(str(target)), level)
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", "") or exc

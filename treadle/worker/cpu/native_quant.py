@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -26,7 +27,13 @@ from pathlib import Path
 import torch
 
 from treadle.paths import cache_dir
+from treadle.worker.cpu.native import COMPILE_TIMEOUT_S
 from treadle.worker.cpu.huge_pages import HugePageArena
+
+logger = logging.getLogger(__name__)
+
+QUANT_BUILD_CPU_SECONDS_PER_SOURCE = 3.0
+"""gcc's CPU time per quant_*.c source, roughly (they build one after another)."""
 
 FORMAT_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "INT8": 4}
 """Format name -> the kernels' format number (quant_simd.h)."""
@@ -92,16 +99,20 @@ def build_variant(flags: list[str]) -> QuantKernels | None:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     target = cache_dir() / "kernels" / f"quant-{digest.hexdigest()[:16]}.so"
     if not target.exists():
+        logger.info("building the quantized kernels with %s (%d sources, once; about %.0f s "
+                    "on an idle machine)", " ".join(flags), len(sources),
+                    len(sources) * QUANT_BUILD_CPU_SECONDS_PER_SOURCE)
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             objects = []
             for source in sources:
                 objects.append(str(Path(tmp) / (source.stem + ".o")))
                 subprocess.run([compiler, "-O3", *flags, "-fopenmp", "-fPIC", "-c", str(source),
-                                "-o", objects[-1]], check=True, capture_output=True, timeout=300)
+                                "-o", objects[-1]], check=True, capture_output=True,
+                               timeout=COMPILE_TIMEOUT_S)
             partial = Path(tmp) / target.name
             subprocess.run([compiler, "-shared", "-fopenmp", *objects, "-o", str(partial), "-lm"],
-                           check=True, capture_output=True, timeout=300)
+                           check=True, capture_output=True, timeout=COMPILE_TIMEOUT_S)
             os.replace(partial, target)
     return QuantKernels(ctypes.CDLL(str(target)))
 
@@ -256,6 +267,18 @@ class QuantKernels:
         status = self._r16_pack(FORMAT_CODES[fmt], blocks.data_ptr(), blocks.stride(0), n, k,
                                 out.data_ptr())
         self._check(status, fmt, k, blocks)
+        return out
+
+    def r16_adopt(self, fmt: str, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """A copy, in the memory r16 weights live in, of `packed`: what `r16_pack` made of
+        an [n, k] weight of `fmt` with this library (the weight cache's copy,
+        worker/cpu/weight_cache.py); QuantKernelError when its size is not that."""
+        size = self._r16_bytes(FORMAT_CODES[fmt], n, k) if fmt in R16_FORMATS else -1
+        if size < 0 or packed.dtype != torch.uint8 or packed.numel() != size:
+            raise QuantKernelError(f"a packed r16 {fmt} weight [{n}, {k}] needs {size} bytes, "
+                                   f"got {packed.numel()} {packed.dtype}")
+        out = self._packed_memory.empty(size, torch.uint8)
+        out.copy_(packed.reshape(-1))
         return out
 
     def gemv_r16(self, fmt: str, packed: torch.Tensor, scales: torch.Tensor | None, n: int,

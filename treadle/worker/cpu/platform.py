@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from treadle.worker.cpu import cpu_isa, heap, quantized_linears
+from treadle.worker.cpu import cpu_isa, heap, quantized_linears, weight_cache
 from treadle.worker.cpu.decode_stack import DecodeStack
 from treadle.worker.cpu.linear_kernels import DenseLinearKernel, dense_kernel_factory
 from treadle.worker.cpu.native import load_kernels
@@ -112,7 +112,8 @@ class CpuPlatform(Platform):
 
     def quantize(self, model: Any, config: Any, dtype: torch.dtype, native: Any,
                  world_size: int) -> quantized_linears.QuantizedModel | None:
-        """--quantization on the C quantized kernels (quantized_linears.py), bf16 or fp32."""
+        """--quantization on the C quantized kernels (quantized_linears.py), bf16 or fp32;
+        what they make is kept in the weight cache (weight_cache.py) for the next start."""
         from treadle.models.resolve import gguf_source
 
         m = config.model
@@ -123,10 +124,16 @@ class CpuPlatform(Platform):
         kernels = (QuantKernels.load(native.lib, m.batch_invariant) if native is not None
                    else None)
         gguf = gguf_source(m.model, m.revision, m.download_dir)
+
+        def cache(mode: str):
+            return None if gguf is None else weight_cache.cache_path(mode, dtype, kernels, gguf)
+
+        known = m.quantization == "auto" and gguf is not None and cache("gguf").is_file()
         mode = quantized_linears.resolve_mode(
             m.quantization, gguf, kernels, dtype=dtype, world_size=world_size,
-            lora=config.lora.enable_lora)
-        report = quantized_linears.attach(model, mode, kernels, gguf)
+            lora=config.lora.enable_lora, has_quantized_linears=True if known else None)
+        report = quantized_linears.attach(model, mode, kernels, gguf,
+                                          cache(mode) if mode != "none" else None)
         if report is not None:
             logger.info("%s", report.describe())
         return report

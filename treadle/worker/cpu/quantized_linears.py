@@ -76,9 +76,11 @@ class QuantizedModel:
 
 def resolve_mode(requested: str, gguf_path: Path | None, kernels=None, *,
                  dtype: torch.dtype = torch.bfloat16, world_size: int = 1,
-                 lora: bool = False) -> str:
+                 lora: bool = False, has_quantized_linears: bool | None = None) -> str:
     """none, gguf or int8 for `requested` (config.QUANTIZATION_CHOICES); `auto` per the
-    module docstring (kernels: worker.cpu.native_quant.QuantKernels or None)."""
+    module docstring (kernels: worker.cpu.native_quant.QuantKernels or None).
+    has_quantized_linears: whether the GGUF file holds projections in the kernels' r16
+    formats, when already known (a weight cache of it exists); None: read the file."""
     if requested == "none":
         return "none"
     if requested == "auto":
@@ -86,7 +88,9 @@ def resolve_mode(requested: str, gguf_path: Path | None, kernels=None, *,
         if (gguf_path is None or not formats or dtype != torch.bfloat16 or world_size != 1
                 or lora):
             return "none"
-        return "gguf" if _has_quantized_linears(gguf_path, formats) else "none"
+        if has_quantized_linears is None:
+            has_quantized_linears = _has_quantized_linears(gguf_path, formats)
+        return "gguf" if has_quantized_linears else "none"
     if requested == "gguf" and gguf_path is None:
         raise ValueError("quantization=gguf needs a GGUF model (a .gguf file, or the "
                          "default model); use int8 to quantize another checkpoint")
@@ -111,59 +115,112 @@ def _bias(linear) -> torch.Tensor | None:
     return None if bias is None else bias.detach().float()
 
 
-def attach(model, mode: str, kernels, gguf_path: Path | None) -> QuantizedModel | None:
-    """Put every linear layer (and the LM head) of `model` on a quantized weight; None for
-    mode none. kernels: worker.cpu.native_quant.QuantKernels (None: the torch fallback)."""
-    if mode == "none":
-        return None
-    if model.parallel.world_size != 1:
-        raise ValueError(f"quantization={mode} runs on one rank (got tensor x pipeline "
-                         f"parallel size {model.parallel.world_size})")
-    raw = _gguf_rows(model, gguf_path) if mode == "gguf" else None
-    report = QuantizedModel(mode)
-    formats: set[str] = set()
+class _FreshWeights:
+    """The quantized weights made now: a GGUF file's blocks (mode gguf), or INT8 made from
+    the loaded weights (int8)."""
 
-    def make(name: str, linear_weight: torch.Tensor | None, bias) -> QuantizedLinear | None:
+    def __init__(self, model, mode: str, kernels, gguf_path: Path | None) -> None:
+        self.kernels = kernels
+        self.raw = _gguf_rows(model, gguf_path) if mode == "gguf" else None
+
+    def get(self, name: str, weight: torch.Tensor, bias) -> QuantizedLinear | None:
         try:
-            if raw is None:
-                return QuantizedLinear.quantize_int8(linear_weight.detach().float(), bias,
-                                                     kernels=kernels)
-            parts = [raw.get(part) for part in _parts(name)]
+            if self.raw is None:
+                return QuantizedLinear.quantize_int8(weight.detach().float(), bias,
+                                                     kernels=self.kernels)
+            parts = [self.raw.get(part) for part in _parts(name)]
             if any(p is None or p.tensor_type not in _GGUF_FORMATS for p in parts):
                 return None
             pieces = [QuantizedLinear.from_gguf(p.tensor_type, p.data, p.shape,
-                                                kernels=kernels) for p in parts]
+                                                kernels=self.kernels) for p in parts]
             q = pieces[0] if len(pieces) == 1 else QuantizedLinear.concat_rows(pieces)
             if bias is not None:
-                q = QuantizedLinear(q.format, q.blocks, q.in_features, q.scales, bias, kernels)
+                q = QuantizedLinear(q.format, q.blocks, q.in_features, q.scales, bias,
+                                    self.kernels, packed=q.packed)
             return q
         except ValueError as exc:
             logger.info("%s stays dense: %s", name, exc)
             return None
 
-    for name, linear in _linears(model):
-        q = make(name, linear.weight, _bias(linear))
+
+class _CachedSource:
+    """The weight cache's weights in `_FreshWeights`' place."""
+
+    def __init__(self, cached, kernels) -> None:
+        self.cached, self.kernels = cached, kernels
+
+    def get(self, name: str, weight: torch.Tensor, bias) -> QuantizedLinear | None:
+        return self.cached.get(name, tuple(weight.shape), bias, self.kernels)
+
+
+def _targets(model) -> list[tuple[str, object, torch.Tensor, object]]:
+    """(name, owner, dense weight, bias) of every linear to quantize and the LM head."""
+    targets = [(name, linear, linear.weight, _bias(linear)) for name, linear in _linears(model)]
+    if model.parallel.is_last_stage:
+        head = "lm_head" if hasattr(model, "lm_head") else "model.embed_tokens"
+        targets.append((head, model, model.lm_head_weight, None))
+    return targets
+
+
+def _make_all(targets, source) -> dict[str, QuantizedLinear | None]:
+    return {name: source.get(name, weight, bias) for name, _, weight, bias in targets}
+
+
+def _weights(model, mode: str, kernels, gguf_path: Path | None,
+             cache: Path | None) -> dict[str, QuantizedLinear | None]:
+    """Every target's quantized weight (None: stays dense), from the weight cache at
+    `cache` when it holds them (worker/cpu/weight_cache.py), else made now and cached."""
+    from treadle.worker.cpu import weight_cache
+
+    targets = _targets(model)
+    cached = weight_cache.CachedWeights.read(cache) if cache is not None else None
+    if cached is not None:
+        try:
+            made = _make_all(targets, _CachedSource(cached, kernels))
+            logger.info("quantized weights read from the cache %s", cache)
+            return made
+        except (KeyError, ValueError) as exc:
+            logger.warning("the weight cache %s does not fit this model (%s): remaking it",
+                           cache, exc)
+    logger.info("quantizing %d linears (%s%s)%s", len(targets), mode,
+                ", packed for the r16 kernel" if getattr(kernels, "r16_formats", ()) else "",
+                "; cached for later starts" if cache is not None else "")
+    made = _make_all(targets, _FreshWeights(model, mode, kernels, gguf_path))
+    if cache is not None:
+        weight_cache.write(cache, mode, {n: q for n, q in made.items() if q is not None},
+                           [n for n, q in made.items() if q is None])
+    return made
+
+
+def attach(model, mode: str, kernels, gguf_path: Path | None,
+           cache: Path | None = None) -> QuantizedModel | None:
+    """Put every linear layer (and the LM head) of `model` on a quantized weight; None for
+    mode none. kernels: worker.cpu.native_quant.QuantKernels (None: the torch fallback);
+    cache: the weight cache's file (weight_cache.cache_path), None for none."""
+    if mode == "none":
+        return None
+    if model.parallel.world_size != 1:
+        raise ValueError(f"quantization={mode} runs on one rank (got tensor x pipeline "
+                         f"parallel size {model.parallel.world_size})")
+    made = _weights(model, mode, kernels, gguf_path, cache)
+    report = QuantizedModel(mode)
+    formats: set[str] = set()
+    for name, owner, _, _ in _targets(model):
+        q = made[name]
         if q is None:
             report.dense += (name,)
             continue
-        linear.kernel = QuantizedLinearKernel(q)
-        report.dropped_bytes += _drop_dense(linear)
+        if owner is model:  # the LM head: an untied one's own weight goes, a tied one embeds
+            model.lm_head_kernel = QuantizedLinearKernel(q)
+            if hasattr(model, "lm_head"):
+                model.lm_head.kernel = model.lm_head_kernel
+                report.dropped_bytes += _drop_dense(model.lm_head)
+        else:
+            owner.kernel = QuantizedLinearKernel(q)
+            report.dropped_bytes += _drop_dense(owner)
         formats.add(q.format.name)
         report.num_quantized += 1
         report.quantized_bytes += q.nbytes
-    if model.parallel.is_last_stage:
-        head = "lm_head" if hasattr(model, "lm_head") else "model.embed_tokens"
-        q = make(head, model.lm_head_weight, None)
-        if q is None:
-            report.dense += (head,)
-        else:
-            model.lm_head_kernel = QuantizedLinearKernel(q)
-            if hasattr(model, "lm_head"):  # untied: its own weight goes; a tied one embeds
-                model.lm_head.kernel = model.lm_head_kernel
-                report.dropped_bytes += _drop_dense(model.lm_head)
-            formats.add(q.format.name)
-            report.num_quantized += 1
-            report.quantized_bytes += q.nbytes
     report.formats = tuple(sorted(formats))
     return report
 
