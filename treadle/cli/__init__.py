@@ -3,6 +3,7 @@
 
     generate.py    generate, chat        an in-process engine on a prompt or a conversation
     serve.py       serve, worker         the OpenAI-compatible server; torchrun's other ranks
+    run_batch.py   run-batch             an OpenAI batch file answered offline
     trace.py       trace plot            a per-step trace as a timeline
     demo_model.py  demo-model            the random-weight benchmark checkpoint
     bench.py       bench ...             the benchmarks users run (bench_offline.py,
@@ -21,9 +22,9 @@ import argparse
 import logging
 import sys
 
-from treadle.cli import bench, demo_model, generate, serve, simulate, trace
+from treadle.cli import bench, demo_model, generate, run_batch, serve, simulate, trace
 
-COMMANDS = (generate, serve, trace, demo_model, bench, simulate)
+COMMANDS = (generate, serve, run_batch, trace, demo_model, bench, simulate)
 """The modules that register the top-level commands, in the order `treadle --help` lists
 them."""
 

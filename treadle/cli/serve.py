@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from treadle.config import add_config_arguments, add_dataclass_arguments, options_from_args
+from treadle.batch.config import BatchConfig
 from treadle.server.config import ServerConfig
 
 
@@ -27,7 +28,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if replica_config.on_ray:  # these read one engine's steps: off unless asked for
         args.dashboard = False if args.dashboard is None else args.dashboard
         args.request_timelines = 0 if args.request_timelines is None else args.request_timelines
-    return serve(config, dataclass_from_args(ServerConfig, args), replica_config)
+    return serve(config, dataclass_from_args(ServerConfig, args), replica_config,
+                 dataclass_from_args(BatchConfig, args))
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
@@ -45,6 +47,7 @@ def add_parser(sub) -> None:
                                        "(SmolLM2-135M-Instruct by default)")
     add_config_arguments(srv)
     add_dataclass_arguments(srv, ServerConfig, "server options")
+    add_dataclass_arguments(srv, BatchConfig, "Batch API (docs/batch.md)")
     from treadle.distributed.config import ReplicaConfig
     add_dataclass_arguments(srv, ReplicaConfig, "replicas on Ray (docs/replicas.md)")
     srv.set_defaults(func=_cmd_serve)

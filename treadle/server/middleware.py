@@ -90,18 +90,23 @@ class BodySizeLimit:
     """Refuse bodies over the limit with 413: at once when Content-Length says so, else as
     soon as the chunks read so far pass it (the route's own answer is then dropped)."""
 
-    def __init__(self, app, max_bytes: int) -> None:
+    def __init__(self, app, max_bytes: int,
+                 larger: dict[str, tuple[int, str]] | None = None) -> None:
         self.app, self.max_bytes = app, max_bytes
+        self.larger = larger or {}
+        """Paths with their own limit: path -> (bytes, the option that sets it)."""
 
-    def _message(self) -> str:
-        return f"request body exceeds {self.max_bytes} bytes (max_request_body_bytes)"
+    def _message(self, limit: int, option: str) -> str:
+        return f"request body exceeds {limit} bytes ({option})"
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit, option = self.larger.get(scope.get("path"),
+                                        (self.max_bytes, "max_request_body_bytes"))
         declared = dict(scope.get("headers") or {}).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await _send_error(send, 413, self._message())
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return await _send_error(send, 413, self._message(limit, option))
         seen, exceeded, started = 0, False, False
 
         async def limited_receive():
@@ -109,7 +114,7 @@ class BodySizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
+                if seen > limit:
                     exceeded = True
                     raise _TooLarge()
             return message
@@ -126,4 +131,4 @@ class BodySizeLimit:
         except _TooLarge:
             pass
         if exceeded and not started:
-            await _send_error(send, 413, self._message())
+            await _send_error(send, 413, self._message(limit, option))

@@ -17,6 +17,7 @@ import time
 
 import uvicorn
 
+from treadle.batch.config import BatchConfig
 from treadle.compat import check_serving
 from treadle.config import EngineConfig
 from treadle.server.config import ServerConfig
@@ -112,7 +113,7 @@ def make_engine(engine_config: EngineConfig, server_config: ServerConfig,
 
 
 def serve(engine_config: EngineConfig, server_config: ServerConfig,
-          replica_config=None) -> int:
+          replica_config=None, batch_config: BatchConfig | None = None) -> int:
     keyring = KeyRing.from_options(server_config.api_key, server_config.api_keys_file)
     lora_modules = parse_lora_modules(server_config.lora_modules)
     check_serving(engine_config, server_config, replica_config)  # treadle/compat.py
@@ -129,7 +130,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig,
     for tenant, weight in keyring.tenants().items():  # the `fair` policy's shares
         engine.set_tenant_weight(tenant, weight)
     engine.start()
-    app = build_app(engine, server_config, keyring)
+    app = build_app(engine, server_config, keyring, batch_config)
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                             log_level="info", timeout_graceful_shutdown=5)
     server = _GracefulServer(config, app.state.serving, server_config.shutdown_timeout)
