@@ -25,12 +25,14 @@ def _cmd_run_batch(args: argparse.Namespace) -> int:
     server_config = ServerConfig(
         served_model_name=args.served_model_name, tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice)
-    statuses = run_batch(EngineConfig.from_options(**options), server_config, args.input,
-                         args.output, parse_lora_modules(args.lora_modules),
-                         progress=not args.no_progress)
-    answered = sum(statuses.values())
-    failed = answered - statuses.get(200, 0)
-    print(f"{answered} lines answered ({failed} with an error); wrote "
+    done = run_batch(EngineConfig.from_options(**options), server_config, args.input,
+                     args.output, parse_lora_modules(args.lora_modules),
+                     progress=not args.no_progress)
+    answered = sum(done["statuses"].values())
+    failed = answered - done["statuses"].get(200, 0)
+    seconds = done["seconds"]
+    print(f"{answered} lines answered ({failed} with an error) in {seconds:.2f} s, "
+          f"{done['output_tokens'] / max(seconds, 1e-9):.1f} output tokens/s; wrote "
           f"{'stdout' if args.output == '-' else args.output}", file=sys.stderr)
     return 0
 

@@ -73,9 +73,9 @@ class _InOrder:
 
 
 async def answer_lines(serving, lines: list[InputLine], out: BinaryIO, window: int,
-                       progress: bool = True) -> dict[int, int]:
+                       progress: bool = True) -> dict:
     """Run every line through the serving object, `window` at a time; write each answer
-    in input order. Returns the count of answers per HTTP status."""
+    in input order. Returns {statuses: answers per HTTP status, output_tokens, seconds}."""
     execute = ServingLineExecutor(serving)
     writer = _InOrder(out, lines)
     statuses: dict[int, int] = {}
@@ -104,13 +104,14 @@ async def answer_lines(serving, lines: list[InputLine], out: BinaryIO, window: i
         await asyncio.gather(*(one(i, line) for i, line in enumerate(lines)))
     finally:
         bar.close()
-    return statuses
+    return {"statuses": statuses, "output_tokens": tokens,
+            "seconds": time.perf_counter() - start}
 
 
 def run_batch(engine_config, server_config, input_path: str, output_path: str,
-              lora_modules: list[tuple[str, str]] = (), progress: bool = True) -> dict[int, int]:
+              lora_modules: list[tuple[str, str]] = (), progress: bool = True) -> dict:
     """Answer the batch file at `input_path` ('-': stdin) into `output_path` ('-':
-    stdout) on an in-process engine; the count of answers per HTTP status."""
+    stdout) on an in-process engine; what `answer_lines` returns."""
     from treadle.engine.async_engine import AsyncEngine
     from treadle.server.auth import KeyRing
     from treadle.server.serving import OpenAIServing

@@ -19,13 +19,14 @@ from typing import Annotated, Literal, Optional
 
 from fastapi import FastAPI, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from treadle.batch.config import WINDOW_PATTERN, BatchConfig, window_seconds
 from treadle.batch.runner import BatchRunner
 from treadle.batch.store import BatchRequestError, BatchStore, StateDirInUse
 from treadle.server.batch_lines import BATCH_ENDPOINTS, ServingLineExecutor
 from treadle.server.errors import APIError
+from treadle.server.protocol import integral_floats_as_ints
 from treadle.server.routes import Route, add_routes
 from treadle.server.serving import OpenAIServing
 
@@ -41,28 +42,41 @@ ExpirySeconds = Annotated[int, Field(ge=3600, le=2_592_000)]
 
 
 class UploadForm(BaseModel):
-    """POST /v1/files (multipart/form-data); an unknown field is a 400 naming it."""
+    """POST /v1/files (multipart/form-data); an unknown field is a 400 naming it. The
+    optional fields default to None without admitting null (a form has no null)."""
 
     model_config = ConfigDict(extra="forbid")
     file: UploadFile
     purpose: Literal["batch"]
-    expires_after_anchor: Optional[Literal["created_at"]] = Field(
+    expires_after_anchor: Literal["created_at"] = Field(
         default=None, alias="expires_after[anchor]")
-    expires_after_seconds: Optional[ExpirySeconds] = Field(
+    expires_after_seconds: ExpirySeconds = Field(
         default=None, alias="expires_after[seconds]",
         description="the file is deleted this many seconds after its creation")
 
 
-class ExpiresAfter(BaseModel):
+_UPLOAD_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {
+    "schema": {"$ref": "#/components/schemas/UploadForm"}}}}}
+
+
+class _JSONModel(BaseModel):
+    """A closed, strict JSON body; 2.0 is the integer 2, as in JSON Schema."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats(cls, data):
+        return integral_floats_as_ints(data)
+
+
+class ExpiresAfter(_JSONModel):
     anchor: Literal["created_at"]
     seconds: ExpirySeconds
 
 
-class CreateBatchRequest(BaseModel):
+class CreateBatchRequest(_JSONModel):
     """POST /v1/batches (an unknown field is a 400 naming it)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
     input_file_id: str = Field(min_length=1, max_length=128)
     endpoint: Literal[tuple(BATCH_ENDPOINTS)]  # type: ignore[valid-type]
     completion_window: str = Field(pattern=WINDOW_PATTERN, description=(
@@ -208,7 +222,7 @@ async def cancel_batch(batch_id: str, request: Request):
 
 
 ROUTES = (
-    Route("POST", "/v1/files", upload_file),
+    Route("POST", "/v1/files", upload_file, openapi_extra=_UPLOAD_BODY),
     Route("GET", "/v1/files", list_files),
     Route("GET", "/v1/files/{file_id}", retrieve_file),
     Route("DELETE", "/v1/files/{file_id}", delete_file),

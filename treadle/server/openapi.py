@@ -190,6 +190,9 @@ def _close_request_schemas(schemas: dict) -> None:
 def _document_responses(paths: dict, auth: bool) -> None:
     for path, methods in paths.items():
         for method, operation in methods.items():
+            body = operation.get("requestBody", {}).get("content", {})
+            if "multipart/form-data" in body:  # a form with a file (FastAPI says urlencoded too)
+                body.pop("application/x-www-form-urlencoded", None)
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)  # validation errors are 400s here
             codes = list(_ROUTE_ERRORS.get((path, method), ()))
