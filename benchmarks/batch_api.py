@@ -77,39 +77,55 @@ def run_batch_online(base: str, lines: bytes, poll_s: float = 0.05) -> dict:
             "failed": batch.request_counts.failed}
 
 
+def _bench_throughput(tmp: Path, lines_path: Path, options: list[str], model: str) -> float:
+    subprocess.run([sys.executable, "-m", "treadle.cli", "--log-level", "WARNING", "bench",
+                    "throughput", "--workload-file", str(tmp / "workload.json"), "--output",
+                    str(tmp / "throughput.json"), *options], capture_output=True, text=True,
+                   check=True)
+    return json.loads((tmp / "throughput.json").read_text())["output_tokens_per_s"]
+
+
+def _run_batch(tmp: Path, lines_path: Path, options: list[str], model: str) -> float:
+    out = subprocess.run([sys.executable, "-m", "treadle.cli", "--log-level", "WARNING",
+                          "run-batch", "-i", str(lines_path), "-o", str(tmp / "out.jsonl"),
+                          "--no-progress", *options], capture_output=True, text=True,
+                         check=True)
+    return float(re.search(r"([\d.]+) output tokens/s", out.stderr).group(1))
+
+
+def _online_batch(tmp: Path, lines_path: Path, options: list[str], model: str) -> float:
+    warm = workloads.synthetic(num_requests=2, seed=99, num_long=0, output_len=(4, 4),
+                               prompt_len=(64, 64), vocab_size=workloads.model_vocab_size(model))
+    with launched_server(options) as (base, _):
+        run_batch_online(base, batch_file(warm, tmp / "warm.jsonl", Path(model).name)
+                         .read_bytes())
+        done = run_batch_online(base, lines_path.read_bytes())
+    assert done["status"] == "completed" and not done["failed"], done
+    return done["output_tokens"] / done["seconds"]
+
+
+SYSTEMS = {"bench_throughput": _bench_throughput, "run_batch": _run_batch,
+           "online_batch": _online_batch}
+
+
 def throughput(args, engine: list[str]) -> dict:
     model = model_dir(args.model)
     work = workloads.synthetic(num_requests=args.num_requests, seed=args.seed,
                                vocab_size=workloads.model_vocab_size(model),
                                max_model_len=workloads.model_context_len(model),
-                               num_long=min(4, args.num_requests))
+                               output_len=tuple(args.output_len),
+                               num_long=min(args.num_long, args.num_requests))
     tmp = Path(tempfile.mkdtemp(prefix="batch-bench-"))
     workloads.save_workload(work, tmp / "workload.json")
     lines_path = batch_file(work, tmp / "batch.jsonl", Path(model).name)
     options = ["--model", model, "--max-num-batched-tokens", "1024", *engine]
+    names = list(SYSTEMS)
     rows = []
     for repeat in range(args.repeats):
         row = {}
-        out = subprocess.run([sys.executable, "-m", "treadle.cli", "--log-level", "WARNING",
-                              "bench", "throughput", "--workload-file", str(tmp / "workload.json"),
-                              "--output", str(tmp / "throughput.json"), *options],
-                             capture_output=True, text=True, check=True)
-        row["bench_throughput"] = json.loads((tmp / "throughput.json").read_text())[
-            "output_tokens_per_s"]
-        out = subprocess.run([sys.executable, "-m", "treadle.cli", "--log-level", "WARNING",
-                              "run-batch", "-i", str(lines_path), "-o", str(tmp / "out.jsonl"),
-                              "--no-progress", *options], capture_output=True, text=True,
-                             check=True)
-        row["run_batch"] = float(re.search(r"([\d.]+) output tokens/s", out.stderr).group(1))
-        with launched_server(options) as (base, _):
-            run_batch_online(base, batch_file(workloads.synthetic(
-                num_requests=2, seed=99, vocab_size=workloads.model_vocab_size(model)),
-                tmp / "warm.jsonl", Path(model).name).read_bytes())  # warm-up
-            done = run_batch_online(base, lines_path.read_bytes())
-        assert done["status"] == "completed" and not done["failed"], done
-        row["online_batch"] = done["output_tokens"] / done["seconds"]
-        print(f"repeat {repeat}: " + ", ".join(f"{k} {v:.1f} out tok/s" for k, v in row.items()),
-              flush=True)
+        for name in names[repeat % 3:] + names[:repeat % 3]:  # the order rotates
+            row[name] = SYSTEMS[name](tmp, lines_path, options, model)
+            print(f"repeat {repeat}: {name} {row[name]:.1f} out tok/s", flush=True)
         rows.append(row)
     ratios = {k: statistics.median(r[k] / r["bench_throughput"] for r in rows)
               for k in ("run_batch", "online_batch")}
@@ -184,6 +200,11 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-requests", type=int, default=256, help="throughput: lines")
+    parser.add_argument("--output-len", type=int, nargs=2, default=[16, 256],
+                        help="throughput: output tokens per line, uniform in [lo, hi]")
+    parser.add_argument("--num-long", type=int, default=4,
+                        help="throughput: lines with 1024 output tokens (bench throughput's "
+                             "synthetic workload has 4)")
     parser.add_argument("--batch-lines", type=int, default=2000, help="interference")
     parser.add_argument("--stream-requests", type=int, default=200, help="interference")
     parser.add_argument("--rate", type=float, default=2.0,

@@ -22,7 +22,7 @@ from treadle.models.demo import write_demo_model
 TINY_DEMO = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                  initializer_range=0.2)
-KEYS = {"alpha": "alpha-key", "beta": "beta-key", "gamma": "gamma-key"}
+KEYS = {"alpha": "alpha-key", "beta": "beta-key", "gamma": "gamma-key", "delta": "delta-key"}
 MAX_LINES, MAX_BYTES, MAX_OPEN, WINDOW = 40, 16_000, 2, 4
 
 
@@ -31,7 +31,8 @@ def server(tmp_path_factory):
     model = write_demo_model(tmp_path_factory.mktemp("demo") / "m", seed=3,
                              config_overrides=TINY_DEMO)
     keys = tmp_path_factory.mktemp("keys") / "keys.yaml"
-    keys.write_text("".join(f"- {{key: {k}, tenant: {t}}}\n" for t, k in KEYS.items()))
+    keys.write_text("".join(f"- {{key: {k}, tenant: {t}}}\n" for t, k in KEYS.items()
+                            if t != "delta") + "- {key: delta-key, tenant: delta, models: [x]}\n")
     with running_server(str(model), "--api-keys-file", str(keys), "--num-kv-blocks", "512",
                         "--batch-max-lines", str(MAX_LINES),
                         "--batch-max-file-bytes", str(MAX_BYTES),
@@ -201,6 +202,15 @@ def test_files_and_batches_page_and_belong_to_their_tenant(server, alpha):
         beta.files.retrieve(uploads[2].id)
     with pytest.raises(openai.ConflictError, match="completed"):
         beta.batches.cancel(batches[0].id)
+
+
+def test_a_key_limited_to_other_models_has_its_lines_refused_as_live(server):
+    delta = client_of(server, "delta")
+    url = "/v1/completions"
+    batch = wait_for(delta, submit(delta, url, [GOOD[url]]).id)
+    (answer,) = read_lines(delta, batch.error_file_id)
+    assert answer["response"]["status_code"] == 404
+    assert answer["response"]["body"]["error"]["param"] == "model"
 
 
 def test_limits_answer_with_the_bound_they_hit(server):

@@ -55,8 +55,8 @@ class BatchConfig:
     batch_max_open_per_tenant: int = field(default=16, metadata=_help(
         "Unfinished batches one tenant may have; more get 429"))
     batch_max_concurrent_lines: int = field(default=0, metadata=_help(
-        "Batch lines handed to the engine at once (0: twice max_num_seqs, enough to fill "
-        "every slot while finished lines are replaced)"))
+        "Batch lines handed to the engine at once (0: twice max_num_seqs, per replica, "
+        "enough to fill every slot while finished lines are replaced)"))
 
     def __post_init__(self) -> None:
         for name in ("batch_max_file_bytes", "batch_max_lines", "batch_max_open_per_tenant"):

@@ -102,7 +102,8 @@ class BatchService:
             self.unavailable = str(exc)
             logger.warning("the Batch API is off: %s", exc)
             return
-        window = config.window(serving.engine.config.scheduler.max_num_seqs)
+        engines = len(getattr(serving.engine, "replicas", None) or [None])  # a ReplicaSet's
+        window = config.window(serving.engine.config.scheduler.max_num_seqs * engines)
         self.runner = BatchRunner(self.store, ServingLineExecutor(serving), window,
                                   config.batch_max_lines, paused=self._paused)
         logger.info("Batch API: state in %s; up to %d lines in flight", self.store.root, window)
