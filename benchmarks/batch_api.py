@@ -14,7 +14,7 @@ throughput in the same repeat.
 
 `interference`: one server; an interactive stream of streamed completions at a Poisson
 rate, alone, then the same stream (same seed) while a batch of `--batch-lines` lines
-runs beside it; p50 / p99 TTFT of each and their ratio per repeat, and how many batch
+runs beside it; median and p99 TTFT of each and their ratio per repeat, and how many batch
 lines completed meanwhile. The batch is cancelled after the stream unless
 `--wait-batch`, which times it to the end.
 
@@ -169,7 +169,7 @@ def interference(args, engine: list[str]) -> dict:
             during = client.batches.retrieve(batch.id).request_counts.completed - before
             row = {"alone_ttft_ms": alone["ttft_ms"], "beside_ttft_ms": beside["ttft_ms"],
                    "p99_ratio": beside["ttft_ms"]["p99"] / alone["ttft_ms"]["p99"],
-                   "p50_ratio": beside["ttft_ms"]["p50"] / alone["ttft_ms"]["p50"],
+                   "median_ratio": beside["ttft_ms"]["median"] / alone["ttft_ms"]["median"],
                    "batch_lines_done_during_stream": during,
                    "stream_s": beside["duration_s"]}
             if args.wait_batch:
