@@ -3,6 +3,7 @@
 
     generate.py    generate, chat        an in-process engine on a prompt or a conversation
     serve.py       serve, worker         the OpenAI-compatible server; torchrun's other ranks
+    run_batch.py   run-batch             an OpenAI batch file answered offline
     trace.py       trace plot            a per-step trace as a timeline
     demo_model.py  demo-model            the random-weight benchmark checkpoint
     bench.py       bench ...             the benchmarks users run (bench_offline.py,
@@ -24,10 +25,11 @@ import argparse
 import logging
 import sys
 
-from treadle.cli import bench, build_kernels, demo_model, generate, serve, simulate, trace
+from treadle.cli import (bench, build_kernels, demo_model, generate, run_batch, serve, simulate,
+                         trace)
 from treadle.cli.options import TreadleParser, config_file_of, expand_config_file
 
-COMMANDS = (generate, serve, trace, demo_model, bench, simulate, build_kernels)
+COMMANDS = (generate, serve, run_batch, trace, demo_model, bench, simulate, build_kernels)
 """The modules that register the top-level commands, in the order `treadle --help` lists
 them."""
 

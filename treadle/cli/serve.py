@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from treadle.batch.config import BatchConfig
 from treadle.cli.options import add_config_file_argument
 from treadle.config import add_config_arguments, add_dataclass_arguments, options_from_args
 from treadle.server.config import ServerConfig
@@ -32,6 +33,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         args.dashboard = False if args.dashboard is None else args.dashboard
         args.request_timelines = 0 if args.request_timelines is None else args.request_timelines
     server_config = dataclass_from_args(ServerConfig, args)
+    batch_config = dataclass_from_args(BatchConfig, args)
     check_serving(config, server_config, replica_config)  # refused combinations first
     preflight.check_engine_options({
         **dataclasses.asdict(config.model), **dataclasses.asdict(server_config),
@@ -39,7 +41,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     sock = preflight.bind_port(server_config.host, server_config.port)
     from treadle.server.serve import serve  # torch, uvicorn, the engine: after the checks
 
-    return serve(config, server_config, replica_config, sock=sock)
+    return serve(config, server_config, replica_config, batch_config, sock=sock)
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
@@ -58,6 +60,7 @@ def add_parser(sub) -> None:
     add_config_file_argument(srv)
     add_config_arguments(srv)
     add_dataclass_arguments(srv, ServerConfig, "server options")
+    add_dataclass_arguments(srv, BatchConfig, "Batch API (docs/batch.md)")
     from treadle.distributed.config import ReplicaConfig
     add_dataclass_arguments(srv, ReplicaConfig, "replicas on Ray (docs/replicas.md)")
     srv.set_defaults(func=_cmd_serve)

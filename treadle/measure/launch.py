@@ -3,7 +3,10 @@
 Used by `treadle bench serve --launch` and by the server tests. The child's output goes
 to a log file, never to a pipe: an unread pipe fills after a few hundred access-log lines
 and then blocks the server mid-request. The child gets SIGTERM (a graceful drain) and is
-killed only if it does not exit within the timeout.
+killed only if it does not exit within the timeout. Unless its options name one, the
+child gets a Batch API state directory of its own, removed after it: a launched server
+never resumes (and spends the benchmark's time on) the user's batches, and two launched
+at once never share one.
 """
 
 from __future__ import annotations
@@ -52,6 +55,16 @@ def launched_server(serve_args: list[str], startup_timeout: float = 300.0,
     """Yields (base URL, process) of `treadle serve <serve_args> --port <free port>`.
 
     The process's `log_path` attribute names the file holding its output."""
+    with tempfile.TemporaryDirectory(prefix="treadle-batch-state-") as state:
+        if not any(a == "--state-dir" or a.startswith("--state-dir=") for a in serve_args):
+            serve_args = ["--state-dir", state, *serve_args]
+        with _launched(serve_args, startup_timeout, log_level) as served:
+            yield served
+
+
+@contextmanager
+def _launched(serve_args: list[str], startup_timeout: float,
+              log_level: str) -> Iterator[tuple[str, subprocess.Popen]]:
     port = free_port()
     cmd = [sys.executable, "-m", "treadle.cli", "--log-level", log_level, "serve",
            "--host", "127.0.0.1", "--port", str(port), *serve_args]

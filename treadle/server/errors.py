@@ -77,7 +77,8 @@ def error_field(message: str, default: str = "prompt") -> str:
     return match.group(1) if match else default
 
 
-_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\[[A-Za-z_][A-Za-z0-9_]*\])*\Z")
+"""A field name, or a form field's bracketed one ("expires_after[seconds]")."""
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "bytes", "tuple", "set"}
 
 

@@ -98,18 +98,23 @@ class BodyLimits:
     408 (a body shorter than its Content-Length once held the connection open for good).
     In both cases the route's own answer is dropped."""
 
-    def __init__(self, app, max_bytes: int, read_timeout_s: float) -> None:
+    def __init__(self, app, max_bytes: int, read_timeout_s: float,
+                 larger: dict[str, tuple[int, str]] | None = None) -> None:
         self.app, self.max_bytes, self.read_timeout_s = app, max_bytes, read_timeout_s
+        self.larger = larger or {}
+        """Paths with their own limit: path -> (bytes, the option that sets it)."""
 
-    def _message(self) -> str:
-        return f"request body exceeds {self.max_bytes} bytes (max_request_body_bytes)"
+    def _message(self, limit: int, option: str) -> str:
+        return f"request body exceeds {limit} bytes ({option})"
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit, option = self.larger.get(scope.get("path"),
+                                        (self.max_bytes, "max_request_body_bytes"))
         declared = dict(scope.get("headers") or {}).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await _send_error(send, 413, self._message())
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return await _send_error(send, 413, self._message(limit, option))
         seen, refused, started, done = 0, None, False, False
 
         async def limited_receive():
@@ -124,7 +129,7 @@ class BodyLimits:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 done = not message.get("more_body", False)
-                if seen > self.max_bytes:
+                if seen > limit:
                     refused = 413
                     raise _TooLarge()
             return message
@@ -141,7 +146,7 @@ class BodyLimits:
         except (_TooLarge, _TooSlow):
             pass
         if refused == 413 and not started:
-            await _send_error(send, 413, self._message())
+            await _send_error(send, 413, self._message(limit, option))
         elif refused == 408 and not started:
             await _send_error(send, 408, f"the request body did not arrive within "
                                          f"{self.read_timeout_s:g} s (body_read_timeout_s)",

@@ -21,6 +21,8 @@ from fastapi.openapi.utils import get_openapi
 
 from treadle.engine.limits import EngineLimits
 from treadle.server.fields import ACCEPTED_IGNORED, NEUTRAL_VALUES, UNSUPPORTED
+from treadle.server.batch_routes import OTHER_CONTENT as _BATCH_CONTENT
+from treadle.server.batch_routes import ROUTE_ERRORS as _BATCH_ROUTE_ERRORS
 from treadle.server.lora_routes import ROUTE_ERRORS as _LORA_ROUTE_ERRORS
 from treadle.server.middleware import DASHBOARD_PREFIX, OPEN_PATHS
 
@@ -41,11 +43,13 @@ _DESCRIPTIONS = {
     400: "Invalid request: the message names the field and the limit",
     401: "Missing or invalid API key",
     403: "This API key is limited to some models and may not load or unload adapters",
-    404: "Unknown model, no stored response of that id, no such LoRA adapter, or no "
-         "timeline of that request id for this tenant",
-    409: "A LoRA adapter of that name is already loaded (or it is the base model's)",
-    413: "Body larger than max_request_body_bytes",
-    429: "Overloaded or over the tenant's quota: retry after Retry-After seconds",
+    404: "Unknown model, no stored response of that id, no such LoRA adapter, no "
+         "timeline of that request id, or no file or batch of that id for this tenant",
+    409: "A LoRA adapter of that name is already loaded (or it is the base model's), or "
+         "the batch has already ended",
+    413: "Body larger than max_request_body_bytes (an upload: batch_max_file_bytes)",
+    429: "Overloaded or over the tenant's quota (retry after Retry-After seconds), or too "
+         "many unfinished batches",
     500: "The engine failed while serving the request",
     503: "The server is shutting down or the engine is not running",
 }
@@ -63,6 +67,7 @@ _ROUTE_ERRORS = {
     ("/dashboard/requests/{request_id}", "get"): (404, 503),
     ("/health", "get"): (503,),
     **_LORA_ROUTE_ERRORS,
+    **_BATCH_ROUTE_ERRORS,
 }
 _STREAMING = {"/v1/completions", "/v1/chat/completions", "/v1/responses"}
 _DASHBOARD_EVENT = {
@@ -77,6 +82,7 @@ _OTHER_CONTENT = {
         "schema": _DASHBOARD_EVENT, "description": "endless: an event every "
         "dashboard_interval seconds until the client leaves or the server shuts down"}},
     "/metrics": {"text/plain": {"schema": {"type": "string"}}},
+    **_BATCH_CONTENT,
 }
 """Routes whose answer is not JSON."""
 
@@ -186,6 +192,9 @@ def _close_request_schemas(schemas: dict) -> None:
 def _document_responses(paths: dict, auth: bool) -> None:
     for path, methods in paths.items():
         for method, operation in methods.items():
+            body = operation.get("requestBody", {}).get("content", {})
+            if "multipart/form-data" in body:  # a form with a file (FastAPI says urlencoded too)
+                body.pop("application/x-www-form-urlencoded", None)
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)  # validation errors are 400s here
             codes = list(_ROUTE_ERRORS.get((path, method), ()))

@@ -180,7 +180,7 @@ async def create_response(serving: OpenAIServing, body: ResponsesRequest, reques
     params = serving.sampling_params(body, max_tokens, None, None, spec,
                                      skip_special_tokens=False if tools.needs_special_tokens
                                      else None)
-    ticket = serving.admit(tenant, prompt_ids, params)
+    ticket = serving.admit(tenant, prompt_ids, params, band=serving.band(request))
     reply = _Reply(serving.responses, tenant, new_id("resp"), int(time.time()), body,
                    serving.engine.model_name, conversation, tools)
     outputs = serving.run(request, reply.response_id, None, prompt_ids, params, body.priority,

@@ -31,6 +31,9 @@ class Route:
     endpoint: Callable
     response_class: type | None = None
     response_model: type | None = None
+    openapi_extra: dict | None = None
+    """Replaces parts of the route's published operation (server/batch_routes.py: the
+    upload's body is multipart, which FastAPI does not say of a form model)."""
 
 
 def add_routes(app: FastAPI, routes: tuple[Route, ...]) -> None:
@@ -38,7 +41,7 @@ def add_routes(app: FastAPI, routes: tuple[Route, ...]) -> None:
     router: FastAPI resolves those lazily, and the 405 handler of server/errors.py reads
     the app's own routes for the Allow header)."""
     for route in routes:
-        options = {name: value for name in ("response_class", "response_model")
+        options = {name: value for name in ("response_class", "response_model", "openapi_extra")
                    if (value := getattr(route, name)) is not None}
         app.add_api_route(route.path, route.endpoint, methods=[route.method], **options)
 

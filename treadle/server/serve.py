@@ -18,6 +18,7 @@ import time
 
 import uvicorn
 
+from treadle.batch.config import BatchConfig
 from treadle.compat import check_serving
 from treadle.config import EngineConfig
 from treadle.server.config import ServerConfig
@@ -122,7 +123,8 @@ def make_engine(engine_config: EngineConfig, server_config: ServerConfig,
 
 
 def serve(engine_config: EngineConfig, server_config: ServerConfig,
-          replica_config=None, sock: socket.socket | None = None) -> int:
+          replica_config=None, batch_config: BatchConfig | None = None,
+          sock: socket.socket | None = None) -> int:
     """Serve until SIGTERM / SIGINT (exit status 0) or the engine's death (1). `sock`: the
     listening socket of host:port, bound by the caller before the engine started
     (treadle/cli/preflight.py `bind_port`); bound here when not given."""
@@ -145,7 +147,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig,
     for tenant, weight in keyring.tenants().items():  # the `fair` policy's shares
         engine.set_tenant_weight(tenant, weight)
     engine.start()
-    app = build_app(engine, server_config, keyring)
+    app = build_app(engine, server_config, keyring, batch_config)
     app.state.serving.grammars.warm_up()  # before any request: its GIL time stalls nobody
     head = server_config.max_header_bytes  # h11's own buffer above it: ours answers 431
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port,

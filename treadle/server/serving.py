@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import inspect
 import json
 import threading
 import time
@@ -138,6 +139,8 @@ class OpenAIServing:
         """The OTLP exporter (server/otel.py) when configured (server/dashboard.py)."""
         self.step_recorder = None
         """The engine's StepRecorder while the dashboard, timelines or spans are on."""
+        self._takes_band = "band" in inspect.signature(engine.generate).parameters
+        """Whether the engine runs requests in bands (a batch line asks for the lowest)."""
 
     # ----- the small endpoints ------------------------------------------------------------
 
@@ -205,6 +208,12 @@ class OpenAIServing:
         if self.shutting_down:
             raise APIError(503, "server is shutting down", kind="server_error")
         return request.state.key
+
+    @staticmethod
+    def band(request: Request) -> str | None:
+        """The band a request runs in: "batch" for a Batch API line (server/batch_lines.py
+        marks its requests so), None for a live request."""
+        return getattr(request.state, "band", None)
 
     def authenticate(self, request: Request) -> str:
         """The caller's tenant name; 503 while shutting down."""
@@ -346,10 +355,16 @@ class OpenAIServing:
     # ----- admission, running, answering ------------------------------------------------------
 
     def admit(self, tenant: str, prompt_ids: list[int], params: SamplingParams,
-              priority: int = 0) -> Ticket:
+              priority: int = 0, band: str | None = None) -> Ticket:
         """Count the request in (429 with Retry-After when overloaded, 400 when no wait
-        could ever admit it)."""
+        could ever admit it). A batch line (`band`) is only checked: the batch runner
+        bounds its own lines, which never count against (nor get 429s from) the live
+        requests' overload bounds."""
         try:
+            if band is not None:
+                self.admission.check_admissible(len(prompt_ids), params.max_tokens * params.n)
+                return Ticket(tenant, len(prompt_ids), priority, time.monotonic(),
+                              started=True, released=True)
             return self.admission.admit(tenant, len(prompt_ids), params.max_tokens * params.n,
                                         time.monotonic(), priority)
         except NeverAdmissible as exc:
@@ -365,9 +380,11 @@ class OpenAIServing:
         ticket is released however it ends."""
         if self.request_spans is not None:  # its span joins the caller's trace
             self.request_spans.note_parent(request_id, request.headers)
+        band = self.band(request)
+        extra = {"band": band} if band is not None and self._takes_band else {}
         try:
             async for output in self.engine.generate(request_id, prompt, prompt_ids, params,
-                                                     priority, tenant, lora):
+                                                     priority, tenant, lora, **extra):
                 self.admission.started(ticket, time.monotonic())
                 yield output
         except EngineFailedError as exc:
@@ -422,7 +439,8 @@ class OpenAIServing:
         tickets = []
         try:
             for ids, params in zip(id_lists, params_list):
-                tickets.append(self.admit(tenant, ids, params, body.priority or 0))
+                tickets.append(self.admit(tenant, ids, params, body.priority or 0,
+                                          self.band(request)))
         except APIError:
             for ticket in tickets:
                 self.admission.release(ticket)
