@@ -91,7 +91,8 @@ def field_of(loc) -> str | None:
             parts.append(str(part))
         elif part == "body" and not parts:
             continue
-        elif isinstance(part, str) and _IDENTIFIER.match(part) and part not in _TYPE_TAGS:
+        elif (isinstance(part, str) and _IDENTIFIER.match(part)
+              and part.split("[")[0] not in _TYPE_TAGS):  # "list[TextPart]" is a union tag
             parts.append(part)
         elif isinstance(part, str) and part == "[key]":
             break
