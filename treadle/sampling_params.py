@@ -206,6 +206,10 @@ class SamplingParams:
             raise ValueError("xtc_probability must be 0 with greedy sampling (temperature "
                              f"0), got {self.xtc_probability}: XTC removes the most likely "
                              "token, which is the one greedy sampling takes")
+        if self.allowed_token_ids is not None and self.structured_outputs is not None:
+            raise ValueError("allowed_token_ids cannot be combined with structured outputs "
+                             "(a grammar, or a tool choice it enforces): the two masks could "
+                             "leave no token to sample")
         if self.tokenized is not None and not isinstance(self.tokenized, TokenizedWords):
             raise ValueError("tokenized must be a TokenizedWords, got "
                              f"{type(self.tokenized).__name__}")

@@ -281,3 +281,18 @@ def test_allowed_token_ids_and_bad_words(kernels):
     assert out.token_ids[0] in (2, 3) and out.token_ids[1] != 7 and out.token_ids[2] != 7
     assert not any(takes_plain_argmax(p, 3) for p in params)
     assert not takes_plain_argmax(dry(temperature=0), 0)
+
+
+def test_allowed_tokens_outlast_bans_that_would_leave_nothing(kernels):
+    logits = torch.randn(2, 16)
+    params = [SamplingParams(temperature=1.0, allowed_token_ids=[2], min_tokens=5),
+              SamplingParams(temperature=1.0, allowed_token_ids=[2, 3], bad_words=["x"],
+                             tokenized=TokenizedWords(((3,),)))]
+    x = Sampler(0).processed_logits(logits, params, None, [[], []], eos_token_id=2)
+    assert torch.isfinite(x[0]).tolist() == [t == 2 for t in range(16)]  # EOS kept
+    assert torch.isfinite(x[1]).tolist() == [t == 2 for t in range(16)]  # 3 is banned
+    out = Sampler(0, kernels).sample(logits.clone(), ["a", "b"], params, None, [[], []], 2)
+    assert out.token_ids == [2, 2]
+    with pytest.raises(ValueError, match="^allowed_token_ids cannot be combined"):
+        from treadle.structured.spec import StructuredSpec
+        SamplingParams(allowed_token_ids=[1], structured_outputs=StructuredSpec("regex", "a"))

@@ -8,7 +8,8 @@ TokenizedWords), which the worker's sampler reads; `check(params)` raises the er
 
 * bad_words (vLLM's): each word, stripped of leading spaces, is encoded on its own and
   with one leading space; the spaced form is kept when it is a different word of the
-  same number of tokens. A word that encodes to no token is refused.
+  same number of tokens. A word of spaces alone is encoded as it is (vLLM fails on it).
+  A word that encodes to no token is refused.
 * DRY's sequence breakers (llama.cpp's): a token whose text contains a breaker breaks a
   repetition on its own (an empty tail); a token whose text ends with the start of a
   breaker is a head, and the rest of the breaker, encoded (at most 20 tokens), its tail.
@@ -68,6 +69,12 @@ class TokenWords:
         """vLLM's token sequences of `words` (see the module docstring)."""
         sequences: list[tuple[int, ...]] = []
         for word in words:
+            if not word.strip():  # spaces alone: banned as they are (vLLM fails on them)
+                plain = self._encode(word)
+                if not plain:
+                    raise ValueError(f"bad_words: {word!r} has no tokens")
+                sequences.append(plain)
+                continue
             plain = self._encode(word.lstrip())
             if not plain:
                 raise ValueError(f"bad_words: {word!r} has no tokens")

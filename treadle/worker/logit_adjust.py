@@ -1,10 +1,12 @@
 """The adjustments a request's own parameters make to its raw logits before sampling.
 
 Owns `adjust_logits`, applied in place to a batch of logits rows (each row its own
-SamplingParams), in this order: logit_bias; allowed_token_ids (every other token to
--inf); bad_words (vLLM's: the last token of a banned word whose other tokens end the
-output so far, to -inf); min_tokens (the stop tokens and EOS of a row still short of it,
-to -inf); the repetition, frequency and presence penalties; DRY (worker/dry.py). Work
+SamplingParams), in this order: logit_bias; bad_words (vLLM's: the last token of a
+banned word whose other tokens end the output so far, to -inf); min_tokens (the stop
+tokens and EOS of a row still short of it, to -inf); allowed_token_ids (every other
+token to -inf; if the bans took every allowed token, those come back: a row always
+keeps a token to sample); the repetition, frequency and presence penalties; DRY
+(worker/dry.py). Work
 is per token that appears, not per vocabulary entry, except allowed_token_ids (one mask
 per row). Every change can be remembered for the rows that report logprobs, so that
 their raw logits are restored (the C kernel path: worker/cpu/native_sampling.py).
@@ -64,8 +66,9 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
 
 def _bias_and_bans(logits: torch.Tensor, params: Sequence[SamplingParams], outputs,
                    eos_token_id: int | None, remember) -> None:
-    """logit_bias added, then allowed_token_ids' and bad_words' bans, then the stop tokens
-    (and EOS) of rows still short of min_tokens set to -inf; `remember(rows, cols)` is
+    """logit_bias added, then bad_words' bans, the stop tokens (and EOS) of rows still
+    short of min_tokens, and every token outside allowed_token_ids set to -inf (when
+    that leaves a row nothing, its allowed tokens are kept); `remember(rows, cols)` is
     called before each change."""
     vocab, dev = logits.shape[1], logits.device
     rows, cols, values = [], [], []
@@ -81,7 +84,7 @@ def _bias_and_bans(logits: torch.Tensor, params: Sequence[SamplingParams], outpu
         remember(r, c)
         logits.index_put_((r, c), torch.tensor(values, dtype=logits.dtype, device=dev),
                           accumulate=True)
-    _ban(logits, *_allowed_only(params, vocab, dev), remember)
+    allowed = _allowed_values(logits, params)
     _ban(logits, *_bad_words(params, outputs, vocab), remember)
 
     rows, cols = [], []
@@ -97,6 +100,30 @@ def _bias_and_bans(logits: torch.Tensor, params: Sequence[SamplingParams], outpu
         r, c = torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)
         remember(r, c)
         logits[r, c] = float("-inf")
+    _ban(logits, *_allowed_only(params, vocab, dev), remember)
+    _keep_an_allowed_token(logits, allowed, remember)
+
+
+def _allowed_values(logits: torch.Tensor, params: Sequence[SamplingParams]) -> list:
+    """(row, its allowed columns, their logits) of the rows with allowed_token_ids,
+    before any ban."""
+    vocab, out = logits.shape[1], []
+    for i, p in enumerate(params):
+        if p.allowed_token_ids:
+            cols = torch.tensor([t for t in p.allowed_token_ids if t < vocab],
+                                dtype=torch.long, device=logits.device)
+            out.append((i, cols, logits[i, cols].clone()))
+    return out
+
+
+def _keep_an_allowed_token(logits: torch.Tensor, allowed: list, remember) -> None:
+    """A row whose bad_words and min_tokens bans took every allowed token gets its
+    allowed tokens back (allowed_token_ids wins; the row would have nothing to sample)."""
+    for i, cols, values in allowed:
+        if cols.numel() and bool(torch.isneginf(logits[i, cols]).all()):
+            rows = torch.full_like(cols, i)
+            remember(rows, cols)
+            logits[i, cols] = values
 
 
 def _penalties(logits: torch.Tensor, params: Sequence[SamplingParams], prompts, outputs,
