@@ -38,12 +38,12 @@ def _refuse(field: str, message: str) -> APIError:
 def _unknown_keys(block: dict, allowed: set[str], where: str) -> None:
     extra = next((k for k in block if k not in allowed and block[k] is not None), None)
     if extra is not None:
-        raise _refuse(f"{where}.{extra}", "not supported in this block")
+        raise _refuse(f"{where}.{extra}", "not supported here")
 
 
 def _text(block: dict, where: str) -> str:
     _unknown_keys(block, _TEXT_KEYS, where)
-    if block.get("citations"):
+    if block.get("citations") not in (None, []):
         raise _refuse(f"{where}.citations", "citations are not supported")
     text = block.get("text")
     if not isinstance(text, str):
@@ -83,7 +83,10 @@ def _tool_result_text(block: dict, where: str) -> str:
                           if _block_type(b, f"{where}.content.{k}", ("text",)))
     elif not isinstance(content, str):
         raise _refuse(f"{where}.content", "a string or a list of text blocks")
-    return f"Error: {content}" if block.get("is_error") is True else content
+    is_error = block.get("is_error")
+    if is_error is not None and not isinstance(is_error, bool):
+        raise _refuse(f"{where}.is_error", "must be a boolean")
+    return f"Error: {content}" if is_error else content
 
 
 def _tool_use(block: dict, where: str) -> dict:
@@ -100,6 +103,9 @@ def _tool_use(block: dict, where: str) -> dict:
 
 def _message(message, i: int) -> list[dict]:
     """One Anthropic message as chat messages (a user's tool results first)."""
+    extra = next((k for k, v in (message.model_extra or {}).items() if v is not None), None)
+    if extra is not None:
+        raise _refuse(f"messages.{i}.{extra}", "not supported in a message")
     where = f"messages.{i}.content"
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
@@ -163,6 +169,8 @@ def chat_tools(body: CountTokensRequest) -> list[dict] | None:
             raise _refuse(f"{where}.input_schema", "a JSON schema (an object) is required")
         function = {"name": name, "parameters": schema}
         if tool.get("description") is not None:
+            if not isinstance(tool["description"], str):
+                raise _refuse(f"{where}.description", "must be a string")
             function["description"] = tool["description"]
         tools.append({"type": "function", "function": function})
     return tools
@@ -174,8 +182,11 @@ def chat_tool_choice(body: CountTokensRequest) -> tuple[Any, bool | None]:
     if choice is None:
         return None, None
     kind = choice.get("type")
-    parallel = None if choice.get("disable_parallel_tool_use") is None else \
-        not choice["disable_parallel_tool_use"]
+    _unknown_keys(choice, {"type", "name", "disable_parallel_tool_use"}, "tool_choice")
+    disable = choice.get("disable_parallel_tool_use")
+    if disable is not None and not isinstance(disable, bool):
+        raise _refuse("tool_choice.disable_parallel_tool_use", "must be a boolean")
+    parallel = None if disable is None else not disable
     if kind in ("auto", "any", "none"):
         return {"auto": "auto", "any": "required", "none": "none"}[kind], parallel
     if kind == "tool":

@@ -14,13 +14,59 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import Field
+from pydantic import Field, WithJsonSchema
 
 from treadle.server.protocol import (MAX_MESSAGES, MAX_STOP_STRINGS, MAX_TOOLS, OpenAIModel,
                                      StopString)
 
 MAX_BLOCKS = 1024
 """Most content blocks in one message (or in `system`)."""
+
+# What convert.py accepts, as JSON Schema: the blocks are read there (to refuse the ones
+# treadle cannot serve by name), so their schema is stated here by hand. Unknown keys
+# pass only as null, as convert.py lets them.
+_NULL_EXTRA = {"type": "null"}
+_ID = {"type": "string", "minLength": 1, "maxLength": 256}
+_NAME = {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}
+TEXT_BLOCK = {"type": "object", "required": ["type", "text"],
+              "additionalProperties": _NULL_EXTRA,
+              "properties": {"type": {"const": "text"}, "text": {"type": "string"},
+                             "cache_control": {},
+                             "citations": {"anyOf": [{"type": "null"},
+                                                     {"type": "array", "maxItems": 0}]}}}
+TOOL_USE_BLOCK = {"type": "object", "required": ["type", "id", "name", "input"],
+                  "additionalProperties": _NULL_EXTRA,
+                  "properties": {"type": {"const": "tool_use"}, "id": _ID, "name": _NAME,
+                                 "input": {"type": "object"}, "cache_control": {}}}
+TOOL_RESULT_BLOCK = {
+    "type": "object", "required": ["type", "tool_use_id"], "additionalProperties": _NULL_EXTRA,
+    "properties": {"type": {"const": "tool_result"}, "tool_use_id": _ID,
+                   "content": {"anyOf": [{"type": "string"}, {
+                       "type": "array", "maxItems": MAX_BLOCKS, "items": TEXT_BLOCK}]},
+                   "is_error": {"anyOf": [{"type": "boolean"}, {"type": "null"}]},
+                   "cache_control": {}}}
+
+
+def _blocks_of(*blocks: dict) -> dict:
+    return {"anyOf": [{"type": "string"}, {"type": "array", "maxItems": MAX_BLOCKS,
+                                           "items": {"anyOf": list(blocks)}}]}
+
+
+MESSAGE = {"oneOf": [
+    {"type": "object", "required": ["role", "content"], "additionalProperties": _NULL_EXTRA,
+     "properties": {"role": {"const": role}, "content": _blocks_of(TEXT_BLOCK, block)}}
+    for role, block in (("user", TOOL_RESULT_BLOCK), ("assistant", TOOL_USE_BLOCK))]}
+TOOL = {"type": "object", "required": ["name", "input_schema"],
+        "additionalProperties": _NULL_EXTRA,
+        "properties": {"type": {"anyOf": [{"const": "custom"}, {"type": "null"}]},
+                       "name": _NAME, "description": {"type": ["string", "null"]},
+                       "input_schema": {"type": "object"}, "cache_control": {}}}
+TOOL_CHOICE = {"type": "object", "required": ["type"], "additionalProperties": _NULL_EXTRA,
+               "properties": {"type": {"enum": ["auto", "any", "tool", "none"]},
+                              "name": {"type": ["string", "null"]},
+                              "disable_parallel_tool_use": {"type": ["boolean", "null"]}}}
+THINKING = {"type": "object", "required": ["type"],
+            "properties": {"type": {"const": "disabled"}}}
 
 Blocks = Annotated[list[dict[str, Any]], Field(max_length=MAX_BLOCKS)]
 
@@ -34,11 +80,18 @@ class CountTokensRequest(OpenAIModel):
     """`POST /v1/messages/count_tokens`: what a Messages request would put in the prompt."""
 
     model: str = Field(min_length=1, max_length=512)
-    messages: list[MessageParam] = Field(min_length=1, max_length=MAX_MESSAGES)
-    system: Optional[Union[str, Blocks]] = None
-    tools: Optional[list[dict[str, Any]]] = Field(default=None, max_length=MAX_TOOLS)
-    tool_choice: Optional[dict[str, Any]] = None
-    thinking: Optional[dict[str, Any]] = None
+    messages: list[Annotated[MessageParam, WithJsonSchema(MESSAGE)]] = Field(
+        min_length=1, max_length=MAX_MESSAGES)
+    system: Annotated[Optional[Union[str, Blocks]], WithJsonSchema(
+        {"anyOf": [{"type": "null"}, *_blocks_of(TEXT_BLOCK)["anyOf"]]})] = None
+    tools: Annotated[Optional[list[dict[str, Any]]], WithJsonSchema(
+        {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": MAX_TOOLS,
+                                      "items": TOOL}]})] = Field(default=None,
+                                                                max_length=MAX_TOOLS)
+    tool_choice: Annotated[Optional[dict[str, Any]], WithJsonSchema(
+        {"anyOf": [{"type": "null"}, TOOL_CHOICE]})] = None
+    thinking: Annotated[Optional[dict[str, Any]], WithJsonSchema(
+        {"anyOf": [{"type": "null"}, THINKING]})] = None
 
 
 class MessagesRequest(CountTokensRequest):
