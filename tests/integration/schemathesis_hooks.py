@@ -1,12 +1,13 @@
 """Schemathesis hooks for treadle's API: the one rule its JSON Schema cannot state.
 
 Every bound of a single field is in /openapi.json (server/openapi.py), so a schema-valid
-request is accepted. Three rules join fields, and JSON Schema has no arithmetic: prompt
+request is accepted. Some rules join fields, and JSON Schema has no arithmetic: prompt
 tokens + max_tokens <= the request limit (the context, or the KV cache if smaller; the
-schema's description of max_tokens says so), min_tokens <= max_tokens, and max_tokens 0
-only with echo or prompt_logprobs (scoring a prompt). This hook drops
-generated cases that break them, counting a text prompt's tokens with the server's own
-/tokenize, so that `positive_data_acceptance` tests everything else.
+schema's description of max_tokens says so), min_tokens <= max_tokens, max_tokens 0
+only with echo or prompt_logprobs (scoring a prompt), and XTC only with temperature > 0.
+This hook drops generated cases that break them, counting a text prompt's tokens with
+the server's own /tokenize (a Messages body's with /v1/messages/count_tokens), so that
+`positive_data_acceptance` tests everything else.
 
     SCHEMATHESIS_HOOKS=schemathesis_hooks PYTHONPATH=tests/integration \\
         schemathesis run http://127.0.0.1:8000/openapi.json --checks all
@@ -94,8 +95,11 @@ def _prompt_tokens(base: str, body: dict, chat: bool, limit: int, max_tokens: in
     what is being tested)."""
     if not chat:
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
-            prompt = prompt[0]
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (list, str))
+                                                       for p in prompt):
+            counts = [_prompt_tokens(base, {"prompt": p}, False, limit, max_tokens)
+                      for p in prompt]  # a batch: its longest prompt decides
+            return None if None in counts else max(counts)
         if isinstance(prompt, list):
             return len(prompt)
         if prompt == "":
@@ -115,14 +119,21 @@ def _integer(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+_MESSAGES = ("/v1/messages", "/v1/messages/count_tokens")
+
+
 @schemathesis.hook
 def filter_case(context, case) -> bool:
     """Every phase's cases pass here (filter_body would see only the fuzzing phase's)."""
     operation, body = case.operation, case.body
+    if operation is not None and operation.path in _MESSAGES and isinstance(body, dict):
+        return _messages_fit(operation, body)
     if (operation is None or operation.method.lower() != "post"
             or operation.path not in _GENERATION or not isinstance(body, dict)):
         return True
     if any(body.get(name) is not None for name in _COMPILED):
+        return False
+    if _xtc_with_greedy(body):
         return False
     chat = _GENERATION[operation.path]
     if chat is None:
@@ -131,6 +142,52 @@ def filter_case(context, case) -> bool:
             return False
         chat = True
     return _decide(operation, body, chat)
+
+
+def _served_model(base: str) -> str:
+    if base not in _models:
+        models = httpx.get(base + "/v1/models", headers=_headers(), timeout=30).json()
+        _models[base] = models["data"][0]["id"]
+    return _models[base]
+
+
+_models: dict[str, str] = {}
+
+
+def _xtc_with_greedy(body: dict) -> bool:
+    """XTC asked of a greedy request (a 400: XTC would remove the one token greedy takes)."""
+    xtc, temperature = body.get("xtc_probability"), body.get("temperature", 1.0)
+    return (isinstance(xtc, (int, float)) and not isinstance(xtc, bool) and xtc > 0
+            and isinstance(temperature, (int, float)) and temperature < 1e-5)
+
+
+def _messages_fit(operation, body: dict) -> bool:
+    """Anthropic's Messages bodies: tools and tool_choice are judged together (a tool
+    choice names one of the tools; 'auto' needs the server's tool parser), as chat's are
+    left to the tests that send real ones (test_anthropic_api.py); prompt tokens +
+    max_tokens within the limit, counted by the server's own count_tokens. Their
+    `model` is required: a generated name becomes the served model's, or every case would
+    end at the 404 of an unknown model."""
+    if body.get("tools") is not None or body.get("tool_choice") is not None:
+        return False
+    base = operation.schema.get_base_url().rstrip("/")
+    model = body.get("model")
+    if isinstance(model, str) and 1 <= len(model) <= 512:  # a name, as the schema wants:
+        body["model"] = _served_model(base)  # the served one, so that cases get past 404
+    if operation.path.endswith("count_tokens"):
+        return True
+    max_tokens = _integer(body.get("max_tokens"))
+    if max_tokens is None:
+        return True
+    query = {k: body[k] for k in ("model", "messages", "system") if k in body}
+    try:
+        response = httpx.post(base + "/v1/messages/count_tokens", json=query,
+                              headers=_headers(), timeout=30)
+    except (httpx.HTTPError, TypeError, ValueError):
+        return True
+    if response.status_code != 200:
+        return True  # the body is invalid anyway: the server's answer to it is tested
+    return response.json()["input_tokens"] + max_tokens <= _request_limit(base)
 
 
 def _responses_as_chat(body: dict) -> dict | None:

@@ -196,13 +196,14 @@ def test_the_schema_documents_request_timelines(served):
         assert op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"] \
             .endswith("/RequestTimelines")
     # Basic (the key as a password) is declared on the dashboard's routes only.
-    assert spec["paths"]["/v1/requests/{request_id}"]["get"]["security"] == [{"bearer": []}]
+    assert spec["paths"]["/v1/requests/{request_id}"]["get"]["security"] == [
+        {"bearer": []}, {"apiKey": []}]
     assert spec["components"]["securitySchemes"]["basic"]["scheme"] == "basic"
     for path, content in (("/dashboard", "text/html"),
                           ("/dashboard/events", "text/event-stream"),
                           ("/dashboard/requests/{request_id}", "application/json")):
         op = spec["paths"][path]["get"]
-        assert op["security"] == [{"bearer": []}, {"basic": []}]
+        assert op["security"] == [{"bearer": []}, {"apiKey": []}, {"basic": []}]
         assert list(op["responses"]["200"]["content"]) == [content]
         assert "401" in op["responses"]
 

@@ -71,6 +71,13 @@ def test_mismatched_params_list_is_an_error(llama_dir):
     text, ids = llm.generate(["a string prompt", [5, 6]], use_tqdm=False)
     assert text.outputs[0].finish_reason == "error" and "no tokenizer" in text.error
     assert ids.error is None
+    # So do words that need a tokenizer to become token ids (bad_words, DRY's breakers).
+    words, dry, plain = llm.generate([[5, 6]] * 3, [
+        SamplingParams(max_tokens=2, bad_words=["x"]),
+        SamplingParams(max_tokens=2, dry_multiplier=0.8), SamplingParams(max_tokens=2)],
+        use_tqdm=False)
+    assert words.outputs[0].finish_reason == "error" and words.error.startswith("bad_words")
+    assert dry.error.startswith("dry_multiplier") and plain.error is None
 
 
 def test_string_prompts_and_text(tiny_demo):

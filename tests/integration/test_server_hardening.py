@@ -171,7 +171,9 @@ def test_every_route_but_health_and_metrics_needs_a_key(server, method, path):
 def test_with_a_key_the_schema_declares_bearer_auth(server):
     spec = httpx.get(server + "/openapi.json", headers=B).json()
     assert spec["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
-    assert spec["paths"]["/tokenize"]["post"]["security"] == [{"bearer": []}]
+    assert spec["paths"]["/tokenize"]["post"]["security"] == [{"bearer": []}, {"apiKey": []}]
+    assert spec["components"]["securitySchemes"]["apiKey"] == {  # Anthropic's clients' header
+        "type": "apiKey", "in": "header", "name": "x-api-key"}
     assert "security" not in spec["paths"]["/health"]["get"]
     assert httpx.post(server + "/tokenize", json={"prompt": "hi"}, headers=B).status_code == 200
 

@@ -33,6 +33,21 @@ from treadle.sampling_params import SamplingParams
     (dict(logit_bias={-1: 1.0}), "logit_bias", ">= 0"),
     (dict(logit_bias={i: 1.0 for i in range(301)}), "logit_bias", "at most 300"),
     (dict(logit_bias=[1, 2]), "logit_bias", "dict"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids", "non-empty"),
+    (dict(allowed_token_ids=[3, -1]), "allowed_token_ids", ">= 0"),
+    (dict(bad_words=["ok", ""]), "bad_words", "non-empty"),
+    (dict(spaces_between_special_tokens=0), "spaces_between_special_tokens", "bool"),
+    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens", ">= 1"),
+    (dict(cache_salt=""), "cache_salt", "1 to 1024"),
+    (dict(dry_multiplier=-0.5), "dry_multiplier", "[0.0, 100.0]"),
+    (dict(dry_base=0.9), "dry_base", "[1.0, 100.0]"),
+    (dict(dry_allowed_length=-1), "dry_allowed_length", "[0, 1000000]"),
+    (dict(dry_penalty_last_n=-1), "dry_penalty_last_n", ">= 0"),
+    (dict(dry_sequence_breakers=[]), "dry_sequence_breakers", "1 to 64"),
+    (dict(dry_sequence_breakers=["x" * 41]), "dry_sequence_breakers", "1 to 40 characters"),
+    (dict(xtc_probability=1.5), "xtc_probability", "[0.0, 1.0]"),
+    (dict(xtc_threshold=-0.1), "xtc_threshold", "[0.0, 1.0]"),
+    (dict(temperature=0, xtc_probability=0.5), "xtc_probability", "greedy"),
 ])
 def test_bad_values_name_the_field_and_range(kwargs, field, allowed):
     with pytest.raises(ValueError) as info:
@@ -62,3 +77,10 @@ def test_token_ids_are_checked_against_the_vocabulary():
     assert SamplingParams(logit_bias={10: 1.0}).token_id_error(11) is None
     error = SamplingParams(logit_bias={3: 1.0, 11: 1.0}).token_id_error(11)
     assert error.startswith("logit_bias") and "11" in error and "[0, 11)" in error
+
+
+def test_xtc_opts_a_request_out_of_speculation():
+    assert SamplingParams().allows_speculation
+    assert not SamplingParams(xtc_probability=0.5).allows_speculation
+    assert SamplingParams(xtc_probability=0.5, xtc_threshold=0.6).allows_speculation  # off
+    assert not SamplingParams(speculative=False).allows_speculation

@@ -179,8 +179,9 @@ class SpecDecodeController:
 
     @staticmethod
     def speculates(request: Request) -> bool:
-        """Whether the request runs proposed tokens at all (its sampling parameters)."""
-        return request.sampling_params.speculative
+        """Whether the request runs proposed tokens at all (its sampling parameters: not
+        when it opts out, nor with XTC)."""
+        return request.sampling_params.allows_speculation
 
     def spec_room(self, request: Request, num_after: int) -> int:
         """Proposed tokens that may still become output once `num_after` more tokens

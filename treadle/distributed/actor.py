@@ -18,6 +18,7 @@ import logging
 import os
 
 from treadle.config import EngineConfig
+from treadle.core.kv.hashing import prefix_salt
 from treadle.engine.async_engine import AsyncEngine
 from treadle.lora import LoRARequest
 from treadle.sampling_params import SamplingParams
@@ -82,7 +83,7 @@ class EngineReplica:
         while `max_held` requests' KV are already held (decode engines full)."""
         engine = self.engine
         await engine.hold_slot()
-        engine.want_hold(request_id, tenant,
+        engine.want_hold(request_id, prefix_salt(tenant, params.cache_salt),
                          None if lora_request is None else lora_request.lora_int_id)
         one = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         last = None
@@ -122,7 +123,8 @@ class EngineReplica:
         record: dict = {}
 
         async def fetch_kv():
-            hashes = _prompt_hashes(engine, prompt_token_ids, tenant, lora_request)
+            hashes = _prompt_hashes(engine, prompt_token_ids,
+                                    prefix_salt(tenant, params.cache_salt), lora_request)
             start = await asyncio.wrap_future(engine.lookup(hashes))
             t0 = time.perf_counter()
             payload = await prefill[0].export_kv.remote(request_id, start)
@@ -196,10 +198,12 @@ class EngineReplica:
         return self.index
 
 
-def _prompt_hashes(engine, prompt_token_ids, tenant, lora_request) -> list[bytes]:
+def _prompt_hashes(engine, prompt_token_ids, salt, lora_request) -> list[bytes]:
+    """The prompt's block hashes under `salt` (the tenant's, with any cache_salt:
+    treadle/core/kv/hashing.py prefix_salt), as the engine's prefix cache keys them."""
     from treadle.distributed.kv_transfer import prompt_hashes
 
-    return prompt_hashes(prompt_token_ids, engine.config.cache.block_size, tenant,
+    return prompt_hashes(prompt_token_ids, engine.config.cache.block_size, salt,
                          None if lora_request is None else lora_request.lora_int_id)
 
 

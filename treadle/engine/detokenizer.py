@@ -24,14 +24,37 @@ _PROMPT_CONTEXT_TOKENS = 5
 _REPLACEMENT = "\ufffd"
 
 
-def make_decode(tokenizer, skip_special_tokens: bool) -> Callable[[Sequence[int]], str]:
+def make_decode(tokenizer, skip_special_tokens: bool,
+                spaces_between_special_tokens: bool = True) -> Callable[[Sequence[int]], str]:
     """A fast `ids -> text` for this tokenizer: the Rust tokenizer directly when there is
-    one (no Python-side clean-up), else `tokenizer.decode` without clean-up."""
+    one (no Python-side clean-up), else `tokenizer.decode` without clean-up. With special
+    tokens kept and `spaces_between_special_tokens` false, two consecutive added tokens
+    are joined without whatever separator the decoder puts between them (vLLM's
+    semantics: its fast detokenizer emits the second one's raw text)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and hasattr(backend, "decode"):
-        return lambda ids: backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
-    return lambda ids: tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens,
-                                        clean_up_tokenization_spaces=False)
+        def decode(ids):
+            return backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    else:
+        def decode(ids):
+            return tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens,
+                                    clean_up_tokenization_spaces=False)
+    if skip_special_tokens or spaces_between_special_tokens:
+        return decode
+    added = frozenset(getattr(tokenizer, "added_tokens_decoder", None) or ())
+    if not added:
+        return decode
+    return lambda ids: _decode_joining_added(decode, list(ids), added)
+
+
+def _decode_joining_added(decode, ids: list[int], added: frozenset) -> str:
+    """decode(ids) with no separator between consecutive added tokens: the ids are cut
+    between every such pair and the pieces decoded on their own."""
+    cuts = [i for i in range(1, len(ids)) if ids[i] in added and ids[i - 1] in added]
+    if not cuts:
+        return decode(ids)
+    bounds = [0, *cuts, len(ids)]
+    return "".join(decode(ids[a:b]) for a, b in zip(bounds, bounds[1:]))
 
 
 class IncrementalDetokenizer:

@@ -4,7 +4,9 @@ engine core: add, abort, step.
 Owns the one way a user request enters EngineCore (its samples, with their scheduling
 attributes, as the OutputProcessor makes them ready) and the one way a step's outputs
 come back (processed into RequestOutputs; requests whose stop string matched are stopped
-in the core; samples that became ready are added). It holds no request state of its
+in the core; samples that became ready are added). On the way in, a prompt is cut to
+`truncate_prompt_tokens` and `bad_words` / DRY's breakers become token ids (unless the
+front end did it already: engine/token_words.py). It holds no request state of its
 own: that is the OutputProcessor's and the core's.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 from treadle.core.outputs import EngineCoreOutput
 from treadle.engine.core import EngineCore
 from treadle.engine.output_processor import OutputProcessor, RequestOutput
+from treadle.engine.token_words import TokenWords
 from treadle.lora import LoRARequest
 from treadle.sampling_params import SamplingParams
 
@@ -23,6 +26,7 @@ class EngineDriver:
     def __init__(self, core: EngineCore, tokenizer) -> None:
         self.core = core
         self.processor = OutputProcessor(tokenizer)
+        self.words = TokenWords(tokenizer)
         self.num_generated_tokens = 0
         """Tokens the core generated over every step so far."""
 
@@ -32,8 +36,17 @@ class EngineDriver:
             lora_request: LoRARequest | None = None) -> RequestOutput | None:
         """Add a user request; its final output at once when the core refuses it (the
         request can never run), else None."""
+        error = None
+        try:
+            params = self.words.resolve(params)
+        except ValueError as exc:
+            error = str(exc)
+        if params.truncate_prompt_tokens is not None:
+            prompt_token_ids = prompt_token_ids[-params.truncate_prompt_tokens:]
         self.processor.add_request(request_id, prompt, prompt_token_ids, params,
                                    arrival_time, priority, tenant, length_hint, lora_request)
+        if error is not None:
+            return self.abort(request_id, error=error)
         rejected = self._add_ready(request_id)
         if rejected:
             return self.abort(request_id, error=rejected[0].error)

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from treadle.core.kv.hashing import prefix_salt
 from treadle.core.outputs import EngineCoreOutput, PromptLogprobs, TokenLogprobs
 from treadle.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher, make_decode
 from treadle.lora import LoRARequest
@@ -188,20 +189,23 @@ class OutputProcessor:
                     lora_request: LoRARequest | None = None) -> None:
         """Track a user request and create its engine Requests (see engine_requests).
 
-        `tenant` is also each engine request's prefix-cache salt: tenants never share KV."""
+        `tenant`, with the request's own `cache_salt`, is each engine request's
+        prefix-cache salt: tenants (and salts) never share KV."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         if params.stop and self.tokenizer is None:
             logger.warning("request %s: stop strings ignored, the model has no tokenizer",
                            request_id)
         state = _UserRequest(request_id, prompt, prompt_token_ids, params, arrival_time)
-        decode = (make_decode(self.tokenizer, params.skip_special_tokens)
+        decode = (make_decode(self.tokenizer, params.skip_special_tokens,
+                              params.spaces_between_special_tokens)
                   if self.tokenizer is not None else None)
         for i in range(params.n):
             sample_params = params if params.n == 1 else params.for_sample(i)
             request = Request(engine_request_id(request_id, i, params.n), prompt_token_ids,
                               sample_params, arrival_time=arrival_time, priority=priority,
-                              cache_salt=tenant, tenant=tenant, length_hint=length_hint,
+                              cache_salt=prefix_salt(tenant, params.cache_salt),
+                              tenant=tenant, length_hint=length_hint,
                               lora_request=lora_request)
             request.parent_id = request_id
             sample = _Sample(i, request, decode, prompt_token_ids)

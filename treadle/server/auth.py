@@ -1,7 +1,8 @@
 """API keys and tenants: who is calling, decided from the key and never from the body.
 
 Owns loading keys (`--api-key`, repeatable, and `--api-keys-file`, a YAML/JSON list of
-{key, tenant, weight, models}) and the constant-time check of a Bearer token. `models`
+{key, tenant, weight, models}) and the constant-time check of the key a request
+presents (a Bearer token, or Anthropic's `x-api-key` header). `models`
 limits a key to those served model names (the base model's and adapters'); a key without
 it may use every model. A request's tenant
 feeds the `fair` scheduling policy and becomes its prefix-cache salt, so tenants never
@@ -78,13 +79,19 @@ class KeyRing:
         """Tenant name -> weight."""
         return {tenant.name: tenant.weight for _, tenant in self._keys}
 
-    def authenticate(self, authorization: str | None) -> Tenant:
-        """The tenant of an `Authorization: Bearer KEY` header; AuthError if not valid."""
+    def authenticate(self, authorization: str | None, api_key: str | None = None) -> Tenant:
+        """The tenant of an `Authorization: Bearer KEY` header, or else of an
+        `x-api-key: KEY` header (Anthropic's clients send that); AuthError if neither
+        holds a valid key."""
         if not self.enabled:
             return Tenant(DEFAULT_TENANT)
-        if not authorization or not authorization.startswith("Bearer "):
-            raise AuthError("missing bearer token: send 'Authorization: Bearer <api key>'")
-        presented = authorization[len("Bearer "):].strip().encode("utf-8")
+        if authorization and authorization.startswith("Bearer "):
+            presented = authorization[len("Bearer "):].strip().encode("utf-8")
+        elif api_key:
+            presented = api_key.strip().encode("utf-8")
+        else:
+            raise AuthError("missing API key: send 'Authorization: Bearer <api key>' or "
+                            "'x-api-key: <api key>'")
         found = None
         for key, tenant in self._keys:  # compare with every key: timing reveals nothing
             if hmac.compare_digest(presented, key):

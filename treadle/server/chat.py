@@ -2,7 +2,8 @@
 
 Owns what only chat does: tools and tool_choice (server/tool_calls.py: their grammar,
 the template's tool list, whether special tokens must stay in the text for the parser),
-`max_completion_tokens`, `top_logprobs`, and one choice list per request. Every shared
+`max_completion_tokens`, `top_logprobs`, vLLM's `truncate_prompt_tokens` on the
+templated prompt, and one choice list per request. Every shared
 step is the serving object's (server/serving.py).
 """
 
@@ -33,6 +34,7 @@ async def create_chat_completion(serving: OpenAIServing, body: protocol.ChatComp
         raise APIError(400, "max_tokens: 0 is allowed only with prompt_logprobs", "max_tokens")
     prompt_ids = await run_in_threadpool(serving.chat_token_ids, body.messages,
                                          body.add_generation_prompt, tools.template_tools)
+    prompt_ids = serving.truncate_prompt(prompt_ids, body.truncate_prompt_tokens)
     max_tokens = serving.check_lengths(prompt_ids, requested, None)
     spec = await serving.structured_spec(body, tools.spec)
     top = body.top_logprobs if body.top_logprobs is not None else 0
@@ -41,6 +43,6 @@ async def create_chat_completion(serving: OpenAIServing, body: protocol.ChatComp
                                      skip_special_tokens=False if tools.needs_special_tokens
                                      else None)
     fmt = Formatting(serving.tokenizer, top, body.n, prompt_logprobs=body.prompt_logprobs,
-                     tools=tools)
+                     tools=tools, return_token_ids=body.return_token_ids)
     return await serving.respond(request, body, tenant, "chatcmpl", [None], [prompt_ids],
                                  [params], fmt, chat_chunk, _whole, lora)

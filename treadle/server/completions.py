@@ -1,7 +1,8 @@
 """POST /v1/completions: one or several prompts (text or token ids), whole or streamed.
 
 Owns what only completions do: `echo`, `max_tokens: 0` for scoring a prompt, the
-prompt logprobs that echo with logprobs implies, and one engine request per prompt
+prompt logprobs that echo with logprobs implies, vLLM's `truncate_prompt_tokens` on each
+prompt's ids (a cut prompt's text is then decoded from them), and one engine request per prompt
 (their chunks interleave; choice indices as OpenAI numbers them: server/responses.py).
 Every shared step (authentication, model, fields, tokenization, limits, grammar,
 admission, running, the answer) is the serving object's (server/serving.py).
@@ -34,6 +35,12 @@ async def create_completion(serving: OpenAIServing, body: protocol.CompletionReq
         else:
             texts.append(None)
             id_lists.append(list(prompt))
+    if body.truncate_prompt_tokens is not None:
+        cut = [serving.truncate_prompt(ids, body.truncate_prompt_tokens) for ids in id_lists]
+        # a cut prompt's text is no longer the prompt: echo decodes the ids kept
+        texts = [text if len(kept) == len(ids) else None
+                 for text, ids, kept in zip(texts, id_lists, cut)]
+        id_lists = cut
     for ids in id_lists:
         serving.check_vocab(ids)
     spec = await serving.structured_spec(body)
@@ -45,6 +52,6 @@ async def create_completion(serving: OpenAIServing, body: protocol.CompletionReq
                                            body.logprobs, prompt_logprobs, spec)
                    for ids in id_lists]
     fmt = Formatting(serving.tokenizer, body.logprobs or 0, body.n, body.echo,
-                     body.prompt_logprobs)
+                     body.prompt_logprobs, return_token_ids=body.return_token_ids)
     return await serving.respond(request, body, tenant, "cmpl", texts, id_lists, params_list,
                                  fmt, completion_chunk, completion_response, lora)

@@ -1,10 +1,13 @@
-"""Error answers in the OpenAI shape, for every way a request can fail.
+"""Error answers in the OpenAI shape (and Anthropic's under /v1/messages), for every way
+a request can fail.
 
 Owns `APIError`, the one error body (`{"error": {"message", "type", "param", "code"}}`,
-`param` naming a body field or null, never a character offset), and the exception
-handlers that turn validation errors, unparseable bodies (invalid JSON or UTF-8, nesting
-too deep), unknown routes and methods, and unexpected failures into that body. It does
-not decide which requests are valid: protocol.py and validation.py do.
+`param` naming a body field or null, never a character offset), Anthropic's shape of it
+for the Messages API's paths (`{"type": "error", "error": {"type", "message"}}`, the type
+from the status as Anthropic names it: `error_body_for`), and the exception handlers
+that turn validation errors, unparseable bodies (invalid JSON or UTF-8, nesting too
+deep), unknown routes and methods, and unexpected failures into that body. It does not
+decide which requests are valid: protocol.py and validation.py do.
 """
 
 from __future__ import annotations
@@ -61,10 +64,39 @@ def error_body(status: int, message: str, param: str | None = None,
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
+ANTHROPIC_PREFIX = "/v1/messages"
+"""The Messages API's paths: their errors are in Anthropic's shape."""
+_ANTHROPIC_KIND_OF_STATUS = {400: "invalid_request_error", 401: "authentication_error",
+                             403: "permission_error", 404: "not_found_error",
+                             405: "invalid_request_error", 413: "request_too_large",
+                             429: "rate_limit_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    """Anthropic's error body; its type named from the status as Anthropic names them
+    (5xx: api_error)."""
+    kind = _ANTHROPIC_KIND_OF_STATUS.get(status, "api_error" if status >= 500
+                                         else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
+def error_body_for(path: str, status: int, message: str, param: str | None = None,
+                   kind: str | None = None) -> dict:
+    """The error body for a request to `path`: Anthropic's under /v1/messages."""
+    if is_anthropic_path(path):
+        return anthropic_error_body(status, message)
+    return error_body(status, message, param, kind)
+
+
 def error_response(status: int, message: str, param: str | None = None,
-                   kind: str | None = None, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, kind), status_code=status,
-                        headers=headers)
+                   kind: str | None = None, headers: dict | None = None,
+                   path: str = "") -> JSONResponse:
+    return JSONResponse(error_body_for(path, status, message, param, kind),
+                        status_code=status, headers=headers)
 
 
 _FIELD_PREFIX = re.compile(r"([A-Za-z_][A-Za-z0-9_.\[\]]*): ")
@@ -105,29 +137,33 @@ def _most_specific(errors: list[dict]) -> dict:
     return max(errors, key=lambda e: len(e.get("loc", ())))
 
 
-def validation_error_response(exc: RequestValidationError) -> JSONResponse:
+def validation_error_response(exc: RequestValidationError, path: str = "") -> JSONResponse:
+    status, message, field = validation_error(exc)
+    return error_response(status, message, field, path=path)
+
+
+def validation_error(exc: RequestValidationError) -> tuple[int, str, str | None]:
+    """(status, message, field) of a body that did not validate."""
     errors = list(exc.errors())
     if not errors:
-        return error_response(400, "invalid request body")
+        return 400, "invalid request body", None
     first = errors[0] if errors[0].get("type") == "json_invalid" else _most_specific(errors)
     ctx = first.get("ctx") or {}
     if first.get("type") == "json_invalid":
         offset = next((p for p in first.get("loc", ()) if isinstance(p, int)), None)
         where = f" (character {offset})" if offset is not None else ""
-        return error_response(400, f"body is not valid JSON: {ctx.get('error', 'decode error')}"
-                                   f"{where}")
+        return 400, f"body is not valid JSON: {ctx.get('error', 'decode error')}{where}", None
     field = field_of(first.get("loc", ()))
     inner = ctx.get("field")  # set by protocol.py's own errors on a whole model
     if inner:
         field = f"{field}.{inner}" if field else inner
     message = first.get("msg", "invalid value")
     if field is None and first.get("type") == "missing":
-        return error_response(400, "a JSON body is required")
+        return 400, "a JSON body is required", None
     if field is None and first.get("type") in ("model_attributes_type", "dict_type",
                                                "model_type"):
-        return error_response(400, "the body must be a JSON object "
-                                   "(Content-Type: application/json)")
-    return error_response(400, f"{field or 'body'}: {message}", field)
+        return 400, "the body must be a JSON object (Content-Type: application/json)", None
+    return 400, f"{field or 'body'}: {message}", field
 
 
 def allowed_methods(app: FastAPI, request: Request) -> list[str]:
@@ -142,20 +178,22 @@ def allowed_methods(app: FastAPI, request: Request) -> list[str]:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Every failure answers with an OpenAI error body."""
+    """Every failure answers with an OpenAI error body (Anthropic's under /v1/messages)."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.param, exc.kind, exc.headers)
+    async def _api_error(request: Request, exc: APIError):
+        return error_response(exc.status, exc.message, exc.param, exc.kind, exc.headers,
+                              request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError):
-        return validation_error_response(exc)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        return validation_error_response(exc, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
+        path = request.url.path
         if exc.status_code == 405:  # Starlette names only the first matching route's methods
-            return error_response(405, str(exc.detail),
+            return error_response(405, str(exc.detail), path=path,
                                   headers={"Allow": ", ".join(allowed_methods(app, request))})
         if exc.status_code == 400 and isinstance(exc.__cause__, (UnicodeDecodeError, ValueError)):
             message = "body is not valid UTF-8 JSON"  # FastAPI's "error parsing the body"
@@ -163,9 +201,10 @@ def install_error_handlers(app: FastAPI) -> None:
             message = "body is nested too deeply to parse"
         else:
             message = str(exc.detail)
-        return error_response(exc.status_code, message, headers=exc.headers)
+        return error_response(exc.status_code, message, headers=exc.headers, path=path)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception):
+    async def _unexpected(request: Request, exc: Exception):
         logger.exception("unhandled error")
-        return error_response(500, f"internal error: {type(exc).__name__}", kind="server_error")
+        return error_response(500, f"internal error: {type(exc).__name__}", kind="server_error",
+                              path=request.url.path)

@@ -1,6 +1,7 @@
 """ASGI middleware that runs before any route reads a body: authentication, the body.
 
-Owns the checks every request passes first, in this order: the API key (a 401 for
+Owns the checks every request passes first, in this order: the API key (a Bearer
+token, or an `x-api-key` header as Anthropic's clients send it; a 401 for
 every path but /health and /metrics, before the body is even read, so a keyless caller
 learns nothing about validation), then the body: its size (a 413 whether the size was
 declared in Content-Length or only found while reading a chunked body) and its arrival
@@ -10,7 +11,8 @@ models it may use) in `request.state.key`. GETs under /dashboard also take the k
 the password of HTTP Basic auth, and their 401 asks for it, so that a browser prompts
 once and its page's EventSource is let in; Basic is accepted nowhere else (a browser
 sends cached Basic credentials on its own, which must never authorize a cross-site POST
-to /v1). Pure ASGI: no engine.
+to /v1). Errors under /v1/messages are in Anthropic's shape (server/errors.py). Pure
+ASGI: no engine.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import binascii
 import json
 
 from treadle.server.auth import AuthError, KeyRing
-from treadle.server.errors import error_body
+from treadle.server.errors import error_body_for
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 """Paths served without a key (probes and scrapers)."""
@@ -46,9 +48,10 @@ def _basic_as_bearer(header: str) -> str:
     return f"Bearer {key}"
 
 
-async def _send_error(send, status: int, message: str, kind: str | None = None,
+async def _send_error(scope, send, status: int, message: str, kind: str | None = None,
                       headers: list | None = None) -> None:
-    body = json.dumps(error_body(status, message, kind=kind)).encode()
+    body = json.dumps(error_body_for(scope.get("path") or "", status, message,
+                                     kind=kind)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode()), *(headers or [])]})
@@ -68,18 +71,21 @@ class AuthFirst:
         if scope.get("path") in OPEN_PATHS:
             state["tenant"] = state["key"] = None
             return await self.app(scope, receive, send)
-        header = dict(scope.get("headers") or {}).get(b"authorization")
+        headers = dict(scope.get("headers") or {})
+        header, api_key = headers.get(b"authorization"), headers.get(b"x-api-key")
         dashboard = _is_dashboard(scope) and scope.get("method") in ("GET", "HEAD")
         try:
             text = header.decode("latin-1") if header is not None else None
             if dashboard and text is not None and text.startswith("Basic "):
                 text = _basic_as_bearer(text)
-            tenant = self.keyring.authenticate(text)
+            tenant = self.keyring.authenticate(
+                text, api_key.decode("latin-1") if api_key is not None else None)
         except AuthError as exc:
             challenges = [(b"www-authenticate", b"Bearer")]
             if dashboard:
                 challenges.append((b"www-authenticate", _BASIC_CHALLENGE))
-            return await _send_error(send, 401, str(exc), "authentication_error", challenges)
+            return await _send_error(scope, send, 401, str(exc), "authentication_error",
+                                     challenges)
         state["tenant"], state["key"] = tenant.name, tenant
         return await self.app(scope, receive, send)
 
@@ -114,7 +120,7 @@ class BodyLimits:
                                         (self.max_bytes, "max_request_body_bytes"))
         declared = dict(scope.get("headers") or {}).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            return await _send_error(send, 413, self._message(limit, option))
+            return await _send_error(scope, send, 413, self._message(limit, option))
         seen, refused, started, done = 0, None, False, False
 
         async def limited_receive():
@@ -146,8 +152,8 @@ class BodyLimits:
         except (_TooLarge, _TooSlow):
             pass
         if refused == 413 and not started:
-            await _send_error(send, 413, self._message(limit, option))
+            await _send_error(scope, send, 413, self._message(limit, option))
         elif refused == 408 and not started:
-            await _send_error(send, 408, f"the request body did not arrive within "
-                                         f"{self.read_timeout_s:g} s (body_read_timeout_s)",
+            await _send_error(scope, send, 408, f"the request body did not arrive within "
+                                                f"{self.read_timeout_s:g} s (body_read_timeout_s)",
                               headers=[(b"connection", b"close")])

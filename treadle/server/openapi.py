@@ -1,13 +1,14 @@
 """The /openapi.json the server publishes: what each route accepts and can answer.
 
 Owns the schema's truth: every route lists the statuses it can return (400, 401, 403,
-404, 409, 413, 429, 500, 503, each with the OpenAI error body, 429 with its Retry-After header)
+404, 409, 413, 429, 500, 503, each with the OpenAI error body, Anthropic's under
+/v1/messages, 429 with its Retry-After header)
 and its content types (JSON, or server-sent events when streaming; Prometheus text for
 /metrics; HTML and an endless event stream for the dashboard); the bounds that depend on
 the loaded model (token ids below the vocabulary, max_tokens and prompt lengths within
 the context and the KV cache) are written into the request schemas from the same
 EngineLimits the validators use; with API keys configured every route but /health and
-/metrics declares Bearer auth (the dashboard's Basic too). The one rule JSON Schema
+/metrics declares Bearer or x-api-key auth (the dashboard's Basic too). The one rule JSON Schema
 cannot state, prompt tokens + max_tokens <= the request limit, is in the description of
 max_tokens. It validates nothing itself (protocol.py and validation.py do).
 """
@@ -20,6 +21,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from treadle.engine.limits import EngineLimits
+from treadle.server.anthropic import protocol as anthropic_protocol
+from treadle.server.errors import is_anthropic_path
 from treadle.server.fields import ACCEPTED_IGNORED, NEUTRAL_VALUES, UNSUPPORTED
 from treadle.server.batch_routes import OTHER_CONTENT as _BATCH_CONTENT
 from treadle.server.batch_routes import ROUTE_ERRORS as _BATCH_ROUTE_ERRORS
@@ -33,6 +36,19 @@ _ERROR_SCHEMA = {
         "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                        "param": {"anyOf": [{"type": "string"}, {"type": "null"}]},
                        "code": {"type": "integer"}}}},
+}
+_ANTHROPIC_ERROR_SCHEMA = {
+    "type": "object", "required": ["type", "error"],
+    "properties": {"type": {"const": "error"}, "error": {
+        "type": "object", "required": ["type", "message"],
+        "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}},
+}
+_ANTHROPIC_SSE_EVENT = {
+    "type": "object", "required": ["event", "data"],
+    "properties": {"event": {"type": "string", "description": "message_start, "
+                             "content_block_start, ping, content_block_delta, "
+                             "content_block_stop, message_delta, message_stop, or error"},
+                   "data": {"type": "string", "description": "the event as JSON"}},
 }
 _SSE_EVENT = {  # OpenAPI 3.1: the schema of one event of the stream
     "type": "object", "required": ["data"],
@@ -66,10 +82,12 @@ _ROUTE_ERRORS = {
     ("/v1/requests/{request_id}", "get"): (404, 503),
     ("/dashboard/requests/{request_id}", "get"): (404, 503),
     ("/health", "get"): (503,),
+    ("/v1/messages", "post"): _GENERATION,
+    ("/v1/messages/count_tokens", "post"): (400, 404, 413, 503),
     **_LORA_ROUTE_ERRORS,
     **_BATCH_ROUTE_ERRORS,
 }
-_STREAMING = {"/v1/completions", "/v1/chat/completions", "/v1/responses"}
+_STREAMING = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"}
 _DASHBOARD_EVENT = {
     "type": "object", "required": ["data"],
     "properties": {"data": {"type": "string", "description": "one JSON object: gauges, "
@@ -131,6 +149,20 @@ def _set_limits(schemas: dict, limits: EngineLimits) -> None:
             elif items.get("type") == "array":
                 bound_token_lists(items)
 
+    for name in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest"):
+        props = schemas.get(name, {}).get("properties", {})
+        for branch in props.get("allowed_token_ids", {}).get("anyOf", []):
+            if branch.get("type") == "array":
+                branch.setdefault("items", {})["maximum"] = top_id
+        if "truncate_prompt_tokens" in props:
+            bound_ints(props["truncate_prompt_tokens"], limits.max_model_len)
+    responses_n = schemas.get("ResponsesRequest", {}).get("properties", {}).get("n")
+    if responses_n is not None:  # the Responses API returns one output
+        bound_ints(responses_n, 1)
+    messages = schemas.get("MessagesRequest", {}).get("properties", {})
+    if "max_tokens" in messages:
+        bound_ints(messages["max_tokens"], longest)
+        messages["max_tokens"]["description"] = joint.split(";")[0]
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         props = schemas.get(name, {}).get("properties", {})
         for field in ("max_tokens", "max_completion_tokens", "min_tokens"):
@@ -187,6 +219,16 @@ def _close_request_schemas(schemas: dict) -> None:
             schemas[name]["additionalProperties"] = False
     if "StreamOptions" in schemas:
         schemas["StreamOptions"]["additionalProperties"] = False
+    for name in ("MessagesRequest", "CountTokensRequest"):
+        schema = schemas.get(name)
+        if schema is None:
+            continue
+        props = schema.setdefault("properties", {})
+        for field, why in anthropic_protocol.ACCEPTED_IGNORED.items():
+            props.setdefault(field, {"description": f"accepted and ignored: {why}"})
+        for field, why in anthropic_protocol.REFUSED.items():
+            props.setdefault(field, {"type": "null", "description": f"refused: {why}"})
+        schema["additionalProperties"] = False
 
 
 def _document_responses(paths: dict, auth: bool) -> None:
@@ -198,15 +240,17 @@ def _document_responses(paths: dict, auth: bool) -> None:
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)  # validation errors are 400s here
             codes = list(_ROUTE_ERRORS.get((path, method), ()))
+            anthropic = is_anthropic_path(path)
             if auth and path not in OPEN_PATHS:
                 codes.append(401)
-                operation["security"] = [{"bearer": []}]
+                operation["security"] = [{"bearer": []}, {"apiKey": []}]
                 if path == DASHBOARD_PREFIX or path.startswith(DASHBOARD_PREFIX + "/"):
                     operation["security"].append({"basic": []})  # the key as the password
             for code in sorted(codes):
+                error = "AnthropicError" if anthropic else "Error"
                 entry = {"description": _DESCRIPTIONS[code],
                          "content": {"application/json": {
-                             "schema": {"$ref": "#/components/schemas/Error"}}}}
+                             "schema": {"$ref": f"#/components/schemas/{error}"}}}}
                 if code == 429:
                     entry["headers"] = {"Retry-After": {
                         "description": "Seconds after which a retry may pass",
@@ -216,7 +260,8 @@ def _document_responses(paths: dict, auth: bool) -> None:
             if path in _STREAMING:
                 ok["content"] = {
                     "application/json": {"schema": {"type": "object"}},
-                    "text/event-stream": {"schema": _SSE_EVENT,
+                    "text/event-stream": {"schema": _ANTHROPIC_SSE_EVENT if anthropic
+                                          else _SSE_EVENT,
                                           "description": "with stream: true"}}
             elif path in _OTHER_CONTENT:
                 ok["content"] = _OTHER_CONTENT[path]
@@ -235,11 +280,14 @@ def install_openapi(app: FastAPI, limits: EngineLimits, auth: bool) -> None:
         for unused in ("HTTPValidationError", "ValidationError"):
             schemas.pop(unused, None)
         schemas["Error"] = _ERROR_SCHEMA
+        schemas["AnthropicError"] = _ANTHROPIC_ERROR_SCHEMA
         _set_limits(schemas, limits)
         _close_request_schemas(schemas)
         if auth:
-            components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"},
-                                             "basic": {"type": "http", "scheme": "basic"}}
+            components["securitySchemes"] = {
+                "bearer": {"type": "http", "scheme": "bearer"},
+                "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+                "basic": {"type": "http", "scheme": "basic"}}
         _document_responses(schema.get("paths", {}), auth)
         app.openapi_schema = schema
         return schema

@@ -114,7 +114,55 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
-class SamplingFields(OpenAIModel):
+MAX_ALLOWED_TOKEN_IDS = 262_144
+MAX_BAD_WORDS = 128
+MAX_DRY_BREAKERS = 64
+BreakerString = Annotated[str, Field(min_length=1, max_length=40)]
+BadWord = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class SamplerExtensions(OpenAIModel):
+    """vLLM's sampling extensions and llama.cpp's DRY and XTC, on every generating
+    endpoint (their meaning: treadle/sampling_params.py and docs/openai_api.md)."""
+
+    allowed_token_ids: Optional[Annotated[list[TokenId], Field(
+        min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)]] = Field(
+        default=None, description="vLLM's: only these token ids may be generated")
+    bad_words: Optional[Annotated[list[BadWord], Field(max_length=MAX_BAD_WORDS)]] = Field(
+        default=None, description="vLLM's: words that are never generated")
+    spaces_between_special_tokens: bool = Field(
+        default=True, description="vLLM's: false joins consecutive special tokens in the "
+        "text (with skip_special_tokens false)")
+    cache_salt: Optional[str] = Field(
+        default=None, min_length=1, max_length=1024,
+        description="vLLM's: only requests with the same salt share cached prompt blocks")
+    dry_multiplier: float = Field(default=0.0, ge=0.0, le=100.0,
+                                  description="llama.cpp's DRY penalty; 0: off")
+    dry_base: float = Field(default=1.75, ge=1.0, le=100.0)
+    dry_allowed_length: int = Field(default=2, ge=0, le=1_000_000)
+    dry_penalty_last_n: int = Field(
+        default=-1, ge=-1, le=MAX_PROMPT_TOKENS_LIST,
+        description="tokens of the history DRY looks at; -1: all, 0: DRY off")
+    dry_sequence_breakers: Optional[Annotated[list[BreakerString], Field(
+        min_length=1, max_length=MAX_DRY_BREAKERS)]] = Field(
+        default=None, description='default ["\\n", ":", "\\"", "*"] (llama.cpp\'s)')
+    xtc_probability: float = Field(default=0.0, ge=0.0, le=1.0,
+                                   description="llama.cpp's XTC; 0: off")
+    xtc_threshold: float = Field(default=0.1, ge=0.0, le=1.0)
+
+
+class TokenOutputFields(OpenAIModel):
+    """vLLM's prompt and output token fields of completions and chat completions."""
+
+    return_token_ids: bool = Field(
+        default=False, description="vLLM's: prompt_token_ids and each choice's token_ids "
+        "in the response (a stream: the prompt's in the first chunk, then deltas)")
+    truncate_prompt_tokens: Optional[int] = Field(
+        default=None, ge=-1, le=MAX_PROMPT_TOKENS_LIST,
+        description="vLLM's: keep the prompt's last this many tokens; -1: max_model_len")
+
+
+class SamplingFields(SamplerExtensions):
     """Fields shared by completions and chat completions."""
 
     model: Optional[str] = Field(default=None, max_length=512)
@@ -159,7 +207,7 @@ class SamplingFields(OpenAIModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, TokenOutputFields):
     prompt: Union[PromptText, TokenIds,
                   Annotated[list[PromptText], Field(min_length=1, max_length=MAX_PROMPTS)],
                   Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]] = Field(
@@ -241,7 +289,7 @@ class ChatMessage(OpenAIModel):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, TokenOutputFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)

@@ -7,7 +7,10 @@ endpoint's format. A completions request may hold several prompts: choice `index
 prompt_index * n + sample_index, as OpenAI numbers them, and their chunks interleave as
 outputs arrive. `echo` puts the prompt (and its logprobs, the first one null) before
 the completion; `text_offset` values run through the whole choice text, across chunks.
-Chat choices may carry tool calls (server/tool_calls.py parses them). Pure formatting.
+Chat choices may carry tool calls (server/tool_calls.py parses them). vLLM's
+`return_token_ids` adds `prompt_token_ids` (completions: per choice; chat: on the body,
+or the first chunk) and each choice's `token_ids` (streamed: the new ids of each chunk).
+Pure formatting.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ class Formatting:
     """vLLM's prompt_logprobs: each choice carries its prompt's logprobs in vLLM's shape."""
     tools: ToolSetup | None = None
     """Chat: parse tool calls out of each choice (None or choice 'none': plain text)."""
+    return_token_ids: bool = False
+    """vLLM's: prompt_token_ids and each choice's token_ids (streamed: the prompt's once,
+    then each chunk's new ids)."""
 
 
 def usage_of(outputs) -> dict[str, Any]:
@@ -164,6 +170,9 @@ def completion_response(request_id: str, model: str, outputs: list,
                                                        prompt_part=_echo_part(output, fmt))}
             if fmt.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = _vllm_prompt_logprobs(output)
+            if fmt.return_token_ids:
+                choice.update(prompt_token_ids=list(output.prompt_token_ids),
+                              token_ids=list(c.token_ids))
             choices.append(choice)
     choices.sort(key=lambda c: c["index"])
     return {"id": request_id, "object": "text_completion", "created": now(), "model": model,
@@ -214,6 +223,10 @@ async def completion_chunk(request_id: str, model: str, outputs: AsyncIterator,
                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if first and fmt.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = _vllm_prompt_logprobs(output)
+            if fmt.return_token_ids:
+                if first:
+                    choice["prompt_token_ids"] = list(output.prompt_token_ids)
+                choice["token_ids"] = list(c.token_ids[start:])
             yield {"id": request_id, "object": "text_completion", "created": created,
                    "model": model, "choices": [choice]}
         error = _error_event(output)
@@ -246,10 +259,14 @@ def chat_response(request_id: str, model: str, output, fmt: Formatting) -> dict[
         choices.append({"index": c.index, "message": message, "finish_reason": finish,
                         "stop_reason": c.stop_reason,
                         "logprobs": _chat_logprobs(c, fmt.tokenizer, fmt.top_n)})
+        if fmt.return_token_ids:
+            choices[-1]["token_ids"] = list(c.token_ids)
     body = {"id": request_id, "object": "chat.completion", "created": now(), "model": model,
             "choices": choices, "usage": usage_of(output)}
     if fmt.prompt_logprobs is not None:
         body["prompt_logprobs"] = _vllm_prompt_logprobs(output)
+    if fmt.return_token_ids:
+        body["prompt_token_ids"] = list(output.prompt_token_ids)
     return body
 
 
@@ -284,11 +301,15 @@ async def chat_chunk(request_id: str, model: str, outputs: AsyncIterator,
                      "choices": [{"index": index, "delta": delta,
                                   "logprobs": _chat_logprobs(c, fmt.tokenizer, fmt.top_n, start),
                                   "finish_reason": finish}]}
+            if fmt.return_token_ids:
+                chunk["choices"][0]["token_ids"] = list(c.token_ids[start:])
             if index not in opened:
                 opened.add(index)
                 delta["role"] = "assistant"
                 if fmt.prompt_logprobs is not None and index == 0:
                     chunk["prompt_logprobs"] = _vllm_prompt_logprobs(output)
+                if fmt.return_token_ids and len(opened) == 1:
+                    chunk["prompt_token_ids"] = list(output.prompt_token_ids)
             yield chunk
         error = _error_event(output)
         if error:

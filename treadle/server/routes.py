@@ -1,4 +1,5 @@
-"""The OpenAI server's routes: parse, call the serving object, return.
+"""The server's routes (OpenAI's, and Anthropic's Messages API): parse, call the serving
+object, return.
 
 Owns the URL table of the generating and utility endpoints (the LoRA runtime routes
 are server/lora_routes.py's, the dashboard's server/dashboard.py's). Each route is a
@@ -16,6 +17,8 @@ from typing import Callable
 from fastapi import FastAPI, Request
 
 from treadle.server import protocol, responses_api
+from treadle.server.anthropic import messages as anthropic_messages
+from treadle.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from treadle.server.chat import create_chat_completion
 from treadle.server.completions import create_completion
 from treadle.server.responses_api import ResponsesRequest
@@ -78,6 +81,14 @@ async def create_response(body: ResponsesRequest, request: Request):
     return await responses_api.create_response(serving_of(request), body, request)
 
 
+async def create_message(body: MessagesRequest, request: Request):
+    return await anthropic_messages.create_message(serving_of(request), body, request)
+
+
+async def count_message_tokens(body: CountTokensRequest, request: Request):
+    return await anthropic_messages.count_tokens(serving_of(request), body, request)
+
+
 async def get_response(response_id: str, request: Request):
     return responses_api.get_response(serving_of(request), response_id, request)
 
@@ -97,5 +108,7 @@ ROUTES = (
     Route("POST", "/v1/responses", create_response),
     Route("GET", "/v1/responses/{response_id}", get_response),
     Route("DELETE", "/v1/responses/{response_id}", delete_response),
+    Route("POST", "/v1/messages", create_message),
+    Route("POST", "/v1/messages/count_tokens", count_message_tokens),
 )
-"""The OpenAI endpoints, in the order the schema lists them."""
+"""The OpenAI endpoints, then Anthropic's Messages API, in the order the schema lists them."""

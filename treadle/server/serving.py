@@ -8,10 +8,12 @@ authentication (the key was checked by server/middleware.py; here the tenant, an
 while shutting down), the model a request names (the base or a LoRA adapter:
 server/lora_routes.py), field checks (server/fields.py), tokenization and chat
 templating in worker threads, the limits a request must fit (server/validation.py),
-sampling parameters, structured-output grammars compiled off the event loop, admission,
-running the engine request (aborted the moment its client goes away), and the answer:
-server-sent events or one final body. The endpoints themselves are one module each
-(server/completions.py, server/chat.py, server/responses_api.py) plus the small ones
+sampling parameters (bad_words and DRY's breakers made token ids off the event loop:
+engine/token_words.py), structured-output grammars compiled off the event loop,
+admission, running the engine request (aborted the moment its client goes away), and
+the answer: server-sent events or one final body. The endpoints themselves are one
+module each (server/completions.py, server/chat.py, server/responses_api.py, the
+Anthropic Messages API in server/anthropic/) plus the small ones
 here (health, metrics, models, tokenize); the routes (server/routes.py) only parse and
 call. Scheduling and generation stay in the engine; this module never touches FastAPI's
 app or routing.
@@ -34,6 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
 from treadle.engine.client import EngineClient, EngineDeadError, EngineFailedError
+from treadle.engine.token_words import TokenWords
 from treadle.sampling_params import SamplingParams
 from treadle.server import protocol, validation
 from treadle.server.admission import (AdmissionControl, AdmissionLimits, NeverAdmissible,
@@ -129,6 +132,8 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.admission = AdmissionControl(admission_limits(config, engine))
         self.grammars = LazyGrammarCompiler(engine)
+        self.words = TokenWords(engine.tokenizer)
+        """bad_words and DRY's breakers -> token ids, before the engine sees a request."""
         self.responses = ResponseStore(config.responses_store_size)
         """Stored Responses-API responses (server/responses_api.py)."""
         self.created = protocol.now()
@@ -286,7 +291,11 @@ class OpenAIServing:
         return max(1, max(len(t.encode("utf-8", "surrogatepass")) for t in vocab))
 
     def chat_token_ids(self, messages: list[protocol.ChatMessage], add_generation_prompt: bool,
-                       tools: list[dict] | None = None) -> list[int]:
+                       tools: list[dict] | None = None,
+                       continue_final_message: bool = False) -> list[int]:
+        """The conversation through the chat template; `continue_final_message`: the
+        last (assistant) message left open for the model to continue (Anthropic's
+        prefill)."""
         tok = self.require_tokenizer()
         if not getattr(tok, "chat_template", None):
             raise APIError(400, "this model has no chat template", "messages")
@@ -297,8 +306,10 @@ class OpenAIServing:
         self.check_text_size("".join(str(m.get("content") or "") for m in conversation),
                              "messages")
         try:
+            options = {"continue_final_message": True} if continue_final_message else {}
             text = tok.apply_chat_template(conversation, tokenize=False, tools=tools,
-                                           add_generation_prompt=add_generation_prompt)
+                                           add_generation_prompt=add_generation_prompt,
+                                           **options)
         except Exception as exc:  # a template may reject any conversation it dislikes
             raise APIError(400, f"messages: the chat template failed: {exc}",
                            "messages") from None
@@ -314,13 +325,24 @@ class OpenAIServing:
     def check_vocab(self, prompt_ids: list[int]) -> None:
         validation.check_vocab(self.limits, prompt_ids)
 
+    def truncate_prompt(self, prompt_ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens (server/validation.py)."""
+        return validation.truncate_prompt(self.limits, prompt_ids, keep)
+
     def sampling_params(self, body: protocol.SamplingFields, max_tokens: int,
                         logprobs: int | None, prompt_logprobs: int | None = None,
                         structured: StructuredSpec | None = None,
                         skip_special_tokens: bool | None = None) -> SamplingParams:
-        """The body's sampling fields as SamplingParams (400 naming the field)."""
-        return validation.sampling_params(self.limits, body, max_tokens, logprobs,
-                                          prompt_logprobs, structured, skip_special_tokens)
+        """The body's sampling fields as SamplingParams (400 naming the field, also when
+        bad_words or DRY's breakers cannot become token ids: engine/token_words.py)."""
+        params = validation.sampling_params(self.limits, body, max_tokens, logprobs,
+                                            prompt_logprobs, structured, skip_special_tokens)
+        try:
+            self.words.check(params)
+        except ValueError as exc:
+            message = str(exc)
+            raise APIError(400, message, error_field(message)) from None
+        return params
 
     async def structured_spec(self, body: protocol.SamplingFields,
                               tool_spec: StructuredSpec | None = None) -> StructuredSpec | None:
@@ -383,6 +405,8 @@ class OpenAIServing:
         band = self.band(request)
         extra = {"band": band} if band is not None and self._takes_band else {}
         try:
+            if params.needs_tokenized_words:  # the first time, a scan of the vocabulary
+                params = await run_in_threadpool(self.words.resolve, params)
             async for output in self.engine.generate(request_id, prompt, prompt_ids, params,
                                                      priority, tenant, lora, **extra):
                 self.admission.started(ticket, time.monotonic())
@@ -433,9 +457,10 @@ class OpenAIServing:
     async def respond(self, request: Request, body: protocol.SamplingFields, tenant: str,
                       id_prefix: str, texts: list[str | None], id_lists: list[list[int]],
                       params_list: list[SamplingParams], fmt: Formatting, chunks, whole,
-                      lora=None):
-        """Admit every prompt, run them, and answer: a stream of `chunks` events, or one
-        `whole` body made from the final output of each prompt."""
+                      lora=None, sse=None):
+        """Admit every prompt, run them, and answer: a stream of `chunks` events (framed
+        by `sse`, default OpenAI's `self.sse`), or one `whole` body made from the final
+        output of each prompt."""
         tickets = []
         try:
             for ids, params in zip(id_lists, params_list):
@@ -454,7 +479,8 @@ class OpenAIServing:
         model_name = self.engine.model_name if lora is None else lora.lora_name
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return self.sse(chunks(request_id, model_name, outputs, include_usage, fmt))
+            return (sse or self.sse)(chunks(request_id, model_name, outputs, include_usage,
+                                            fmt))
         finals = await self.final_output(request, _latest_per_source(outputs))
         if finals is None:  # the client went away; the requests were aborted
             return Response(status_code=499)

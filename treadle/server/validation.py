@@ -37,6 +37,34 @@ def check_lengths(limits: EngineLimits, prompt_ids: list[int], requested: int | 
         raise APIError(400, str(exc), exc.param) from None
 
 
+def extension_params(body: protocol.SamplerExtensions) -> dict:
+    """vLLM's and llama.cpp's sampling fields as SamplingParams arguments
+    (dry_penalty_last_n -1, llama.cpp's "the whole context", is None there)."""
+    args = dict(allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words,
+                spaces_between_special_tokens=body.spaces_between_special_tokens,
+                cache_salt=body.cache_salt, dry_multiplier=body.dry_multiplier,
+                dry_base=body.dry_base, dry_allowed_length=body.dry_allowed_length,
+                dry_penalty_last_n=None if body.dry_penalty_last_n == -1
+                else body.dry_penalty_last_n,
+                xtc_probability=body.xtc_probability, xtc_threshold=body.xtc_threshold)
+    if body.dry_sequence_breakers is not None:
+        args["dry_sequence_breakers"] = list(body.dry_sequence_breakers)
+    return args
+
+
+def truncate_prompt(limits: EngineLimits, prompt_ids: list[int],
+                    truncate_prompt_tokens: int | None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last N tokens (-1: max_model_len); a
+    400 when N is over max_model_len."""
+    if truncate_prompt_tokens is None:
+        return prompt_ids
+    keep = limits.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    if keep > limits.max_model_len:
+        raise APIError(400, f"truncate_prompt_tokens: {keep} is over max_model_len "
+                       f"{limits.max_model_len}", "truncate_prompt_tokens")
+    return prompt_ids[-keep:]
+
+
 def sampling_params(limits: EngineLimits, body: protocol.SamplingFields, max_tokens: int,
                     logprobs: int | None, prompt_logprobs: int | None = None,
                     structured: StructuredSpec | None = None,
@@ -56,7 +84,8 @@ def sampling_params(limits: EngineLimits, body: protocol.SamplingFields, max_tok
             skip_special_tokens=(body.skip_special_tokens if skip_special_tokens is None
                                  else skip_special_tokens),
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            structured_outputs=structured, speculative=body.speculative)
+            structured_outputs=structured, speculative=body.speculative,
+            **extension_params(body))
     except ValueError as exc:
         message = str(exc)
         raise APIError(400, message, message.split(" ", 1)[0]) from None

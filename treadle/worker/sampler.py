@@ -47,7 +47,6 @@ cache.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -55,6 +54,10 @@ import torch
 
 from treadle.core.outputs import TokenLogprobs
 from treadle.sampling_params import SamplingParams
+from treadle.worker.logit_adjust import adjust_logits
+
+__all__ = ["Sampler", "SamplerOutput", "adjust_logits", "apply_masks", "group_order",
+           "logprob_entries", "prompt_logprobs", "takes_plain_argmax"]
 
 _BLOCK = 512
 """Weights per block of the two-level inverse CDF (block sums, then one block)."""
@@ -150,11 +153,26 @@ class Sampler:
                output_token_ids: Sequence[Sequence[int]] | None = None,
                eos_token_id: int | None = None, masks=None) -> SamplerOutput:
         """logits: [num_rows, vocab] float32, overwritten. Per row: its request id,
-        parameters, prompt and generated tokens so far (for penalties and min_tokens).
-        `masks` (worker.grammar.StepMasks): allowed-token bitmasks of constrained rows,
-        applied after logit_bias and the penalties (logprobs stay the raw logits').
-        Rows in `group_order` are sampled in place; others are first copied into it
-        (the C kernel takes rows in any order)."""
+        parameters, prompt and generated tokens so far (for penalties, bad_words, DRY
+        and min_tokens). `masks` (worker.grammar.StepMasks): allowed-token bitmasks of
+        constrained rows, applied after logit_bias and the penalties (logprobs stay the
+        raw logits'). Rows in `group_order` are sampled in place; others are first copied
+        into it (the C kernel takes rows in any order). Rows with XTC go through
+        worker/xtc.py, which samples the others here."""
+        if any(p.uses_xtc for p in params):
+            from treadle.worker.xtc import sample_with_xtc  # it samples through this class
+            return sample_with_xtc(self, logits, request_ids, params, prompt_token_ids,
+                                   output_token_ids, eos_token_id, masks)
+        return self.sample_rows(logits, request_ids, params, prompt_token_ids,
+                                output_token_ids, eos_token_id, masks)
+
+    @torch.inference_mode()
+    def sample_rows(self, logits: torch.Tensor, request_ids: Sequence[str],
+                    params: Sequence[SamplingParams],
+                    prompt_token_ids: Sequence[Sequence[int]] | None = None,
+                    output_token_ids: Sequence[Sequence[int]] | None = None,
+                    eos_token_id: int | None = None, masks=None) -> SamplerOutput:
+        """`sample` without XTC: each row from the distribution its other controls make."""
         if self.kernels is not None and self.kernels.covers(logits):
             return self.kernels.sample(logits, request_ids, params, prompt_token_ids,
                                        output_token_ids, eos_token_id, masks, self._draw)
@@ -162,14 +180,12 @@ class Sampler:
         order = group_order(params)
         if order != list(range(num_rows)):
             position = {i: j for j, i in enumerate(order)}
-            result = self.sample(logits[order], [request_ids[i] for i in order],
-                                 [params[i] for i in order],
-                                 None if prompt_token_ids is None else
-                                 [prompt_token_ids[i] for i in order],
-                                 None if output_token_ids is None else
-                                 [output_token_ids[i] for i in order], eos_token_id,
-                                 None if masks is None else
-                                 type(masks)(masks.bitmask, [position[r] for r in masks.rows]))
+            result = self.sample_rows(
+                logits[order], [request_ids[i] for i in order], [params[i] for i in order],
+                None if prompt_token_ids is None else [prompt_token_ids[i] for i in order],
+                None if output_token_ids is None else [output_token_ids[i] for i in order],
+                eos_token_id, None if masks is None else
+                type(masks)(masks.bitmask, [position[r] for r in masks.rows]))
             tokens, entries = [0] * num_rows, [None] * num_rows
             for j, i in enumerate(order):
                 tokens[i], entries[i] = result.token_ids[j], result.logprobs[j]
@@ -203,9 +219,11 @@ class Sampler:
               prompt_token_ids: Sequence[Sequence[int]] | None = None,
               output_token_ids: Sequence[Sequence[int]] | None = None,
               eos_token_id: int | None = None, masks=None) -> torch.Tensor:
-        """The distribution `sample` draws each row from, float32 [rows, vocab]: every
-        control applied (logit_bias, min_tokens, penalties, the grammar `masks` as in
-        `sample`, temperature, top-k, top-p, min-p); greedy rows one-hot at their token.
+        """The distribution `sample_rows` draws each row from, float32 [rows, vocab]:
+        every control applied (logit_bias, allowed_token_ids, bad_words, min_tokens,
+        penalties, DRY, the grammar `masks` as in `sample`, temperature, top-k, top-p,
+        min-p) but XTC's random cut (worker/xtc.py applies it to this distribution; a
+        request with XTC is never speculated on); greedy rows one-hot at their token.
         `logits` is overwritten (the penalties are applied in place). Through the C
         kernel when there is one, else by sorting (processed_logits)."""
         if self.kernels is not None and self.kernels.covers(logits):
@@ -269,131 +287,9 @@ def takes_plain_argmax(params: SamplingParams, num_output_tokens: int) -> bool:
     return (params.is_greedy and params.logprobs is None and not params.logit_bias
             and not (params.min_tokens and num_output_tokens < params.min_tokens)
             and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
-            and params.frequency_penalty == 0.0 and params.structured_outputs is None)
-
-
-def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
-                  prompt_token_ids: Sequence[Sequence[int]] | None,
-                  output_token_ids: Sequence[Sequence[int]] | None,
-                  eos_token_id: int | None, save_rows: Sequence[int] = ()
-                  ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Apply logit_bias, min_tokens masking and the penalties, in place, on raw logits.
-
-    Repetition (transformers): each distinct token of prompt + output, logit / p when
-    positive, * p otherwise. Frequency and presence (OpenAI): logit -= frequency * count
-    + presence * (count > 0), counts over the output only. Work is per token, not per
-    vocabulary entry: only the logits of tokens that appear are touched.
-
-    Returns, for the rows in `save_rows`, the (rows, cols, values) each change overwrote,
-    in order: written back in reverse order, they restore the raw logits.
-    """
-    num_rows = logits.shape[0]
-    dev = logits.device
-    outputs = output_token_ids if output_token_ids is not None else [()] * num_rows
-    prompts = prompt_token_ids if prompt_token_ids is not None else [()] * num_rows
-    saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    save_mask = None
-    if save_rows:
-        save_mask = torch.zeros(num_rows, dtype=torch.bool, device=dev)
-        save_mask[list(save_rows)] = True
-
-    def remember(r: torch.Tensor, c: torch.Tensor) -> None:
-        if save_mask is not None:
-            keep = save_mask[r]
-            if bool(keep.any()):
-                saved.append((r[keep], c[keep], logits[r[keep], c[keep]].clone()))
-
-    _bias_and_bans(logits, params, outputs, eos_token_id, remember)
-    _penalties(logits, params, prompts, outputs, remember)
-    return saved
-
-
-def _bias_and_bans(logits: torch.Tensor, params: Sequence[SamplingParams], outputs,
-                   eos_token_id: int | None, remember) -> None:
-    """logit_bias added, then the stop tokens (and EOS) of rows still short of min_tokens
-    set to -inf; `remember(rows, cols)` is called before each change."""
-    vocab, dev = logits.shape[1], logits.device
-    rows, cols, values = [], [], []
-    for i, p in enumerate(params):
-        if p.logit_bias:
-            for token_id, bias in p.logit_bias.items():
-                if token_id < vocab:  # admission rejects others; never index past the row
-                    rows.append(i)
-                    cols.append(token_id)
-                    values.append(bias)
-    if rows:
-        r, c = torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)
-        remember(r, c)
-        logits.index_put_((r, c), torch.tensor(values, dtype=logits.dtype, device=dev),
-                          accumulate=True)
-
-    rows, cols = [], []
-    for i, p in enumerate(params):
-        if p.min_tokens and len(outputs[i]) < p.min_tokens:
-            banned = list(p.stop_token_ids)
-            if eos_token_id is not None and not p.ignore_eos:
-                banned.append(eos_token_id)
-            banned = [t for t in banned if t < vocab]
-            rows += [i] * len(banned)
-            cols += banned
-    if rows:
-        r, c = torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)
-        remember(r, c)
-        logits[r, c] = float("-inf")
-
-
-def _penalties(logits: torch.Tensor, params: Sequence[SamplingParams], prompts, outputs,
-               remember) -> None:
-    """The repetition penalty, then the frequency and presence penalties (see
-    `adjust_logits`); `remember(rows, cols)` is called before each change."""
-    vocab, dev = logits.shape[1], logits.device
-    rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-    if rep:
-        r, c = _distinct_pairs([itertools.chain(prompts[i], outputs[i]) for i in rep],
-                               [len(prompts[i]) + len(outputs[i]) for i in rep], rep, vocab,
-                               dev)
-        if r.numel():
-            pen = torch.tensor([params[i].repetition_penalty for i in rep],
-                               dtype=logits.dtype, device=dev)
-            pen = pen[torch.searchsorted(torch.tensor(rep, device=dev), r)]
-            remember(r, c)
-            v = logits[r, c]
-            logits[r, c] = torch.where(v > 0, v / pen, v * pen)
-
-    freq = [i for i, p in enumerate(params)
-            if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
-    if freq:
-        r, c, counts = _distinct_pairs([outputs[i] for i in freq],
-                                       [len(outputs[i]) for i in freq], freq, vocab, dev,
-                                       return_counts=True)
-        if r.numel():
-            index = torch.searchsorted(torch.tensor(freq, device=dev), r)
-            f = torch.tensor([params[i].frequency_penalty for i in freq],
-                             dtype=logits.dtype, device=dev)[index]
-            pres = torch.tensor([params[i].presence_penalty for i in freq],
-                                dtype=logits.dtype, device=dev)[index]
-            remember(r, c)
-            logits[r, c] -= f * counts.to(logits.dtype) + pres
-
-
-def _distinct_pairs(token_lists, lengths: list[int], rows: list[int], vocab: int,
-                    device: torch.device, return_counts: bool = False):
-    """Distinct (row, token) pairs of each row's tokens, sorted by row (and counts), on
-    `device`."""
-    total = sum(lengths)
-    tokens = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long,
-                          device=device)
-    if total == 0:
-        empty = torch.empty(0, dtype=torch.long, device=device)
-        return (empty, empty, empty) if return_counts else (empty, empty)
-    row_of = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long, device=device),
-                                     torch.tensor(lengths, dtype=torch.long, device=device))
-    keys = row_of * vocab + tokens
-    if return_counts:
-        keys, counts = torch.unique(keys, return_counts=True)
-        return keys // vocab, keys % vocab, counts
-    keys = torch.unique(keys)
-    return keys // vocab, keys % vocab
+            and params.frequency_penalty == 0.0 and params.structured_outputs is None
+            and not params.allowed_token_ids and not params.bad_words
+            and not params.uses_dry)
 
 
 def _sample_random(w: torch.Tensor, params: Sequence[SamplingParams], kinds: list[int],

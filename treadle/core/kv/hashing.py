@@ -16,6 +16,15 @@ from array import array
 _HASH_BYTES = 16
 
 
+def prefix_salt(tenant: str | None, cache_salt: str | None) -> str | None:
+    """A request's prefix-cache salt: its tenant's, and its own `cache_salt` (vLLM's
+    field) when it gives one, so that only requests of one tenant with one salt share
+    cached blocks."""
+    if cache_salt is None:
+        return tenant
+    return f"{tenant or ''}\x00cache-salt\x00{cache_salt}"
+
+
 def root_hash(cache_salt: str | None, lora_int_id: int | None = None) -> bytes:
     """The hash a request's chain starts from (its salt and adapter)."""
     salt = b"" if cache_salt is None else cache_salt.encode("utf-8")
