@@ -185,8 +185,10 @@ def _messages_fit(operation, body: dict) -> bool:
                               headers=_headers(), timeout=30)
     except (httpx.HTTPError, TypeError, ValueError):
         return True
-    if response.status_code != 200:
-        return True  # the body is invalid anyway: the server's answer to it is tested
+    if response.status_code != 200:  # too long to count (more bytes than the context
+        # could hold as tokens) breaks the joint rule; otherwise the body is invalid anyway
+        # and the server's answer to it is tested
+        return "context length" not in response.text
     return response.json()["input_tokens"] + max_tokens <= _request_limit(base)
 
 
