@@ -3,8 +3,9 @@
 Owns what only completions do: `echo`, `max_tokens: 0` for scoring a prompt, the
 prompt logprobs that echo with logprobs implies, and one engine request per prompt
 (their chunks interleave; choice indices as OpenAI numbers them: server/responses.py).
-Every shared step (authentication, model, fields, tokenization, limits, grammar,
-admission, running, the answer) is the serving object's (server/serving.py).
+Every shared step (authentication, model, fields, admission, tokenization, limits,
+grammar, running, the answer) is the serving object's (server/serving.py); admission
+comes before tokenization, on the prompts' estimated sizes.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from treadle.server import protocol
+from treadle.server.admission import prompt_tokens
 from treadle.server.errors import APIError
 from treadle.server.responses import Formatting, completion_chunk, completion_response
 from treadle.server.serving import OpenAIServing
@@ -26,25 +28,32 @@ async def create_completion(serving: OpenAIServing, body: protocol.CompletionReq
     if body.max_tokens == 0 and not body.echo and body.prompt_logprobs is None:
         raise APIError(400, "max_tokens: 0 is allowed only with echo or prompt_logprobs "
                        "(scoring a prompt)", "max_tokens")
-    texts, id_lists = [], []
-    for prompt in body.prompts():
-        if isinstance(prompt, str):
-            texts.append(prompt)
-            id_lists.append(await run_in_threadpool(serving.encode, prompt))
-        else:
-            texts.append(None)
-            id_lists.append(list(prompt))
-    for ids in id_lists:
-        serving.check_vocab(ids)
-    spec = await serving.structured_spec(body)
-    # echo with logprobs shows the prompt's logprobs: the engine computes them.
-    wanted = [v for v in (body.logprobs if body.echo else None, body.prompt_logprobs,
-                          0 if body.max_tokens == 0 else None) if v is not None]
-    prompt_logprobs = max(wanted) if wanted else None
-    params_list = [serving.sampling_params(body, serving.check_lengths(ids, body.max_tokens, 16),
-                                           body.logprobs, prompt_logprobs, spec)
-                   for ids in id_lists]
-    fmt = Formatting(serving.tokenizer, body.logprobs or 0, body.n, body.echo,
-                     body.prompt_logprobs)
-    return await serving.respond(request, body, tenant, "cmpl", texts, id_lists, params_list,
-                                 fmt, completion_chunk, completion_response, lora)
+    prompts = body.prompts()
+    # Admitted (or refused: 503 / 429) on the prompts' sizes, before any work on them.
+    cost = (16 if body.max_tokens is None else body.max_tokens) * body.n
+    with serving.reserve(tenant, body.priority or 0,
+                         [(prompt_tokens(p), cost) for p in prompts]) as reservation:
+        texts, id_lists = [], []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                texts.append(prompt)
+                id_lists.append(await run_in_threadpool(serving.encode, prompt))
+            else:
+                texts.append(None)
+                id_lists.append(list(prompt))
+        for ids in id_lists:
+            serving.check_vocab(ids)
+        spec = await serving.structured_spec(body)
+        # echo with logprobs shows the prompt's logprobs: the engine computes them.
+        wanted = [v for v in (body.logprobs if body.echo else None, body.prompt_logprobs,
+                              0 if body.max_tokens == 0 else None) if v is not None]
+        prompt_logprobs = max(wanted) if wanted else None
+        params_list = [serving.sampling_params(body,
+                                               serving.check_lengths(ids, body.max_tokens, 16),
+                                               body.logprobs, prompt_logprobs, spec)
+                       for ids in id_lists]
+        fmt = Formatting(serving.tokenizer, body.logprobs or 0, body.n, body.echo,
+                         body.prompt_logprobs)
+        return await serving.respond(request, body, tenant, "cmpl", texts, id_lists,
+                                     params_list, fmt, completion_chunk, completion_response,
+                                     lora, reservation)

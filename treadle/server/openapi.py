@@ -1,7 +1,8 @@
 """The /openapi.json the server publishes: what each route accepts and can answer.
 
 Owns the schema's truth: every route lists the statuses it can return (400, 401, 403,
-404, 409, 413, 429, 500, 503, each with the OpenAI error body, 429 with its Retry-After header)
+404, 409, 413, 429, 500, 503, each with the OpenAI error body, a generating route's 429
+and 503 with their Retry-After header)
 and its content types (JSON, or server-sent events when streaming; Prometheus text for
 /metrics; HTML and an endless event stream for the dashboard); the bounds that depend on
 the loaded model (token ids below the vocabulary, max_tokens and prompt lengths within
@@ -45,9 +46,11 @@ _DESCRIPTIONS = {
          "timeline of that request id for this tenant",
     409: "A LoRA adapter of that name is already loaded (or it is the base model's)",
     413: "Body larger than max_request_body_bytes",
-    429: "Overloaded or over the tenant's quota: retry after Retry-After seconds",
+    429: "Over the tenant's own limits (requests in flight, tokens a minute): retry after "
+         "Retry-After seconds",
     500: "The engine failed while serving the request",
-    503: "The server is shutting down or the engine is not running",
+    503: "The server is saturated (retry after Retry-After seconds), shutting down, or its "
+         "engine is stalled or not running",
 }
 _GENERATION = (400, 404, 413, 429, 500, 503)
 _ROUTE_ERRORS = {
@@ -62,6 +65,7 @@ _ROUTE_ERRORS = {
     ("/v1/requests/{request_id}", "get"): (404, 503),
     ("/dashboard/requests/{request_id}", "get"): (404, 503),
     ("/health", "get"): (503,),
+    ("/ready", "get"): (503,),
     **_LORA_ROUTE_ERRORS,
 }
 _STREAMING = {"/v1/completions", "/v1/chat/completions", "/v1/responses"}
@@ -196,7 +200,7 @@ def _document_responses(paths: dict, auth: bool) -> None:
                 entry = {"description": _DESCRIPTIONS[code],
                          "content": {"application/json": {
                              "schema": {"$ref": "#/components/schemas/Error"}}}}
-                if code == 429:
+                if code == 429 or (code == 503 and path in _STREAMING):
                     entry["headers"] = {"Retry-After": {
                         "description": "Seconds after which a retry may pass",
                         "schema": {"type": "integer", "minimum": 1}}}
