@@ -98,6 +98,23 @@ def test_slots_are_what_ran_while_others_waited_else_max_num_seqs_within_the_kv_
     assert model.num_slots(admitted, 7) == 7  # never fewer than are running
 
 
+def test_the_slots_are_learned_only_while_a_request_waits_in_the_engine_itself():
+    """A start while another request is still being tokenized (reserved, not handed to the
+    engine) says nothing of the engine's slots: once it did (the isolation tests' hostile
+    grammar, compiling while a stream started), one running stream taught the server a
+    single slot and it refused the next request with a 45 s predicted wait."""
+    c = control(slots=128)
+    running = c.admit("t", 10, 300, 0.0)
+    c.reserve("t", 10, 20, 0.0)  # being tokenized
+    run(c, running, 3, 1.0)
+    assert not c.service._concurrency
+    handed = c.admit("t", 10, 20, 1.1)  # in the engine, and still not started 3 steps on
+    assert handed.settled_at == 1.1
+    other = c.admit("t", 10, 20, 1.1)
+    c.progressed(other, 1, 1.2)
+    assert list(c.service._concurrency) == [(1.2, 2)]
+
+
 def test_the_engines_own_timing_of_finished_requests_wins_over_a_slow_readers_gaps():
     model = ServiceModel(max_num_seqs=4, step_token_budget=64, num_kv_tokens=10**6)
     for _ in range(10):

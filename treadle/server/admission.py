@@ -134,6 +134,8 @@ class Ticket:
     started: bool = False
     released: bool = False
     generated: int = 0
+    settled_at: float | None = None
+    """When it was handed to the engine (its exact size known)."""
     last_output_at: float | None = None
     window_entry: list = field(default_factory=list)
     """[time, tokens] of its charge in the tenant's tokens-per-minute window (if any)."""
@@ -299,13 +301,15 @@ class AdmissionControl:
         self._tickets[id(ticket)] = ticket
         return ticket
 
-    def settle(self, ticket: Ticket, num_prompt_tokens: int, max_tokens: int) -> None:
+    def settle(self, ticket: Ticket, num_prompt_tokens: int, max_tokens: int,
+               now: float = 0.0) -> None:
         """The request's exact size, once tokenized (NeverAdmissible when no wait could
         ever admit it; the caller releases the ticket then)."""
         self.check_admissible(num_prompt_tokens, max_tokens)
         if not ticket.started and not ticket.released:
             self.num_waiting_tokens += num_prompt_tokens - ticket.num_prompt_tokens
         ticket.num_prompt_tokens, ticket.max_tokens = num_prompt_tokens, max(1, max_tokens)
+        ticket.settled_at = now
         if ticket.window_entry:
             ticket.window_entry[1] = num_prompt_tokens + max_tokens
 
@@ -315,6 +319,7 @@ class AdmissionControl:
         (NeverAdmissible first, before anything is counted)."""
         self.check_admissible(num_prompt_tokens, max_tokens)
         ticket = self.reserve(tenant, num_prompt_tokens, max_tokens, now, priority)
+        ticket.settled_at = now
         return ticket
 
     # ----- what happens to an admitted request ----------------------------------------------
@@ -329,8 +334,20 @@ class AdmissionControl:
         self.num_waiting_tokens -= ticket.num_prompt_tokens
         if now is not None:
             self._starts.append((now, max(now - ticket.admitted_at, 0.0)))
-            if self.num_waiting > 0:
+            if self._engine_full(now):
                 self.service.note_saturated(self.num_running, now)
+
+    def _engine_full(self, now: float) -> bool:
+        """Whether a request handed to the engine has waited there longer than its
+        prompt's chunks and two more steps: the engine runs all it can (a request still
+        being tokenized, or just handed over, says nothing of the engine)."""
+        step_s = self.service.step_seconds(now)
+        if step_s is None:
+            return False
+        budget = self.limits.step_token_budget
+        return any(not t.started and t.settled_at is not None
+                   and now - t.settled_at > (math.ceil(t.num_prompt_tokens / budget) + 2) * step_s
+                   for t in self._tickets.values())
 
     def progressed(self, ticket: Ticket, num_generated: int, now: float) -> None:
         """The request has `num_generated` tokens at `now` (after each of its outputs)."""

@@ -395,7 +395,8 @@ class OpenAIServing:
         admit it); from here the request's streams release them."""
         for ticket, ids, params in zip(reservation.tickets, id_lists, params_list):
             try:
-                self.admission.settle(ticket, len(ids), params.max_tokens * params.n)
+                self.admission.settle(ticket, len(ids), params.max_tokens * params.n,
+                                      time.monotonic())
             except NeverAdmissible as exc:
                 raise APIError(400, str(exc), exc.param) from None
         reservation.taken = True
