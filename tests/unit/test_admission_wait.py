@@ -57,6 +57,16 @@ def test_the_wait_is_the_admitted_work_ahead_over_the_slots_at_the_measured_step
     assert c.predicted_wait(0, now) == pytest.approx(191 * STEP_S)
 
 
+def test_the_queue_bound_in_requests_follows_from_the_slots_and_the_cost_per_token():
+    c = control(delay=10.0, slots=2)
+    assert c.queue_bound(0.0) is None  # nothing measured yet
+    running = [c.admit("t", 10, 100, 0.0) for _ in range(2)]
+    now = max(run(c, t, 10, 0.0) for t in running)
+    # 101 steps a request (1 chunk + 100 tokens) at 10 ms: 1.01 s a turn, 2 slots, 10 s
+    bound, slots, step_s = c.queue_bound(now)
+    assert (bound, slots) == (19, 2) and step_s == pytest.approx(STEP_S)
+
+
 def test_the_issue_soak_deep_overload_is_bounded_without_any_start_rate():
     """The issue's soak: few requests start per minute (long outputs), and the first
     prediction (requests ahead over the starts of the last minute) had no rate to go on,
@@ -113,6 +123,22 @@ def test_the_slots_are_learned_only_while_a_request_waits_in_the_engine_itself()
     other = c.admit("t", 10, 20, 1.1)
     c.progressed(other, 1, 1.2)
     assert list(c.service._concurrency) == [(1.2, 2)]
+
+
+def test_a_request_whose_last_output_came_holds_no_slot_while_its_stream_is_sent():
+    """With one slot, the previous request's stream still being sent when the next one
+    started counted two running: the server learned two slots and admitted twice what
+    waits 10 s (the deep-overload soak's accepted requests then waited up to 35 s)."""
+    c = control(slots=1)
+    first = c.admit("t", 10, 5, 0.0)
+    run(c, first, 5, 0.0)
+    c.progressed(first, 5, 0.05, ended=True)  # its last output; the client still reads
+    assert c.num_running == 0
+    second = c.admit("t", 10, 5, 0.06)
+    waiting = c.admit("t", 10, 5, 0.06)  # in the engine, waiting for the one slot
+    c.progressed(second, 1, 0.2)
+    assert list(c.service._concurrency) == [(0.2, 1)]
+    assert not waiting.started
 
 
 def test_the_engines_own_timing_of_finished_requests_wins_over_a_slow_readers_gaps():

@@ -132,6 +132,8 @@ class Ticket:
     admitted_at: float = 0.0
     max_tokens: int = 1
     started: bool = False
+    ended: bool = False
+    """Its last output came: it holds no slot, though its stream may still be sent."""
     released: bool = False
     generated: int = 0
     settled_at: float | None = None
@@ -166,7 +168,22 @@ class AdmissionControl:
 
     @property
     def num_running(self) -> int:
-        return sum(1 for t in self._tickets.values() if t.started)
+        return sum(1 for t in self._tickets.values() if t.started and not t.ended)
+
+    def queue_bound(self, now: float) -> tuple[int, int, float] | None:
+        """(waiting requests the wait bound admits, slots, seconds per token) for requests
+        of the size admitted so far: the queue's length in numbers, from the KV capacity
+        (the slots) and the measured cost per token; None before it is measured."""
+        step_s = self.service.step_seconds(now)
+        if step_s is None or self.limits.max_queue_delay_s <= 0:
+            return None
+        admitted = [t.slotted() for t in self._tickets.values()]
+        slots = self.service.num_slots(admitted, self.num_running)
+        share = self.service.output_share()
+        per_request = (sum(self.service.slot_steps(r, share) for r in admitted) / len(admitted)
+                       if admitted else self.service.slot_steps(Slotted(1, 1), share))
+        turns = self.limits.max_queue_delay_s / (per_request * step_s)
+        return int(slots * turns), slots, step_s
 
     def mean_wait(self, now: float) -> float | None:
         """Mean seconds from admission to start over the last minute's starts."""
@@ -194,7 +211,7 @@ class AdmissionControl:
         when more urgent arrivals alone take every slot); None until the engine's time
         per token is measured."""
         service = self.service
-        running = [t.slotted() for t in self._tickets.values() if t.started]
+        running = [t.slotted() for t in self._tickets.values() if t.started and not t.ended]
         waiting = [t for t in self._tickets.values() if not t.started]
         step_s = service.step_seconds(now)
         if step_s is None:
@@ -349,9 +366,12 @@ class AdmissionControl:
                    and now - t.settled_at > (math.ceil(t.num_prompt_tokens / budget) + 2) * step_s
                    for t in self._tickets.values())
 
-    def progressed(self, ticket: Ticket, num_generated: int, now: float) -> None:
-        """The request has `num_generated` tokens at `now` (after each of its outputs)."""
+    def progressed(self, ticket: Ticket, num_generated: int, now: float,
+                   ended: bool = False) -> None:
+        """The request has `num_generated` tokens at `now` (after each of its outputs;
+        `ended`: that was its last, its slot is free)."""
         self.started(ticket, now)
+        ticket.ended = ticket.ended or ended
         if ticket.last_output_at is not None and num_generated > ticket.generated:
             self.service.note_gap(now - ticket.last_output_at, num_generated - ticket.generated)
         if num_generated > ticket.generated or ticket.last_output_at is None:
@@ -366,7 +386,7 @@ class AdmissionControl:
         if ticket.released:
             return
         self.started(ticket)
-        ticket.released = True
+        ticket.released = ticket.ended = True
         self._in_flight[ticket.tenant] -= 1
         self._tickets.pop(id(ticket), None)
         if completed:

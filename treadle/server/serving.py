@@ -146,6 +146,7 @@ class OpenAIServing:
         logger.info(describe_admission(self.admission.limits))
         self.server_metrics = ServerMetrics(engine.model_name)
         """The server's own metrics (refusals by reason), served after the engine's."""
+        self._bound_logged = False
         self.grammars = LazyGrammarCompiler(engine)
         self.responses = ResponseStore(config.responses_store_size)
         """Stored Responses-API responses (server/responses_api.py)."""
@@ -367,6 +368,8 @@ class OpenAIServing:
             retry = max(1, round(self.engine.config.parallel.stall_timeout))
             raise self._refused(Overloaded(stalled, retry, "engine_stalled"))
         now, tickets = time.monotonic(), []
+        if not self._bound_logged:
+            self._log_queue_bound(now)
         try:
             for num_prompt_tokens, max_tokens in sizes:
                 tickets.append(self.admission.reserve(tenant, num_prompt_tokens, max_tokens,
@@ -376,6 +379,16 @@ class OpenAIServing:
                 self.admission.release(ticket)
             raise self._refused(exc) from None
         return Reservation(self.admission, tickets)
+
+    def _log_queue_bound(self, now: float) -> None:
+        """Once the engine's time per token is measured: the queue's length in requests."""
+        bound = self.admission.queue_bound(now)
+        if bound is not None:
+            self._bound_logged = True
+            requests, slots, step_s = bound
+            logger.info("admission: %.1f ms a token measured, %d slots: the %g s wait bound "
+                        "holds about %d waiting requests of the size admitted so far",
+                        1000 * step_s, slots, self.admission.limits.max_queue_delay_s, requests)
 
     def admit(self, tenant: str, prompt_ids: list[int], params: SamplingParams,
               priority: int = 0) -> Ticket:
@@ -415,7 +428,7 @@ class OpenAIServing:
             async for output in self.engine.generate(request_id, prompt, prompt_ids, params,
                                                      priority, tenant, lora):
                 self.admission.progressed(ticket, sum(len(c.token_ids) for c in output.outputs),
-                                          time.monotonic())
+                                          time.monotonic(), output.finished)
                 if output.finished:
                     completed, per_token = _ran_to_its_end(output)
                 yield output

@@ -82,7 +82,13 @@ def test_a_scheduler_that_schedules_nothing_is_not_ready_while_health_stays_200(
                 metrics = (await client.get("/metrics")).text
                 stuck.clear()  # the scheduler schedules again
                 answers = await asyncio.gather(*pending)
-                return ready, health, refused, metrics, answers, await client.get("/ready")
+                # the watchdog's thread sees the steps resume at its next sample
+                deadline = time.monotonic() + 10
+                while (after := await client.get("/ready")).status_code != 200:
+                    if time.monotonic() > deadline:
+                        break
+                    await asyncio.sleep(0.05)
+                return ready, health, refused, metrics, answers, after
 
         with caplog.at_level(logging.ERROR, logger="treadle.engine.watchdog"):
             ready, health, refused, metrics, answers, after = asyncio.run(main())
