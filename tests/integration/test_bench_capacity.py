@@ -62,3 +62,25 @@ def test_a_search_on_a_tiny_model_over_http(tmp_path):
                                    "b": {"capacity_rps": 1.0, "goodput_rps": 0.5,
                                          "goodput_rate_rps": 3.0}}})
     assert [r["x first"] for r in rows] == [1.0, 0.5]
+
+
+def test_the_cli_passes_the_search_bounds_and_refuses_negative_ones(monkeypatch, capsys):
+    """A short run (docs/scheduling.md's command against vLLM) bounds the search."""
+    import treadle.bench.capacity as capacity
+    from treadle.cli import main
+
+    seen = {}
+
+    def fake_run(systems, load, slo, goodput_factor, max_doublings, bisections):
+        seen.update(names=[s.name for s in systems], probe_s=load.probe_s,
+                    max_doublings=max_doublings, bisections=bisections)
+        return {"systems": {}}
+
+    monkeypatch.setattr(capacity, "run_capacity", fake_run)
+    monkeypatch.setattr("treadle.cli.bench_online.write_result", lambda *a: "out.json")
+    assert main(["bench", "capacity", "--policies", "fcfs", "--probe-seconds", "10",
+                 "--max-doublings", "4", "--bisections", "1"]) == 0
+    assert seen == {"names": ["treadle fcfs chunk 512"], "probe_s": 10.0,
+                    "max_doublings": 4, "bisections": 1}
+    assert main(["bench", "capacity", "--bisections", "-1"]) == 2
+    assert "--bisections must be >= 0" in capsys.readouterr().err

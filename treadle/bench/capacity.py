@@ -224,22 +224,23 @@ class System:
 
 
 def run_capacity(systems: list[System], load: TraceLoad, slo: SLO | None,
-                 goodput_factor: float = 1.5, log=print) -> dict:
+                 goodput_factor: float = 1.5, log=print, max_doublings: int = 8,
+                 bisections: int = 3) -> dict:
     """Each system's capacity under the SLO (measured on the first system when None), and
     its goodput at `goodput_factor` x the first system's capacity, each server started
-    once for both."""
+    once for both (`max_doublings`, `bisections`: the search's, fewer for a short run)."""
     out: dict = {"systems": {}, "goodput_factor": goodput_factor}
     goodput_rate = None
     for system in systems:
         log(f"{system.name}:")
         with system.start() as url:
             prober = Prober(url, load, slo, system.extra_body, log)
+            start = start_rate(prober)  # first: it also warms a fresh server up
             if slo is None:
                 slo = prober.slo = prober.idle_slo()
                 log(f"  SLO (auto, 5x light load): p99 TTFT {slo.ttft_s * 1000:.0f} ms, "
                     f"p99 TBT {slo.tbt_s * 1000:.0f} ms")
-            start = start_rate(prober)
-            search = search_capacity(prober, start)
+            search = search_capacity(prober, start, max_doublings, bisections)
             if goodput_rate is None:
                 goodput_rate = goodput_factor * max(search.capacity_rps, start)
             at_load = prober(goodput_rate)
@@ -252,6 +253,7 @@ def run_capacity(systems: list[System], load: TraceLoad, slo: SLO | None,
             "goodput_probe": at_load.__dict__}
     out["slo"] = None if slo is None else {"ttft_p99_s": slo.ttft_s, "tbt_p99_s": slo.tbt_s}
     out["load"] = load.__dict__
+    out["search"] = {"max_doublings": max_doublings, "bisections": bisections}
     return out
 
 

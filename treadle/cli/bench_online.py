@@ -201,7 +201,10 @@ def _cmd_bench_capacity(args: argparse.Namespace) -> int:
     load = TraceLoad(probe_s=args.probe_seconds, min_requests=args.min_requests,
                      token_scale=args.token_scale, max_model_len=args.max_model_len,
                      timeout_s=args.timeout)
-    result = run_capacity(_capacity_systems(args), load, slo, args.goodput_factor)
+    if args.max_doublings < 0 or args.bisections < 0:
+        raise ValueError("--max-doublings and --bisections must be >= 0")
+    result = run_capacity(_capacity_systems(args), load, slo, args.goodput_factor,
+                          max_doublings=args.max_doublings, bisections=args.bisections)
     result["command"] = {k: v for k, v in vars(args).items() if k != "func"}
     print(format_table(table_rows(result), ["system", "capacity req/s", "x first",
                                              "goodput req/s", "at req/s"]))
@@ -318,6 +321,10 @@ def add_capacity(sub) -> None:
     cap.add_argument("--probe-seconds", type=float, default=40.0,
                      help="seconds of arrivals per probe")
     cap.add_argument("--min-requests", type=int, default=24)
+    cap.add_argument("--max-doublings", type=int, default=8,
+                     help="the search doubles the rate at most this many times")
+    cap.add_argument("--bisections", type=int, default=3,
+                     help="bisections between the last pass and the first miss")
     cap.add_argument("--token-scale", type=float, default=0.25,
                      help="the trace's token counts times this (this machine's scale)")
     cap.add_argument("--max-model-len", type=int, default=2048)
