@@ -42,6 +42,9 @@ def test_a_failed_request_misses_both_targets_and_goodput_counts_each_request():
     failed = RequestResult(False, 0.0, 5, error="timed out")
     probe = judge(ok + [failed, failed], 1.0, 10.0, slo)
     assert probe.num_failed == 2 and probe.ttft_p99_s == math.inf and not probe.meets
+    # one failure among 12: the p99 falls between a finite TTFT and the failure's
+    probe = judge(ok[:11] + [failed], 1.0, 10.0, slo)
+    assert probe.ttft_p99_s == math.inf and probe.tbt_p99_s == math.inf
 
 
 def test_a_search_on_a_tiny_model_over_http(tmp_path):

@@ -74,11 +74,12 @@ class Search:
 
 
 def _p99(values: list[float]) -> float:
-    """The 99th percentile, infinite where it falls among infinite values (failures)."""
+    """The 99th percentile, infinite where it falls among infinite values (failures) or
+    between a finite one and an infinite one (any weight on an infinite value)."""
     if not values:
         return math.inf
     p99 = float(np.percentile(np.minimum(values, 1e30), 99))
-    return math.inf if p99 >= 1e30 else p99
+    return math.inf if p99 >= 1e20 else p99  # no latency is 1e20 s: a failure's weight
 
 
 def judge(results: list[RequestResult], rate: float, duration_s: float, slo: SLO) -> Probe:
