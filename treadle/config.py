@@ -403,6 +403,11 @@ class ParallelConfig:
         "Layers per pipeline stage, e.g. '8,8,7,7' (an even split when not given)"))
     worker_timeout: float = field(default=300.0, metadata=_help(
         "Seconds a step may take before the workers are declared hung and stopped"))
+    stall_timeout: float = field(default=60.0, metadata=_help(
+        "Seconds with work queued and no engine step before the engine reports itself "
+        "stalled (GET /ready 503, treadle:engine_stalls_total, a log line of what the "
+        "scheduler holds); a step is at most max_num_batched_tokens tokens, seconds on the "
+        "slowest CPU (docs/scheduling.md)"))
 
     @property
     def world_size(self) -> int:
@@ -433,6 +438,8 @@ class ParallelConfig:
                              f"pipeline_parallel_size is {self.pipeline_parallel_size}")
         if not self.worker_timeout > 0:
             raise ValueError(f"worker_timeout must be > 0 seconds, got {self.worker_timeout}")
+        if not self.stall_timeout > 0:
+            raise ValueError(f"stall_timeout must be > 0 seconds, got {self.stall_timeout}")
 
 
 @dataclass(frozen=True)

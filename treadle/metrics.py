@@ -161,6 +161,9 @@ class EngineMetrics:
         """The TTFT observations of the last minute (also in the histogram)."""
         self.recent_tpot = LatencyWindow()
         """The TPOT observations of the last minute (also in the histogram)."""
+        self.engine_stalls = counter(
+            "engine_stalls", "Times the engine stalled: work queued and no step for "
+            "stall_timeout seconds (engine/watchdog.py; GET /ready answers 503 meanwhile)")
 
     def record_step(self, stats: dict, num_running: int, num_waiting: int, num_swapped: int,
                     num_scheduled: int, max_num_seqs: int) -> None:
@@ -245,6 +248,10 @@ class EngineMetrics:
                 self.tpot.observe(tpot)
                 self.recent_tpot.add(tpot)
 
+    def record_stall(self) -> None:
+        """A stall began (engine/watchdog.py)."""
+        self.engine_stalls.inc()
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -263,3 +270,23 @@ class EngineMetrics:
                 name = sample.name[len("treadle:"):]
                 out[name] = out.get(name, 0.0) + sample.value
         return out
+
+
+class ServerMetrics:
+    """The server's own metrics, beside its engine's (/metrics serves both): requests
+    refused before they reached the engine, by reason (server/admission.py)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self._model = model_name
+        self._rejections = Counter(
+            "treadle:request_rejections", "Requests refused before any work on them, by "
+            "reason: queue_delay, queue_requests, queue_tokens, engine_stalled (503); "
+            "tenant_concurrency, tenant_tokens (429)",
+            ["model_name", "reason"], registry=self.registry)
+
+    def record_rejection(self, reason: str) -> None:
+        self._rejections.labels(self._model, reason).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -27,7 +27,11 @@ def tiny_demo(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_demo):
-    with running_server(tiny_demo, "--num-kv-blocks", "256") as (base, proc):
+    # No wait bound: fifty 400-token streams at once predict a wait over the default 20 s
+    # on a loaded machine, and these tests are about the API, not admission (the overload
+    # tests below and tests/integration/test_overload.py run with the bound).
+    with running_server(tiny_demo, "--num-kv-blocks", "256", "--max-queue-delay", "0") \
+            as (base, proc):
         yield base
 
 
@@ -253,7 +257,9 @@ def test_auth_and_tenants(tiny_demo, tmp_path):
         assert httpx.get(base + "/v1/models").status_code == 401
 
 
-def test_overload_gets_429_quickly_and_accepted_finish(tiny_demo):
+def test_overload_gets_503_quickly_and_accepted_finish(tiny_demo):
+    # A saturated server is a 503 with Retry-After (429 is a tenant over its own limits:
+    # issue 50 item 4; it was a 429 before).
     with running_server(tiny_demo, "--num-kv-blocks", "64", "--max-waiting-requests", "4",
                         "--max-num-seqs", "2") as (base, proc):
         async def one(client):
@@ -269,9 +275,9 @@ def test_overload_gets_429_quickly_and_accepted_finish(tiny_demo):
 
         results = asyncio.run(main())
         codes = [c for c, _, _ in results]
-        assert set(codes) <= {200, 429}
-        assert codes.count(429) >= 40 and codes.count(200) >= 4
-        refused = [(t, ra) for c, t, ra in results if c == 429]
+        assert set(codes) <= {200, 503}
+        assert codes.count(503) >= 40 and codes.count(200) >= 4
+        refused = [(t, ra) for c, t, ra in results if c == 503]
         assert all(ra is not None and int(ra) >= 1 for _, ra in refused)
         # Refused at once, not after queueing: every refusal came back before the first
         # accepted request (200 tokens) finished; this holds on a loaded machine too.

@@ -37,11 +37,15 @@ def tiny_demo(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_demo, tmp_path_factory):
-    """Two tenants; a KV cache (16 blocks = 256 tokens) smaller than the 512-token context."""
+    """Two tenants; a KV cache (16 blocks = 256 tokens) smaller than the 512-token context.
+    No wait bound: ten 200-token streams in 256 tokens of KV thrash, and the default bound
+    (20 s) would rightly shed some of the gauges test's ten (tests/integration/
+    test_overload.py tests the bound)."""
     keys = tmp_path_factory.mktemp("keys") / "keys.yaml"
     keys.write_text(f"- {{key: {KEY_A}, tenant: alpha}}\n- {{key: {KEY_B}, tenant: beta}}\n")
     with running_server(tiny_demo, "--num-kv-blocks", "16", "--api-keys-file", str(keys),
-                        "--tenant-tokens-per-minute", str(QUOTA)) as (base, _):
+                        "--tenant-tokens-per-minute", str(QUOTA), "--max-queue-delay", "0") \
+            as (base, _):
         yield base
 
 
@@ -319,5 +323,7 @@ def test_the_schema_states_the_model_limits_and_the_error_responses(server):
     assert "422" not in responses
     assert "text/event-stream" in responses["200"]["content"]
     assert "Retry-After" in responses["429"]["headers"]
+    assert "Retry-After" in responses["503"]["headers"]  # a saturated server's answer
+    assert "503" in spec["paths"]["/ready"]["get"]["responses"]
     assert "text/plain" in spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     assert json.dumps(spec["components"]["schemas"]["Error"])

@@ -1,15 +1,13 @@
-"""Behaviour under overload (issue 24 items 5, 6, 7, 11): the queue-delay bound at the
-server, admission that leaves KV headroom (no thrash), priority aging that bounds waits
-to a multiple of the mean (a hypothesis-driven queue simulation), and per-tenant KV
-shares whose victims come from the tenants over their share."""
+"""Behaviour under overload (issue 24 items 6, 7, 11): admission that leaves KV headroom
+(no thrash), priority aging that bounds waits to a multiple of the mean (a
+hypothesis-driven queue simulation), and per-tenant KV shares whose victims come from the
+tenants over their share. The server's queue-delay bound (item 5) is
+tests/unit/test_admission_wait.py's."""
 
 from __future__ import annotations
 
-import math
-
 import random
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,7 +18,6 @@ from treadle.core.policies import make_policy
 from treadle.core.fair_share import FairShareLedger
 from treadle.request import Request, RequestStatus
 from treadle.sampling_params import SamplingParams
-from treadle.server.admission import AdmissionControl, AdmissionLimits, Overloaded
 
 
 class FakeClock:
@@ -201,110 +198,3 @@ def test_without_the_bound_the_least_urgent_class_starves_in_the_same_simulation
         queue.remove(chosen)
         served.append(chosen.request_id)
     assert "low" not in served
-
-
-# ----- item 5: the queue-delay bound --------------------------------------------------------
-
-def _control(delay: float, priority_ordered: bool = False) -> AdmissionControl:
-    return AdmissionControl(AdmissionLimits(10_000, 10**9, 10_000, 0, delay, priority_ordered))
-
-
-def test_queue_delay_bound_refuses_what_would_wait_too_long_with_retry_after():
-    control = _control(delay=5.0)
-    now = 0.0
-    tickets = [control.admit("t", 10, 10, now) for _ in range(8)]
-    for k, ticket in enumerate(tickets):  # 8 starts over 8 s: 1 request/s
-        control.started(ticket, float(k + 1))
-    now = 8.0
-    for _ in range(4):  # 4 waiting: the 5th would start in about 5 s
-        control.admit("t", 10, 10, now)
-    with pytest.raises(Overloaded) as info:
-        control.admit("t", 10, 10, now)
-        control.admit("t", 10, 10, now)
-    assert 1 <= info.value.retry_after_s <= 3
-    assert "max_queue_delay" in str(info.value)
-
-
-def test_queue_delay_is_predicted_per_priority_under_the_priority_policy():
-    control = _control(delay=3.0, priority_ordered=True)
-    tickets = [control.admit("t", 10, 10, 0.0, priority=0) for _ in range(8)]
-    for k, ticket in enumerate(tickets):
-        control.started(ticket, float(k + 1))
-    for _ in range(10):
-        try:
-            control.admit("t", 10, 10, 8.0, priority=5)  # background piles up
-        except Overloaded:
-            break
-    urgent = control.admit("t", 10, 10, 8.0, priority=-5)  # nobody ahead of it
-    assert urgent.priority == -5
-    with pytest.raises(Overloaded):
-        control.admit("t", 10, 10, 8.0, priority=5)
-
-
-def test_the_predicted_wait_counts_more_urgent_arrivals_that_overtake():
-    """1 start/s, urgent requests arriving at 0.5/s: a background request behind 2 others
-    waits (2 + 1) / (1 - 0.5) = 6 s, not 3 s; with the urgent stream at the start rate it
-    would never start before aging, and is refused whatever the queue."""
-    control = _control(delay=5.0, priority_ordered=True)
-    tickets = [control.admit("t", 10, 10, float(k), priority=-5) for k in range(0, 20, 2)]
-    for k, ticket in enumerate(tickets):  # 10 urgent arrivals over 20 s, 1 start/s at the end
-        control.started(ticket, 10.0 + k)
-    now = 20.0
-    assert control.start_rate(now) == pytest.approx(1.0, rel=0.15)
-    assert control.overtaking_rate(5, now) == pytest.approx(0.5)
-    assert control.overtaking_rate(-5, now) == 0.0
-    for _ in range(2):
-        control.admit("t", 10, 10, now, priority=5)
-    wait = control.predicted_wait(5, now)
-    assert wait == pytest.approx(3 / (control.start_rate(now) - 0.5))
-    assert wait > 5.0
-    with pytest.raises(Overloaded, match="would wait about"):
-        control.admit("t", 10, 10, now, priority=5)
-    assert control.predicted_wait(-5, now) < 5.0  # nobody overtakes the most urgent
-    # fcfs: later arrivals never overtake
-    assert _control(delay=5.0).overtaking_rate(5, now) == 0.0
-
-    flooded = _control(delay=5.0, priority_ordered=True)
-    starts = [flooded.admit("t", 10, 10, k * 0.5, priority=-5) for k in range(40)]
-    for k, ticket in enumerate(starts[:10]):
-        flooded.started(ticket, 10.0 + k)  # 1 start/s against 2 urgent arrivals/s
-    assert flooded.predicted_wait(5, 20.0) == math.inf
-    with pytest.raises(Overloaded, match="until aging") as info:
-        flooded.admit("t", 10, 10, 20.0, priority=5)
-    assert info.value.retry_after_s == 60
-
-
-def test_aging_caps_the_predicted_wait_of_the_least_urgent_class():
-    """The soak's finding: priority +5 requests were shed with predicted waits of 55 s
-    while those admitted started within 6 s, because aging lifts them past the urgent
-    stream after `priority_aging` mean waits. 1 start/s, urgent arrivals at 0.9/s, mean
-    wait 1 s, 2 waiting: without aging (3) / 0.1 = 30 s; with priority_aging 4 the cap
-    is (2 + 1) / 1 + 4 x 1 = 7 s."""
-    def control(aging: float) -> AdmissionControl:
-        c = AdmissionControl(AdmissionLimits(10_000, 10**9, 10_000, 0, 10.0, True, aging))
-        for _ in range(2):  # two background requests waiting since the start
-            c.admit("t", 10, 10, 0.0, priority=5)
-        tickets = [c.admit("t", 10, 10, k / 0.9, priority=-5) for k in range(18)]
-        for k, ticket in enumerate(tickets):  # each starts 1 s after it arrived
-            c.started(ticket, k / 0.9 + 1.0)
-        return c
-
-    now = 20.0
-    plain, aged = control(0.0), control(4.0)
-    for c in (plain, aged):
-        assert c.mean_wait(now) == pytest.approx(1.0)
-        assert c.overtaking_rate(5, now) == pytest.approx(0.9)
-    rate = aged.start_rate(now)
-    assert plain.predicted_wait(5, now) > 10.0
-    with pytest.raises(Overloaded):
-        plain.admit("t", 10, 10, now, priority=5)
-    assert aged.predicted_wait(5, now) == pytest.approx(3 / rate + 4.0)
-    assert aged.admit("t", 10, 10, now, priority=5).priority == 5
-    # The most urgent class keeps its own (shorter) queue prediction.
-    assert aged.predicted_wait(-5, now) == pytest.approx(1 / (rate - 0.0))
-
-
-def test_no_bound_until_the_start_rate_is_known():
-    control = _control(delay=0.1)
-    for _ in range(50):
-        control.admit("t", 10, 10, 0.0)  # nothing has started: nothing to predict with

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from treadle.bench.soak import (Outcome, SoakConfig, make_requests, parse_metrics,
-                                server_figures, summarize)
+from treadle.bench.soak import (Outcome, SoakConfig, make_requests, overload_figures,
+                                parse_metrics, server_figures, summarize)
 
 
 def test_requests_are_deterministic_and_follow_the_mix():
@@ -92,3 +92,18 @@ def test_summary_goodput_and_per_priority():
     assert sum(p["num_requests"] for p in per.values()) == sum(
         r.priority in (0, 5) for r in requests)
     assert math.isnan(s["all"]["e2e_s"]["p99"]) is False
+
+
+def test_overload_figures_accepted_that_timed_out_and_how_fast_refusals_came():
+    requests = make_requests(SoakConfig(rate=2.0, duration_s=5.0, seed=1,
+                                        disconnect_fraction=0.0), 100, 1)[:5]
+    outcomes = [Outcome(requests[0], "finished", ttft=1.0, e2e=4.0, accepted=True),
+                Outcome(requests[1], "timed_out", accepted=True),
+                Outcome(requests[2], "timed_out"),  # never answered: not accepted
+                Outcome(requests[3], "shed", error="HTTP 503: b''", refused_in=0.02),
+                Outcome(requests[4], "shed", error="HTTP 429: b''", refused_in=0.04)]
+    figures = overload_figures(outcomes)
+    assert figures["accepted"] == 2 and figures["accepted_timed_out"] == 1
+    assert figures["accepted_timed_out_fraction"] == 0.5
+    assert figures["refused_503"] == 1 and figures["refused_429"] == 1
+    assert figures["refused_in_s"]["median"] == pytest.approx(0.03)

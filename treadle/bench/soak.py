@@ -9,7 +9,9 @@ timeout per request from its arrival. While it runs, a report every `report_inte
 seconds of what /metrics says (server RSS, KV usage, running / waiting / swapped,
 preemptions) and what the clients saw. At the end: goodput (requests that finished
 within the client's deadline), latency percentiles and waits (time to first token) per
-priority, preemptions per request, and the preemption tax where /metrics exposes it.
+priority, preemptions per request, the preemption tax where /metrics exposes it, and
+overload's two figures: the share of accepted requests (HTTP 200) that still timed out,
+and how fast the refusals (429 or 503, with Retry-After) came back.
 Everything is seeded: the same options send the same requests at the same times.
 Must not: reach into a server's internals (it reads only HTTP and /metrics).
 """
@@ -83,7 +85,7 @@ class Outcome:
 
     request: SoakRequest
     status: str = "pending"
-    """finished | disconnected | timed_out | shed (429) | error"""
+    """finished | disconnected | timed_out | shed (429 or 503) | error"""
     ttft: float | None = None
     e2e: float | None = None
     output_tokens: int = 0
@@ -91,6 +93,10 @@ class Outcome:
     slot_wait: float | None = None
     """Seconds it waited for a client slot (max_in_flight) before being sent; None while
     it has not been sent."""
+    accepted: bool = False
+    """The server answered 200 (the stream began)."""
+    refused_in: float | None = None
+    """Seconds from sending to a refusal (429 or 503)."""
 
 
 def make_requests(config: SoakConfig, vocab_size: int, num_tenants: int,
@@ -195,13 +201,17 @@ async def _stream(client, url: str, model: str, key: str | None, outcome: Outcom
                "priority": req.priority, "stream_options": {"include_usage": True}}
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     chunks = 0
+    sent = time.perf_counter()
     async with client.stream("POST", url + "/v1/completions", json=payload,
                              headers=headers) as response:
         if response.status_code != 200:
             body = (await response.aread())[:300]
-            outcome.status = "shed" if response.status_code == 429 else "error"
+            refused = response.status_code in (429, 503)
+            outcome.status = "shed" if refused else "error"
+            outcome.refused_in = time.perf_counter() - sent if refused else None
             outcome.error = f"HTTP {response.status_code}: {body!r}"
             return
+        outcome.accepted = True
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
                 continue
@@ -325,7 +335,7 @@ def record(o: Outcome) -> dict:
             "prompt_tokens": len(r.prompt_token_ids), "max_tokens": r.max_tokens,
             "disconnect_after": r.disconnect_after, "status": o.status, "ttft_s": o.ttft,
             "e2e_s": o.e2e, "output_tokens": o.output_tokens, "slot_wait_s": o.slot_wait,
-            "error": o.error}
+            "accepted": o.accepted, "refused_in_s": o.refused_in, "error": o.error}
 
 
 def _latencies(outcomes: list[Outcome]) -> dict:
@@ -366,6 +376,7 @@ def summarize(outcomes: list[Outcome], config: SoakConfig, duration: float,
     return {
         "num_requests": len(outcomes), **{k: counts[k] for k in (
             "finished", "disconnected", "timed_out", "shed", "error")},
+        "overload": overload_figures(outcomes),
         "goodput": {"num_good": len(good), "of_staying_clients": len(stayers),
                     "fraction": len(good) / len(stayers) if stayers else math.nan,
                     "requests_per_s": len(good) / duration,
@@ -390,6 +401,21 @@ def summarize(outcomes: list[Outcome], config: SoakConfig, duration: float,
                    "rss_mib_end": s1.get("rss_mib")},
         "errors": [o.error for o in outcomes if o.status == "error"][:5],
     }
+
+
+def overload_figures(outcomes: list[Outcome]) -> dict:
+    """What overload control is for: of the requests the server accepted (200), how many
+    still timed out at the client; of those it refused, by status, how fast it said so."""
+    accepted = [o for o in outcomes if o.accepted]
+    timed_out = sum(o.status == "timed_out" for o in accepted)
+    refused = [o for o in outcomes if o.refused_in is not None]
+    return {"accepted": len(accepted), "accepted_timed_out": timed_out,
+            "accepted_timed_out_fraction": timed_out / len(accepted) if accepted else math.nan,
+            "refused_429": sum(o.error is not None and o.error.startswith("HTTP 429")
+                               for o in refused),
+            "refused_503": sum(o.error is not None and o.error.startswith("HTTP 503")
+                               for o in refused),
+            "refused_in_s": percentiles(o.refused_in for o in refused)}
 
 
 def peaks(reports: list[dict]) -> dict:

@@ -1,5 +1,6 @@
 """`treadle bench` commands that load a server over HTTP: serve (any OpenAI-compatible
-server), soak (bounded mixed traffic) and dashboard (what watching costs).
+server), soak (bounded mixed traffic), capacity (the highest rate under an SLO, per
+policy and chunk size, with a peer) and dashboard (what watching costs).
 
 Each command parses its options, launches `treadle serve` when asked to
 (treadle/measure/launch.py), and calls treadle/bench and treadle/measure; no benchmark
@@ -132,6 +133,85 @@ def _cmd_bench_soak(args: argparse.Namespace) -> int:
     return failed("soak", summary["error"], summary["num_requests"], summary["errors"])
 
 
+VLLM_SERVER = ("VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-{last_core} "
+               "VLLM_HOST_IP=127.0.0.1 {python} -m vllm.entrypoints.openai.api_server "
+               "--model {{model}} --host 127.0.0.1 --port {{port}} --dtype bfloat16 "
+               "--max-model-len {max_model_len} {options}")
+"""vLLM's CPU build as docs/benchmarks.md runs it (its own venv; both cores to its worker)."""
+
+
+def _capacity_systems(args: argparse.Namespace) -> list:
+    import contextlib
+    import functools
+    import os
+    import shlex
+
+    from treadle.bench.capacity import POLICIES_COMPARED, System
+    from treadle.bench.compare import _external_server
+    from treadle.config import SCHEDULING_POLICIES
+    from treadle.measure.launch import launched_server
+
+    policies = (args.policies.split(",") if args.policies
+                else [p for p in POLICIES_COMPARED if p in SCHEDULING_POLICIES])
+    unknown = [p for p in policies if p not in SCHEDULING_POLICIES]
+    if unknown:
+        raise ValueError(f"--policies: {unknown[0]!r} is not a scheduling policy "
+                         f"({', '.join(SCHEDULING_POLICIES)})")
+    chunks = [int(c) for c in args.chunk_sizes.split(",")]
+    base = ["--model", args.model, *shlex.split(args.launch or "")]
+
+    @contextlib.contextmanager
+    def treadle(options):
+        with launched_server(base + options, startup_timeout=900) as (url, _):
+            yield url
+
+    systems = []
+    for chunk in chunks:
+        for policy in policies:
+            # The slo policy orders by each request's deadlines: the SLO's targets.
+            extra = ({"slo_ttft_ms": args.slo_ms[0], "slo_tpot_ms": args.slo_ms[1]}
+                     if policy == "slo" and args.slo_ms else None)
+            options = ["--scheduling-policy", policy, "--max-num-batched-tokens", str(chunk)]
+            systems.append(System(f"treadle {policy} chunk {chunk}",
+                                  functools.partial(treadle, options), extra))
+    if args.peer == "vllm":
+        if not os.path.isdir(args.model):
+            raise ValueError("--peer vllm needs --model to be a checkpoint folder both "
+                             f"servers load, got {args.model!r}")
+        command = VLLM_SERVER.format(last_core=(os.cpu_count() or 1) - 1,
+                                     python=shlex.quote(args.vllm_python),
+                                     max_model_len=args.max_model_len,
+                                     options=args.vllm_options or "")
+        systems.append(System("vllm", lambda: _external_server(command, args.model, 1800)))
+    return systems
+
+
+def _cmd_bench_capacity(args: argparse.Namespace) -> int:
+    from treadle.bench.capacity import SLO, TraceLoad, run_capacity, table_rows
+    from treadle.measure.report import format_table
+
+    args.slo_ms = None
+    slo = None
+    if args.slo != "auto":
+        targets = dict(part.split("=", 1) for part in args.slo.split(","))
+        if set(targets) != {"ttft", "tbt"}:
+            raise ValueError(f"--slo takes ttft=MS,tbt=MS or auto, got {args.slo!r}")
+        args.slo_ms = (float(targets["ttft"]), float(targets["tbt"]))
+        slo = SLO(args.slo_ms[0] / 1000, args.slo_ms[1] / 1000)
+    load = TraceLoad(probe_s=args.probe_seconds, min_requests=args.min_requests,
+                     token_scale=args.token_scale, max_model_len=args.max_model_len,
+                     timeout_s=args.timeout)
+    if args.max_doublings < 0 or args.bisections < 0:
+        raise ValueError("--max-doublings and --bisections must be >= 0")
+    result = run_capacity(_capacity_systems(args), load, slo, args.goodput_factor,
+                          max_doublings=args.max_doublings, bisections=args.bisections)
+    result["command"] = {k: v for k, v in vars(args).items() if k != "func"}
+    print(format_table(table_rows(result), ["system", "capacity req/s", "x first",
+                                             "goodput req/s", "at req/s"]))
+    print("wrote", write_result(result, args.output, "capacity.json"))
+    return 0
+
+
 def _cmd_bench_dashboard(args: argparse.Namespace) -> int:
     import shlex
 
@@ -216,6 +296,48 @@ def add_soak(sub) -> None:
                       help="token ids below this (default: the server's /v1/models vocab_size)")
     soak.add_argument("--output", default=None)
     soak.set_defaults(func=_cmd_bench_soak)
+
+
+def add_capacity(sub) -> None:
+    """Register `bench capacity`."""
+    cap = sub.add_parser(
+        "capacity", help="the highest request rate meeting p99 TTFT and TBT targets on the "
+                         "Azure conversation trace, per policy and chunk size (and a peer); "
+                         "goodput at 1.5x it")
+    cap.add_argument("--model", default="demo",
+                     help="the checkpoint every server loads (demo: random weights)")
+    cap.add_argument("--launch", default="--dtype bfloat16",
+                     help="further `treadle serve` options of every treadle server")
+    cap.add_argument("--policies", default=None,
+                     help="comma-separated (default: fcfs, priority, srpt, fair and slo, "
+                          "those the registry has)")
+    cap.add_argument("--chunk-sizes", default="512",
+                     help="max_num_batched_tokens values, comma-separated")
+    cap.add_argument("--slo", default="auto",
+                     help="ttft=MS,tbt=MS (p99 targets), or auto: 5x the first system's "
+                          "p99 TTFT and median gap one request at a time")
+    cap.add_argument("--goodput-factor", type=float, default=1.5,
+                     help="goodput is measured at this multiple of the first capacity")
+    cap.add_argument("--probe-seconds", type=float, default=40.0,
+                     help="seconds of arrivals per probe")
+    cap.add_argument("--min-requests", type=int, default=24)
+    cap.add_argument("--max-doublings", type=int, default=8,
+                     help="the search doubles the rate at most this many times")
+    cap.add_argument("--bisections", type=int, default=3,
+                     help="bisections between the last pass and the first miss")
+    cap.add_argument("--token-scale", type=float, default=0.25,
+                     help="the trace's token counts times this (this machine's scale)")
+    cap.add_argument("--max-model-len", type=int, default=2048)
+    cap.add_argument("--timeout", type=float, default=120.0,
+                     help="a request open this long after it was sent is a failure (s)")
+    cap.add_argument("--peer", choices=["vllm"], default=None,
+                     help="also measure vLLM's CPU build on the same checkpoint")
+    cap.add_argument("--vllm-python", default="/work/peers/vllm-venv/bin/python",
+                     help="the python of vLLM's virtual environment")
+    cap.add_argument("--vllm-options", default=None,
+                     help="further options of vLLM's api_server")
+    cap.add_argument("--output", default=None)
+    cap.set_defaults(func=_cmd_bench_capacity)
 
 
 def add_dashboard(sub) -> None:

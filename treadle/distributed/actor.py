@@ -164,7 +164,7 @@ class EngineReplica:
         sched = engine.core.scheduler
         return {"num_waiting": sched.num_waiting, "num_running": sched.num_running,
                 "num_in_flight": engine.num_in_flight, "kv_usage": sched.kv.usage,
-                "alive": engine.is_alive}
+                "alive": engine.is_alive, "stalled": engine.stalled}
 
     def metrics_text(self) -> bytes:
         return self.engine.metrics.exposition()

@@ -51,12 +51,14 @@ class _Replica:
         self.num_waiting = 0
         self.kv_usage = 0.0
         self.pending = None
+        self.stalled: str | None = None
+        """Its engine's stall (engine/watchdog.py) as of the last poll: out of routing."""
         self.answered_at = time.monotonic()
         self.deaths = 0
 
     def view(self) -> ReplicaLoad:
-        return ReplicaLoad(self.index, self.healthy, self.in_flight, self.num_waiting,
-                           self.kv_usage)
+        return ReplicaLoad(self.index, self.healthy and not self.stalled, self.in_flight,
+                           self.num_waiting, self.kv_usage)
 
 
 class _Metrics:
@@ -86,6 +88,14 @@ def replica_threads(config: EngineConfig, replicas: int, cluster_cpus: float) ->
     if config.model.num_threads is not None:
         return config.model.num_threads
     return max(1, int(cluster_cpus) // replicas)
+
+
+def stalled_replicas(replicas) -> str | None:
+    """The set's stall: every healthy replica's reason when all of them are stalled."""
+    healthy = [r for r in replicas if r.healthy]
+    if healthy and all(r.stalled for r in healthy):
+        return "; ".join(f"replica {r.index}: {r.stalled}" for r in healthy)
+    return None
 
 
 class ReplicaSet:
@@ -177,6 +187,12 @@ class ReplicaSet:
         """Some replica is healthy and the set has not been shut down."""
         return self.error is None and not self._stop.is_set() \
             and any(r.healthy for r in self._replicas)
+
+    @property
+    def stalled(self) -> str | None:
+        """Why no replica makes progress (every healthy one stalled: GET /ready 503), or
+        None while one does."""
+        return stalled_replicas(self._replicas)
 
     @property
     def num_in_flight(self) -> int:
@@ -449,6 +465,7 @@ class ReplicaSet:
                     continue
                 r.answered_at = now
                 r.num_waiting, r.kv_usage = load["num_waiting"], load["kv_usage"]
+                r.stalled = load.get("stalled")
                 if not r.healthy and load["alive"] and not self._stop.is_set():
                     self._rejoin(r)
 

@@ -8,7 +8,9 @@ latency metrics, and the engine's limits and controls the server may read or set
 Tokenization happens in the caller's worker threads (see server/serving.py), never on
 the engine thread or the event loop. While idle the loop
 still checks, every 0.1 s, that the workers are alive: a dead worker fails every stream
-and turns `is_alive` (and so /health) false.
+and turns `is_alive` (and so /health) false. A progress watchdog (engine/watchdog.py) on
+its own thread turns `stalled` (and so /ready) on when work is queued and no step has
+run for `stall_timeout` seconds: a stuck step or a scheduler that schedules nothing.
 
 Why a thread and not a process: torch releases the GIL inside its kernels, which is
 where a step spends its time, so the event loop stays responsive, and a thread avoids
@@ -45,6 +47,7 @@ from treadle.engine.driver import EngineDriver
 from treadle.engine.limits import EngineLimits
 from treadle.engine.llm import STRUCTURED_UNSUPPORTED, load_tokenizer
 from treadle.engine.output_processor import RequestOutput
+from treadle.engine.watchdog import core_watchdog
 from treadle.lora import AdapterSpec, LoRARequest
 from treadle.metrics import EngineMetrics
 from treadle.metrics_vllm import cache_config_labels, lora_adapters
@@ -100,18 +103,24 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._stop = threading.Event()
         self.error: BaseException | None = None
+        self.watchdog = core_watchdog(self.core, config.parallel.stall_timeout,
+                                      self.metrics.record_stall,
+                                      has_pending=lambda: bool(self._streams))
+        """Reports a stall: work queued and no step for stall_timeout (engine/watchdog.py)."""
 
     # ----- lifecycle ------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start stepping (the core is built by the constructor)."""
+        """Start stepping (the core is built by the constructor), and watching for stalls."""
         self._go.set()
+        self.watchdog.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop (waiting up to `timeout` seconds for it) and the workers."""
         self._stop.set()
         self._go.set()
         self._wake.set()
+        self.watchdog.stop()
         self._thread.join(timeout)
         self.core.shutdown()
 
@@ -173,6 +182,12 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         """The loop runs and has not failed (/health)."""
         return self._thread.is_alive() and self.error is None and not self._stop.is_set()
+
+    @property
+    def stalled(self) -> str | None:
+        """Why the engine is stalled (work queued, no step for stall_timeout), or None
+        (GET /ready)."""
+        return self.watchdog.stalled
 
     @property
     def supports_structured_outputs(self) -> bool:

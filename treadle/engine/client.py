@@ -91,6 +91,11 @@ class EngineClient(Protocol):
         """Whether the engine can serve a request now (/health)."""
 
     @property
+    def stalled(self) -> str | None:
+        """Why the engine makes no progress although work is queued (no step for
+        stall_timeout seconds: engine/watchdog.py), or None (GET /ready)."""
+
+    @property
     def num_in_flight(self) -> int:
         """Requests handed to `generate` and not yet finished (the shutdown drain)."""
 

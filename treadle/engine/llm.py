@@ -24,6 +24,7 @@ from treadle.engine.driver import EngineDriver
 from treadle.engine.limits import EngineLimits
 from treadle.engine.output_processor import (CompletionOutput, Logprob, RequestMetrics,
                                              RequestOutput)
+from treadle.engine.watchdog import core_watchdog
 from treadle.lora import LoRARequest
 from treadle.models.tokenizer import load_tokenizer
 from treadle.sampling_params import SamplingParams
@@ -188,6 +189,10 @@ class LLM:
                         disable=not use_tqdm, dynamic_ncols=True)
         start = time.perf_counter()
         tokens_before = self.driver.num_generated_tokens
+        # A stall (no step for stall_timeout with work queued) is logged with what the
+        # scheduler held; offline there is no probe to fail, the call goes on waiting.
+        watchdog = core_watchdog(self.engine, self.config.parallel.stall_timeout)
+        watchdog.start()
         try:
             while pending:
                 if not self.driver.has_unfinished_requests():
@@ -205,6 +210,7 @@ class LLM:
                 self.driver.abort(request_id)
             raise
         finally:
+            watchdog.stop()
             progress.close()
 
     def get_stats(self) -> dict:

@@ -56,11 +56,12 @@ def arrival_times(num_requests: int, rate: float | None, burstiness: float = 1.0
 
 
 async def _send(client, url: str, model: str, prompt: list[int], max_tokens: int,
-                priority: int, headers: dict, t0: float, start: float) -> RequestResult:
+                priority: int, headers: dict, t0: float, start: float,
+                extra_body: dict | None = None) -> RequestResult:
     result = RequestResult(ok=False, start=start, prompt_tokens=len(prompt), priority=priority)
     payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
                "temperature": 0.0, "ignore_eos": True, "priority": priority,
-               "stream_options": {"include_usage": True}}
+               "stream_options": {"include_usage": True}, **(extra_body or {})}
     sent = time.perf_counter()
     last = None
     chunks, counted_by_usage = 0, False
@@ -104,8 +105,11 @@ async def run_load(url: str, workload: Workload, model: str, rate: float | None 
                    burstiness: float = 1.0, max_concurrency: int | None = None,
                    priorities: list[int] | None = None, api_key: str | None = None,
                    seed: int = 0, use_trace_times: bool = False,
-                   progress: bool = True) -> tuple[list[RequestResult], float]:
-    """Send every request of the workload; returns the results and the run's duration."""
+                   progress: bool = True, extra_body: dict | None = None,
+                   timeout_s: float | None = None) -> tuple[list[RequestResult], float]:
+    """Send every request of the workload; returns the results and the run's duration.
+    `extra_body`: fields added to every request's body; `timeout_s`: a request still open
+    this long after it was sent is abandoned (a failure, "timed out")."""
     import httpx
     from tqdm.auto import tqdm
 
@@ -122,15 +126,21 @@ async def run_load(url: str, workload: Workload, model: str, rate: float | None 
         delay = times[i] - (time.perf_counter() - t0)
         if delay > 0:
             await asyncio.sleep(delay)
+        async def send() -> RequestResult:
+            start = time.perf_counter() - t0
+            coro = _send(client, url, model, requests[i].prompt_token_ids,
+                         requests[i].max_tokens, priorities[i], headers, t0, start, extra_body)
+            try:
+                return await asyncio.wait_for(coro, timeout_s)
+            except asyncio.TimeoutError:
+                return RequestResult(False, start, len(requests[i].prompt_token_ids),
+                                     priority=priorities[i], error="timed out")
+
         if limit is not None:
             async with limit:
-                res = await _send(client, url, model, requests[i].prompt_token_ids,
-                                  requests[i].max_tokens, priorities[i], headers, t0,
-                                  time.perf_counter() - t0)
+                res = await send()
         else:
-            res = await _send(client, url, model, requests[i].prompt_token_ids,
-                              requests[i].max_tokens, priorities[i], headers, t0,
-                              time.perf_counter() - t0)
+            res = await send()
         bar.update(1)
         return res
 

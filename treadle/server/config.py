@@ -31,15 +31,16 @@ class ServerConfig:
     api_keys_file: str | None = field(default=None, metadata=_help(
         "YAML/JSON list of {key, tenant, weight}: keys with tenant names and weights"))
     max_waiting_requests: int = field(default=512, metadata=_help(
-        "Requests accepted and not yet started beyond which new ones get 429"))
+        "Requests accepted and not yet started beyond which new ones get 503"))
     max_waiting_tokens: int = field(default=1_000_000, metadata=_help(
-        "Prompt tokens waiting beyond which new requests get 429"))
+        "Prompt tokens waiting beyond which new requests get 503"))
     tenant_max_concurrent_requests: int = field(default=256, metadata=_help(
         "Requests in flight per tenant beyond which new ones get 429"))
-    max_queue_delay: float = field(default=0.0, metadata=_help(
-        "Refuse (429, Retry-After from the measured drain rate) a request whose predicted "
-        "wait to start exceeds this many seconds; per priority under the priority policy "
-        "(0: no bound)"))
+    max_queue_delay: float = field(default=20.0, metadata=_help(
+        "Refuse (503 with Retry-After) a request whose predicted wait for the engine "
+        "exceeds this many seconds, predicted from the work already admitted and the "
+        "engine's measured time per token; per priority under the priority policy (0: no "
+        "bound; the default leaves a 60 s client timeout 40 s for the answer)"))
     tenant_tokens_per_minute: int = field(default=0, metadata=_help(
         "Prompt + max_tokens per tenant per minute (0: unlimited)"))
     max_request_body_bytes: int = field(default=8 * 1024**2, metadata=_help(

@@ -25,7 +25,7 @@ import json
 from treadle.server.auth import AuthError, KeyRing
 from treadle.server.errors import error_body_for
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 """Paths served without a key (probes and scrapers)."""
 DASHBOARD_PREFIX = "/dashboard"
 _BASIC_CHALLENGE = b'Basic realm="treadle dashboard", charset="UTF-8"'

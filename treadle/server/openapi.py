@@ -2,7 +2,7 @@
 
 Owns the schema's truth: every route lists the statuses it can return (400, 401, 403,
 404, 409, 413, 429, 500, 503, each with the OpenAI error body, Anthropic's under
-/v1/messages, 429 with its Retry-After header)
+/v1/messages, a generating route's 429 and 503 with their Retry-After header)
 and its content types (JSON, or server-sent events when streaming; Prometheus text for
 /metrics; HTML and an endless event stream for the dashboard); the bounds that depend on
 the loaded model (token ids below the vocabulary, max_tokens and prompt lengths within
@@ -64,10 +64,11 @@ _DESCRIPTIONS = {
     409: "A LoRA adapter of that name is already loaded (or it is the base model's), or "
          "the batch has already ended",
     413: "Body larger than max_request_body_bytes (an upload: batch_max_file_bytes)",
-    429: "Overloaded or over the tenant's quota (retry after Retry-After seconds), or too "
-         "many unfinished batches",
+    429: "Over the tenant's own limits (requests in flight, tokens a minute; retry after "
+         "Retry-After seconds), or too many unfinished batches",
     500: "The engine failed while serving the request",
-    503: "The server is shutting down or the engine is not running",
+    503: "The server is saturated (retry after Retry-After seconds), shutting down, or its "
+         "engine is stalled or not running",
 }
 _GENERATION = (400, 404, 413, 429, 500, 503)
 _ROUTE_ERRORS = {
@@ -84,6 +85,7 @@ _ROUTE_ERRORS = {
     ("/health", "get"): (503,),
     ("/v1/messages", "post"): _GENERATION,
     ("/v1/messages/count_tokens", "post"): (400, 404, 413, 503),
+    ("/ready", "get"): (503,),
     **_LORA_ROUTE_ERRORS,
     **_BATCH_ROUTE_ERRORS,
 }
@@ -251,7 +253,7 @@ def _document_responses(paths: dict, auth: bool) -> None:
                 entry = {"description": _DESCRIPTIONS[code],
                          "content": {"application/json": {
                              "schema": {"$ref": f"#/components/schemas/{error}"}}}}
-                if code == 429:
+                if code == 429 or (code == 503 and path in _STREAMING):
                     entry["headers"] = {"Retry-After": {
                         "description": "Seconds after which a retry may pass",
                         "schema": {"type": "integer", "minimum": 1}}}

@@ -8,7 +8,8 @@ incomplete at max_output_tokens, failed), and the store behind `store` and
 read another's responses. The items' translation is server/responses_items.py, the
 streamed events server/responses_stream.py; authentication, the model, field checks,
 tokenization, limits, grammars, admission and running are the serving object's
-(server/serving.py), shared with chat and completions.
+(server/serving.py), shared with chat and completions; admission comes before the chat
+template, on the conversation's estimated size.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
 from treadle.server import protocol
+from treadle.server.admission import conversation_tokens
 from treadle.server.errors import APIError, quoted
 from treadle.server.responses_items import (MAX_INPUT_ITEMS, as_message, chat_tools,
                                             input_messages, new_id, output_items, usage)
@@ -172,15 +174,20 @@ async def create_response(serving: OpenAIServing, body: ResponsesRequest, reques
     except ValueError as exc:
         raise APIError(400, f"input: {exc}", "input") from None
     _apply_text_format(body)
-    prompt_ids = await run_in_threadpool(serving.chat_token_ids, messages, True,
-                                         tools.template_tools)
-    max_tokens = serving.check_lengths(prompt_ids, body.max_output_tokens or body.max_tokens,
-                                       None)
-    spec = await serving.structured_spec(body, tools.spec)
-    params = serving.sampling_params(body, max_tokens, None, None, spec,
-                                     skip_special_tokens=False if tools.needs_special_tokens
-                                     else None)
-    ticket = serving.admit(tenant, prompt_ids, params, band=serving.band(request))
+    # Admitted (or refused: 503 / 429) on the conversation's size, before templating it.
+    size = conversation_tokens([m.text() for m in messages], body.tools)
+    requested = body.max_output_tokens or body.max_tokens
+    cost = requested if requested is not None else serving.limits.max_request_tokens
+    with serving.reserve(tenant, body.priority or 0, [(size, cost)],
+                         serving.band(request)) as reservation:
+        prompt_ids = await run_in_threadpool(serving.chat_token_ids, messages, True,
+                                             tools.template_tools)
+        max_tokens = serving.check_lengths(prompt_ids, requested, None)
+        spec = await serving.structured_spec(body, tools.spec)
+        params = serving.sampling_params(body, max_tokens, None, None, spec,
+                                         skip_special_tokens=False if tools.needs_special_tokens
+                                         else None)
+        [ticket] = serving.settle(reservation, [prompt_ids], [params])
     reply = _Reply(serving.responses, tenant, new_id("resp"), int(time.time()), body,
                    serving.engine.model_name, conversation, tools)
     outputs = serving.run(request, reply.response_id, None, prompt_ids, params, body.priority,

@@ -1,7 +1,8 @@
 """The server's routes (OpenAI's, and Anthropic's Messages API): parse, call the serving
 object, return.
 
-Owns the URL table of the generating and utility endpoints (the LoRA runtime routes
+Owns the URL table of the generating and utility endpoints (with the two probes: /health
+for liveness, /ready for readiness) (the LoRA runtime routes
 are server/lora_routes.py's, the dashboard's server/dashboard.py's). Each route is a
 few lines: FastAPI parses and validates the body (a 400 naming the field, via
 server/errors.py), the route hands it to the app's OpenAIServing (server/serving.py)
@@ -53,6 +54,10 @@ async def health(request: Request):
     return serving_of(request).health()
 
 
+async def ready(request: Request):
+    return serving_of(request).ready()
+
+
 async def metrics(request: Request):
     return await serving_of(request).metrics()
 
@@ -99,6 +104,7 @@ async def delete_response(response_id: str, request: Request):
 
 ROUTES = (
     Route("GET", "/health", health),
+    Route("GET", "/ready", ready),
     Route("GET", "/metrics", metrics),
     Route("GET", "/v1/models", models),
     Route("POST", "/tokenize", tokenize),

@@ -26,6 +26,7 @@ import concurrent.futures
 import functools
 import inspect
 import json
+import logging
 import threading
 import time
 from typing import AsyncIterator
@@ -37,6 +38,7 @@ from starlette.concurrency import run_in_threadpool
 
 from treadle.engine.client import EngineClient, EngineDeadError, EngineFailedError
 from treadle.engine.token_words import TokenWords
+from treadle.metrics import ServerMetrics
 from treadle.sampling_params import SamplingParams
 from treadle.server import protocol, validation
 from treadle.server.admission import (AdmissionControl, AdmissionLimits, NeverAdmissible,
@@ -88,14 +90,34 @@ class LazyGrammarCompiler:
         return await asyncio.wrap_future(self._future)
 
 
+logger = logging.getLogger(__name__)
+
+
 def admission_limits(config: ServerConfig, engine: EngineClient) -> AdmissionLimits:
-    """The overload bounds of the server's options, ordered as the engine's policy orders."""
+    """The overload bounds of the server's options, ordered as the engine's policy orders,
+    with the engine's slots, step budget and KV cache the wait prediction reads."""
     scheduler = engine.config.scheduler
     return AdmissionLimits(
         config.max_waiting_requests, config.max_waiting_tokens,
         config.tenant_max_concurrent_requests, config.tenant_tokens_per_minute,
         config.max_queue_delay, scheduler.scheduling_policy == "priority",
-        scheduler.priority_aging)
+        scheduler.priority_aging, scheduler.max_num_seqs, scheduler.max_num_batched_tokens,
+        engine.limits.num_kv_tokens)
+
+
+def describe_admission(limits: AdmissionLimits) -> str:
+    """The start-up line: what bounds the queue."""
+    delay = (f"a predicted wait for the engine over {limits.max_queue_delay_s:g} s "
+             "(max_queue_delay; from the admitted work, the engine's slots and its measured "
+             "time per token)" if limits.max_queue_delay_s > 0 else "no wait bound "
+             "(max_queue_delay 0)")
+    return (f"admission: 503 with Retry-After on {delay}, over {limits.max_waiting_requests} "
+            f"waiting requests or {limits.max_waiting_tokens} waiting prompt tokens; 429 "
+            f"over a tenant's {limits.tenant_max_concurrent_requests} requests in flight"
+            + (f" or {limits.tenant_tokens_per_minute} tokens a minute"
+               if limits.tenant_tokens_per_minute else "")
+            + f"; slots: up to {limits.max_num_seqs} requests at once (max_num_seqs) within "
+              f"the KV cache's {limits.num_kv_tokens} tokens")
 
 
 async def _latest_per_source(merged):
@@ -116,6 +138,18 @@ async def _until_disconnected(request: Request) -> None:
             return
 
 
+def _ran_to_its_end(output) -> tuple[bool, float | None]:
+    """Whether a finished output ran to its end (no abort, no error), and the engine's
+    seconds per token for it: first token to finish over the steps after the first."""
+    if output.error is not None or any(c.finish_reason in (None, "abort", "error")
+                                       for c in output.outputs):
+        return False, None
+    m, steps = output.metrics, max((len(c.token_ids) for c in output.outputs), default=0) - 1
+    if m is None or m.first_token_time is None or m.finished_time is None or steps < 1:
+        return True, None
+    return True, (m.finished_time - m.first_token_time) / steps
+
+
 def serving_of(request: Request) -> "OpenAIServing":
     """The app's serving object (build_app puts it in the app's state)."""
     return request.app.state.serving
@@ -131,6 +165,10 @@ class OpenAIServing:
         self.limits = engine.limits
         self.tokenizer = engine.tokenizer
         self.admission = AdmissionControl(admission_limits(config, engine))
+        logger.info(describe_admission(self.admission.limits))
+        self.server_metrics = ServerMetrics(engine.model_name)
+        """The server's own metrics (refusals by reason), served after the engine's."""
+        self._bound_logged = False
         self.grammars = LazyGrammarCompiler(engine)
         self.words = TokenWords(engine.tokenizer)
         """bad_words and DRY's breakers -> token ids, before the engine sees a request."""
@@ -150,14 +188,32 @@ class OpenAIServing:
     # ----- the small endpoints ------------------------------------------------------------
 
     def health(self):
+        """Liveness: 200 while the engine runs, whatever its queue (TGI #3241: a full
+        queue that failed the liveness probe got a healthy server restarted)."""
         if self.engine.is_alive and not self.shutting_down:
             return {"status": "ok"}
         return error_response(503, "engine is not running", kind="server_error")
 
+    def ready(self):
+        """Readiness: 200 while a new request can be served; 503 with the reason while
+        shutting down, with the engine dead, or while it is stalled (engine/watchdog.py).
+        Not a load signal: a saturated server stays ready and answers each request it
+        cannot take with 503 and Retry-After (an unready pod gets no traffic at all)."""
+        if self.shutting_down:
+            reason = "server is shutting down"
+        elif not self.engine.is_alive:
+            reason = "engine is not running"
+        else:
+            reason = self.engine.stalled
+        if reason is None:
+            return {"status": "ready"}
+        return error_response(503, reason, kind="server_error")
+
     async def metrics(self) -> Response:
         # In a thread: a replica set (treadle/distributed) asks every replica for its own.
         text = await run_in_threadpool(self.engine.metrics.exposition)
-        return Response(text, media_type=CONTENT_TYPE_LATEST)
+        return Response(text + self.server_metrics.exposition(),
+                        media_type=CONTENT_TYPE_LATEST)
 
     def models(self, request: Request) -> dict:
         """/v1/models: the entries this key may see, the base model, then each adapter
@@ -376,12 +432,59 @@ class OpenAIServing:
 
     # ----- admission, running, answering ------------------------------------------------------
 
+    def _refused(self, exc: Overloaded) -> APIError:
+        """A refusal as its answer (503 saturated, 429 over the tenant's limits), counted."""
+        self.server_metrics.record_rejection(exc.reason)
+        return APIError(exc.status, str(exc),
+                        kind="rate_limit_error" if exc.status == 429 else "server_error",
+                        headers={"Retry-After": str(exc.retry_after_s)})
+
+    def reserve(self, tenant: str, priority: int, sizes: list[tuple[int, int]],
+                band: str | None = None) -> "Reservation":
+        """Admit a request's prompts by their sizes as known before any work on them
+        ((estimated prompt tokens, max_tokens x n) each): 429 with Retry-After when the
+        tenant is over its limits, 503 with Retry-After when the server is saturated or
+        its engine stalled. Use it as a context manager: the tickets go back unless
+        `respond` takes them. A batch line (`band`) gets tickets that count nowhere
+        (`settle` still checks its exact size)."""
+        if band is not None:
+            now = time.monotonic()
+            return Reservation(self.admission, [
+                Ticket(tenant, size, priority, now, max(1, cost), started=True, ended=True,
+                       released=True) for size, cost in sizes])
+        stalled = self.engine.stalled
+        if stalled is not None:
+            retry = max(1, round(self.engine.config.parallel.stall_timeout))
+            raise self._refused(Overloaded(stalled, retry, "engine_stalled"))
+        now, tickets = time.monotonic(), []
+        if not self._bound_logged:
+            self._log_queue_bound(now)
+        try:
+            for num_prompt_tokens, max_tokens in sizes:
+                tickets.append(self.admission.reserve(tenant, num_prompt_tokens, max_tokens,
+                                                      now, priority))
+        except Overloaded as exc:
+            for ticket in tickets:
+                self.admission.release(ticket)
+            raise self._refused(exc) from None
+        return Reservation(self.admission, tickets)
+
+    def _log_queue_bound(self, now: float) -> None:
+        """Once the engine's time per token is measured: the queue's length in requests."""
+        bound = self.admission.queue_bound(now)
+        if bound is not None:
+            self._bound_logged = True
+            requests, slots, step_s = bound
+            logger.info("admission: %.1f ms a token measured, %d slots: the %g s wait bound "
+                        "holds about %d waiting requests of the size admitted so far",
+                        1000 * step_s, slots, self.admission.limits.max_queue_delay_s, requests)
+
     def admit(self, tenant: str, prompt_ids: list[int], params: SamplingParams,
               priority: int = 0, band: str | None = None) -> Ticket:
-        """Count the request in (429 with Retry-After when overloaded, 400 when no wait
-        could ever admit it). A batch line (`band`) is only checked: the batch runner
-        bounds its own lines, which never count against (nor get 429s from) the live
-        requests' overload bounds."""
+        """Count a tokenized request in (the same answers as `reserve`, and 400 when no
+        wait could ever admit it; the endpoints reserve before tokenizing instead). A
+        batch line (`band`) is only checked: the batch runner bounds its own lines, which
+        never count against (nor get 429s from) the live requests' overload bounds."""
         try:
             if band is not None:
                 self.admission.check_admissible(len(prompt_ids), params.max_tokens * params.n)
@@ -392,31 +495,48 @@ class OpenAIServing:
         except NeverAdmissible as exc:
             raise APIError(400, str(exc), exc.param) from None
         except Overloaded as exc:
-            raise APIError(429, str(exc), kind="rate_limit_error",
-                           headers={"Retry-After": str(exc.retry_after_s)}) from None
+            raise self._refused(exc) from None
+
+    def settle(self, reservation: "Reservation", id_lists: list[list[int]],
+               params_list: list[SamplingParams]) -> list[Ticket]:
+        """The reserved tickets with each prompt's exact size (400 when no wait could ever
+        admit it); from here the request's streams release them."""
+        for ticket, ids, params in zip(reservation.tickets, id_lists, params_list):
+            try:
+                self.admission.settle(ticket, len(ids), params.max_tokens * params.n,
+                                      time.monotonic())
+            except NeverAdmissible as exc:
+                raise APIError(400, str(exc), exc.param) from None
+        reservation.taken = True
+        return reservation.tickets
 
     async def run(self, request: Request, request_id: str, prompt: str | None,
                   prompt_ids: list[int], params: SamplingParams, priority: int, tenant: str,
                   ticket: Ticket, lora=None):
         """The request's outputs (with the LoRA adapter `lora`, None: the base model); the
-        ticket is released however it ends."""
+        ticket follows its progress (the admission's measurements) and is released however
+        it ends."""
         if self.request_spans is not None:  # its span joins the caller's trace
             self.request_spans.note_parent(request_id, request.headers)
         band = self.band(request)
         extra = {"band": band} if band is not None and self._takes_band else {}
+        completed, per_token = False, None
         try:
             if params.needs_tokenized_words:  # the first time, a scan of the vocabulary
                 params = await run_in_threadpool(self.words.resolve, params)
             async for output in self.engine.generate(request_id, prompt, prompt_ids, params,
                                                      priority, tenant, lora, **extra):
-                self.admission.started(ticket, time.monotonic())
+                self.admission.progressed(ticket, sum(len(c.token_ids) for c in output.outputs),
+                                          time.monotonic(), output.finished)
+                if output.finished:
+                    completed, per_token = _ran_to_its_end(output)
                 yield output
         except EngineFailedError as exc:
             raise APIError(500, str(exc), kind="server_error") from None
         except EngineDeadError as exc:
             raise APIError(503, str(exc), kind="server_error") from None
         finally:
-            self.admission.release(ticket)
+            self.admission.release(ticket, completed, per_token)
 
     async def final_output(self, request: Request, outputs: AsyncIterator):
         """The last output, or None if the client went away first (request aborted)."""
@@ -457,19 +577,23 @@ class OpenAIServing:
     async def respond(self, request: Request, body: protocol.SamplingFields, tenant: str,
                       id_prefix: str, texts: list[str | None], id_lists: list[list[int]],
                       params_list: list[SamplingParams], fmt: Formatting, chunks, whole,
-                      lora=None, sse=None):
-        """Admit every prompt, run them, and answer: a stream of `chunks` events (framed
-        by `sse`, default OpenAI's `self.sse`), or one `whole` body made from the final
-        output of each prompt."""
-        tickets = []
-        try:
-            for ids, params in zip(id_lists, params_list):
-                tickets.append(self.admit(tenant, ids, params, body.priority or 0,
-                                          self.band(request)))
-        except APIError:
-            for ticket in tickets:
-                self.admission.release(ticket)
-            raise
+                      lora=None, sse=None, reservation: "Reservation | None" = None):
+        """Admit every prompt (settle the `reservation` taken before tokenizing them),
+        run them, and answer: a stream of `chunks` events (framed by `sse`, default
+        OpenAI's `self.sse`), or one `whole` body made from the final output of each
+        prompt."""
+        if reservation is not None:
+            tickets = self.settle(reservation, id_lists, params_list)
+        else:  # an endpoint that did not reserve before tokenizing
+            tickets = []
+            try:
+                for ids, params in zip(id_lists, params_list):
+                    tickets.append(self.admit(tenant, ids, params, body.priority or 0,
+                                              self.band(request)))
+            except APIError:
+                for ticket in tickets:
+                    self.admission.release(ticket)
+                raise
         request_id = protocol.random_id(id_prefix)
         many = len(id_lists) > 1
         outputs = merge([self.run(request, f"{request_id}-{i}" if many else request_id,
@@ -497,3 +621,22 @@ class OpenAIServing:
         if self.shutting_down or not self.engine.is_alive:
             return APIError(503, reason, kind="server_error")
         return APIError(400, reason, error_field(reason))
+
+
+class Reservation:
+    """The tickets a request took before its prompts were tokenized (serving.reserve):
+    given back when the block it guards ends without `settle` taking them (a 400 found
+    while tokenizing, a grammar that does not compile, a client gone)."""
+
+    def __init__(self, admission: AdmissionControl, tickets: list[Ticket]) -> None:
+        self.admission, self.tickets = admission, tickets
+        self.taken = False
+
+    def __enter__(self) -> "Reservation":
+        return self
+
+    def __exit__(self, *exc_info) -> bool:
+        if not self.taken:
+            for ticket in self.tickets:
+                self.admission.release(ticket)
+        return False
