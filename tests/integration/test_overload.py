@@ -101,7 +101,7 @@ def test_refusals_come_before_any_work_on_the_request(tiny_demo):
         assert "max_waiting_requests=2" in full.json()["error"]["message"]
         assert int(full.headers["retry-after"]) >= 1
         assert refused_work == []  # neither was tokenized nor templated
-        assert serving.grammars._compiler is None  # nor was any grammar compiled
+        assert not serving.grammars.started  # nor was any grammar compiled
         assert rejections(metrics) == {"tenant_concurrency": 1.0, "queue_requests": 1.0}
         assert first.status_code == 200 and second.status_code == 200
         assert serving.admission.num_waiting == 0 and not serving.admission._tickets

@@ -36,7 +36,9 @@ class FakeEngine:
     supports_structured_outputs = False
     is_alive = True
     config = SimpleNamespace(scheduler=SimpleNamespace(
-        scheduling_policy="fcfs", priority_aging=0.0, max_num_seqs=4))
+        scheduling_policy="fcfs", priority_aging=0.0, max_num_seqs=4,
+        max_num_batched_tokens=256))
+    stalled = None
 
     def __init__(self) -> None:
         self.calls: list[dict] = []

@@ -391,3 +391,22 @@ class AdmissionControl:
         self._tickets.pop(id(ticket), None)
         if completed:
             self.service.note_finished(ticket.generated, ticket.max_tokens, seconds_per_token)
+
+
+class Reservation:
+    """The tickets a request took before its prompts were tokenized (serving.reserve):
+    given back when the block it guards ends without `settle` taking them (a 400 found
+    while tokenizing, a grammar that does not compile, a client gone)."""
+
+    def __init__(self, admission: AdmissionControl, tickets: list[Ticket]) -> None:
+        self.admission, self.tickets = admission, tickets
+        self.taken = False
+
+    def __enter__(self) -> "Reservation":
+        return self
+
+    def __exit__(self, *exc_info) -> bool:
+        if not self.taken:
+            for ticket in self.tickets:
+                self.admission.release(ticket)
+        return False

@@ -22,12 +22,10 @@ app or routing.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import inspect
 import json
 import logging
-import threading
 import time
 from typing import AsyncIterator
 
@@ -42,52 +40,18 @@ from treadle.metrics import ServerMetrics
 from treadle.sampling_params import SamplingParams
 from treadle.server import protocol, validation
 from treadle.server.admission import (AdmissionControl, AdmissionLimits, NeverAdmissible,
-                                      Overloaded, Ticket)
+                                      Overloaded, Reservation, Ticket)
 from treadle.server.auth import KeyRing, Tenant
 from treadle.server.config import ServerConfig
 from treadle.server.errors import APIError, error_body, error_field, error_response, quoted
 from treadle.server.fields import check_fields, check_message_fields
+from treadle.server.grammars import LazyGrammarCompiler
 from treadle.server.responses import Formatting
 from treadle.server.responses_api import ResponseStore
 from treadle.server.streams import merge
 from treadle.server.tool_calls import ToolRequestError, ToolSetup, setup_tools, template_message
 from treadle.structured import (StructuredOutputError, StructuredSpec, from_response_format,
                                 from_structured_outputs)
-
-
-class LazyGrammarCompiler:
-    """The grammar compiler for the served tokenizer, built in a thread (converting a
-    49152-id tokenizer takes ~0.3 s, much of it holding the GIL: the engine's thread waits
-    meanwhile): at start by `treadle serve` (`warm_up`), before any request, else on first
-    use; None without a tokenizer."""
-
-    def __init__(self, engine: EngineClient) -> None:
-        self._engine = engine
-        self._future: concurrent.futures.Future | None = None
-        self._lock = threading.Lock()
-
-    def warm_up(self) -> None:
-        """Start building the compiler in a thread now (no-op without a tokenizer)."""
-        with self._lock:
-            if self._future is None and self._engine.tokenizer is not None:
-                from treadle.structured.compiler import GrammarCompiler
-                self._future = concurrent.futures.Future()
-                engine = self._engine
-
-                def build() -> None:
-                    try:
-                        self._future.set_result(GrammarCompiler.from_hf_tokenizer(
-                            engine.tokenizer, engine.limits.vocab_size, engine.eos_token_id))
-                    except BaseException as exc:  # noqa: BLE001 - raised again by get()
-                        self._future.set_exception(exc)
-                threading.Thread(target=build, name="treadle-grammar-compiler",
-                                 daemon=True).start()
-
-    async def get(self):
-        self.warm_up()
-        if self._future is None:
-            return None
-        return await asyncio.wrap_future(self._future)
 
 
 logger = logging.getLogger(__name__)
@@ -440,7 +404,7 @@ class OpenAIServing:
                         headers={"Retry-After": str(exc.retry_after_s)})
 
     def reserve(self, tenant: str, priority: int, sizes: list[tuple[int, int]],
-                band: str | None = None) -> "Reservation":
+                band: str | None = None) -> Reservation:
         """Admit a request's prompts by their sizes as known before any work on them
         ((estimated prompt tokens, max_tokens x n) each): 429 with Retry-After when the
         tenant is over its limits, 503 with Retry-After when the server is saturated or
@@ -577,7 +541,7 @@ class OpenAIServing:
     async def respond(self, request: Request, body: protocol.SamplingFields, tenant: str,
                       id_prefix: str, texts: list[str | None], id_lists: list[list[int]],
                       params_list: list[SamplingParams], fmt: Formatting, chunks, whole,
-                      lora=None, sse=None, reservation: "Reservation | None" = None):
+                      lora=None, sse=None, reservation: Reservation | None = None):
         """Admit every prompt (settle the `reservation` taken before tokenizing them),
         run them, and answer: a stream of `chunks` events (framed by `sse`, default
         OpenAI's `self.sse`), or one `whole` body made from the final output of each
@@ -621,22 +585,3 @@ class OpenAIServing:
         if self.shutting_down or not self.engine.is_alive:
             return APIError(503, reason, kind="server_error")
         return APIError(400, reason, error_field(reason))
-
-
-class Reservation:
-    """The tickets a request took before its prompts were tokenized (serving.reserve):
-    given back when the block it guards ends without `settle` taking them (a 400 found
-    while tokenizing, a grammar that does not compile, a client gone)."""
-
-    def __init__(self, admission: AdmissionControl, tickets: list[Ticket]) -> None:
-        self.admission, self.tickets = admission, tickets
-        self.taken = False
-
-    def __enter__(self) -> "Reservation":
-        return self
-
-    def __exit__(self, *exc_info) -> bool:
-        if not self.taken:
-            for ticket in self.tickets:
-                self.admission.release(ticket)
-        return False
