@@ -4,7 +4,9 @@
 # Expected run time: ~25 minutes on a quiet 2-core machine (an estimate from each part's
 # single runs on a busy one; the parts' own estimates are in the comments below). It was
 # not run end to end where it was written. Repeats are kept low to fit: one alternating
-# repeat per point except the headline single stream (three).
+# repeat per point except the headline single stream (three). The first start on each GGUF
+# file converts its config and tokenizer to a checkpoint under TREADLE_CACHE_DIR (~1 min for
+# the 1B files on a busy machine); later runs reuse it: run once before timing, or add that.
 #
 #   . /path/to/venv/bin/activate; cd <checkout>
 #   LLAMACPP_DIR=/work/peers/llama.cpp MODELS_DIR=/work/peers/models \
