@@ -39,6 +39,13 @@ SCHEDULING_POLICIES: dict[str, str] = {
 
 DEFAULT_SCHEDULING_POLICY = next(iter(SCHEDULING_POLICIES))
 
+OMP_WAIT_POLICIES = ("auto", "passive", "active", "runtime")
+"""What `omp_wait_policy` may be (worker/threads.py sets each one's variables)."""
+OMP_ENV_MARKER = "TREADLE_OMP_ENV_SET"
+"""The environment variable naming the OpenMP variables treadle set in its own process
+(worker/threads.py), so that a benchmark starts a peer system without them
+(measure/launch.py `peer_environment`)."""
+
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8")
 """--quantization: weights kept quantized in memory (worker/cpu/quantized_linears.py)."""
 
@@ -111,8 +118,15 @@ class ModelConfig:
     seed: int = field(default=0, metadata=_help(
         "Seed of the engine's random generator for requests without their own seed"))
     num_threads: int | None = field(default=None, metadata=_help(
-        "CPU threads for the model's math, per worker; torch's default with one worker, "
-        "the cores divided among the workers with several (each bound to its own cores)"))
+        "CPU threads for the model's math, per worker; with one worker, the CPUs this "
+        "process may use (its affinity mask, capped by its cgroup's CPU quota), with "
+        "several, those divided among the workers (each bound to its own cores)"))
+    omp_wait_policy: str = field(default="auto", metadata=_help(
+        "How the CPU threads wait between parallel regions: auto (spin ~10 us, then "
+        "sleep: fast alone, and yields cores that other work shares), passive (sleep at "
+        "once), active (spin: OpenMP's ACTIVE), runtime (OpenMP's defaults and the "
+        "environment's OMP_WAIT_POLICY / GOMP_SPINCOUNT); set before torch loads, or not "
+        "at all (worker/threads.py)"))
     device: str = field(default="auto", metadata=_help(
         "cpu, cuda, or auto (cuda when torch sees a GPU, else cpu)"))
     attention_backend: str = field(default="auto", metadata=_help(
@@ -173,6 +187,9 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.omp_wait_policy not in OMP_WAIT_POLICIES:
+            raise ValueError(f"omp_wait_policy must be one of {', '.join(OMP_WAIT_POLICIES)}, "
+                             f"got {self.omp_wait_policy!r}")
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ from typing import Any, Iterator
 import yaml
 
 from treadle.measure import workloads
-from treadle.measure.launch import free_port, launched_server, wait_healthy
+from treadle.measure.launch import free_port, launched_server, peer_environment, wait_healthy
 from treadle.measure.report import format_table, percentiles
 from treadle.measure.http_load import request_records, run_load, summarize
 
@@ -125,7 +125,7 @@ def _offline(command: str, model: str, workload, timeout_s: float) -> dict:
         log_path = _server_log(f"offline-{os.getpid()}-{next(_offline_runs)}")
         with open(log_path, "w") as log:
             proc = subprocess.Popen(filled, shell=True, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+                                    start_new_session=True, env=peer_environment())
             try:
                 code = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -155,8 +155,8 @@ def _external_server(command: str, model: str, timeout_s: float) -> Iterator[str
     port = free_port()
     log = open(_server_log(port), "w")
     command = _fill(command, port=str(port), model=model)
-    proc = subprocess.Popen(command, shell=True,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(command, shell=True, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True, env=peer_environment())
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, proc, timeout_s, log.name)

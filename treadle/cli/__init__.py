@@ -67,7 +67,22 @@ def main(argv: list[str] | None = None) -> int:
     # httpx logs every request at INFO: a load generator's thousands of lines, not news.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
+        _prepare_openmp(args)
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def _prepare_openmp(args: argparse.Namespace) -> None:
+    """A command that runs an engine in this process sets OpenMP's wait policy now, before
+    anything imports torch (resolving --model may): worker/threads.py."""
+    if not hasattr(args, "omp_wait_policy"):
+        return
+    import os
+
+    from treadle.config import ENV_PREFIX
+    from treadle.worker.threads import prepare_openmp
+
+    policy = args.omp_wait_policy or os.environ.get(ENV_PREFIX + "OMP_WAIT_POLICY", "auto")
+    logging.getLogger("treadle.cli").info(prepare_openmp(policy))

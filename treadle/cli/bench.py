@@ -6,7 +6,7 @@ benchmarks/, not subcommands.
 
 from __future__ import annotations
 
-from treadle.cli import bench_offline, bench_online
+from treadle.cli import bench_latency, bench_offline, bench_online
 from treadle.cli.options import add_config_file_argument
 
 NO_CONFIG_FILE = ("compare", "scheduling", "lora")
@@ -21,6 +21,7 @@ def add_parser(sub) -> None:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     for add in (bench_offline.add_throughput, bench_offline.add_static,
                 bench_offline.add_engine_core, bench_offline.add_compare,
+                bench_latency.add_latency,
                 bench_online.add_serve, bench_online.add_soak, bench_online.add_capacity,
                 bench_online.add_dashboard,
                 bench_offline.add_scheduling, bench_offline.add_lora, bench_offline.add_spec,

@@ -67,6 +67,9 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor=None) -> None:
         """`executor`: an Executor to use instead of the one the config names (tests)."""
         if executor is None:
+            from treadle.worker.threads import prepare_openmp  # no torch: before it loads
+
+            logger.info(prepare_openmp(config.model.omp_wait_policy))
             config = resolve_model_once(config)
         self.config = config
         self.executor = executor if executor is not None else make_executor(config)

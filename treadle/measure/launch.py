@@ -23,6 +23,19 @@ from pathlib import Path
 from typing import Iterator
 
 
+def peer_environment(environ: dict | None = None) -> dict[str, str]:
+    """This process's environment without the OpenMP variables treadle set for an engine
+    of its own (config.OMP_ENV_MARKER names them): what a peer system (llama.cpp, vLLM)
+    starts with, so that it runs on its own defaults."""
+    from treadle.config import OMP_ENV_MARKER
+
+    env = dict(os.environ if environ is None else environ)
+    for key in env.pop(OMP_ENV_MARKER, "").split(","):
+        if key:
+            env.pop(key, None)
+    return env
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

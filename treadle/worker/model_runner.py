@@ -54,6 +54,7 @@ from treadle.core.outputs import (ModelRunnerOutput, PromptLogprobs, ScheduledRe
                                   SchedulerOutput, StepTimings)
 from treadle.layers.attention import AttentionStep
 from treadle.layers.parallel import ParallelContext
+from treadle.worker import greedy_decode
 from treadle.worker.attention.base import AttentionBackend
 from treadle.worker.grammar import GrammarState
 from treadle.worker.input_batch import CachedRequestState, InputBatch
@@ -166,11 +167,18 @@ class ModelRunner:
         unless enforce_eager), or None."""
         self.proposer = proposer
         self.rejection = RejectionSampler(sampler, eos_token_id)
+        self.greedy_decode = True
+        """Steps of plain greedy decodes take the short path (worker/greedy_decode.py);
+        False sends every step the general way (tests compare the two)."""
 
     # ----- preparing the inputs ------------------------------------------------------------
 
-    def prepare(self, scheduler_output: SchedulerOutput) -> PreparedInputs:
-        states = self.batch.update(scheduler_output)
+    def prepare(self, scheduler_output: SchedulerOutput,
+                states: list[CachedRequestState] | None = None) -> PreparedInputs:
+        """The step's inputs; `states`: the persistent batch already updated with this
+        message (InputBatch.update, once per message), else it is updated here."""
+        if states is None:
+            states = self.batch.update(scheduler_output)
         pairs = list(zip(scheduler_output.scheduled, states))
         # Single-token rows first: the decode kernels read them as one block of rows.
         if self.lora is None:
@@ -300,7 +308,15 @@ class ModelRunner:
             return (ModelRunnerOutput(sampled_token_ids={}, timings=timings)
                     if par.is_output_rank else None)
         t0 = time.perf_counter()
-        inputs = self.prepare(scheduler_output)  # overlaps the swap copies on a GPU
+        states = self.batch.update(scheduler_output)
+        if self.greedy_decode and greedy_decode.qualifies(self, scheduler_output, states):
+            wait_for_swaps()
+            output, timings.prepare_s, timings.forward_s = greedy_decode.run(
+                self, scheduler_output, states)
+            if output is not None:
+                output.timings = timings
+                return output
+        inputs = self.prepare(scheduler_output, states)  # overlaps swap copies on a GPU
         wait_for_swaps()
         rows, sample_rows = inputs.rows, inputs.sample_rows
         # Logits rows in the sampler's group order: it then works in place, copying none.

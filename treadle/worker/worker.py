@@ -52,6 +52,7 @@ from treadle.worker.parallel_state import init_parallel
 from treadle.worker.profile_step import profile_lengths, profile_steps
 from treadle.worker.sampler import Sampler
 from treadle.worker.spec.base import Proposer
+from treadle.worker.threads import default_num_threads
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +97,8 @@ class Worker:
         if cores:
             os.sched_setaffinity(0, cores)
             torch.set_num_threads(len(cores))
-        elif config.model.num_threads is not None:
-            torch.set_num_threads(config.model.num_threads)
+        else:  # the CPUs this process may use: affinity and cgroup quota (worker/threads.py)
+            torch.set_num_threads(config.model.num_threads or default_num_threads())
         par = config.parallel
         self.model_dir = resolve_model_dir(config, self.platform)
         self.hf_config = read_config(self.model_dir)
