@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
 from treadle.config import ServerConfig
+from treadle.core.policies.slo import SLO_REFUSAL
 from treadle.engine.async_engine import AsyncEngine, EngineDeadError, EngineFailedError
 from treadle.sampling_params import SamplingParams
 from treadle.server import protocol
@@ -228,15 +229,25 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
             raise APIError(429, str(exc), kind="rate_limit_error",
                            headers={"Retry-After": str(exc.retry_after_s)}) from None
 
+    def scheduling_of(body: protocol.SamplingFields, request: Request) -> dict:
+        """The request's deadlines (body fields, else the x-slo-ttft-ms header); a 400
+        naming a bad header."""
+        try:
+            return protocol.deadlines(body, request.headers)
+        except ValueError as exc:
+            raise APIError(400, str(exc), protocol.SLO_TTFT_HEADER) from None
+
     async def run(request: Request, request_id: str, prompt: str | None, prompt_ids: list[int],
-                  params: SamplingParams, priority: int, tenant: str, ticket, lora=None):
-        """The request's outputs (with the LoRA adapter `lora`, None: the base model); the
-        ticket is released however it ends."""
+                  params: SamplingParams, priority: int, tenant: str, ticket, lora=None,
+                  scheduling: dict | None = None):
+        """The request's outputs (with the LoRA adapter `lora`, None: the base model;
+        `scheduling`: band and deadlines, AsyncEngine.generate's keywords); the ticket is
+        released however it ends."""
         if app.state.request_spans is not None:  # its span joins the caller's trace
             app.state.request_spans.note_parent(request_id, request.headers)
         try:
             async for output in engine.generate(request_id, prompt, prompt_ids, params,
-                                                priority, tenant, lora):
+                                                priority, tenant, lora, **(scheduling or {})):
                 admission.started(ticket, time.monotonic())
                 yield output
         except EngineFailedError as exc:
@@ -391,6 +402,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
                       lora=None):
         """Admit every prompt, run them, and answer: a stream of `chunks` events, or one
         `whole` body made from the final output of each prompt."""
+        scheduling = scheduling_of(body, request)
         tickets = []
         try:
             for ids, params in zip(id_lists, params_list):
@@ -403,7 +415,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
         many = len(id_lists) > 1
         outputs = merge([run(request, f"{request_id}-{i}" if many else request_id, texts[i],
                              id_lists[i], params_list[i], body.priority, tenant, tickets[i],
-                             lora)
+                             lora, scheduling)
                          for i in range(len(id_lists))])
         model_name = engine.model_name if lora is None else lora.lora_name
         if body.stream:
@@ -424,6 +436,8 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
         make admission refusals rare)."""
         if app.state.shutting_down or not engine.is_alive:
             return APIError(503, reason, kind="server_error")
+        if reason.startswith(SLO_REFUSAL):  # slo_reject: the load, not the request, is at fault
+            return APIError(503, reason, "slo_ttft_ms", kind="server_error")
         return APIError(400, reason, error_field(reason))
 
     def check_vocab(prompt_ids: list[int]) -> None:
@@ -437,6 +451,7 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, keyring: KeyRing
         engine=engine, server_config=server_config, APIError=APIError, Response=Response,
         authenticate=authenticate, check_model=check_model, chat_token_ids=_chat_token_ids,
         run_in_threadpool=run_in_threadpool, check_lengths=check_lengths,
+        scheduling_of=scheduling_of,
         structured_spec=structured_spec, sampling_params=sampling_params, admit=admit,
         run=run, final_output=final_output)))
     if server_config.enable_lora_runtime_updates:

@@ -254,7 +254,7 @@ def responses_router(ctx) -> APIRouter:
         ticket = ctx.admit(tenant, prompt_ids, params)
         response_id, created = _ids("resp"), int(time.time())
         outputs = ctx.run(request, response_id, None, prompt_ids, params, body.priority,
-                          tenant, ticket, lora)
+                          tenant, ticket, lora, ctx.scheduling_of(body, request))
 
         def finish(final, items: list | None = None) -> dict:
             """The final body (stored when asked); `items`: the streamed ones."""
