@@ -23,7 +23,10 @@ FORGET = 0.98
 PRIOR_FIXED_S = 0.02
 PRIOR_PER_TOKEN_S = 2e-4
 """The prior before any step: 20 ms a step plus 0.2 ms a token (the benchmark model on a
-2-core CPU is within a few times of it; two pseudo-steps, forgotten within ~50 steps)."""
+2-core CPU is within a few times of it)."""
+PRIOR_WEIGHT = 0.01
+"""Weight of each of the prior's two pseudo-steps: the line before the first step, a
+hundredth of one measured step after it."""
 
 
 class StepCostModel:
@@ -37,7 +40,7 @@ class StepCostModel:
         self._s0 = self._s1 = self._s2 = self._sy = self._sxy = 0.0
         self.num_observations = 0
         for x in (1, max(2, prior_tokens)):  # two pseudo-steps on the prior's line
-            self._add(float(x), prior_fixed_s + prior_per_token_s * x, 1.0)
+            self._add(float(x), prior_fixed_s + prior_per_token_s * x, PRIOR_WEIGHT)
         self.fixed_s = prior_fixed_s
         self.per_token_s = prior_per_token_s
 

@@ -26,6 +26,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import Field
 
 from treadle.server import protocol
+from treadle.server.errors import error_field
 from treadle.server.fields import check_fields
 from treadle.server.tool_calls import ToolCallStreamer, ToolRequestError, parse_choice, setup_tools
 
@@ -266,6 +267,9 @@ def responses_router(ctx) -> APIRouter:
                 "failed" if c.finish_reason in ("error", "abort") else "completed")
             result = response_body(response_id, body, created, status, items,
                                    _usage(final), incomplete)
+            if final.error is not None:  # a failed response says why (e.g. slo_reject)
+                result["error"] = {"code": error_field(final.error, "server_error"),
+                                   "message": final.error}
             if body.store:
                 store.put(tenant, response_id, {"body": result, "messages": conversation + [
                     _as_message(items)]})
