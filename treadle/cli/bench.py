@@ -6,7 +6,7 @@ benchmarks/, not subcommands.
 
 from __future__ import annotations
 
-from treadle.cli import bench_offline, bench_online
+from treadle.cli import bench_fairness, bench_offline, bench_online
 
 
 def add_parser(sub) -> None:
@@ -17,6 +17,7 @@ def add_parser(sub) -> None:
     for add in (bench_offline.add_throughput, bench_offline.add_static,
                 bench_offline.add_engine_core, bench_offline.add_compare,
                 bench_online.add_serve, bench_online.add_soak, bench_online.add_dashboard,
-                bench_offline.add_scheduling, bench_offline.add_lora, bench_offline.add_spec,
+                bench_offline.add_scheduling, bench_fairness.add_fairness,
+                bench_offline.add_lora, bench_offline.add_spec,
                 bench_offline.add_perplexity, bench_offline.add_kv):
         add(bench_sub)

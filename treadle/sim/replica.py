@@ -82,8 +82,8 @@ class Replica:
         self._swap_block_bytes = spec.kv_bytes_per_token * spec.cache.block_size
         self._pending = None
         self.step_observer = None
-        """Called with (simulated time, SchedulerOutput) for every step that runs
-        (benchmarks that follow each step: treadle/bench/fairness.py)."""
+        """Called with (simulated start time, SchedulerOutput, its seconds) for every step
+        that runs (what follows each step: treadle/sim/fairness.py)."""
         self.active = False
         """A step is in flight or about to start (the fleet holds an event for it)."""
         self.busy_s = 0.0
@@ -180,7 +180,7 @@ class Replica:
         self._pending = (output, features, seconds)
         self.busy_s += seconds
         if self.step_observer is not None:
-            self.step_observer(now, output)
+            self.step_observer(now, output, seconds)
         return now + seconds
 
     def take_ended(self) -> list[EngineCoreOutput]:
