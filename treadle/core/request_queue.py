@@ -49,6 +49,10 @@ class FCFSQueue:
         """The requests front first (the key is ignored: the queue's order is the order)."""
         return [*self._queue, *self._batch]
 
+    def in_band(self, band: int) -> list[Request]:
+        """The requests of one band (0 interactive, 1 batch), front first."""
+        return list(self._batch if band else self._queue)
+
     def __len__(self) -> int:
         return len(self._queue) + len(self._batch)
 

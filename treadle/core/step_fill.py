@@ -64,6 +64,7 @@ def schedule_fcfs(plan: StepPlan) -> None:
             schedule_running(plan, request)
     _admit_band_fcfs(plan, 1, urgent)
 
+
 def _admit_band_fcfs(plan: StepPlan, band: int,
                      urgent: Request | None) -> Request | None:
     """fcfs: the band's swapped-out requests come back in, oldest first, before
@@ -77,8 +78,8 @@ def _admit_band_fcfs(plan: StepPlan, band: int,
             return urgent
         if urgent is None and request.request_id in plan.num_new:
             urgent = request
-    waiting = [r for r in plan.waiting.in_order() if policy.band_rank(r) == band]
-    return _admit_in_order(plan, waiting, urgent)
+    return _admit_in_order(plan, plan.waiting.in_band(band), urgent)
+
 
 def schedule_by_urgency(plan: StepPlan) -> None:
     now = plan.now
@@ -94,6 +95,7 @@ def schedule_by_urgency(plan: StepPlan) -> None:
     items += [r for r in plan.swapped if r.request_id not in preempted]
     items += [r for r in plan.waiting if r.request_id not in preempted]
     _admit_in_order(plan, plan.policy.order(items, now))
+
 
 def _admit_in_order(plan: StepPlan, items: Iterable[Request],
                     urgent: Request | None = None) -> Request | None:
@@ -144,6 +146,7 @@ def _admit_in_order(plan: StepPlan, items: Iterable[Request],
                 plan.num_bypasses.get(rid, 0), max_bypasses))
     return urgent
 
+
 def _try_admit(plan: StepPlan, request: Request) -> Admission:
     if plan.interactive_held and request.band == BATCH:
         return Admission.FULL  # what the interactive one waits for is not batch work's
@@ -153,6 +156,7 @@ def _try_admit(plan: StepPlan, request: Request) -> Admission:
     elif request.band != BATCH:
         plan.interactive_held = True
     return outcome
+
 
 def schedule_running(plan: StepPlan, request: Request) -> None:
     """Give a running request its tokens, preempting others if its blocks run short."""
@@ -175,6 +179,7 @@ def schedule_running(plan: StepPlan, request: Request) -> None:
     if make_room(plan, request, num_tokens):
         plan.schedule_tokens(request, num_tokens, spec)
 
+
 def _isolate(plan: StepPlan, urgent: Request) -> Request:
     """`urgent` is the first request given prefill tokens in this step (in urgency
     order): the decodes already scheduled that defer to it wait for the next step."""
@@ -183,6 +188,7 @@ def _isolate(plan: StepPlan, urgent: Request) -> Request:
                 and request.is_decoding and _defers_to(plan, request, urgent)):
             plan.unschedule(request)
     return urgent
+
 
 def _defers_to(plan: StepPlan, request: Request, urgent: Request) -> bool:
     """Whether `request` gets no tokens in a step that prefills `urgent`
@@ -200,6 +206,7 @@ def _defers_to(plan: StepPlan, request: Request, urgent: Request) -> bool:
     return (request.priority > urgent.priority
             and plan.urgency(request) - plan.urgency(urgent)
             >= plan.policy.admission_threshold)
+
 
 def _outranks_memory_victims(plan: StepPlan, request: Request) -> bool:
     """In a step that had to preempt for memory, only a request of a higher band

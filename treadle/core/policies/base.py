@@ -55,7 +55,7 @@ class SchedulingPolicy:
         """Urgency gap needed to preempt at admission, in the policy's unit."""
         self.isolates_urgent_prefill = False
         """A step that prefills a request of a more urgent class carries nothing of the
-        less urgent classes (`Scheduler._defers_to`)."""
+        less urgent classes (`step_fill._defers_to`)."""
         self.step_costs: StepCostModel | None = None
         """The engine's measured step costs (core/step_cost.py), set by the scheduler:
         what a policy that predicts time (`slo`) prices work with."""
