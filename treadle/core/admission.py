@@ -13,11 +13,11 @@ interactive one under every policy, less urgent ones of its own band where the p
 preempts at admission). A request at its preemption bound (`StepPlan.is_pinned`) is
 resumed only when the cache can hold it to its end beside the other pinned requests'
 remaining needs, which every admission leaves free (`pinned_reserve`), and is never a
-victim again: so no request is preempted more than `max_preemptions` times. Block arithmetic is the KV
-manager's (`KVCacheManager.num_new_blocks_needed`, `num_held_blocks`,
-`num_swapped_blocks`); this module only adds up what it answers. Every function takes
-the step's plan (core/step_plan.py) and the request; the order requests are offered in
-is the scheduler's.
+victim again: so no request is preempted more than `max_preemptions` times. Block
+arithmetic is the KV manager's (`KVCacheManager.num_new_blocks_needed`,
+`num_held_blocks`, `num_swapped_blocks`); this module only adds up what it answers.
+Every function takes the step's plan (core/step_plan.py) and the request; the order
+requests are offered in is the scheduler's (core/step_fill.py).
 """
 
 from __future__ import annotations
@@ -253,6 +253,8 @@ def fit(plan: StepPlan, request: Request, hit: PrefixHit) -> tuple[Admission, in
         return Admission.NO_FIT, 0
     if room.kv_reserve or lookahead or room.tenant_room is not None:
         needed = kv.num_new_blocks_needed(request, hit.num_tokens, num_tokens)
+        if pinned:  # exact: hit blocks taken from the free queue leave it too
+            needed += kv.pool.num_reusable_from_free(hit.blocks)
         slots = (request.num_computed_tokens + hit.num_tokens + num_tokens)
         growth = kv_growth(kv, request, kv.num_blocks_for(slots) * kv.block_size, lookahead)
         if ((room.kv_reserve or pinned)
