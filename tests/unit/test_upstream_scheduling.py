@@ -415,8 +415,10 @@ def fits_now(sched: Scheduler, request: Request) -> bool:
 def any_fits(sched: Scheduler) -> bool:
     """Some waiting request fits (`fits_now`) and is not behind a preempted one (waiting or
     swapped out) that does not, nor a batch request behind an interactive one that does
-    not: a preempted request keeps its place, nothing passes it (vllm #41951), and what
-    an interactive request waits for is not batch work's; so then
+    not, nor a batch request while an interactive prompt is still being prefilled
+    (isolate_urgent_prefill: no batch work in that step): a preempted request keeps its
+    place, nothing passes it (vllm #41951), and what an interactive request waits for is
+    not batch work's; so then
     admission waits for the running requests to free its room (a bound of their own
     lengths, not of this property)."""
     waiting = list(sched.waiting) + list(sched.swapped)
@@ -424,6 +426,9 @@ def any_fits(sched: Scheduler) -> bool:
         return False
     if any(r.band != "batch" and not fits_now(sched, r) for r in waiting):
         waiting = [r for r in waiting if r.band != "batch"]  # batch never passes them
+    if any(r.band != "batch" and r.num_computed_tokens < r.num_prompt_tokens
+           for r in sched.running):  # no batch work in an interactive prefill's step
+        waiting = [r for r in waiting if r.band != "batch"]
     return any(fits_now(sched, r) for r in waiting)
 
 
