@@ -144,6 +144,17 @@ SERVED_ADAPTERS = Element("lora_modules and enable_lora_runtime_updates",
 LORA_OFF = Element("enable_lora off", lacks={
     "lora": "adapters are served only with enable_lora (lora_modules and "
             "enable_lora_runtime_updates need enable_lora)"})
+SLO_REJECT = Element("slo_reject", frozenset({"deadline_prediction"}))
+
+
+def _policy_element(policy: str) -> Element:
+    """The scheduling policy: only `slo` predicts when a request's first token comes."""
+    lacks = ({} if policy == "slo" else {
+        "deadline_prediction": "only the slo policy predicts a request's first token from "
+                               "the measured step costs (scheduling_policy slo)"})
+    return Element(f"scheduling_policy {policy}", lacks=lacks)
+
+
 SPECULATION_LACKS = {
     "prefix_transfer": "the prefill engine's proposals and a draft's KV are not transferred",
 }
@@ -179,6 +190,9 @@ def config_elements(config: Any) -> list[Element]:
         elements.append(PREFIX_CACHING_OFF)
     if config.kv_events.enabled:
         elements.append(KV_EVENTS)
+    elements.append(_policy_element(config.scheduler.scheduling_policy))
+    if config.scheduler.slo_reject:
+        elements.append(SLO_REJECT)
     return elements + _invariance_elements(config)
 
 

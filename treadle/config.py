@@ -32,6 +32,9 @@ SCHEDULING_POLICIES: dict[str, str] = {
     "fair": "the tenant served least so far first (tenant_weights)",
     "makespan": ("longest remaining output first, admissions paced to the longest request "
                  "(offline batches of known lengths)"),
+    "slo": ("least slack to the request's TTFT / TPOT target first, from the measured step "
+            "costs; one that can no longer meet it is served best-effort (or refused: "
+            "slo_reject)"),
 }
 """The registry of scheduling policies, the default first: each name with its line of
 `--help`. A name is the module of treadle/core/policies/ that holds the policy's class
@@ -299,7 +302,8 @@ class SchedulerConfig:
         "bf16 SmolLM2-135M on an AVX-512 BF16 CPU, 12 ran 2.5 percent faster than 16, 24 "
         "2-5 percent slower than 16)"))
     priority_aging_rate: float = field(default=0.01, metadata=_help(
-        "priority policy: priority levels a request gains per second in the engine (0: none)"))
+        "priority policy: priority levels a request gains per second it waits to run (not while "
+        "it runs; 0: none)"))
     priority_aging: float = field(default=4.0, metadata=_help(
         "priority policy: the bound on waiting, as a multiple of the mean wait of recent "
         "requests: a request that has waited that long outranks every priority class "
@@ -334,6 +338,15 @@ class SchedulerConfig:
     tenant_kv_share: bool = field(default=False, metadata=_help(
         "While tenants compete, each holds at most its weighted share of the KV cache "
         "(unused share is lent), and memory victims come from tenants over their share"))
+    max_preemptions: int = field(default=3, metadata=_help(
+        "Preemptions an interactive request may suffer: at this many it is resumed only "
+        "when the KV cache can hold it to its end, and is never preempted again (batch "
+        "requests yield without bound; 0: never preempt a request, admit only what fits "
+        "to the end)"))
+    slo_reject: bool = field(default=False, metadata=_help(
+        "slo policy: refuse at once (an error naming the deadline and the predicted first "
+        "token) a waiting request that can no longer meet its slo_ttft_ms, instead of "
+        "serving it best-effort"))
     max_head_bypasses: int = field(default=16, metadata=_help(
         "Times smaller requests may pass a waiting request that does not fit before it gets "
         "the next opening (0: strict order)"))
@@ -358,8 +371,9 @@ class SchedulerConfig:
         if self.admission_lookahead_tokens < 0:
             raise ValueError("admission_lookahead_tokens must be >= 0, "
                              f"got {self.admission_lookahead_tokens}")
-        if self.max_head_bypasses < 0:
-            raise ValueError(f"max_head_bypasses must be >= 0, got {self.max_head_bypasses}")
+        for name in ("max_head_bypasses", "max_preemptions"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         parse_tenant_weights(self.tenant_weights)
         if self.preemption_mode not in ("auto", "recompute", "swap"):
             raise ValueError("preemption_mode must be one of auto, recompute, swap, "

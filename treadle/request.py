@@ -13,6 +13,27 @@ from treadle.lora import LoRARequest
 from treadle.sampling_params import SamplingParams
 
 
+INTERACTIVE = "interactive"
+BATCH = "batch"
+BANDS = (INTERACTIVE, BATCH)
+"""A request's band, most urgent first: batch work (the Batch API's lines) runs in the
+lowest band under every policy: after every interactive request, on idle capacity only,
+and first to be preempted (docs/scheduling.md, "The batch band")."""
+
+
+def check_scheduling(band: str = INTERACTIVE, slo_ttft_ms: float | None = None,
+                     slo_tpot_ms: float | None = None) -> None:
+    """A ValueError naming the first of a request's band and deadlines that is not valid:
+    a band of BANDS, deadlines positive finite milliseconds (or None)."""
+    if band not in BANDS:
+        raise ValueError(f"band must be one of {', '.join(BANDS)}, got {band!r}")
+    for name, value in (("slo_ttft_ms", slo_ttft_ms), ("slo_tpot_ms", slo_tpot_ms)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value < float("inf")):
+            raise ValueError(f"{name} must be a positive number of milliseconds, "
+                             f"got {value!r}")
+
+
 class RequestStatus(enum.IntEnum):
     """Where a request is. Every value >= FINISHED_STOPPED is a finished state."""
 
@@ -73,7 +94,9 @@ class Request:
                  arrival_time: float | None = None, priority: int = 0,
                  cache_salt: str | None = None, tenant: str | None = None,
                  length_hint: int | None = None,
-                 lora_request: LoRARequest | None = None) -> None:
+                 lora_request: LoRARequest | None = None, band: str = INTERACTIVE,
+                 slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None) -> None:
+        check_scheduling(band, slo_ttft_ms, slo_tpot_ms)
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -88,6 +111,12 @@ class Request:
         of max_tokens)."""
         self.lora_request = lora_request
         """The LoRA adapter it runs with; None: the base model."""
+        self.band = band
+        """interactive, or batch: the lowest band under every policy (BANDS)."""
+        self.slo_ttft_ms = slo_ttft_ms
+        """Its time-to-first-token target, from arrival (the `slo` policy orders by it)."""
+        self.slo_tpot_ms = slo_tpot_ms
+        """Its target time per output token after the first (the `slo` policy)."""
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
@@ -102,6 +131,11 @@ class Request:
         self.status = RequestStatus.WAITING
         self.error: str | None = None
         self.num_preemptions = 0
+        self.queued_s = 0.0
+        """Seconds it spent waiting (queued, not running) before it last started."""
+        self.queued_since: float | None = self.arrival_time
+        """When it last started waiting (arrival, or its preemption); None while it runs
+        (the scheduler keeps both: `waited`)."""
         self.resumed_step: int | None = None
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -115,6 +149,16 @@ class Request:
     def lora_int_id(self) -> int | None:
         """Its adapter's id, None for the base model."""
         return None if self.lora_request is None else self.lora_request.lora_int_id
+
+    def waited(self, now: float) -> float:
+        """Seconds it has spent waiting to run, up to `now` (time running not counted)."""
+        since = self.queued_since
+        return self.queued_s + (max(0.0, now - since) if since is not None else 0.0)
+
+    def start_running(self, now: float) -> None:
+        """It leaves the queue for a running slot (the scheduler calls this)."""
+        self.queued_s = self.waited(now)
+        self.queued_since = None
 
     @property
     def num_prompt_tokens(self) -> int:

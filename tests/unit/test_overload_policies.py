@@ -121,6 +121,10 @@ class _Item:
 
     def __init__(self, rid: str, priority: int, arrival: float) -> None:
         self.request_id, self.priority, self.arrival_time = rid, priority, arrival
+        self.band = "interactive"
+
+    def waited(self, now: float) -> float:
+        return max(0.0, now - self.arrival_time)  # it only ever waits
 
 
 def _simulate(order, observe, arrivals: list[_Item]) -> list[tuple[int, float]]:

@@ -6,7 +6,7 @@ benchmarks/, not subcommands.
 
 from __future__ import annotations
 
-from treadle.cli import bench_latency, bench_offline, bench_online
+from treadle.cli import bench_fairness, bench_latency, bench_offline, bench_online
 from treadle.cli.options import add_config_file_argument
 
 NO_CONFIG_FILE = ("compare", "scheduling", "lora")
@@ -24,7 +24,8 @@ def add_parser(sub) -> None:
                 bench_latency.add_latency,
                 bench_online.add_serve, bench_online.add_soak, bench_online.add_capacity,
                 bench_online.add_dashboard,
-                bench_offline.add_scheduling, bench_offline.add_lora, bench_offline.add_spec,
+                bench_offline.add_scheduling, bench_fairness.add_fairness,
+                bench_offline.add_lora, bench_offline.add_spec,
                 bench_offline.add_perplexity, bench_offline.add_quality,
                 bench_offline.add_kv):
         add(bench_sub)

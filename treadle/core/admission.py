@@ -8,11 +8,16 @@ with headroom: a watermark plus the growth the running requests and this one can
 expected to need soon, `kv_growth`, so that admitting it rarely forces preempting
 another; and within its tenant's share of the cache when tenants compete) and
 `plan_admission_victims` (the least urgent running requests whose memory and budget
-would make it fit, under `policy.choose_admission_victim`). Block arithmetic is the KV
-manager's (`KVCacheManager.num_new_blocks_needed`, `num_held_blocks`,
-`num_swapped_blocks`); this module only adds up what it answers. Every function takes
-the step's plan (core/step_plan.py) and the request; the order requests are offered in
-is the scheduler's.
+would make it fit, under `policy.choose_admission_victim`: batch requests for an
+interactive one under every policy, less urgent ones of its own band where the policy
+preempts at admission). A request at its preemption bound (`StepPlan.is_pinned`) is
+resumed only when the cache can hold it to its end beside the other pinned requests'
+remaining needs, which every admission leaves free (`pinned_reserve`), and is never a
+victim again: so no request is preempted more than `max_preemptions` times. Block
+arithmetic is the KV manager's (`KVCacheManager.num_new_blocks_needed`,
+`num_held_blocks`, `num_swapped_blocks`); this module only adds up what it answers.
+Every function takes the step's plan (core/step_plan.py) and the request; the order
+requests are offered in is the scheduler's (core/step_fill.py).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from treadle.core.kv.block_pool import KVBlock
 from treadle.core.kv.manager import KVCacheManager
 from treadle.core.preemption import preempt
 from treadle.core.step_plan import StepPlan
-from treadle.request import Request, RequestStatus
+from treadle.request import BATCH, Request, RequestStatus
 
 
 class Admission(enum.Enum):
@@ -70,8 +75,10 @@ class PrefixHit:
 
 
 def try_admit(plan: StepPlan, request: Request) -> Admission:
-    """Admit a waiting or swapped-out request if it fits, preempting less urgent
-    running requests for it when the policy allows and that makes it fit."""
+    """Admit a waiting or swapped-out request if it fits, preempting running requests for
+    it when that makes it fit: batch ones for an interactive request (under every
+    policy, at once), less urgent ones of its band where the policy preempts at
+    admission (unless a slot frees soon)."""
     swapped = request.status == RequestStatus.SWAPPED
     if not _adapter_fits(plan, request):
         return Admission.NO_FIT  # preempting for it would not free a slot for sure
@@ -82,9 +89,8 @@ def try_admit(plan: StepPlan, request: Request) -> Admission:
         blocks, num_hit_tokens = kv.get_computed_blocks(request)
         hit = PrefixHit(num_hit_tokens, blocks)
     outcome, num_tokens = fit(plan, request, hit)
-    if (outcome not in (Admission.ADMITTED, Admission.DEFERRED)
-            and plan.policy.preempts_at_admission and not _slot_frees_soon(plan)):
-        victims = plan_admission_victims(plan, request, hit)
+    if outcome not in (Admission.ADMITTED, Admission.DEFERRED):
+        victims = _admission_victims(plan, request, hit)
         if victims:
             for victim in victims:
                 preempt(plan, victim, f"for more urgent {request.request_id}")
@@ -104,6 +110,20 @@ def try_admit(plan: StepPlan, request: Request) -> Admission:
     return Admission.ADMITTED
 
 
+def _admission_victims(plan: StepPlan, request: Request, hit: "PrefixHit") -> list[Request]:
+    """Whom to preempt so that `request` fits: batch requests alone first (an interactive
+    request never waits for batch work, not even for a slot that frees soon), then, where
+    the policy preempts at admission and no slot frees soon, less urgent ones too."""
+    if not plan.config.admission_preemption:
+        return []
+    victims = []
+    if request.band != BATCH and any(r.band == BATCH for r in plan.running):
+        victims = plan_admission_victims(plan, request, hit, same_band=False)
+    if not victims and plan.policy.preempts_at_admission and not _slot_frees_soon(plan):
+        victims = plan_admission_victims(plan, request, hit)
+    return victims
+
+
 def _admit_waiting(plan: StepPlan, request: Request, num_tokens: int, hit: PrefixHit) -> None:
     allocated = plan.kv.allocate_slots(request, num_tokens, hit.blocks)
     assert allocated, "fit checked that the blocks are there"
@@ -114,6 +134,7 @@ def _admit_waiting(plan: StepPlan, request: Request, num_tokens: int, hit: Prefi
         _resume(plan, request)
     else:
         request.num_cached_tokens = hit.num_tokens
+        request.start_running(plan.now)
         request.status = RequestStatus.RUNNING
         request.first_scheduled_time = plan.now
         plan.policy.observe_wait(plan.now - request.arrival_time)
@@ -143,6 +164,7 @@ def _admit_swapped(plan: StepPlan, request: Request) -> None:
 def _resume(plan: StepPlan, request: Request) -> None:
     """A preempted request runs again, protected from admission preemption for
     `preemption_cooldown_steps` steps."""
+    request.start_running(plan.now)
     request.status = RequestStatus.RUNNING
     request.resumed_step = plan.step
     plan.protected_until[request.request_id] = plan.step + plan.config.preemption_cooldown_steps
@@ -171,10 +193,18 @@ def _adapter_fits(plan: StepPlan, request: Request) -> bool:
     return lora_id in in_use or len(in_use) < plan.max_loras
 
 
+def pinned_reserve(plan: StepPlan) -> int:
+    """Free blocks the running pinned requests may still need, to their last token: what
+    every admission leaves free, so that a pinned request never lacks a block."""
+    kv = plan.kv
+    return sum(kv_growth(kv, r, kv.num_allocated_slots(r.request_id), plan.max_model_len)
+               for r in plan.running if plan.is_pinned(r))
+
+
 def step_room(plan: StepPlan, request: Request | None = None) -> StepRoom:
     """What is left of the step for admitting `request`: slots, budget, and the KV
-    headroom (watermark + growth of the running requests) and tenant share it must
-    respect."""
+    headroom (watermark + growth of the running requests, the pinned ones' to their end)
+    and tenant share it must respect."""
     cfg = plan.config
     kv = plan.kv
     if plan.kv_reserve is None:
@@ -182,9 +212,10 @@ def step_room(plan: StepPlan, request: Request | None = None) -> StepRoom:
         if plan.running and (cfg.kv_watermark or cfg.admission_lookahead_tokens):
             reserve = int(cfg.kv_watermark * kv.num_blocks + 0.999999)
             for r in plan.running:
-                reserve += kv_growth(kv, r, kv.num_allocated_slots(r.request_id),
-                                     cfg.admission_lookahead_tokens)
-        plan.kv_reserve = reserve
+                if not plan.is_pinned(r):
+                    reserve += kv_growth(kv, r, kv.num_allocated_slots(r.request_id),
+                                         cfg.admission_lookahead_tokens)
+        plan.kv_reserve = reserve + pinned_reserve(plan)
     tenant_room = None
     if cfg.tenant_kv_share and request is not None:
         tenant_room = plan.tenant_room(request)
@@ -199,9 +230,11 @@ def fit(plan: StepPlan, request: Request, hit: PrefixHit) -> tuple[Admission, in
     room = step_room(plan, request)
     if room.full:
         return Admission.FULL, 0
+    pinned = plan.is_pinned(request)
+    lookahead = plan.max_model_len if pinned else room.lookahead_tokens
     if request.status == RequestStatus.SWAPPED:
         blocks = kv.num_swapped_blocks(request.request_id)
-        growth = kv_growth(kv, request, blocks * kv.block_size, room.lookahead_tokens)
+        growth = kv_growth(kv, request, blocks * kv.block_size, lookahead)
         if (blocks + growth + room.kv_reserve > kv.pool.num_free_blocks
                 or (room.tenant_room is not None and blocks > room.tenant_room)):
             return Admission.NO_FIT, 0
@@ -218,12 +251,14 @@ def fit(plan: StepPlan, request: Request, hit: PrefixHit) -> tuple[Admission, in
         return Admission.NO_FIT, 0
     if kv.eviction is not None and not _budget_fits(kv, request, hit.blocks, room):
         return Admission.NO_FIT, 0
-    if room.kv_reserve or room.lookahead_tokens or room.tenant_room is not None:
+    if room.kv_reserve or lookahead or room.tenant_room is not None:
         needed = kv.num_new_blocks_needed(request, hit.num_tokens, num_tokens)
+        if pinned:  # exact: hit blocks taken from the free queue leave it too
+            needed += kv.pool.num_reusable_from_free(hit.blocks)
         slots = (request.num_computed_tokens + hit.num_tokens + num_tokens)
-        growth = kv_growth(kv, request, kv.num_blocks_for(slots) * kv.block_size,
-                           room.lookahead_tokens)
-        if room.kv_reserve and needed + growth + room.kv_reserve > kv.pool.num_free_blocks:
+        growth = kv_growth(kv, request, kv.num_blocks_for(slots) * kv.block_size, lookahead)
+        if ((room.kv_reserve or pinned)
+                and needed + growth + room.kv_reserve > kv.pool.num_free_blocks):
             return Admission.NO_FIT, 0
         if room.tenant_room is not None and needed > room.tenant_room:
             return Admission.NO_FIT, 0
@@ -255,14 +290,22 @@ def kv_growth(kv: KVCacheManager, request: Request, num_slots: int, lookahead: i
     return max(0, kv.num_blocks_for(future) - num_slots // kv.block_size)
 
 
-def plan_admission_victims(plan: StepPlan, request: Request, hit: PrefixHit) -> list[Request]:
-    """Running requests to preempt so that `request` fits, least urgent first; empty when
-    the eligible ones (policy.choose_admission_victim: less urgent by the policy's
-    threshold, not protected) would not make room. A victim gives back its blocks and
-    the tokens already scheduled for it this step."""
+def plan_admission_victims(plan: StepPlan, request: Request, hit: PrefixHit,
+                           same_band: bool = True) -> list[Request]:
+    """Running requests to preempt so that `request` fits, lowest band and least urgent
+    first; empty when the eligible ones (policy.choose_admission_victim: of a lower band;
+    with `same_band`, of its own band and less urgent by the policy's threshold; not
+    protected, not pinned) would not make room. A victim gives back its blocks and the
+    tokens already scheduled for it this step. Batch victims ignore the anti-thrash
+    protection: batch work yields whenever interactive work needs its room."""
     kv = plan.kv
-    protected = {rid for rid, until in plan.protected_until.items() if until > plan.step}
-    protected |= plan.admitted
+    if same_band:
+        protected = {rid for rid, until in plan.protected_until.items() if until > plan.step}
+        protected |= plan.admitted
+        protected |= {r.request_id for r in plan.running if plan.is_pinned(r)}
+    else:  # batch victims only: none is pinned, and none is protected but this step's
+        protected = set(plan.admitted)
+    candidate_band = policy.band_rank(request)
     candidate_urgency = plan.urgency(request)
     running = [(r, plan.urgency(r)) for r in plan.idle_running()]
     threshold = plan.policy.admission_threshold
@@ -271,12 +314,12 @@ def plan_admission_victims(plan: StepPlan, request: Request, hit: PrefixHit) -> 
     swapped = request.status == RequestStatus.SWAPPED
     num_seqs = room.num_running
     budget = room.budget
-    free_blocks = kv.pool.num_free_blocks
+    free_blocks = kv.pool.num_free_blocks - pinned_reserve(plan)
     need_tokens = 0 if swapped else request.num_uncomputed_tokens - hit.num_tokens
     victims: list[Request] = []
     while True:
         victim = policy.choose_admission_victim(candidate_urgency, running, threshold,
-                                                protected)
+                                                protected, candidate_band, same_band)
         if victim is None:
             return []
         running = [(r, u) for r, u in running if r is not victim]

@@ -16,7 +16,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Container, Sequence
 
-from treadle.request import Request
+from treadle.request import BATCH, Request
 
 
 class PreemptionMode(str, enum.Enum):
@@ -120,7 +120,13 @@ def running_order(running: Sequence[Request],
     return sorted(running, key=lambda r: (not r.is_decoding, key(r)))
 
 
-# ----- what the policies share: tenants, remaining outputs, preemption at admission -----
+# ----- what the policies share: bands, tenants, remaining outputs, preemption at admission -----
+
+def band_rank(request: Request) -> int:
+    """0 for an interactive request, 1 for a batch one: the band comes before any policy's
+    urgency (batch work runs after every interactive request, under every policy)."""
+    return 1 if request.band == BATCH else 0
+
 
 DEFAULT_TENANT = "default"
 """The tenant of requests that name none."""
@@ -141,19 +147,32 @@ def remaining_outputs(request: Request) -> int:
 def choose_admission_victim(candidate_urgency: float,
                             running: Sequence[tuple[Request, float]],
                             threshold: float,
-                            protected: Container[str] = ()) -> Request | None:
+                            protected: Container[str] = (),
+                            candidate_band: int = 0,
+                            same_band: bool = True) -> Request | None:
     """The running request to preempt for a waiting one, or None.
 
-    Eligible: running requests at least `threshold` less urgent than the candidate
-    (`urgency(victim) - urgency(candidate) >= threshold`) and not protected (anti-thrash:
-    requests recently resumed or admitted by preemption). Of those, the least urgent;
-    ties go to the latest arrival.
+    Eligible: running requests of a lower band than the candidate's (a batch request for
+    an interactive one: `band_rank`), whatever their urgency; and, when `same_band` (the
+    policy preempts at admission), those of its own band at least `threshold` less urgent
+    (`urgency(victim) - urgency(candidate) >= threshold`); never a protected one
+    (anti-thrash: recently resumed or admitted by preemption; at its preemption bound).
+    Of those, the lowest band first, then the least urgent; ties go to the latest
+    arrival. A request never preempts one of a higher band.
     """
-    eligible = [(r, u) for r, u in running
-                if u - candidate_urgency >= threshold and r.request_id not in protected]
-    if not eligible:
+    def eligible(request: Request, urgency: float) -> bool:
+        if request.request_id in protected:
+            return False
+        band = band_rank(request)
+        if band != candidate_band:
+            return band > candidate_band
+        return same_band and urgency - candidate_urgency >= threshold
+
+    chosen = [(r, u) for r, u in running if eligible(r, u)]
+    if not chosen:
         return None
-    return max(eligible, key=lambda ru: (ru[1], ru[0].arrival_time, ru[0].request_id))[0]
+    return max(chosen, key=lambda ru: (band_rank(ru[0]), ru[1], ru[0].arrival_time,
+                                       ru[0].request_id))[0]
 
 
 def may_bypass(num_bypasses: int, max_bypasses: int) -> bool:

@@ -1,8 +1,9 @@
 """Preemption: which running request gives up its KV memory, how, and what that does to the step.
 
 Owns what happens when a running request needs a block and none is free (`make_room`):
-the victim (`choose_memory_victim`: the smallest loss by `policy.choose_victim`, with the
-anti-thrash cooldown, a tenant over its share first), the mode (`take_kv`: swap out or
+the victim (`choose_memory_victim`: a batch request before any interactive one, never
+one at its preemption bound while another will do, a tenant over its share first, then
+the smallest loss by `policy.choose_victim` with the anti-thrash cooldown), the mode (`take_kv`: swap out or
 free for recompute, by `policy.choose_preemption_mode` and the measured costs), and
 carrying it out on the step (`preempt`: the victim's tokens leave the plan, its KV is
 swapped out or freed, and it waits in the swapped set or at the front of the waiting
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 
 from treadle.core import policy
 from treadle.core.step_plan import StepPlan
-from treadle.request import Request, RequestStatus
+from treadle.request import BATCH, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -51,14 +52,32 @@ def choose_memory_victim(plan: StepPlan, request: Request) -> Request:
     even one already scheduled in this step (its tokens go back to the budget),
     otherwise the request that happens to come last would always preempt itself; but
     not one admitted in this step (it came first in the policy's order). `request`
-    itself when there is nobody else. With tenant KV shares, a tenant over its share
-    gives up memory before any other, its own request included."""
+    itself when there is nobody else. In this order of preference:
+    - batch requests before any interactive one; a batch request that needs a block
+      takes it from another batch request or gives up its own, never an interactive
+      request's;
+    - never a request at its preemption bound (`max_preemptions`) while another will
+      do (admission leaves room for such a request's whole remaining need, so this only
+      runs out when blocks are shared);
+    - with tenant KV shares, a tenant over its share before any other, its own request
+      included;
+    - the smallest loss (policy.choose_victim)."""
     candidates = [r for r in plan.idle_running()
                   if r is not request and r.request_id not in plan.admitted]
+    batch = [r for r in candidates if r.band == BATCH]
+    if batch:
+        candidates = batch
+    elif request.band == BATCH:
+        return request
+    unpinned = [r for r in candidates if not plan.is_pinned(r)]
+    if not unpinned and not plan.is_pinned(request):
+        return request
+    candidates = unpinned or candidates
     over_share = plan.over_share()
     if over_share:
         greedy = [r for r in candidates if policy.tenant_of(r) in over_share]
-        if policy.tenant_of(request) in over_share and not greedy:
+        if (policy.tenant_of(request) in over_share and not greedy
+                and not plan.is_pinned(request)):
             return request
         candidates = greedy or candidates
     if not candidates:
@@ -90,11 +109,13 @@ def preempt(plan: StepPlan, request: Request, reason: str = "for KV memory") -> 
     swapped out, or back at the front of the waiting queue with nothing computed."""
     plan.unschedule(request)
     plan.running.remove(request)
+    plan.kv_reserve = None  # one running request fewer to leave room for
     taken = take_kv(plan, request)
     rid = request.request_id
     plan.tables_changed.add(rid)
     request.spec_token_ids = []
     request.num_preemptions += 1
+    request.queued_since = plan.now  # it waits again (and ages again: policies/priority.py)
     stats = plan.stats
     stats.num_preemptions += 1
     if taken.mode == policy.PreemptionMode.SWAP:

@@ -1,7 +1,8 @@
 """The waiting queues: where requests wait to be admitted, and in which order they are offered.
 
-`FCFSQueue` keeps arrival order, and preempted requests go back to its front so they
-resume before new admissions. `PolicyQueue` holds its requests unordered and hands them
+`FCFSQueue` keeps arrival order per band (every interactive request before any batch
+one), and preempted requests go back to the front of their band so they resume before
+new admissions. `PolicyQueue` holds its requests unordered and hands them
 out sorted by a key the scheduler passes in (the policy's order key, from
 `treadle.core.policies`), because that order depends on the clock and, for the fair policy,
 on counters that change every step. Both offer the same small protocol: push_back,
@@ -13,44 +14,53 @@ themselves or touch KV memory.
 from __future__ import annotations
 
 from collections import deque
+from itertools import chain
 from typing import Any, Callable, Iterator
 
-from treadle.request import Request
+from treadle.request import BATCH, Request
 
 
 class FCFSQueue:
-    """First come, first served."""
+    """First come, first served, interactive requests before batch ones."""
 
     def __init__(self) -> None:
         self._queue: deque[Request] = deque()
+        self._batch: deque[Request] = deque()
+
+    def _band(self, request: Request) -> deque[Request]:
+        return self._batch if request.band == BATCH else self._queue
 
     def push_back(self, request: Request) -> None:
-        self._queue.append(request)
+        self._band(request).append(request)
 
     def push_front(self, request: Request) -> None:
-        self._queue.appendleft(request)
+        self._band(request).appendleft(request)
 
     def peek(self) -> Request:
-        return self._queue[0]
+        return self._queue[0] if self._queue else self._batch[0]
 
     def pop(self) -> Request:
-        return self._queue.popleft()
+        return self._queue.popleft() if self._queue else self._batch.popleft()
 
     def remove(self, request: Request) -> None:
-        self._queue.remove(request)
+        self._band(request).remove(request)
 
     def in_order(self, key: Callable[[Request], Any] | None = None) -> list[Request]:
         """The requests front first (the key is ignored: the queue's order is the order)."""
-        return list(self._queue)
+        return [*self._queue, *self._batch]
+
+    def in_band(self, band: int) -> list[Request]:
+        """The requests of one band (0 interactive, 1 batch), front first."""
+        return list(self._batch if band else self._queue)
 
     def __len__(self) -> int:
-        return len(self._queue)
+        return len(self._queue) + len(self._batch)
 
     def __bool__(self) -> bool:
-        return bool(self._queue)
+        return bool(self._queue) or bool(self._batch)
 
     def __iter__(self) -> Iterator[Request]:
-        return iter(self._queue)
+        return chain(self._queue, self._batch)
 
 
 class PolicyQueue:

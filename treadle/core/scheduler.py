@@ -17,13 +17,21 @@ remaining budget; under `finish_prompts_first`, a step that already finishes a p
 takes no partial chunk of another (it would delay that first token and cannot finish its
 own prompt anyway), and the last chunk of a prompt split across steps takes no other
 prefill at all. A request that does not fit in KV memory does not block smaller ones
-behind it, up to `max_head_bypasses` times; then it gets the next opening.
+behind it, up to `max_head_bypasses` times; then it gets the next opening; a preempted
+request is never passed (it keeps its place). A running prompt too long for one step
+leaves room for short prompts waiting behind it. Batch requests (`Request.band`) come
+after every interactive one under every policy, are preempted first, and take no
+tokens in a step that prefills an interactive request.
 
 When a running request needs a block and none is free, the victim of smallest loss
 (`policy.choose_victim`) is preempted, by recompute (blocks freed, recomputed on resume)
 or by swap (blocks copied to the swap pool), whichever `policy.choose_preemption_mode`
-picks. After the step, `update_from_output` appends sampled tokens, finishes requests and
-frees their blocks, so waiting requests join the very next step.
+picks. A request preempted `max_preemptions` times is resumed only with room to its end
+and never preempted again. After the step, `update_from_output` appends sampled tokens,
+finishes requests and frees their blocks, so waiting requests join the very next step;
+`observe_step_time` feeds the measured step cost model (core/step_cost.py) that the `slo`
+policy predicts deadlines with, and a policy's refusals (`slo_reject`) come back through
+`take_ended_outputs`.
 
 A decoding request may carry proposed tokens (`Request.spec_token_ids`, speculative
 decoding): they are scheduled with its last token within the budget, as many as the
@@ -41,9 +49,9 @@ it does not fit, exactly like a request too large for free memory (smaller ones 
 at most `max_head_bypasses` times, then nothing behind it starts until its adapter fits).
 
 The scheduler owns the requests between steps (arrival, end, each step's results), the
-running/waiting/swapped sets, the clock it passes to the policy, and the order in which
-requests are offered to a step. Each step is a `StepPlan` (core/step_plan.py) that
-`schedule()` makes and drops: admission (core/admission.py) and preemption
+running/waiting/swapped sets and the clock it passes to the policy. Each step is a
+`StepPlan` (core/step_plan.py) that `schedule()` makes and drops: the order it is filled
+in (core/step_fill.py), admission (core/admission.py) and preemption
 (core/preemption.py) work on it, and the step message is built from it beside the
 message types (core/step_message.py: only what changed since the workers last saw each
 request). The policy's answers come from its class (core/policies/), the fair policy's
@@ -56,11 +64,10 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable
 
 from treadle.config import CacheConfig, SchedulerConfig, SpeculativeConfig, parse_tenant_weights
 from treadle.core import policy
-from treadle.core.admission import Admission, try_admit
 from treadle.core.fair_share import FairShareLedger
 from treadle.core.kv.manager import KVCacheManager
 from treadle.core.kv.eviction import EvictionBudget
@@ -69,17 +76,13 @@ from treadle.core.kv.sliding import SlidingWindowGroup
 from treadle.core.outputs import (EngineCoreOutput, ModelRunnerOutput, PromptLogprobs,
                                   ScheduledRequest, SchedulerOutput)
 from treadle.core.policies import make_policy
-from treadle.core.preemption import make_room
 from treadle.core.spec_controller import SpecDecodeController
 from treadle.core.spec_decode import SpecCosts
+from treadle.core.step_cost import StepCostModel
+from treadle.core.step_fill import fill_step
 from treadle.core.step_message import StepMessages
 from treadle.core.step_plan import StepPlan
 from treadle.request import FinishReason, Request, RequestStatus
-
-MAX_NO_FIT_PER_STEP = 32
-"""Waiting requests that do not fit a step looks at before it stops trying (bounds the
-work of a step when memory is full and the queue is long)."""
-
 
 @dataclass
 class SchedulerStats:
@@ -137,7 +140,13 @@ class Scheduler:
                                  cache_config.contiguous_blocks)
         self.preemption_costs = preemption_costs
         self.fair_share = FairShareLedger(parse_tenant_weights(scheduler_config.tenant_weights))
+        self.step_costs = StepCostModel(prior_tokens=scheduler_config.max_num_batched_tokens)
+        """Measured step costs (core/step_cost.py), fed by `observe_step_time`."""
         self.policy = make_policy(scheduler_config, self.fair_share)
+        self.policy.step_costs = self.step_costs
+        self._ended: list[EngineCoreOutput] = []
+        """Outputs of requests the scheduler ended itself (a policy's refusals), for the
+        caller (`take_ended_outputs`)."""
         self._clock = clock
         self.waiting = self.policy.make_queue()
         self.waiting_for_kv: dict[str, Request] = {}
@@ -155,7 +164,8 @@ class Scheduler:
         """Anti-thrash: step until which a request is not preempted for an admission."""
         self.chunked_prompts: set[str] = set()
         """Requests whose prompt has been split across steps and is not finished yet."""
-        self._num_bypasses: dict[str, int] = {}
+        self.num_bypasses: dict[str, int] = {}
+        """Times each waiting request that did not fit was passed (head-of-line bypass)."""
         self._free_after_step: dict[str, Request] = {}
         """Requests that ended while in flight: their blocks are freed when the step
         returns (the workers may still be writing them)."""
@@ -244,7 +254,7 @@ class Scheduler:
             self.kv.free(request)
             self.kv.forget(request)
         del self.requests[rid]
-        self._num_bypasses.pop(rid, None)
+        self.num_bypasses.pop(rid, None)
         self.protected_until.pop(rid, None)
         self.chunked_prompts.discard(rid)
         if self.spec is not None:
@@ -295,18 +305,31 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan the next step and return its message."""
         now = self._clock()
-        self.policy.prepare_step(self.requests.values())
+        self.policy.prepare_step(self.requests.values(), now)
+        for request, error in self.policy.take_refusals():
+            if self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR,
+                                   error) is not None:
+                self._ended.append(EngineCoreOutput(request.request_id, [],
+                                                    FinishReason.ERROR, error))
         plan = StepPlan(self, now)
-        if self.policy.orders_by_urgency:
-            self._schedule_by_urgency(plan)
-        else:
-            self._schedule_fcfs(plan)
+        fill_step(plan)
         plan.plan_proposals()
         output = self.messages.build(plan, self.running)
         self.in_flight.update(s.request_id for s in output.scheduled)
         if output.scheduled:
             self._count_step(plan, len(output.scheduled))
         return output
+
+    def take_ended_outputs(self) -> list[EngineCoreOutput]:
+        """Outputs of the requests the scheduler ended on its own since the last call (a
+        policy's refusals: `slo_reject`); the caller delivers them. Taken once."""
+        ended, self._ended = self._ended, []
+        return ended
+
+    def observe_step_time(self, output: SchedulerOutput, seconds: float) -> None:
+        """The step of `output` took `seconds` (wall time, or the simulator's): the step
+        cost model learns from it (what the `slo` policy predicts with)."""
+        self.step_costs.observe(output.num_scheduled_tokens, seconds)
 
     def _count_step(self, plan: StepPlan, num_scheduled: int) -> None:
         stats = self.stats
@@ -322,132 +345,6 @@ class Scheduler:
             used += request.num_kv_tokens + get(rid, 0)
         stats.allocated_slots += allocated
         stats.used_slots += used
-
-    def _schedule_fcfs(self, plan: StepPlan) -> None:
-        # 1. Running requests, decodes first. Each may preempt others to get a block.
-        for request in policy.running_order(plan.idle_running()):
-            self._schedule_running(plan, request)
-        # 2. Swapped-out requests come back in, oldest first, before anything new.
-        if plan.preempted:
-            return  # a step that had to preempt admits nothing
-        while self.swapped:
-            if self._try_admit(plan, self.swapped[0]) is not Admission.ADMITTED:
-                return
-        # 3. Waiting requests in queue order.
-        self._admit_in_order(plan, self.waiting.in_order())
-
-    def _schedule_by_urgency(self, plan: StepPlan) -> None:
-        now = plan.now
-        order_key = self.policy.order_key
-        # 1. Decodes: one token each (plus any proposed tokens), most urgent first.
-        for request in policy.running_order(plan.idle_running(), lambda r: order_key(r, now)):
-            if request.is_decoding:
-                self._schedule_running(plan, request)
-        # 2. Everything else that wants tokens, in one order: running prefill chunks,
-        #    swapped-out and waiting requests, most urgent first.
-        preempted = {r.request_id for r in plan.preempted}
-        items = [r for r in plan.idle_running() if r.request_id not in plan.num_new]
-        items += [r for r in self.swapped if r.request_id not in preempted]
-        items += [r for r in self.waiting if r.request_id not in preempted]
-        self._admit_in_order(plan, self.policy.order(items, now))
-
-    def _admit_in_order(self, plan: StepPlan, items: Iterable[Request]) -> None:
-        """Admit waiting and swapped requests in the given order (running ones in it get
-        their prefill chunk). One that does not fit in memory is passed over, and counts
-        a bypass for each admission behind it, until it has been passed
-        `max_head_bypasses` times: then nothing behind it is admitted."""
-        head: Request | None = None
-        admitting = True
-        num_no_fit = 0
-        urgent: Request | None = None
-        max_bypasses = self.config.max_head_bypasses
-        for request in items:
-            if urgent is not None and self._defers_to(plan, request, urgent):
-                continue
-            rid = request.request_id
-            if request.status == RequestStatus.RUNNING:
-                if rid not in plan.num_new:
-                    self._schedule_running(plan, request)
-                    if urgent is None and rid in plan.num_new:
-                        urgent = self._isolate(plan, request)
-                continue
-            if not admitting or rid in plan.admitted or request in plan.preempted:
-                continue  # never re-admit in the step that preempted it
-            if plan.memory_victims and not self._outranks_memory_victims(plan, request):
-                continue
-            outcome = self._try_admit(plan, request)
-            if outcome is Admission.ADMITTED:
-                urgent = urgent or self._isolate(plan, request)
-                if head is not None:
-                    num_bypasses = self._num_bypasses.get(head.request_id, 0) + 1
-                    self._num_bypasses[head.request_id] = num_bypasses
-                    self.stats.num_head_bypasses += 1
-                    admitting = policy.may_bypass(num_bypasses, max_bypasses)
-                continue
-            if outcome is Admission.DEFERRED:
-                admitting = False
-                continue
-            num_no_fit += 1
-            if outcome is Admission.FULL or num_no_fit >= MAX_NO_FIT_PER_STEP:
-                admitting = False
-            elif head is None:
-                head = request
-                admitting = policy.may_bypass(self._num_bypasses.get(rid, 0), max_bypasses)
-
-    def _try_admit(self, plan: StepPlan, request: Request) -> Admission:
-        outcome = try_admit(plan, request)
-        if outcome is Admission.ADMITTED:
-            self._num_bypasses.pop(request.request_id, None)
-        return outcome
-
-    def _schedule_running(self, plan: StepPlan, request: Request) -> None:
-        """Give a running request its tokens, preempting others if its blocks run short."""
-        budget = plan.budget
-        if request.status is not RequestStatus.RUNNING or budget == 0:
-            return
-        num_uncomputed = request.num_uncomputed_tokens
-        num_tokens = min(num_uncomputed, budget)
-        eviction = self.kv.eviction
-        if eviction is not None:
-            num_tokens = min(num_tokens, eviction.max_step_tokens)
-        spec = plan.spec_tokens_for(request) if request.spec_token_ids else []
-        num_tokens += len(spec)
-        if plan.holds_back(request, num_tokens < num_uncomputed):
-            return
-        if eviction is not None:
-            plan.compact(request, num_tokens)
-        if make_room(plan, request, num_tokens):
-            plan.schedule_tokens(request, num_tokens, spec)
-
-    def _isolate(self, plan: StepPlan, urgent: Request) -> Request:
-        """`urgent` is the first request given prefill tokens in this step (in urgency
-        order): the decodes already scheduled that defer to it wait for the next step."""
-        for request in self.running:
-            if (request is not urgent and request.request_id in plan.num_new
-                    and request.is_decoding and self._defers_to(plan, request, urgent)):
-                plan.unschedule(request)
-        return urgent
-
-    def _defers_to(self, plan: StepPlan, request: Request, urgent: Request) -> bool:
-        """Whether `request` gets no tokens in a step that prefills `urgent`: under the
-        priority policy with `isolate_urgent_prefill`, when it is of a less urgent
-        priority class and less urgent by the admission threshold. The urgent request's
-        first token then waits for its own chunk only, not for the background's decodes
-        and chunks as well; they run in the next step (its blocks stay allocated)."""
-        if not self.policy.isolates_urgent_prefill:
-            return False
-        return (request.priority > urgent.priority
-                and plan.urgency(request) - plan.urgency(urgent)
-                >= self.policy.admission_threshold)
-
-    def _outranks_memory_victims(self, plan: StepPlan, request: Request) -> bool:
-        """In a step that had to preempt for memory, only a request more urgent than every
-        victim by the threshold is admitted (never the victims themselves)."""
-        if not self.policy.orders_by_urgency:
-            return False
-        u = plan.urgency(request)
-        return all(plan.urgency(v) - u >= self.policy.admission_threshold
-                   for v in plan.memory_victims)
 
     # ----- a step's results ------------------------------------------------------------------
 

@@ -29,7 +29,11 @@ from treadle.core.outputs import KVCompaction
 from treadle.core.policies import SchedulingPolicy
 from treadle.core.request_queue import FCFSQueue, PolicyQueue
 from treadle.core.spec_controller import SpecDecodeController
-from treadle.request import Request
+from treadle.request import BATCH, Request
+
+
+MAX_SHORT_SCAN = 64
+"""Waiting requests a long prompt's chunk looks at for short prompts to leave room for."""
 
 
 class StepPlan:
@@ -49,6 +53,7 @@ class StepPlan:
         self.waiting: FCFSQueue | PolicyQueue = scheduler.waiting
         self.protected_until: dict[str, int] = scheduler.protected_until
         self.chunked_prompts: set[str] = scheduler.chunked_prompts
+        self.num_bypasses: dict[str, int] = scheduler.num_bypasses
         self.preemption_costs: policy.PreemptionCosts | None = scheduler.preemption_costs
         self.max_loras: int = scheduler.max_loras
         self.max_model_len: int = scheduler.max_model_len
@@ -92,6 +97,9 @@ class StepPlan:
         """Some request's last prompt tokens are in the step."""
         self.finishes_chunked_prompt = False
         """... and they end a prompt split across earlier steps."""
+        self.interactive_held = False
+        """An interactive waiting request did not get in this step: no batch request is
+        admitted behind it (the room it waits for is not batch work's)."""
 
     def idle_running(self) -> list[Request]:
         """Running requests not in a step in flight: the ones this step may touch."""
@@ -101,6 +109,12 @@ class StepPlan:
 
     def urgency(self, request: Request) -> float:
         return self.policy.urgency(request, self.now)
+
+    def is_pinned(self, request: Request) -> bool:
+        """Whether the request is at its preemption bound (`max_preemptions`; batch
+        requests have none): it is never preempted again, so it is admitted only with
+        room to its end (core/admission.py, `pinned_reserve`)."""
+        return request.band != BATCH and request.num_preemptions >= self.config.max_preemptions
 
     # ----- the budget ---------------------------------------------------------------------
 
@@ -151,6 +165,30 @@ class StepPlan:
         if not self.config.finish_prompts_first or request.is_decoding:
             return False
         return self.finishes_chunked_prompt or (self.finishes_prompt and partial)
+
+    def short_prompt_room(self, request: Request, num_tokens: int) -> int:
+        """Tokens a running prompt that cannot finish in this step takes of the
+        `num_tokens` it could: it leaves room (at most half) for the short prompts
+        waiting behind it that are not less urgent by the policy's threshold, each at
+        most half a step's budget (the first MAX_SHORT_SCAN of the queue are looked at).
+        A long prompt then costs a small request behind it a step or two, not the whole
+        prompt's prefill (SGLang #22831: 9.5x longer p99 waits behind one oversized
+        prompt); the long prompt is slowed by the short ones' tokens only."""
+        half = self.config.max_num_batched_tokens // 2
+        band = policy.band_rank(request)
+        ordered = self.policy.orders_by_urgency
+        u = self.urgency(request) if ordered else 0.0
+        threshold = self.policy.admission_threshold
+        reserve = 0
+        for i, waiting in enumerate(self.waiting):
+            if i >= MAX_SHORT_SCAN or reserve >= half:
+                break
+            n = waiting.num_uncomputed_tokens
+            if (n > half or policy.band_rank(waiting) > band
+                    or (ordered and self.urgency(waiting) - u >= threshold)):
+                continue
+            reserve += n
+        return num_tokens - min(reserve, half, num_tokens // 2)
 
     def may_chunk(self, request: Request) -> bool:
         """Whether this request's uncomputed tokens may be split across steps.
@@ -213,15 +251,21 @@ class StepPlan:
 
     def tenant_room(self, request: Request) -> int | None:
         """Blocks the request's tenant may still take, or None when no other tenant
-        wants memory (its share is lent: it may take everything)."""
+        wants memory (its share is lent: it may take everything) or when the tenant holds
+        no block: a tenant always gets to run one request, or a request larger than its
+        share could never run while others compete (its room beyond the share is what
+        memory victims take back first, preemption.choose_memory_victim)."""
         tenant = policy.tenant_of(request)
         active = self._active_tenants() | {tenant}
         if len(active) < 2:
             return None
+        held = self._tenant_blocks().get(tenant, 0)
+        if not held:
+            return None
         weight = self.fair_share.weight
         share = tenant_share_blocks(self.kv.num_blocks, weight(tenant),
                                     sum(weight(t) for t in active))
-        return share - self._tenant_blocks().get(tenant, 0)
+        return share - held
 
     def over_share(self) -> set[str]:
         """Tenants holding more than their share of the blocks while others compete."""

@@ -58,13 +58,15 @@ class EngineReplica:
 
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams, priority: int = 0, tenant: str | None = None,
-                       lora_request: LoRARequest | None = None):
+                       lora_request: LoRARequest | None = None, **scheduling):
         """The request's outputs; the prompt's ids only in the first one (the front end
-        has them: a long prompt is not pickled again at every step)."""
+        has them: a long prompt is not pickled again at every step). `scheduling`: band,
+        slo_ttft_ms, slo_tpot_ms (AsyncEngine.generate's)."""
         first = True
         try:
             async for output in self.engine.generate(request_id, prompt, prompt_token_ids,
-                                                     params, priority, tenant, lora_request):
+                                                     params, priority, tenant, lora_request,
+                                                     **scheduling):
                 yield output if first else dataclasses.replace(output, prompt_token_ids=None)
                 first = False
         finally:
@@ -77,7 +79,7 @@ class EngineReplica:
 
     async def prefill(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                       params: SamplingParams, priority: int = 0, tenant: str | None = None,
-                      lora_request: LoRARequest | None = None):
+                      lora_request: LoRARequest | None = None, **scheduling):
         """Prefill role: the prompt and its first token here (the request's own sampling
         parameters, one token); its prompt KV held for `export_kv` until `release`. Waits
         while `max_held` requests' KV are already held (decode engines full)."""
@@ -89,7 +91,7 @@ class EngineReplica:
         last = None
         try:
             async for output in engine.generate(request_id, prompt, prompt_token_ids, one,
-                                                priority, tenant, lora_request):
+                                                priority, tenant, lora_request, **scheduling):
                 last = output
         except BaseException:
             engine.release_slot(request_id)
@@ -113,7 +115,8 @@ class EngineReplica:
     async def generate_prefilled(self, request_id: str, prompt: str | None,
                                  prompt_token_ids: list[int], params: SamplingParams,
                                  priority: int, tenant: str | None,
-                                 lora_request: LoRARequest | None, first, prefill: list):
+                                 lora_request: LoRARequest | None, first, prefill: list,
+                                 **scheduling):
         """Decode role: the outputs after the first token of a request prefilled by the
         actor `prefill[0]` (in a list: a handle, not a call). The request waits here in
         WAITING_FOR_REMOTE_KV while the blocks this engine lacks come over."""
@@ -139,7 +142,7 @@ class EngineReplica:
         try:
             async for output in engine.generate_prefilled(
                     request_id, prompt, prompt_token_ids, params, priority, tenant,
-                    lora_request, first, fetch_kv):
+                    lora_request, first, fetch_kv, **scheduling):
                 yield dataclasses.replace(output, prompt_token_ids=None)
         finally:
             self._exit_if_dead()

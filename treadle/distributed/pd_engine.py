@@ -95,7 +95,7 @@ class PDEngine(AsyncEngine):
 
     async def generate_prefilled(self, request_id: str, prompt, prompt_token_ids, params,
                                  priority, tenant, lora_request, first: RequestOutput,
-                                 fetch_kv):
+                                 fetch_kv, **scheduling):
         """The outputs after the first token (which `first` holds) of a request prefilled
         elsewhere; `fetch_kv()` (awaited once the request is in) brings its KVPayload."""
         loop = asyncio.get_running_loop()
@@ -104,7 +104,7 @@ class PDEngine(AsyncEngine):
         stream.last_token_time = time.monotonic()
         self._streams[request_id] = stream
         added = self.call(self._add_prefilled, request_id, prompt, prompt_token_ids, params,
-                          priority, tenant, lora_request, first, stream.arrival)
+                          priority, tenant, lora_request, first, stream.arrival, scheduling)
         finished = False
         try:
             rejected = await asyncio.wrap_future(added)
@@ -132,11 +132,13 @@ class PDEngine(AsyncEngine):
                 self._send(("abort", request_id))
 
     def _add_prefilled(self, request_id, prompt, prompt_token_ids, params, priority, tenant,
-                       lora_request, first: RequestOutput, arrival: float):
-        """Engine thread: the request with its first token, waiting for its KV."""
+                       lora_request, first: RequestOutput, arrival: float,
+                       scheduling: dict | None = None):
+        """Engine thread: the request with its first token, waiting for its KV
+        (`scheduling`: band, slo_ttft_ms, slo_tpot_ms)."""
         processor = self.driver.processor
         processor.add_request(request_id, prompt, prompt_token_ids, params, arrival,
-                              priority, tenant, lora_request=lora_request)
+                              priority, tenant, lora_request=lora_request, **(scheduling or {}))
         [request] = processor.engine_requests(request_id)
         request.eos_token_id = self.core.eos_token_id
         error = self.core.admission_error(request)

@@ -209,9 +209,11 @@ class ReplicaSet:
 
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams, priority: int = 0, tenant: str | None = None,
-                       lora_request: LoRARequest | None = None):
+                       lora_request: LoRARequest | None = None, **scheduling):
         """The request's outputs from the replica the router picks; leaving early aborts
-        it there. A replica that dies mid-request ends it with EngineFailedError."""
+        it there. A replica that dies mid-request ends it with EngineFailedError.
+        `scheduling`: band, slo_ttft_ms, slo_tpot_ms (AsyncEngine.generate's), to the
+        replica."""
         if not self.is_alive:
             raise EngineDeadError("no engine replica is running")
         if params.structured_outputs is not None and not self.supports_structured_outputs:
@@ -219,7 +221,8 @@ class ReplicaSet:
         if self.replica_config.disaggregated:
             if _pd_applies(params):
                 async for output in self._generate_pd(request_id, prompt, prompt_token_ids,
-                                                      params, priority, tenant, lora_request):
+                                                      params, priority, tenant, lora_request,
+                                                      scheduling):
                     yield output
                 return
             group = "decode"  # what P/D does not carry runs whole on a decode replica
@@ -228,7 +231,7 @@ class ReplicaSet:
         replica = self._route(prompt_token_ids, tenant, lora_request, group)
         self._where[request_id] = replica
         stream = replica.actor.generate.remote(request_id, prompt, prompt_token_ids, params,
-                                               priority, tenant, lora_request)
+                                               priority, tenant, lora_request, **scheduling)
         try:
             async for output in self._stream(replica, request_id, prompt_token_ids, stream):
                 yield output
@@ -236,7 +239,7 @@ class ReplicaSet:
             self._where.pop(request_id, None)
 
     async def _generate_pd(self, request_id, prompt, prompt_token_ids, params, priority,
-                           tenant, lora_request):
+                           tenant, lora_request, scheduling: dict):
         """Prefill (and the first token) on a prefill replica, the rest on a decode
         replica that takes the prompt's KV blocks it lacks from the prefill replica."""
         prefill = self._route(prompt_token_ids, tenant, lora_request, "prefill")
@@ -245,7 +248,8 @@ class ReplicaSet:
         try:
             try:
                 first, _ = await prefill.actor.prefill.remote(
-                    request_id, prompt, prompt_token_ids, params, priority, tenant, lora_request)
+                    request_id, prompt, prompt_token_ids, params, priority, tenant, lora_request,
+                    **scheduling)
                 prefilling = False
             except RayActorError as exc:
                 self._replica_died(prefill, exc)
@@ -264,7 +268,7 @@ class ReplicaSet:
             self._where[request_id] = decode
             stream = decode.actor.generate_prefilled.remote(
                 request_id, prompt, prompt_token_ids, params, priority, tenant, lora_request,
-                first, [prefill.actor])
+                first, [prefill.actor], **scheduling)
             async for output in self._stream(decode, request_id, prompt_token_ids, stream):
                 yield output
         finally:

@@ -51,6 +51,7 @@ from treadle.engine.watchdog import core_watchdog
 from treadle.lora import AdapterSpec, LoRARequest
 from treadle.metrics import EngineMetrics
 from treadle.metrics_vllm import cache_config_labels, lora_adapters
+from treadle.request import INTERACTIVE, check_scheduling
 from treadle.models.resolve import served_model_name as resolved_name
 from treadle.sampling_params import SamplingParams
 
@@ -204,9 +205,15 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams, priority: int = 0,
                        tenant: str | None = None,
-                       lora_request: LoRARequest | None = None
+                       lora_request: LoRARequest | None = None, band: str = INTERACTIVE,
+                       slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Yield the request's up-to-date output after every step that changed it.
+
+        `band`: interactive (default) or batch (the lowest band under every policy: idle
+        capacity only, preempted first); `slo_ttft_ms` / `slo_tpot_ms`: its deadlines,
+        which the `slo` policy orders by (treadle/request.py). A bad value is a
+        ValueError naming it, before anything is queued.
 
         Leaving the iteration early (the client went away) aborts the request: it is
         gone from the engine, its blocks freed, before the next step.
@@ -215,11 +222,12 @@ class AsyncEngine:
             raise EngineDeadError("the engine loop is not running")
         if params.structured_outputs is not None and not self.supports_structured_outputs:
             raise ValueError(STRUCTURED_UNSUPPORTED)
+        check_scheduling(band, slo_ttft_ms, slo_tpot_ms)
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), time.monotonic(), len(prompt_token_ids))
         self._streams[request_id] = stream
         self._send(("add", request_id, prompt, prompt_token_ids, params, priority, tenant,
-                    stream.arrival, lora_request))
+                    stream.arrival, lora_request, band, slo_ttft_ms, slo_tpot_ms))
         finished = False
         try:
             while True:
@@ -311,13 +319,15 @@ class AsyncEngine:
 
     def _add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
              params: SamplingParams, priority: int, tenant: str | None, arrival: float,
-             lora_request: LoRARequest | None) -> None:
+             lora_request: LoRARequest | None, band: str = INTERACTIVE,
+             slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None) -> None:
         stream = self._streams.get(request_id)
         if stream is None:  # aborted before it arrived
             return
         stream.priority, stream.tenant = priority, tenant
         rejected = self.driver.add(request_id, prompt, prompt_token_ids, params, arrival,
-                                   priority, tenant, lora_request=lora_request)
+                                   priority, tenant, lora_request=lora_request, band=band,
+                                   slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
         if rejected is not None:
             self._deliver(request_id, rejected)
 

@@ -283,11 +283,16 @@ class EngineCore:
             self._in_flight.append((scheduler_output, step, t_start))
             if not scheduler_output.scheduled:
                 break
+        ended = self.scheduler.take_ended_outputs()  # a policy's refusals (slo_reject)
+        if ended and self.trace:
+            for output in ended:
+                self.trace.record_end(output.request_id, FinishReason.ERROR.value)
         if not self._in_flight:
-            return []
+            return ended
         scheduler_output, step, t_start = self._in_flight.popleft()
         runner_output = self.executor.receive()
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = ended + self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.scheduler.observe_step_time(scheduler_output, time.monotonic() - t_start)
         self._add_timings(runner_output.timings, scheduler_output)
         if self.trace and (scheduler_output.scheduled
                                        or scheduler_output.preempted_request_ids):

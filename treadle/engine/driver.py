@@ -17,6 +17,7 @@ from treadle.engine.core import EngineCore
 from treadle.engine.output_processor import OutputProcessor, RequestOutput
 from treadle.engine.token_words import TokenWords
 from treadle.lora import LoRARequest
+from treadle.request import INTERACTIVE
 from treadle.sampling_params import SamplingParams
 
 
@@ -33,9 +34,13 @@ class EngineDriver:
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
             params: SamplingParams, arrival_time: float, priority: int = 0,
             tenant: str | None = None, length_hint: int | None = None,
-            lora_request: LoRARequest | None = None) -> RequestOutput | None:
+            lora_request: LoRARequest | None = None, band: str = INTERACTIVE,
+            slo_ttft_ms: float | None = None,
+            slo_tpot_ms: float | None = None) -> RequestOutput | None:
         """Add a user request; its final output at once when the core refuses it (the
-        request can never run), else None."""
+        request can never run), else None. `band`: interactive, or batch (the lowest
+        band under every policy); `slo_ttft_ms` / `slo_tpot_ms`: its deadlines (the
+        `slo` policy's); treadle/request.py."""
         error = None
         try:
             params = self.words.resolve(params)
@@ -44,7 +49,8 @@ class EngineDriver:
         if params.truncate_prompt_tokens is not None:
             prompt_token_ids = prompt_token_ids[-params.truncate_prompt_tokens:]
         self.processor.add_request(request_id, prompt, prompt_token_ids, params,
-                                   arrival_time, priority, tenant, length_hint, lora_request)
+                                   arrival_time, priority, tenant, length_hint, lora_request,
+                                   band, slo_ttft_ms, slo_tpot_ms)
         if error is not None:
             return self.abort(request_id, error=error)
         rejected = self._add_ready(request_id)

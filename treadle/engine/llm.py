@@ -27,6 +27,7 @@ from treadle.engine.output_processor import (CompletionOutput, Logprob, RequestM
 from treadle.engine.watchdog import core_watchdog
 from treadle.lora import LoRARequest
 from treadle.models.tokenizer import load_tokenizer
+from treadle.request import INTERACTIVE, check_scheduling
 from treadle.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput",
@@ -121,14 +122,23 @@ class LLM:
                  use_tqdm: bool = True, priority: int | Sequence[int] = 0,
                  tenant: str | None | Sequence[str | None] = None,
                  length_hint: int | None | Sequence[int | None] = None,
-                 lora_request: LoRARequest | None | Sequence[LoRARequest | None] = None
+                 lora_request: LoRARequest | None | Sequence[LoRARequest | None] = None,
+                 band: str | Sequence[str] = INTERACTIVE,
+                 slo_ttft_ms: float | None | Sequence[float | None] = None,
+                 slo_tpot_ms: float | None | Sequence[float | None] = None
                  ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
         `priority` (lower runs first), `tenant` (the `fair` policy's share),
-        `length_hint` (expected output tokens, for `srpt`) and `lora_request` (the
-        adapter to run with, None for the base model; needs `enable_lora=True`) are one
-        value for every prompt or one per prompt. A prompt that can never run (empty, too
+        `length_hint` (expected output tokens, for `srpt`), `lora_request` (the
+        adapter to run with, None for the base model; needs `enable_lora=True`), `band`
+        ("interactive", or "batch": after every interactive request under every policy)
+        and the deadlines `slo_ttft_ms` / `slo_tpot_ms` (time to first token from the
+        call, time per output token after it; the `slo` policy orders by them) are one
+        value for every prompt or one per prompt. They are arguments here, as vLLM's
+        `priority` is, not SamplingParams fields: they say when a request runs, not what
+        it generates (the workers never see them). A bad value is a ValueError naming
+        it, before anything runs. A prompt that can never run (empty, too
         long for the context or the KV cache, token ids that are not integers in the
         vocabulary, text that cannot be tokenized, not a prompt at all, an adapter that
         does not fit the model) gets an output with finish_reason 'error' and the reason
@@ -153,15 +163,19 @@ class LLM:
                               _per_prompt(tenant, count, "tenant"),
                               _per_prompt(length_hint, count, "length_hint"),
                               _per_prompt(lora_request, count, "lora_request")))
-        for _, _, _, lora in scheduling:
+        deadlines = list(zip(_per_prompt(band, count, "band"),
+                             _per_prompt(slo_ttft_ms, count, "slo_ttft_ms"),
+                             _per_prompt(slo_tpot_ms, count, "slo_tpot_ms")))
+        for (_, _, _, lora), attributes in zip(scheduling, deadlines):
             if lora is not None and not isinstance(lora, LoRARequest):
                 raise ValueError(f"lora_request must be a LoRARequest or None, got {lora!r}")
+            check_scheduling(*attributes)
         # Tokenize everything first; a prompt that cannot be tokenized fails alone.
         tokenized = [self._tokenized_or_error(prompt) for prompt in prompts]
         results: dict[str, RequestOutput] = {}
         order = []
-        for prompt, params, (priority, tenant, hint, lora) in zip(
-                tokenized, sampling_params, scheduling):
+        for prompt, params, (priority, tenant, hint, lora), (band, ttft, tpot) in zip(
+                tokenized, sampling_params, scheduling, deadlines):
             request_id = str(next(self._request_counter))
             order.append(request_id)
             if isinstance(prompt, PromptError):
@@ -169,7 +183,7 @@ class LLM:
                 continue
             text, token_ids = prompt
             rejected = self.driver.add(request_id, text, token_ids, params, time.monotonic(),
-                                       priority, tenant, hint, lora)
+                                       priority, tenant, hint, lora, band, ttft, tpot)
             if rejected is not None:
                 results[request_id] = rejected
 

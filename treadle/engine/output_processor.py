@@ -29,7 +29,7 @@ from treadle.core.kv.hashing import prefix_salt
 from treadle.core.outputs import EngineCoreOutput, PromptLogprobs, TokenLogprobs
 from treadle.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher, make_decode
 from treadle.lora import LoRARequest
-from treadle.request import FinishReason, Request
+from treadle.request import INTERACTIVE, FinishReason, Request
 from treadle.sampling_params import ALL_LOGPROBS, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -186,11 +186,14 @@ class OutputProcessor:
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float, priority: int = 0,
                     tenant: str | None = None, length_hint: int | None = None,
-                    lora_request: LoRARequest | None = None) -> None:
+                    lora_request: LoRARequest | None = None, band: str = INTERACTIVE,
+                    slo_ttft_ms: float | None = None,
+                    slo_tpot_ms: float | None = None) -> None:
         """Track a user request and create its engine Requests (see engine_requests).
 
         `tenant`, with the request's own `cache_salt`, is each engine request's
-        prefix-cache salt: tenants (and salts) never share KV."""
+        prefix-cache salt: tenants (and salts) never share KV. `band`, `slo_ttft_ms` and
+        `slo_tpot_ms`: the scheduler's (treadle/request.py)."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         if params.stop and self.tokenizer is None:
@@ -206,7 +209,8 @@ class OutputProcessor:
                               sample_params, arrival_time=arrival_time, priority=priority,
                               cache_salt=prefix_salt(tenant, params.cache_salt),
                               tenant=tenant, length_hint=length_hint,
-                              lora_request=lora_request)
+                              lora_request=lora_request, band=band, slo_ttft_ms=slo_ttft_ms,
+                              slo_tpot_ms=slo_tpot_ms)
             request.parent_id = request_id
             sample = _Sample(i, request, decode, prompt_token_ids)
             state.samples.append(sample)

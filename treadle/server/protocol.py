@@ -31,6 +31,10 @@ MAX_PROMPTS = 64
 """Most prompts in one batched completions request (each runs n samples)."""
 MAX_TOOLS = 128
 MAX_SEED = 2**53 - 1
+MAX_SLO_MS = 86_400_000.0
+"""The longest deadline a request may carry (a day, in milliseconds)."""
+SLO_TTFT_HEADER = "x-slo-ttft-ms"
+"""The Kubernetes Gateway API Inference Extension's TTFT objective header (milliseconds)."""
 """The largest integer every JSON reader holds exactly (float64 ones too, as JavaScript's and
 schema validators'); beyond it a seed would not round-trip."""
 MAX_LOGIT_BIAS_KEY_DIGITS = 9
@@ -189,6 +193,14 @@ class SamplingFields(SamplerExtensions):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
+    slo_ttft_ms: Optional[float] = Field(
+        default=None, gt=0, le=MAX_SLO_MS,
+        description="treadle's: time-to-first-token target in ms (the slo scheduling policy "
+        "orders by it; also the x-slo-ttft-ms header)")
+    slo_tpot_ms: Optional[float] = Field(
+        default=None, gt=0, le=MAX_SLO_MS,
+        description="treadle's: target time per output token after the first, in ms (the "
+        "slo scheduling policy)")
     user: Optional[str] = Field(default=None, max_length=256)
     response_format: Optional[dict[str, Any]] = Field(
         default=None, description="{'type': 'text' | 'json_object' | 'json_schema', ...}")
@@ -329,6 +341,24 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+
+
+def deadlines(body: SamplingFields, headers) -> dict:
+    """The request's deadlines as AsyncEngine.generate takes them: the body's
+    `slo_ttft_ms` / `slo_tpot_ms`, and the gateway header `x-slo-ttft-ms` when the body
+    gives no TTFT target. A header that is not a number in (0, a day] is a ValueError
+    naming it."""
+    ttft = getattr(body, "slo_ttft_ms", None)  # bodies without the fields: the header only
+    text = headers.get(SLO_TTFT_HEADER)
+    if ttft is None and text is not None:
+        try:
+            ttft = float(text)
+        except ValueError:
+            ttft = None
+        if ttft is None or not 0 < ttft <= MAX_SLO_MS:
+            raise ValueError(f"{SLO_TTFT_HEADER}: must be a number of milliseconds in "
+                             f"(0, {MAX_SLO_MS:.0f}], got {text!r}")
+    return {"slo_ttft_ms": ttft, "slo_tpot_ms": getattr(body, "slo_tpot_ms", None)}
 
 
 def now() -> int:

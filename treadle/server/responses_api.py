@@ -27,7 +27,7 @@ from starlette.concurrency import run_in_threadpool
 
 from treadle.server import protocol
 from treadle.server.admission import conversation_tokens
-from treadle.server.errors import APIError, quoted
+from treadle.server.errors import APIError, error_field, quoted
 from treadle.server.responses_items import (MAX_INPUT_ITEMS, as_message, chat_tools,
                                             input_messages, new_id, output_items, usage)
 from treadle.server.responses_stream import response_events, responses_sse
@@ -118,6 +118,9 @@ class _Reply:
         status = "incomplete" if incomplete else (
             "failed" if c.finish_reason in ("error", "abort") else "completed")
         result = self.as_body(status, items, usage(final), incomplete)
+        if final.error is not None:  # a failed response says why (e.g. slo_reject)
+            result["error"] = {"code": error_field(final.error, "server_error"),
+                               "message": final.error}
         if self.body.store:
             self.store.put(self.tenant, self.response_id, {
                 "body": result, "messages": self.conversation + [as_message(items)]})
@@ -174,6 +177,7 @@ async def create_response(serving: OpenAIServing, body: ResponsesRequest, reques
     except ValueError as exc:
         raise APIError(400, f"input: {exc}", "input") from None
     _apply_text_format(body)
+    scheduling = serving.scheduling_of(body, request)
     # Admitted (or refused: 503 / 429) on the conversation's size, before templating it.
     size = conversation_tokens([m.text() for m in messages], body.tools)
     requested = body.max_output_tokens or body.max_tokens
@@ -191,7 +195,7 @@ async def create_response(serving: OpenAIServing, body: ResponsesRequest, reques
     reply = _Reply(serving.responses, tenant, new_id("resp"), int(time.time()), body,
                    serving.engine.model_name, conversation, tools)
     outputs = serving.run(request, reply.response_id, None, prompt_ids, params, body.priority,
-                          tenant, ticket, lora)
+                          tenant, ticket, lora, scheduling)
     if body.stream:
         initial = reply.as_body("in_progress", [], None, None)
         return responses_sse(response_events(initial, outputs, tools, reply.finish))

@@ -34,6 +34,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
+from treadle.core.policies.slo import SLO_REFUSAL
 from treadle.engine.client import EngineClient, EngineDeadError, EngineFailedError
 from treadle.engine.token_words import TokenWords
 from treadle.metrics import ServerMetrics
@@ -233,6 +234,15 @@ class OpenAIServing:
         if self.shutting_down:
             raise APIError(503, "server is shutting down", kind="server_error")
         return request.state.key
+
+    @staticmethod
+    def scheduling_of(body, request: Request) -> dict:
+        """The request's deadlines as the engine takes them (the body's slo_ttft_ms /
+        slo_tpot_ms, else the gateway's x-slo-ttft-ms header); a 400 naming a bad header."""
+        try:
+            return protocol.deadlines(body, request.headers)
+        except ValueError as exc:
+            raise APIError(400, str(exc), protocol.SLO_TTFT_HEADER) from None
 
     @staticmethod
     def band(request: Request) -> str | None:
@@ -476,14 +486,15 @@ class OpenAIServing:
 
     async def run(self, request: Request, request_id: str, prompt: str | None,
                   prompt_ids: list[int], params: SamplingParams, priority: int, tenant: str,
-                  ticket: Ticket, lora=None):
-        """The request's outputs (with the LoRA adapter `lora`, None: the base model); the
-        ticket follows its progress (the admission's measurements) and is released however
-        it ends."""
+                  ticket: Ticket, lora=None, scheduling: dict | None = None):
+        """The request's outputs (with the LoRA adapter `lora`, None: the base model;
+        `scheduling`: its deadlines, `scheduling_of`); the ticket follows its progress
+        (the admission's measurements) and is released however it ends."""
         if self.request_spans is not None:  # its span joins the caller's trace
             self.request_spans.note_parent(request_id, request.headers)
         band = self.band(request)
         extra = {"band": band} if band is not None and self._takes_band else {}
+        extra.update({k: v for k, v in (scheduling or {}).items() if v is not None})
         completed, per_token = False, None
         try:
             if params.needs_tokenized_words:  # the first time, a scan of the vocabulary
@@ -546,6 +557,7 @@ class OpenAIServing:
         run them, and answer: a stream of `chunks` events (framed by `sse`, default
         OpenAI's `self.sse`), or one `whole` body made from the final output of each
         prompt."""
+        scheduling = self.scheduling_of(body, request)  # a 400 before any ticket is taken
         if reservation is not None:
             tickets = self.settle(reservation, id_lists, params_list)
         else:  # an endpoint that did not reserve before tokenizing
@@ -562,7 +574,7 @@ class OpenAIServing:
         many = len(id_lists) > 1
         outputs = merge([self.run(request, f"{request_id}-{i}" if many else request_id,
                                   texts[i], id_lists[i], params_list[i], body.priority, tenant,
-                                  tickets[i], lora)
+                                  tickets[i], lora, scheduling)
                          for i in range(len(id_lists))])
         model_name = self.engine.model_name if lora is None else lora.lora_name
         if body.stream:
@@ -584,4 +596,6 @@ class OpenAIServing:
         admission make admission refusals rare)."""
         if self.shutting_down or not self.engine.is_alive:
             return APIError(503, reason, kind="server_error")
+        if reason.startswith(SLO_REFUSAL):  # slo_reject: the load, not the request, is at fault
+            return APIError(503, reason, "slo_ttft_ms", kind="server_error")
         return APIError(400, reason, error_field(reason))

@@ -33,6 +33,11 @@ from treadle.sim.workload import PromptMaker, SimRequest
 _START, _END, _TRANSFER = 0, 1, 2
 
 
+def _scheduling(sim: SimRequest) -> dict:
+    """A simulated request's band and deadlines, as the engine's Request takes them."""
+    return {"band": sim.band, "slo_ttft_ms": sim.slo_ttft_ms, "slo_tpot_ms": sim.slo_tpot_ms}
+
+
 class RequestRecord:
     """What happened to one request (simulated seconds from the first arrival)."""
 
@@ -202,7 +207,7 @@ class Fleet:
         self._records[rid] = record
         max_tokens = 1 if self.disaggregated else sim.output_len
         request = replica.make_request(rid, prompt, max_tokens, sim.arrival + self.front_end_s,
-                                       sim.priority, sim.tenant)
+                                       sim.priority, sim.tenant, **_scheduling(sim))
         self._submit(replica, rid, record, request)
         return record
 
@@ -218,6 +223,10 @@ class Fleet:
 
     def _start(self, replica: Replica) -> None:
         t_end = replica.start_step()
+        for out in replica.take_ended():  # refused by the policy (slo_reject)
+            record = self._records[out.request_id]
+            record.error = out.error
+            self._finish(out.request_id, record)
         if t_end is None:
             replica.active = False
         else:
@@ -263,7 +272,7 @@ class Fleet:
         record.decode_replica = index
         request = replica.make_request(rid, prompt, sim.output_len - 1,
                                        sim.arrival + self.front_end_s,
-                                       sim.priority, sim.tenant)
+                                       sim.priority, sim.tenant, **_scheduling(sim))
         replica.receive_kv(request, sim.prompt_len)
         self._submit(replica, rid, record, request)
 

@@ -81,6 +81,9 @@ class Replica:
         self._admission = _AdmissionFacts(spec)
         self._swap_block_bytes = spec.kv_bytes_per_token * spec.cache.block_size
         self._pending = None
+        self.step_observer = None
+        """Called with (simulated start time, SchedulerOutput, its seconds) for every step
+        that runs (what follows each step: treadle/sim/fairness.py)."""
         self.active = False
         """A step is in flight or about to start (the fleet holds an event for it)."""
         self.busy_s = 0.0
@@ -122,11 +125,13 @@ class Replica:
     # ----- requests -----------------------------------------------------------------------
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
-                     arrival: float, priority: int = 0, tenant: str | None = None) -> Request:
+                     arrival: float, priority: int = 0, tenant: str | None = None,
+                     **scheduling) -> Request:
+        """`scheduling`: band, slo_ttft_ms, slo_tpot_ms (treadle/request.py)."""
         return Request(request_id, prompt_token_ids,
                        SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
                        arrival_time=arrival, priority=priority, cache_salt=tenant,
-                       tenant=tenant)
+                       tenant=tenant, **scheduling)
 
     def add(self, request: Request) -> str | None:
         """Admit a request to the scheduler, or return why the engine would refuse it."""
@@ -172,17 +177,25 @@ class Replica:
             return None
         features = step_features(output, self._swap_block_bytes)
         seconds = self.step_model.step_seconds(features)
-        self._pending = (output, features)
+        self._pending = (output, features, seconds)
         self.busy_s += seconds
+        if self.step_observer is not None:
+            self.step_observer(now, output, seconds)
         return now + seconds
+
+    def take_ended(self) -> list[EngineCoreOutput]:
+        """Requests the scheduler ended on its own (a policy's refusals), to report."""
+        return self.scheduler.take_ended_outputs()
 
     def finish_step(self) -> tuple[list[EngineCoreOutput], float]:
         """End the step in flight at the current simulated time: the runner's tokens go
         through update_from_output. Returns the outputs and the gap before the next step."""
-        output, features = self._pending
+        output, features, seconds = self._pending
         self._pending = None
         outputs = self.scheduler.update_from_output(output, self.runner(output))
-        return outputs, self.step_model.gap_seconds(features)
+        gap = self.step_model.gap_seconds(features)
+        self.scheduler.observe_step_time(output, seconds + gap)
+        return outputs, gap
 
     def _sample(self, now: float) -> None:
         s = self.scheduler

@@ -48,6 +48,11 @@ class SimRequest:
     label: str = ""
     prompt_token_ids: list[int] | None = None
     """Real token ids, when the source has them; otherwise PromptMaker builds them."""
+    band: str = "interactive"
+    """interactive, or batch (the lowest band, treadle/request.py)."""
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    """Its deadlines, as the request carries them (the `slo` policy orders by them)."""
 
 
 def _cap(p: int, o: int, max_model_len: int | None) -> tuple[int, int]:

@@ -1,7 +1,8 @@
 """What the scheduler asks a scheduling policy, and the answers every policy shares.
 
 Owns `SchedulingPolicy`, the base class of the policies of this package: how requests
-are ordered (`urgency`, then arrival, then request id), whether running requests share
+are ordered (the request's band, then `urgency`, then arrival, then request id: batch
+work after every interactive request whatever the policy), whether running requests share
 one order with waiting ones, whether a waiting request may preempt a running one at
 admission and by how much more urgent it must be (`default_admission_threshold`, in the
 policy's own unit), whether an urgent prefill runs alone, and how many requests may run
@@ -16,7 +17,9 @@ from typing import ClassVar, Iterable, Iterator
 
 from treadle.config import SchedulerConfig
 from treadle.core.fair_share import FairShareLedger
+from treadle.core.policy import band_rank
 from treadle.core.request_queue import FCFSQueue, PolicyQueue
+from treadle.core.step_cost import StepCostModel
 from treadle.request import Request
 
 
@@ -52,18 +55,24 @@ class SchedulingPolicy:
         """Urgency gap needed to preempt at admission, in the policy's unit."""
         self.isolates_urgent_prefill = False
         """A step that prefills a request of a more urgent class carries nothing of the
-        less urgent classes (`Scheduler._defers_to`)."""
+        less urgent classes (`step_fill._defers_to`)."""
+        self.step_costs: StepCostModel | None = None
+        """The engine's measured step costs (core/step_cost.py), set by the scheduler:
+        what a policy that predicts time (`slo`) prices work with."""
 
     def urgency(self, request: Request, now: float) -> float:
         """One number per request, lower is more urgent, in the policy's unit."""
         raise NotImplementedError
 
     def order_key(self, request: Request, now: float) -> tuple:
-        """Sort key: urgency, then arrival, then request id (a total order)."""
-        return (self.urgency(request, now), request.arrival_time, request.request_id)
+        """Sort key: band (interactive first), urgency, then arrival, then request id (a
+        total order)."""
+        return (band_rank(request), self.urgency(request, now), request.arrival_time,
+                request.request_id)
 
     def order(self, requests: Iterable[Request], now: float) -> Iterator[Request]:
-        """The requests most urgent first, as things stand at `now`."""
+        """The requests most urgent first, as things stand at `now` (every interactive
+        request before any batch one)."""
         return iter(sorted(requests, key=lambda r: self.order_key(r, now)))
 
     def make_queue(self) -> FCFSQueue | PolicyQueue:
@@ -79,5 +88,10 @@ class SchedulingPolicy:
         """A request was admitted after waiting `seconds` (policies that age by the mean
         wait use it)."""
 
-    def prepare_step(self, requests: Iterable[Request]) -> None:
+    def prepare_step(self, requests: Iterable[Request], now: float = 0.0) -> None:
         """Called as a step starts, with every request in the scheduler."""
+
+    def take_refusals(self) -> list[tuple[Request, str]]:
+        """Waiting requests the policy refuses, each with the error it ends with (the
+        `slo` policy under `slo_reject`); the scheduler ends them. Taken once."""
+        return []

@@ -13,7 +13,7 @@ from collections import deque
 from typing import ClassVar, Iterable, Iterator, Mapping
 
 from treadle.core.policies.base import SchedulingPolicy
-from treadle.core.policy import tenant_of
+from treadle.core.policy import band_rank, tenant_of
 from treadle.request import Request
 
 
@@ -34,7 +34,15 @@ class FairPolicy(SchedulingPolicy):
 
     def order(self, requests: Iterable[Request], now: float) -> Iterator[Request]:
         """Each tenant's requests oldest first; the next one from the tenant with the least
-        service so far, picked again after every admission (which charges the tenant)."""
+        service so far, picked again after every admission (which charges the tenant).
+        Every interactive request comes before any batch one."""
+        bands: tuple[list[Request], list[Request]] = ([], [])
+        for request in requests:
+            bands[band_rank(request)].append(request)
+        for band in bands:
+            yield from self._fair_order(band)
+
+    def _fair_order(self, requests: list[Request]) -> Iterator[Request]:
         by_tenant: dict[str, deque[Request]] = {}
         for request in sorted(requests, key=lambda r: (r.arrival_time, r.request_id)):
             by_tenant.setdefault(tenant_of(request), deque()).append(request)

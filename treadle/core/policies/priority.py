@@ -1,10 +1,11 @@
 """Priority classes: lower `priority` values run first (vLLM's convention), aged.
 
-A request's urgency is its priority less `priority_aging_rate` levels per second in the
-engine, less the boost that keeps its wait within `priority_aging` times the mean wait of
-recent requests (`bounded_wait_boost`). A waiting request more urgent by the threshold
-(half a level by default) may preempt a running one, and a step that prefills a request
-of a more urgent class carries nothing of the less urgent ones (`isolate_urgent_prefill`).
+A request's urgency is its priority less `priority_aging_rate` levels per second it has
+waited to run (not while it runs), less the boost that keeps its wait within
+`priority_aging` times the mean wait of recent requests (`bounded_wait_boost`). A
+waiting request more urgent by the threshold (half a level by default) may preempt a
+running one, and a step that prefills a request of a more urgent class carries nothing
+of the less urgent ones (`isolate_urgent_prefill`).
 """
 
 from __future__ import annotations
@@ -19,13 +20,18 @@ from treadle.request import Request
 
 
 def priority_urgency(request: Request, now: float, aging_rate: float) -> float:
-    """Effective priority: `priority - aging_rate * seconds_in_engine` (lower runs first).
+    """Effective priority: `priority - aging_rate * seconds_waited` (lower runs first):
+    a request ages while it waits to run (from arrival, and again once preempted), not
+    while it runs, so a long answer never ages out of being preempted for a more urgent
+    request (vllm #40004: a running request must stay preemptible at the max_num_seqs
+    bottleneck).
 
-    The order it gives among waiting requests never changes with time: a request of
-    priority p arriving at a outranks every request of priority q arriving after
-    a + (p - q) / aging_rate. That is the bound on how long aging lets it be passed.
+    The order it gives among requests that have only waited never changes with time: a
+    request of priority p arriving at a outranks every request of priority q arriving
+    after a + (p - q) / aging_rate. That is the bound on how long aging lets it be
+    passed before it first runs.
     """
-    return request.priority - aging_rate * max(0.0, now - request.arrival_time)
+    return request.priority - aging_rate * request.waited(now)
 
 
 def bounded_wait_boost(waited: float, priority: int, most_urgent_priority: int,
@@ -75,12 +81,12 @@ class PriorityPolicy(SchedulingPolicy):
             self._waits_sum -= self._waits.popleft()
         self.mean_wait = max(self._waits_sum, 0.0) / len(self._waits)
 
-    def prepare_step(self, requests: Iterable[Request]) -> None:
+    def prepare_step(self, requests: Iterable[Request], now: float = 0.0) -> None:
         if self.wait_bound > 0:
             self.most_urgent_priority = min((r.priority for r in requests), default=0)
 
     def urgency(self, request: Request, now: float) -> float:
-        waited = max(0.0, now - request.arrival_time)
+        waited = request.waited(now)
         return (priority_urgency(request, now, self.aging_rate)
                 - bounded_wait_boost(waited, request.priority, self.most_urgent_priority,
                                      self.wait_bound, self.mean_wait))
