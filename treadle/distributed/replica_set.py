@@ -80,6 +80,15 @@ def _check_pd_engine(config: EngineConfig) -> None:
     check_disaggregation(config)  # feature combinations (treadle/compat.py)
 
 
+def connect_endpoint(endpoint: str | None, host: str) -> str | None:
+    """Where a subscriber on another node reaches an endpoint an engine binds:
+    tcp://*:PORT (or 0.0.0.0) on `host`; ipc://, inproc:// and tcp://HOST:PORT as given."""
+    if endpoint is None or not endpoint.startswith("tcp://"):
+        return endpoint
+    bound, _, port = endpoint[len("tcp://"):].rpartition(":")
+    return f"tcp://{host}:{port}" if bound in ("*", "0.0.0.0", "") else endpoint
+
+
 def replica_threads(config: EngineConfig, replicas: int, cluster_cpus: float) -> int:
     """Threads (and declared CPUs) per replica: --num-threads, else the cluster's CPUs
     shared out (at least one)."""
@@ -146,8 +155,10 @@ class ReplicaSet:
         self.tokenizer = load_tokenizer(info["model_dir"])
         self.supports_structured_outputs = info["supports_structured_outputs"]
         self.lora_enabled = info["lora_enabled"]
-        self.router = make_router(replica_config.routing, replica_config.prefix_options(
-            self.limits.block_size, self.limits.num_kv_tokens))
+        self.kv_index = None
+        """The KVEventIndex following every replica's KV events (prefix routing with
+        --kv-events-endpoint), or None: the router then routes on the prompts it sent."""
+        self.router = self._make_router(config)
         """Routes among the colocated replicas, or (P/D) among the prefill replicas."""
         self.decode_router = make_router("least-load")
         """P/D: routes among the decode replicas."""
@@ -166,6 +177,30 @@ class ReplicaSet:
         self._poller.start()
         logger.info("%d replicas of %s on Ray, %d threads each, routing %s", n,
                     self.model_name, threads, replica_config.routing)
+
+    def _make_router(self, config: EngineConfig):
+        """The prefix router on the replicas' KV events when they publish them (each
+        replica on its own port: `for_replica`), else the configured router."""
+        rc = self.replica_config
+        options = rc.prefix_options(self.limits.block_size, self.limits.num_kv_tokens)
+        if rc.routing != "prefix" or not config.kv_events.enabled:
+            return make_router(rc.routing, options)
+        from treadle.integrations.kv_events.index import KVEventIndex
+        from treadle.router.kv_aware import KVEventRouter
+
+        self.kv_index = KVEventIndex(self.limits.block_size, config.kv_events.kv_events_topic)
+        for r in self._replicas:
+            self._follow_events(r)
+        return KVEventRouter(self.kv_index, options)
+
+    def _follow_events(self, replica: _Replica) -> None:
+        """(Re)subscribe the index to the replica's events: afresh after a restart."""
+        events = self.config.kv_events.for_replica(replica.index)
+        host = ray.get(replica.actor.__ray_call__.remote(
+            lambda _: ray.util.get_node_ip_address()), timeout=60)
+        self.kv_index.add_replica(
+            str(replica.index), connect_endpoint(events.kv_events_endpoint, host),
+            connect_endpoint(events.kv_events_replay_endpoint, host))
 
     # ----- the engine interface the server uses (EngineClient) ----------------------------
 
@@ -305,6 +340,8 @@ class ReplicaSet:
         """Stop polling, kill the actors, and Ray if this set started it."""
         self._stop.set()
         self._poller.join(timeout)
+        if self.kv_index is not None:
+            self.kv_index.close()
         self._kill_all()
         if self._started_ray:
             ray.shutdown()
@@ -374,12 +411,13 @@ class ReplicaSet:
 
     def _route(self, prompt_token_ids: list[int], tenant: str | None,
                lora_request: LoRARequest | None, role: str = "both") -> _Replica:
-        salt = tenant if lora_request is None else f"{tenant}\x00{lora_request.lora_name}"
+        lora_name = None if lora_request is None else lora_request.lora_name
         router = self.decode_router if role == "decode" else self.router
         with self._lock:
             views = [r.view() for r in self._replicas if r.role == role]
             try:
-                decision = router.route(prompt_token_ids, salt, views, time.monotonic())
+                decision = router.route(prompt_token_ids, tenant, views, time.monotonic(),
+                                        lora_name)
             except NoReplicaError as exc:
                 raise EngineDeadError(str(exc)) from None
             replica = self._replicas[decision.replica]
@@ -421,6 +459,8 @@ class ReplicaSet:
                      for t, w in self._weights.items()]
                     + [replica.actor.add_lora.remote(n, p) for n, p in self._lora_paths.items()],
                     timeout=60)
+            if self.kv_index is not None:
+                self._follow_events(replica)
         except (RayActorError, GetTimeoutError):
             return
         with self._lock:
