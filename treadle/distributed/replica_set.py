@@ -41,6 +41,14 @@ HEALTH_TIMEOUT_S = 15.0
 a death is seen at once)."""
 
 
+class ReplicaDiedError(EngineFailedError):
+    """The replica serving a request died (its actor, or its engine loop)."""
+
+    def __init__(self, replica: int, doing: str) -> None:
+        super().__init__(f"engine replica {replica} died while {doing}")
+        self.replica = replica
+
+
 class _Replica:
     """One actor and what the front end knows of it."""
 
@@ -230,11 +238,33 @@ class ReplicaSet:
                        params: SamplingParams, priority: int = 0, tenant: str | None = None,
                        lora_request: LoRARequest | None = None):
         """The request's outputs from the replica the router picks; leaving early aborts
-        it there. A replica that dies mid-request ends it with EngineFailedError."""
+        it there. A replica that dies before the request's first output is one replica
+        the request tries: it goes to another healthy one (each at most once); one that
+        dies after ends it with EngineFailedError (ReplicaDiedError): its tokens were
+        sent, and a second run could not continue them token for token."""
         if not self.is_alive:
             raise EngineDeadError("no engine replica is running")
         if params.structured_outputs is not None and not self.supports_structured_outputs:
             raise ValueError(STRUCTURED_UNSUPPORTED)
+        sent = False
+        for attempt in range(len(self._replicas)):
+            try:
+                async for output in self._generate_once(request_id, prompt, prompt_token_ids,
+                                                        params, priority, tenant,
+                                                        lora_request):
+                    sent = True
+                    yield output
+                return
+            except ReplicaDiedError as exc:
+                if sent or attempt == len(self._replicas) - 1 or not self.is_alive:
+                    raise
+                self.front_metrics.record_retry(exc.replica)
+                logger.warning("request %s: %s before its first output; retrying it on "
+                               "another replica", request_id, exc)
+
+    async def _generate_once(self, request_id, prompt, prompt_token_ids, params, priority,
+                             tenant, lora_request):
+        """One try of the request, on the replicas the routers pick now."""
         if self.replica_config.disaggregated:
             if _pd_applies(params):
                 async for output in self._generate_pd(request_id, prompt, prompt_token_ids,
@@ -268,8 +298,7 @@ class ReplicaSet:
                 prefilling = False
             except RayActorError as exc:
                 self._replica_died(prefill, exc)
-                raise EngineFailedError(f"engine replica {prefill.index} died while "
-                                        "prefilling the request") from None
+                raise ReplicaDiedError(prefill.index, "prefilling the request") from None
             finally:
                 with self._lock:
                     prefill.in_flight -= 1
@@ -311,8 +340,7 @@ class ReplicaSet:
                                     "final output")
         except RayActorError as exc:
             self._replica_died(replica, exc)
-            raise EngineFailedError(f"engine replica {replica.index} died while serving the "
-                                    "request") from None
+            raise ReplicaDiedError(replica.index, "serving the request") from None
         finally:
             with self._lock:
                 replica.in_flight -= 1
