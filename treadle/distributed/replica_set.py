@@ -88,6 +88,11 @@ def _check_pd_engine(config: EngineConfig) -> None:
     check_disaggregation(config)  # feature combinations (treadle/compat.py)
 
 
+def _exporter(actor):
+    """What a decode replica awaits for the prefill replica's KV: its export_kv call."""
+    return lambda request_id, start: actor.export_kv.remote(request_id, start)
+
+
 def connect_endpoint(endpoint: str | None, host: str) -> str | None:
     """Where a subscriber on another node reaches an endpoint an engine binds:
     tcp://*:PORT (or 0.0.0.0) on `host`; ipc://, inproc:// and tcp://HOST:PORT as given."""
@@ -312,7 +317,7 @@ class ReplicaSet:
             self._where[request_id] = decode
             stream = decode.actor.generate_prefilled.remote(
                 request_id, prompt, prompt_token_ids, params, priority, tenant, lora_request,
-                first, [prefill.actor])
+                first, _exporter(prefill.actor))
             async for output in self._stream(decode, request_id, prompt_token_ids, stream):
                 yield output
         finally:
