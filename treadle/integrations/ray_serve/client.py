@@ -67,6 +67,10 @@ class ServeEngineClient:
         self._on_shutdown = on_shutdown
         self.error: BaseException | None = None
         self.metrics = _Metrics(self)
+        # the engines' facts, from their info (connect / connect_async)
+        self.info = self.limits = self.tokenizer = self.eos_token_id = None
+        self.model_name = self.model_dir = None
+        self.supports_structured_outputs = self.lora_enabled = False
         self._num_in_flight = 0
         self._stopped = False
         self._weights: dict[str, float] = {}
@@ -274,14 +278,21 @@ class ServeEngineClient:
     # ----- adapters: not served on Ray Serve yet (build_openai_app refuses enable_lora) --
 
     def add_lora(self, name: str, path: str):
+        """Refused: adapters are not served on Ray Serve yet."""
         raise ValueError("adapters are not served on Ray Serve yet")
 
-    check_lora = remove_lora = add_lora
+    check_lora = add_lora
+
+    def remove_lora(self, name: str):
+        """Refused: adapters are not served on Ray Serve yet."""
+        raise ValueError("adapters are not served on Ray Serve yet")
 
     def get_lora(self, name: str) -> LoRARequest | None:
+        """None: no adapter is served here."""
         return None
 
     def list_loras(self) -> list[LoRARequest]:
+        """None served here."""
         return []
 
     # ----- waiting (tests, tools) ---------------------------------------------------------
