@@ -26,11 +26,15 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def pd(tiny):
+def pd(tiny, tmp_path_factory):
+    """One prefill and one decode replica, publishing KV events (each on its own ipc
+    path): the prefill replicas' router routes on them."""
     from treadle.distributed.replica_set import ReplicaSet
 
+    events = f"ipc://{tmp_path_factory.mktemp('kv')}/events"
     ray.init(num_cpus=2, include_dashboard=False)
-    replicas = ReplicaSet(EngineConfig.from_options(model=tiny, **OPTIONS),
+    replicas = ReplicaSet(EngineConfig.from_options(model=tiny, kv_events_endpoint=events,
+                                                    **OPTIONS),
                           ReplicaConfig(prefill_replicas=1, decode_replicas=1), "tiny")
     yield replicas
     replicas.shutdown()
@@ -92,6 +96,22 @@ def test_transfer_sends_only_the_blocks_the_decode_side_lacks(pd):
     # nothing is held on the prefill side once the decode side has the KV
     assert ray.get(pd.actor(0).pd_stats.remote())["held"] >= 2
     assert not ray.get(pd.actor(0).pd_stats.remote()).get("holding")
+
+
+def test_router_follows_each_replicas_kv_events(pd):
+    import time
+
+    from treadle.router.kv_aware import KVEventRouter
+
+    assert isinstance(pd.router, KVEventRouter)
+    assert sorted(pd.kv_index.replicas) == ["0", "1"]
+    shared = prompt(300, 3 * BLOCK + 2)
+    run_all(pd, [shared], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), "ev")
+    deadline = time.monotonic() + 30  # the prefill replica's events reach the index
+    while time.monotonic() < deadline and pd.kv_index.longest_prefix("0", shared) == 0:
+        time.sleep(0.1)
+    assert pd.kv_index.longest_prefix("0", shared) == 3 * BLOCK
+    assert pd.kv_index.longest_prefix("0", shared, cache_salt="other") == 0
 
 
 def test_decode_replica_killed_mid_stream_errors_and_rejoins(pd):

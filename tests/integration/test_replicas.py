@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import httpx
@@ -39,7 +40,8 @@ def ray_cluster():
 def replica_set(tiny, ray_cluster):
     from treadle.distributed.replica_set import ReplicaSet
 
-    replicas = ReplicaSet(EngineConfig.from_options(model=tiny, **OPTIONS),
+    # two sequences at a time per replica: a third one waits there (the fault test)
+    replicas = ReplicaSet(EngineConfig.from_options(model=tiny, max_num_seqs=2, **OPTIONS),
                           ReplicaConfig(replicas=2, routing="round-robin"), "tiny")
     yield replicas
     replicas.shutdown()
@@ -149,9 +151,13 @@ def test_tenant_bound_gets_429_across_replicas(replica_set):
 
 
 def test_killed_replica_errors_its_streams_only_and_rejoins(server, replica_set):
+    """Six streams, three per replica, two running and one waiting on each: replica 0 is
+    killed once the four running ones have sent tokens. Its two running streams end with
+    an error event; its waiting one (no token sent) is retried on replica 1 and finishes,
+    as do replica 1's; it is out of routing at once, restarts and takes requests again."""
     body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 400, "temperature": 0,
             "ignore_eos": True, "stream": True}
-    started = asyncio.Event
+    retried_before = metric(server, "replica_retried_requests", 'replica="0"')
 
     async def stream(client, ready):
         events = []
@@ -159,27 +165,41 @@ def test_killed_replica_errors_its_streams_only_and_rejoins(server, replica_set)
             async for line in response.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     events.append(json.loads(line[6:]))
-                    ready.set()
+                    ready.release()
         return events
 
     async def main():
         async with httpx.AsyncClient(timeout=120) as client:
-            readies = [started() for _ in range(4)]
-            tasks = [asyncio.ensure_future(stream(client, r)) for r in readies]
-            await asyncio.gather(*[r.wait() for r in readies])
+            ready = asyncio.Semaphore(0)
+            tasks = [asyncio.ensure_future(stream(client, ready)) for _ in range(6)]
+            for _ in range(4):  # the four running streams sent a token
+                await ready.acquire()
+            marks["killed"] = time.monotonic()
             ray.kill(replica_set.actor(0), no_restart=False)
+            watcher.start()
             return await asyncio.gather(*tasks)
 
+    marks = {}
+
+    def watch():  # when the restarted replica is back in routing
+        deadline = marks["killed"] + 120
+        while replica_set.replicas[0].healthy and time.monotonic() < deadline:
+            time.sleep(0.05)
+        while not replica_set.replicas[0].healthy and time.monotonic() < deadline:
+            time.sleep(0.05)
+        marks["back"] = time.monotonic()
+
+    watcher = threading.Thread(target=watch, daemon=True)
     results = asyncio.run(main())
     errored = [events for events in results if "error" in events[-1]]
     finished = [events for events in results if "error" not in events[-1]]
-    assert len(errored) == 2 and len(finished) == 2
+    assert len(errored) == 2 and len(finished) == 4
     for events in errored:
         assert "replica 0 died" in events[-1]["error"]["message"]
     for events in finished:
-        assert sum(len(e["choices"][0]["text"]) > 0 or e["choices"][0]["finish_reason"]
-                   is not None for e in events if e["choices"]) > 0
+        assert "".join(e["choices"][0]["text"] for e in events if e["choices"])
         assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert metric(server, "replica_retried_requests", 'replica="0"') - retried_before == 1
     assert not replica_set.replicas[0].healthy  # out of routing at once
     ok = httpx.post(server + "/v1/completions", json={**body, "stream": False,
                                                       "max_tokens": 4}, timeout=60)
@@ -188,6 +208,10 @@ def test_killed_replica_errors_its_streams_only_and_rejoins(server, replica_set)
     while not replica_set.replicas[0].healthy and time.monotonic() < deadline:
         time.sleep(0.2)
     assert replica_set.replicas[0].healthy, "the restarted replica did not rejoin"
+    watcher.join(10)
+    print(f"\nfaults: of the killed replica's 3 streams, 2 with tokens sent errored, the 1 "
+          f"without a token was retried on replica 1 and finished (0 lost); the replica was "
+          f"back in routing {marks['back'] - marks['killed']:.1f} s after the kill")
     before = metric(server, "generation_tokens", 'replica="0"')
     for _ in range(2):  # round-robin: one of the two lands on the restarted replica
         r = httpx.post(server + "/v1/completions", json={**body, "stream": False,

@@ -20,8 +20,9 @@ from treadle.engine.client import EngineClient
 
 ray = pytest.importorskip("ray")
 from treadle.distributed.replica_set import ReplicaSet  # noqa: E402
+from treadle.integrations.ray_serve.client import ServeEngineClient  # noqa: E402
 
-IMPLEMENTATIONS = [AsyncEngine, PDEngine, ReplicaSet]
+IMPLEMENTATIONS = [AsyncEngine, PDEngine, ReplicaSet, ServeEngineClient]
 
 
 def protocol_members() -> dict[str, object]:

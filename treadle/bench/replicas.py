@@ -1,7 +1,8 @@
 """Replicas and P/D measured over HTTP (`python -m treadle.bench.replicas prefix|pd`).
 
 `prefix`: the shared-prefix workload (treadle/measure/workloads.py) through 2 replicas of 1
-thread each under `prefix` and `round-robin` routing, and through 1 engine of 2 threads,
+thread each under `prefix` routing (on the prompts sent, and on the replicas' KV events:
+`--kv-events-endpoint`) and `round-robin` routing, and through 1 engine of 2 threads,
 the same total KV blocks each, servers started in turn and repeated alternately: the
 prefix-cache hit rate (hit tokens / queried tokens, summed over the replicas' /metrics)
 and TTFT p50/p99. `pd`: a long-prompt-interference workload (short chats decoding while
@@ -17,6 +18,7 @@ import argparse
 import asyncio
 import json
 import sys
+import tempfile
 import time
 
 import httpx
@@ -95,8 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=1.0, help="requests per second")
     parser.add_argument("--kv-blocks", type=int, default=160,
                         help="KV blocks per replica (the single engine gets twice as many)")
+    parser.add_argument("--systems", default=None,
+                        help="comma-separated names of the systems to run (default: all)")
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
+    events = f"ipc://{tempfile.mkdtemp(prefix='treadle-bench-kv-')}/events"
     common = ["--model", args.model, "--num-kv-blocks", str(args.kv_blocks)]
     double = ["--model", args.model, "--num-kv-blocks", str(2 * args.kv_blocks)]
     if args.experiment == "prefix":
@@ -104,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
                                            prefix_len=512, suffix_len=(16, 48), output_len=16)
         systems = {
             "prefix": common + ["--replicas", "2", "--num-threads", "1", "--routing", "prefix"],
+            "prefix (KV events)": common + ["--replicas", "2", "--num-threads", "1",
+                                            "--routing", "prefix",
+                                            "--kv-events-endpoint", events],
             "round-robin": common + ["--replicas", "2", "--num-threads", "1",
                                      "--routing", "round-robin"],
             "1 engine x 2 threads": double + ["--num-threads", "2"],
@@ -117,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
                                                   "--routing", "least-load"],
             "1 engine x 2 threads": double + ["--num-threads", "2"],
         }
+    if args.systems:
+        wanted = [name.strip() for name in args.systems.split(",")]
+        unknown = [name for name in wanted if name not in systems]
+        if unknown:
+            parser.error(f"--systems: unknown {unknown}; one of {list(systems)}")
+        systems = {name: systems[name] for name in wanted}
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     for repeat in range(args.repeats):
         for name, serve_args in systems.items():

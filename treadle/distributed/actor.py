@@ -1,8 +1,10 @@
-"""The engine replica: one AsyncEngine inside one Ray actor.
+"""The engine replica: one AsyncEngine inside one Ray actor (`treadle serve --replicas`'s
+actor pool) or one Ray Serve replica (treadle/integrations/ray_serve/deployment.py).
 
 Owns what a front end calls on a replica: `info` (its limits, model, tokenizer folder),
-`generate` (a Ray streaming generator of the request's RequestOutputs), `abort`,
-`load` (the router's view: queue depth, KV usage, health), `metrics_text` (its
+`generate` (an async generator of the request's RequestOutputs), `abort`,
+`load` (the actor pool's view: queue depth, KV usage, health), `routing_stats` and
+`check_health` (Ray Serve's: the router's view; raises once the engine died), `metrics_text` (its
 Prometheus exposition), the adapter and tenant-weight calls the server makes, and the
 KV export/import of prefill/decode disaggregation (treadle/distributed/pd_engine.py). The
 engine's thread count is the actor's declared CPUs, so replicas on one node do not
@@ -50,7 +52,8 @@ class EngineReplica:
 
     def info(self) -> dict:
         engine = self.engine
-        return {"limits": engine.limits, "model_name": engine.model_name,
+        return {"index": self.index, "role": self.role,
+                "limits": engine.limits, "model_name": engine.model_name,
                 "eos_token_id": engine.eos_token_id, "model_dir": str(engine.core.model_dir),
                 "supports_structured_outputs": engine.supports_structured_outputs,
                 "lora_enabled": engine.lora_enabled, "pid": os.getpid(),
@@ -115,11 +118,13 @@ class EngineReplica:
     async def generate_prefilled(self, request_id: str, prompt: str | None,
                                  prompt_token_ids: list[int], params: SamplingParams,
                                  priority: int, tenant: str | None,
-                                 lora_request: LoRARequest | None, first, prefill: list,
+                                 lora_request: LoRARequest | None, first, export,
                                  **scheduling):
-        """Decode role: the outputs after the first token of a request prefilled by the
-        actor `prefill[0]` (in a list: a handle, not a call). The request waits here in
-        WAITING_FOR_REMOTE_KV while the blocks this engine lacks come over."""
+        """Decode role: the outputs after the first token of a request prefilled
+        elsewhere; `await export(request_id, start)` brings the prefill replica's KV from
+        block `start` on (its `export_kv`: an actor call, or a Ray Serve call pinned to
+        that replica). The request waits here in WAITING_FOR_REMOTE_KV while the blocks
+        this engine lacks come over. `scheduling`: band and deadlines."""
         import time
 
         engine = self.engine
@@ -130,7 +135,7 @@ class EngineReplica:
                                     prefix_salt(tenant, params.cache_salt), lora_request)
             start = await asyncio.wrap_future(engine.lookup(hashes))
             t0 = time.perf_counter()
-            payload = await prefill[0].export_kv.remote(request_id, start)
+            payload = await export(request_id, start)
             record.update(total_blocks=len(hashes), skipped_blocks=start,
                           sent_blocks=0 if payload is None else payload.num_blocks,
                           bytes=0 if payload is None else payload.nbytes,
@@ -159,6 +164,22 @@ class EngineReplica:
 
     def abort_all(self, reason: str) -> None:
         self.engine.abort_all(reason)
+
+    def routing_stats(self) -> dict:
+        """Ray Serve's view of this replica for the router: queue, batch, KV usage."""
+        sched = self.engine.core.scheduler
+        return {"num_waiting": sched.num_waiting, "num_running": sched.num_running,
+                "num_in_flight": self.engine.num_in_flight, "kv_usage": sched.kv.usage}
+
+    def check_health(self) -> None:
+        """Raises (RuntimeError naming the cause) once the engine loop has died (Ray
+        Serve's health check: it replaces the replica)."""
+        if self.engine.error is not None:
+            raise RuntimeError(f"replica {self.index}: the engine loop died "
+                               f"({self.engine.error!r})")
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
 
     def load(self) -> dict:
         """The router's view of this replica (and its health)."""

@@ -29,6 +29,10 @@ class FrontEndMetrics:
                                ["model_name"], registry=self.registry)
         self.restarts = Counter("treadle:replica_deaths", "Replica actors seen dead",
                                 ["model_name", "replica"], registry=self.registry)
+        self.retried = Counter("treadle:replica_retried_requests",
+                               "Requests whose replica died before their first output, sent "
+                               "again to another replica (by the replica that died)",
+                               ["model_name", "replica"], registry=self.registry)
 
     def set_healthy(self, replica: int, healthy: bool) -> None:
         self.healthy.labels(self._model, str(replica)).set(1 if healthy else 0)
@@ -40,6 +44,9 @@ class FrontEndMetrics:
 
     def record_death(self, replica: int) -> None:
         self.restarts.labels(self._model, str(replica)).inc()
+
+    def record_retry(self, replica: int) -> None:
+        self.retried.labels(self._model, str(replica)).inc()
 
 
 class _Families:

@@ -41,6 +41,14 @@ HEALTH_TIMEOUT_S = 15.0
 a death is seen at once)."""
 
 
+class ReplicaDiedError(EngineFailedError):
+    """The replica serving a request died (its actor, or its engine loop)."""
+
+    def __init__(self, replica: int, doing: str) -> None:
+        super().__init__(f"engine replica {replica} died while {doing}")
+        self.replica = replica
+
+
 class _Replica:
     """One actor and what the front end knows of it."""
 
@@ -80,6 +88,20 @@ def _pd_applies(params: SamplingParams) -> bool:
 
 def _check_pd_engine(config: EngineConfig) -> None:
     check_disaggregation(config)  # feature combinations (treadle/compat.py)
+
+
+def _exporter(actor):
+    """What a decode replica awaits for the prefill replica's KV: its export_kv call."""
+    return lambda request_id, start: actor.export_kv.remote(request_id, start)
+
+
+def connect_endpoint(endpoint: str | None, host: str) -> str | None:
+    """Where a subscriber on another node reaches an endpoint an engine binds:
+    tcp://*:PORT (or 0.0.0.0) on `host`; ipc://, inproc:// and tcp://HOST:PORT as given."""
+    if endpoint is None or not endpoint.startswith("tcp://"):
+        return endpoint
+    bound, _, port = endpoint[len("tcp://"):].rpartition(":")
+    return f"tcp://{host}:{port}" if bound in ("*", "0.0.0.0", "") else endpoint
 
 
 def replica_threads(config: EngineConfig, replicas: int, cluster_cpus: float) -> int:
@@ -156,8 +178,10 @@ class ReplicaSet:
         self.tokenizer = load_tokenizer(info["model_dir"])
         self.supports_structured_outputs = info["supports_structured_outputs"]
         self.lora_enabled = info["lora_enabled"]
-        self.router = make_router(replica_config.routing, replica_config.prefix_options(
-            self.limits.block_size, self.limits.num_kv_tokens))
+        self.kv_index = None
+        """The KVEventIndex following every replica's KV events (prefix routing with
+        --kv-events-endpoint), or None: the router then routes on the prompts it sent."""
+        self.router = self._make_router(config)
         """Routes among the colocated replicas, or (P/D) among the prefill replicas."""
         self.decode_router = make_router("least-load")
         """P/D: routes among the decode replicas."""
@@ -176,6 +200,30 @@ class ReplicaSet:
         self._poller.start()
         logger.info("%d replicas of %s on Ray, %d threads each, routing %s", n,
                     self.model_name, threads, replica_config.routing)
+
+    def _make_router(self, config: EngineConfig):
+        """The prefix router on the replicas' KV events when they publish them (each
+        replica on its own port: `for_replica`), else the configured router."""
+        rc = self.replica_config
+        options = rc.prefix_options(self.limits.block_size, self.limits.num_kv_tokens)
+        if rc.routing != "prefix" or not config.kv_events.enabled:
+            return make_router(rc.routing, options)
+        from treadle.integrations.kv_events.index import KVEventIndex
+        from treadle.router.kv_aware import KVEventRouter
+
+        self.kv_index = KVEventIndex(self.limits.block_size, config.kv_events.kv_events_topic)
+        for r in self._replicas:
+            self._follow_events(r)
+        return KVEventRouter(self.kv_index, options)
+
+    def _follow_events(self, replica: _Replica) -> None:
+        """(Re)subscribe the index to the replica's events: afresh after a restart."""
+        events = self.config.kv_events.for_replica(replica.index)
+        host = ray.get(replica.actor.__ray_call__.remote(
+            lambda _: ray.util.get_node_ip_address()), timeout=60)
+        self.kv_index.add_replica(
+            str(replica.index), connect_endpoint(events.kv_events_endpoint, host),
+            connect_endpoint(events.kv_events_replay_endpoint, host))
 
     # ----- the engine interface the server uses (EngineClient) ----------------------------
 
@@ -211,13 +259,34 @@ class ReplicaSet:
                        params: SamplingParams, priority: int = 0, tenant: str | None = None,
                        lora_request: LoRARequest | None = None, **scheduling):
         """The request's outputs from the replica the router picks; leaving early aborts
-        it there. A replica that dies mid-request ends it with EngineFailedError.
-        `scheduling`: band, slo_ttft_ms, slo_tpot_ms (AsyncEngine.generate's), to the
-        replica."""
+        it there. A replica that dies before the request's first output is one replica
+        the request tries: it goes to another healthy one (each at most once); one that
+        dies after ends it with EngineFailedError (ReplicaDiedError): its tokens were
+        sent, and a second run could not continue them token for token. `scheduling`:
+        band, slo_ttft_ms, slo_tpot_ms (AsyncEngine.generate's), to the replica."""
         if not self.is_alive:
             raise EngineDeadError("no engine replica is running")
         if params.structured_outputs is not None and not self.supports_structured_outputs:
             raise ValueError(STRUCTURED_UNSUPPORTED)
+        sent = False
+        for attempt in range(len(self._replicas)):
+            try:
+                async for output in self._generate_once(request_id, prompt, prompt_token_ids,
+                                                        params, priority, tenant,
+                                                        lora_request, scheduling):
+                    sent = True
+                    yield output
+                return
+            except ReplicaDiedError as exc:
+                if sent or attempt == len(self._replicas) - 1 or not self.is_alive:
+                    raise
+                self.front_metrics.record_retry(exc.replica)
+                logger.warning("request %s: %s before its first output; retrying it on "
+                               "another replica", request_id, exc)
+
+    async def _generate_once(self, request_id, prompt, prompt_token_ids, params, priority,
+                             tenant, lora_request, scheduling: dict):
+        """One try of the request, on the replicas the routers pick now."""
         if self.replica_config.disaggregated:
             if _pd_applies(params):
                 async for output in self._generate_pd(request_id, prompt, prompt_token_ids,
@@ -253,8 +322,7 @@ class ReplicaSet:
                 prefilling = False
             except RayActorError as exc:
                 self._replica_died(prefill, exc)
-                raise EngineFailedError(f"engine replica {prefill.index} died while "
-                                        "prefilling the request") from None
+                raise ReplicaDiedError(prefill.index, "prefilling the request") from None
             finally:
                 with self._lock:
                     prefill.in_flight -= 1
@@ -268,7 +336,7 @@ class ReplicaSet:
             self._where[request_id] = decode
             stream = decode.actor.generate_prefilled.remote(
                 request_id, prompt, prompt_token_ids, params, priority, tenant, lora_request,
-                first, [prefill.actor], **scheduling)
+                first, _exporter(prefill.actor), **scheduling)
             async for output in self._stream(decode, request_id, prompt_token_ids, stream):
                 yield output
         finally:
@@ -296,8 +364,7 @@ class ReplicaSet:
                                     "final output")
         except RayActorError as exc:
             self._replica_died(replica, exc)
-            raise EngineFailedError(f"engine replica {replica.index} died while serving the "
-                                    "request") from None
+            raise ReplicaDiedError(replica.index, "serving the request") from None
         finally:
             with self._lock:
                 replica.in_flight -= 1
@@ -325,6 +392,8 @@ class ReplicaSet:
         """Stop polling, kill the actors, and Ray if this set started it."""
         self._stop.set()
         self._poller.join(timeout)
+        if self.kv_index is not None:
+            self.kv_index.close()
         self._kill_all()
         if self._started_ray:
             ray.shutdown()
@@ -394,12 +463,13 @@ class ReplicaSet:
 
     def _route(self, prompt_token_ids: list[int], tenant: str | None,
                lora_request: LoRARequest | None, role: str = "both") -> _Replica:
-        salt = tenant if lora_request is None else f"{tenant}\x00{lora_request.lora_name}"
+        lora_name = None if lora_request is None else lora_request.lora_name
         router = self.decode_router if role == "decode" else self.router
         with self._lock:
             views = [r.view() for r in self._replicas if r.role == role]
             try:
-                decision = router.route(prompt_token_ids, salt, views, time.monotonic())
+                decision = router.route(prompt_token_ids, tenant, views, time.monotonic(),
+                                        lora_name)
             except NoReplicaError as exc:
                 raise EngineDeadError(str(exc)) from None
             replica = self._replicas[decision.replica]
@@ -441,6 +511,8 @@ class ReplicaSet:
                      for t, w in self._weights.items()]
                     + [replica.actor.add_lora.remote(n, p) for n, p in self._lora_paths.items()],
                     timeout=60)
+            if self.kv_index is not None:
+                self._follow_events(replica)
         except (RayActorError, GetTimeoutError):
             return
         with self._lock:

@@ -52,7 +52,8 @@ class Router(Protocol):
     name: str
 
     def route(self, prompt_token_ids: list[int], tenant: str | None,
-              replicas: Sequence[ReplicaLoad], now: float) -> RouteDecision: ...
+              replicas: Sequence[ReplicaLoad], now: float,
+              lora_name: str | None = None) -> RouteDecision: ...
 
     def forget(self, replica: int) -> None:
         """The replica lost its cache (it died or restarted)."""
@@ -75,7 +76,7 @@ class RoundRobinRouter:
     def __init__(self) -> None:
         self._next = 0
 
-    def route(self, prompt_token_ids, tenant, replicas, now) -> RouteDecision:
+    def route(self, prompt_token_ids, tenant, replicas, now, lora_name=None) -> RouteDecision:
         healthy = {r.index for r in _healthy(replicas)}
         n = len(replicas)
         for step in range(n):
@@ -92,7 +93,7 @@ class RoundRobinRouter:
 class LeastLoadRouter:
     name = "least-load"
 
-    def route(self, prompt_token_ids, tenant, replicas, now) -> RouteDecision:
+    def route(self, prompt_token_ids, tenant, replicas, now, lora_name=None) -> RouteDecision:
         return RouteDecision(_least_loaded(_healthy(replicas)).index, reason=self.name)
 
     def forget(self, replica: int) -> None:
@@ -158,13 +159,24 @@ class PrefixAwareRouter:
         over = replica.depth - least.depth
         return over > o.balance_abs and replica.depth > o.balance_rel * least.depth
 
-    def route(self, prompt_token_ids, tenant, replicas, now) -> RouteDecision:
+    def _matched(self, replica: ReplicaLoad, hashes: list[bytes], now: float,
+                 prompt_token_ids: list[int], tenant: str | None,
+                 lora_name: str | None) -> int:
+        """Tokens of the prompt the router expects `replica` to hold: here, its tree of
+        the prompts sent there (KVEventRouter: what the replica's events say it holds)."""
+        return self.tree(replica.index).match(hashes, now)
+
+    def route(self, prompt_token_ids, tenant, replicas, now,
+              lora_name: str | None = None) -> RouteDecision:
+        """`tenant` and `lora_name` (the request's adapter, if any) salt the prompt's
+        block hashes (`route_salt`): no match across tenants or adapters."""
         candidates = _healthy(replicas)
         least = _least_loaded(candidates)
-        hashes = chunk_hashes(prompt_token_ids, self.options.chunk_size, tenant)
+        hashes = chunk_hashes(prompt_token_ids, self.options.chunk_size,
+                              route_salt(tenant, lora_name))
         best, best_match = None, 0
         for replica in candidates:
-            matched = self.tree(replica.index).match(hashes, now)
+            matched = self._matched(replica, hashes, now, prompt_token_ids, tenant, lora_name)
             if matched < self.options.min_match_tokens or matched < best_match:
                 continue
             if matched == best_match and best is not None \
@@ -184,6 +196,11 @@ class PrefixAwareRouter:
 
     def forget(self, replica: int) -> None:
         self.tree(replica).clear()
+
+
+def route_salt(tenant: str | None, lora_name: str | None) -> str | None:
+    """The salt a routing tree keys a request's blocks by: its tenant, and its adapter."""
+    return tenant if lora_name is None else f"{tenant}\x00{lora_name}"
 
 
 def make_router(name: str, options: PrefixRouterOptions | None = None) -> Router:

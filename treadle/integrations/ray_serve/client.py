@@ -1,0 +1,314 @@
+"""`ServeEngineClient`: treadle's engine replicas on Ray Serve, with the interface of one engine.
+
+Owns, over the deployment handle of a treadle application's engine deployment (app.py),
+what the server needs of an EngineClient (treadle/engine/client.py): requests go out
+through the handle — Ray Serve routes each with treadle's router class
+(request_router.py) and streams its outputs back —, a request whose replica dies before
+it sent a token is sent again (to another replica: the dead one is out of routing at
+once), one that dies after ends with an error naming the replica; the fleet's metrics
+(every replica's, labelled, and the front end's own); tenant weights (carried with every
+call, applied by a replica when newer than its own, so a replaced replica needs no
+replay). It runs in the OpenAI ingress deployment of `build_openai_app`, and never
+decides where a request goes. (Neither P/D nor adapters are on this path yet.)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from treadle.distributed.metrics import FrontEndMetrics, merge_expositions
+from treadle.engine.client import EngineDeadError, EngineFailedError
+from treadle.engine.llm import STRUCTURED_UNSUPPORTED
+from treadle.integrations.ray_serve.registry import router_for
+from treadle.lora import LoRARequest
+from treadle.models.tokenizer import load_tokenizer
+from treadle.router.routers import ReplicaLoad
+from treadle.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 3
+"""Sends of one request before its error is final: a replica that dies before the
+request's first token does not cost the request."""
+CONTROL_TIMEOUT_S = 60.0
+"""Seconds a control call (info, metrics, an adapter check, a pinned call) may take."""
+
+
+def replica_failure(exc: BaseException) -> bool:
+    """Whether a call failed because its replica (its actor or its engine) is gone, as
+    opposed to the request itself being refused."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+    return isinstance(exc, (ActorDiedError, ActorUnavailableError, RayActorError,
+                            EngineDeadError))
+
+
+class _Metrics:
+    def __init__(self, client: "ServeEngineClient") -> None:
+        self._client = client
+
+    def exposition(self) -> bytes:
+        return self._client.metrics_exposition()
+
+
+class ServeEngineClient:
+    """A treadle application's engine deployments, served as one engine."""
+
+    def __init__(self, handles: dict, config, served_model_name: str | None = None,
+                 on_shutdown=None) -> None:
+        """`handles`: role ("both") -> DeploymentHandle;
+        `on_shutdown`: what `shutdown` does after this client stops (app.py: delete the
+        application and leave Ray when this process started them)."""
+        self.handles = handles
+        self.config = config
+        self.served_model_name = served_model_name
+        self._on_shutdown = on_shutdown
+        self.error: BaseException | None = None
+        self.metrics = _Metrics(self)
+        # the engines' facts, from their info (connect / connect_async)
+        self.info = self.limits = self.tokenizer = self.eos_token_id = None
+        self.model_name = self.model_dir = None
+        self.supports_structured_outputs = self.lora_enabled = False
+        self._num_in_flight = 0
+        self._stopped = False
+        self._weights: dict[str, float] = {}
+        self._weights_version = 0
+        self._seen: set[int] = set()
+        self.routers: dict = {}
+
+    # ----- start-up ----------------------------------------------------------------------
+
+    def connect(self, timeout: float = 600.0) -> "ServeEngineClient":
+        """Ask every replica for its info (from a thread without an event loop)."""
+        infos = []
+        for handle in self.handles.values():
+            handle.info.remote().result(timeout_s=timeout)  # Ray Serve makes the router
+            infos += handle.broadcast("info").results(timeout_s=timeout)
+        self._take_infos(infos)
+        return self
+
+    async def connect_async(self, timeout: float = 600.0) -> "ServeEngineClient":
+        infos = []
+        for handle in self.handles.values():
+            await handle.info.remote()  # a routed call: Ray Serve makes the router here
+            infos += await handle.broadcast("info").results_async(timeout_s=timeout)
+        self._take_infos(infos)
+        return self
+
+    def _take_infos(self, infos: list[dict]) -> None:
+        first = min(infos, key=lambda i: i["index"])
+        self.info = first
+        self.limits = min((i["limits"] for i in infos), key=lambda lim: lim.num_kv_tokens)
+        self.model_name = first["model_name"]
+        self.eos_token_id = first["eos_token_id"]
+        self.model_dir = first["model_dir"]
+        self.tokenizer = load_tokenizer(first["model_dir"])
+        self.supports_structured_outputs = first["supports_structured_outputs"]
+        self.lora_enabled = first["lora_enabled"]
+        self.front_metrics = FrontEndMetrics(self.model_name)
+        for role, handle in self.handles.items():
+            router = router_for(handle.app_name, handle.deployment_name)
+            if router is None:
+                raise RuntimeError(f"no treadle request router for {handle.deployment_name}")
+            router.front_metrics = self.front_metrics
+            self.routers[role] = router
+        for i in infos:
+            self._seen.add(i["index"])
+            self.front_metrics.set_healthy(i["index"], True)
+
+    # ----- the engine interface the server uses (EngineClient) --------------------------
+
+    def start(self) -> None:
+        """Nothing to start: the replicas step from their construction."""
+
+    @property
+    def is_alive(self) -> bool:
+        """Every deployment has a replica in routing, and this client runs."""
+        return self.error is None and not self._stopped and all(
+            any(v.healthy for v in router.replica_views()) for router in self.routers.values())
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._num_in_flight
+
+    @property
+    def replicas(self) -> list[ReplicaLoad]:
+        """Every replica index ever seen: its view when in routing, else unhealthy."""
+        views = {v.index: v for router in self.routers.values() for v in router.replica_views()}
+        self._seen |= set(views)
+        return [views.get(i, ReplicaLoad(i, healthy=False)) for i in sorted(self._seen)]
+
+    @property
+    def tenant_weights(self) -> dict[str, float]:
+        return dict(self._weights)
+
+    def set_tenant_weight(self, tenant: str, weight: float) -> None:
+        """Recorded here; every call carries the weights and a replica applies newer ones."""
+        self._weights[tenant] = weight
+        self._weights_version += 1
+
+    def weights_arg(self):
+        return (self._weights_version, dict(self._weights)) if self._weights else None
+
+    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                       params: SamplingParams, priority: int = 0, tenant: str | None = None,
+                       lora_request: LoRARequest | None = None, **scheduling):
+        """The request's outputs from the replica Ray Serve's router (treadle's) picks;
+        leaving early cancels it there (its engine aborts it). `scheduling`: band and
+        deadlines (AsyncEngine.generate's), to the replica."""
+        if not self.is_alive:
+            raise EngineDeadError("no engine replica is running")
+        if params.structured_outputs is not None and not self.supports_structured_outputs:
+            raise ValueError(STRUCTURED_UNSUPPORTED)
+        self._num_in_flight += 1
+        try:
+            args = (request_id, prompt, prompt_token_ids, params, priority, tenant, lora_request)
+            async for output in self.stream("both", "generate", args, scheduling=scheduling):
+                yield output
+        finally:
+            self._num_in_flight -= 1
+
+    async def stream(self, role: str, method: str, args: tuple, extra: tuple = (),
+                     retry: bool = True, scheduling: dict | None = None):
+        """One call's outputs, streamed; sent again (up to MAX_ATTEMPTS) when its replica
+        fails before the first output, an EngineFailedError naming it when after."""
+        request_id, prompt_token_ids = args[0], args[2]
+        handle = self.handles[role].options(stream=True, method_name=method)
+        for attempt in range(MAX_ATTEMPTS):
+            sent = finished = False
+            response = handle.remote(*args, *extra, weights=self.weights_arg(),
+                                     **(scheduling or {}))
+            try:
+                async for output in response:
+                    if output.prompt_token_ids is None:
+                        output.prompt_token_ids = prompt_token_ids
+                    sent, finished = True, output.finished
+                    yield output
+                    if finished:
+                        return
+                raise EngineFailedError("a replica ended the request without a final output")
+            except Exception as exc:  # noqa: BLE001 - sorted out below
+                if not replica_failure(exc):
+                    raise
+                index = self.replica_failed(role, request_id)
+                if sent or not retry or attempt == MAX_ATTEMPTS - 1:
+                    raise EngineFailedError(f"engine replica {index} died while serving the "
+                                            "request") from None
+                logger.warning("replica %s failed before request %s's first token (%s): "
+                               "sending it again", index, request_id, type(exc).__name__)
+            finally:
+                if not finished:
+                    response.cancel()
+                self.routers[role].where.pop(request_id, None)
+
+    def replica_failed(self, role: str, request_id: str) -> int | None:
+        """The replica that served `request_id` failed: out of routing at once."""
+        router = self.routers[role]
+        where = router.where.get(request_id)
+        if where is None:
+            return None
+        index, uid = where
+        router.mark_dead(uid)
+        return index
+
+    def abort(self, request_id: str) -> None:
+        """End a request early on the replica serving it (leaving its stream does too)."""
+        for role, router in self.routers.items():
+            where = router.where.get(request_id)
+            if where is not None:
+                self.pinned(role, where[1], "abort", request_id)
+
+    def abort_all(self, reason: str) -> None:
+        """End every in-flight request on every replica with `reason`."""
+        for handle in self.handles.values():
+            _in_thread(lambda h=handle: h.broadcast("abort_all", reason).results(
+                timeout_s=CONTROL_TIMEOUT_S, return_exceptions=True))
+
+    def pinned(self, role: str, replica_id: str, method: str, *args):
+        """A call to one replica (DeploymentResponse), or None when it is not in routing."""
+        router = self.routers[role]
+        if replica_id in router.dead or replica_id not in router.replica_ids().values():
+            return None
+        return getattr(self.handles[role], method).remote(*args, target_replica=replica_id)
+
+    def call(self, index: int, method: str, *args, timeout: float = CONTROL_TIMEOUT_S):
+        """Replica `index`'s answer to `method(*args)` (tests and tools; blocking)."""
+        for role, router in self.routers.items():
+            uid = router.replica_ids().get(index)
+            if uid is not None:
+                return getattr(self.handles[role], method).remote(
+                    *args, target_replica=uid).result(timeout_s=timeout)
+        raise KeyError(f"no replica {index} in routing")
+
+    def actor(self, index: int):
+        """Replica `index`'s Ray actor (tests kill it)."""
+        import ray
+
+        for router in self.routers.values():
+            name = router.actor_name(index)
+            if name is not None:
+                return ray.get_actor(name, namespace="serve")
+        raise KeyError(f"no replica {index} in routing")
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop serving; the application goes too when this process started it."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._on_shutdown is not None:
+            self._on_shutdown()
+
+    def record_steps(self, max_steps: int = 2048, max_finished: int = 1000):
+        """No recorder: the steps are the replicas' (a ValueError saying what to turn off)."""
+        raise ValueError("the dashboard, request timelines and OTLP spans read one engine's "
+                         "steps: with replicas, serve with --no-dashboard --request-timelines 0"
+                         " and no --otlp-traces-endpoint")
+
+    def metrics_exposition(self) -> bytes:
+        """Every replica's metrics with a `replica` label, and the front end's (blocking:
+        the server calls it in a thread)."""
+        texts = []
+        for handle in self.handles.values():
+            for item in handle.broadcast("metrics_text").results(
+                    timeout_s=5, return_exceptions=True):
+                if not isinstance(item, BaseException):
+                    texts.append(item)
+        return merge_expositions(sorted(texts, key=lambda t: t[0]), self.front_metrics.registry)
+
+    # ----- adapters: not served on Ray Serve yet (build_openai_app refuses enable_lora) --
+
+    def add_lora(self, name: str, path: str):
+        """Refused: adapters are not served on Ray Serve yet."""
+        raise ValueError("adapters are not served on Ray Serve yet")
+
+    check_lora = add_lora
+
+    def remove_lora(self, name: str):
+        """Refused: adapters are not served on Ray Serve yet."""
+        raise ValueError("adapters are not served on Ray Serve yet")
+
+    def get_lora(self, name: str) -> LoRARequest | None:
+        """None: no adapter is served here."""
+        return None
+
+    def list_loras(self) -> list[LoRARequest]:
+        """None served here."""
+        return []
+
+    # ----- waiting (tests, tools) ---------------------------------------------------------
+
+    def wait_healthy(self, index: int, timeout: float = 120.0) -> bool:
+        """Wait until replica `index` is in routing again; whether it came in time."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(r.index == index and r.healthy for r in self.replicas):
+                return True
+            time.sleep(0.1)
+        return False
+
+
+def _in_thread(fn) -> None:
+    """Run a blocking control call without waiting for it (from any thread or loop)."""
+    threading.Thread(target=fn, name="treadle-serve-control", daemon=True).start()
