@@ -129,6 +129,20 @@ class EngineMetrics:
         self._last_per_pos: list[int] = []
         self._last_stats: dict[str, float] = {}
         self._preemption_tax: Counter | None = None
+        self._add_request_histograms(histogram)
+        self.vllm = VLLMMetrics(self.families, model_name)
+        """vLLM's names for these (treadle/metrics_vllm.py), in the same registry."""
+        r.register(self.vllm)
+        self.recent_ttft = LatencyWindow()
+        """The TTFT observations of the last minute (also in the histogram)."""
+        self.recent_tpot = LatencyWindow()
+        """The TPOT observations of the last minute (also in the histogram)."""
+        self.engine_stalls = counter(
+            "engine_stalls", "Times the engine stalled: work queued and no step for "
+            "stall_timeout seconds (engine/watchdog.py; GET /ready answers 503 meanwhile)")
+
+    def _add_request_histograms(self, histogram) -> None:
+        """The per-request latency and size histograms (vLLM's set, under treadle's names)."""
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token",
                               _LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between streamed tokens",
@@ -154,16 +168,6 @@ class EngineMetrics:
         self.request_generation_tokens = histogram("request_generation_tokens",
                                                    "Generated tokens per finished request",
                                                    _REQUEST_TOKEN_BUCKETS)
-        self.vllm = VLLMMetrics(self.families, model_name)
-        """vLLM's names for these (treadle/metrics_vllm.py), in the same registry."""
-        r.register(self.vllm)
-        self.recent_ttft = LatencyWindow()
-        """The TTFT observations of the last minute (also in the histogram)."""
-        self.recent_tpot = LatencyWindow()
-        """The TPOT observations of the last minute (also in the histogram)."""
-        self.engine_stalls = counter(
-            "engine_stalls", "Times the engine stalled: work queued and no step for "
-            "stall_timeout seconds (engine/watchdog.py; GET /ready answers 503 meanwhile)")
 
     def record_step(self, stats: dict, num_running: int, num_waiting: int, num_swapped: int,
                     num_scheduled: int, max_num_seqs: int) -> None:

@@ -124,13 +124,10 @@ def make_engine(engine_config: EngineConfig, server_config: ServerConfig,
 
 def serve(engine_config: EngineConfig, server_config: ServerConfig,
           replica_config=None, batch_config: BatchConfig | None = None,
-          sock: socket.socket | None = None) -> int:
+          *, sock: socket.socket) -> int:
     """Serve until SIGTERM / SIGINT (exit status 0) or the engine's death (1). `sock`: the
     listening socket of host:port, bound by the caller before the engine started
-    (treadle/cli/preflight.py `bind_port`); bound here when not given."""
-    if sock is None:
-        from treadle.cli.preflight import bind_port
-        sock = bind_port(server_config.host, server_config.port)
+    (`treadle serve` binds it first: treadle/cli/preflight.py `bind_port`)."""
     keyring = KeyRing.from_options(server_config.api_key, server_config.api_keys_file)
     lora_modules = parse_lora_modules(server_config.lora_modules)
     check_serving(engine_config, server_config, replica_config)  # treadle/compat.py

@@ -49,7 +49,7 @@ from treadle.server.fields import check_fields, check_message_fields
 from treadle.server.grammars import LazyGrammarCompiler
 from treadle.server.responses import Formatting
 from treadle.server.responses_api import ResponseStore
-from treadle.server.streams import merge
+from treadle.server.streams import latest_per_source, merge
 from treadle.server.tool_calls import ToolRequestError, ToolSetup, setup_tools, template_message
 from treadle.structured import (StructuredOutputError, StructuredSpec, from_response_format,
                                 from_structured_outputs)
@@ -83,17 +83,6 @@ def describe_admission(limits: AdmissionLimits) -> str:
                if limits.tenant_tokens_per_minute else "")
             + f"; slots: up to {limits.max_num_seqs} requests at once (max_num_seqs) within "
               f"the KV cache's {limits.num_kv_tokens} tokens")
-
-
-async def _latest_per_source(merged):
-    """From (source index, output) pairs: the latest output of every source, in order."""
-    latest: dict[int, object] = {}
-    try:
-        async for i, output in merged:
-            latest[i] = output
-            yield [latest[k] for k in sorted(latest)]
-    finally:
-        await merged.aclose()
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -581,7 +570,7 @@ class OpenAIServing:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return (sse or self.sse)(chunks(request_id, model_name, outputs, include_usage,
                                             fmt))
-        finals = await self.final_output(request, _latest_per_source(outputs))
+        finals = await self.final_output(request, latest_per_source(outputs))
         if finals is None:  # the client went away; the requests were aborted
             return Response(status_code=499)
         for final in finals:

@@ -54,3 +54,14 @@ async def merge(sources: Sequence[AsyncIterator]) -> AsyncIterator[tuple[int, ob
         await asyncio.gather(*tasks, return_exceptions=True)
         for source in sources:
             await source.aclose()
+
+
+async def latest_per_source(merged):
+    """From (source index, output) pairs: the latest output of every source, in order."""
+    latest: dict[int, object] = {}
+    try:
+        async for i, output in merged:
+            latest[i] = output
+            yield [latest[k] for k in sorted(latest)]
+    finally:
+        await merged.aclose()

@@ -284,7 +284,9 @@ class ModelRunner:
         return self.start_copies(copy)
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+    def _begin_step(self, scheduler_output: SchedulerOutput) -> None:
+        """Forget finished requests' sampler and grammar state, evict (H2O), and start
+        compiling new requests' grammars."""
         self.sampler.drop(scheduler_output.finished_request_ids)
         if self.h2o is not None:
             self._evict(scheduler_output)
@@ -294,6 +296,21 @@ class ModelRunner:
                 (s.request_id, s.new_request.sampling_params.structured_outputs)
                 for s in scheduler_output.scheduled if s.new_request is not None
                 and s.new_request.sampling_params.structured_outputs is not None)
+
+    def _greedy_tokens(self, chosen: torch.Tensor, entries) -> torch.Tensor | None:
+        """Each row's argmax straight from the hidden states when every row takes plain
+        argmax and the model can (no logits made), else None."""
+        greedy_tokens = getattr(self.model, "greedy_tokens", None)
+        if greedy_tokens is None or not all(
+                takes_plain_argmax(e.params, len(e.output_token_ids)) for e in entries):
+            return None
+        greedy = greedy_tokens(chosen)
+        if greedy is not None and bool((greedy < 0).any()):  # a row of NaNs
+            return None
+        return greedy
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        self._begin_step(scheduler_output)
         proposer = self.proposer
         if proposer is not None:
             proposer.begin_step(scheduler_output)
@@ -342,13 +359,7 @@ class ModelRunner:
         else:
             chosen = hidden.index_select(0, torch.from_numpy(logits_indices).to(hidden.device))
         entries = self._sample_entries(rows, sample_rows)
-        greedy = None
-        greedy_tokens = getattr(self.model, "greedy_tokens", None)
-        if greedy_tokens is not None and all(
-                takes_plain_argmax(e.params, len(e.output_token_ids)) for e in entries):
-            greedy = greedy_tokens(chosen)
-            if greedy is not None and bool((greedy < 0).any()):  # a row of NaNs
-                greedy = None
+        greedy = self._greedy_tokens(chosen, entries)
         logits = self.model.compute_logits(chosen) if greedy is None else None
         t2 = time.perf_counter()
         prompt_lps = self._prompt_logprobs(rows, hidden)
