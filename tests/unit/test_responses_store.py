@@ -1,6 +1,6 @@
 """The Responses API's store: per-tenant LRU bound, and no tenant reads another's."""
 
-from treadle.server.responses_api import ResponseStore
+from treadle.server.response_store import ResponseStore
 from treadle.server.responses_items import input_messages
 
 

@@ -14,11 +14,9 @@ template, on the conversation's estimated size.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Optional, Union
+from typing import Annotated, Any, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -28,13 +26,13 @@ from starlette.concurrency import run_in_threadpool
 from treadle.server import protocol
 from treadle.server.admission import conversation_tokens
 from treadle.server.errors import APIError, error_field, quoted
+from treadle.server.response_store import ResponseStore
 from treadle.server.responses_items import (MAX_INPUT_ITEMS, as_message, chat_tools,
                                             input_messages, new_id, output_items, usage)
 from treadle.server.responses_stream import response_events, responses_sse
+from treadle.server.serving import OpenAIServing
 from treadle.server.tool_calls import ToolRequestError, ToolSetup
 
-if TYPE_CHECKING:
-    from treadle.server.serving import OpenAIServing
 
 
 class ResponsesRequest(protocol.SamplingFields):
@@ -48,37 +46,6 @@ class ResponsesRequest(protocol.SamplingFields):
     store: bool = True
     previous_response_id: Optional[str] = Field(default=None, max_length=128)
     text: Optional[dict[str, Any]] = None
-
-
-class ResponseStore:
-    """Stored responses: per tenant, the most recent `capacity` (least recently used
-    evicted first). Thread-safe; nothing leaves the process."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._tenants: dict[str, OrderedDict[str, dict]] = {}
-        self._lock = threading.Lock()
-
-    def put(self, tenant: str, response_id: str, record: dict) -> None:
-        with self._lock:
-            entries = self._tenants.setdefault(tenant, OrderedDict())
-            entries[response_id] = record
-            entries.move_to_end(response_id)
-            while len(entries) > self.capacity:
-                entries.popitem(last=False)
-
-    def get(self, tenant: str, response_id: str) -> dict | None:
-        with self._lock:
-            entries = self._tenants.get(tenant)
-            if entries is None or response_id not in entries:
-                return None
-            entries.move_to_end(response_id)
-            return entries[response_id]
-
-    def delete(self, tenant: str, response_id: str) -> bool:
-        with self._lock:
-            entries = self._tenants.get(tenant)
-            return entries is not None and entries.pop(response_id, None) is not None
 
 
 @dataclass

@@ -48,7 +48,7 @@ from treadle.server.errors import APIError, error_body, error_field, error_respo
 from treadle.server.fields import check_fields, check_message_fields
 from treadle.server.grammars import LazyGrammarCompiler
 from treadle.server.responses import Formatting
-from treadle.server.responses_api import ResponseStore
+from treadle.server.response_store import ResponseStore
 from treadle.server.streams import latest_per_source, merge
 from treadle.server.tool_calls import ToolRequestError, ToolSetup, setup_tools, template_message
 from treadle.structured import (StructuredOutputError, StructuredSpec, from_response_format,

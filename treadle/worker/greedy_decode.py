@@ -21,7 +21,6 @@ It decides nothing: the step message says what runs.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -31,11 +30,7 @@ from treadle.layers.attention import AttentionStep
 from treadle.worker.input_batch import CachedRequestState
 from treadle.worker.sampler import takes_plain_argmax
 
-if TYPE_CHECKING:  # pragma: no cover
-    from treadle.worker.model_runner import ModelRunner
-
-
-def qualifies(runner: "ModelRunner", scheduler_output: SchedulerOutput,
+def qualifies(runner, scheduler_output: SchedulerOutput,
               states: list[CachedRequestState]) -> bool:
     """Whether this step takes the short path (see the module docstring)."""
     par = runner.parallel
@@ -55,7 +50,7 @@ def qualifies(runner: "ModelRunner", scheduler_output: SchedulerOutput,
     return True
 
 
-def step_inputs(runner: "ModelRunner", scheduler_output: SchedulerOutput,
+def step_inputs(runner, scheduler_output: SchedulerOutput,
                 states: list[CachedRequestState]) -> tuple[torch.Tensor, torch.Tensor, object]:
     """Token ids, positions and the attention backend's metadata of a qualifying step:
     each row's last token at its position, in the message's order."""
@@ -76,7 +71,7 @@ def step_inputs(runner: "ModelRunner", scheduler_output: SchedulerOutput,
             torch.from_numpy(positions).to(runner.device), meta)
 
 
-def run(runner: "ModelRunner", scheduler_output: SchedulerOutput,
+def run(runner, scheduler_output: SchedulerOutput,
         states: list[CachedRequestState]) -> tuple[ModelRunnerOutput | None, float, float]:
     """The step's tokens, or None where a row's logits hold a NaN (the caller then runs
     the general path on the same step: nothing here changed the batch, and the keys and

@@ -27,7 +27,7 @@ import torch
 
 from treadle.core.outputs import TokenLogprobs
 from treadle.sampling_params import SamplingParams
-from treadle.worker.sampler import Sampler, SamplerOutput, _inverse_cdf, logprob_entries
+from treadle.worker.sampling_math import SamplerOutput, _inverse_cdf, logprob_entries
 
 
 def exclude_top_choices(probs: torch.Tensor, thresholds: Sequence[float]) -> torch.Tensor:
@@ -57,7 +57,7 @@ def _pick(items, rows: list[int]):
     return None if items is None else [items[i] for i in rows]
 
 
-def sample_with_xtc(sampler: Sampler, logits: torch.Tensor, request_ids: Sequence[str],
+def sample_with_xtc(sampler, logits: torch.Tensor, request_ids: Sequence[str],
                     params: Sequence[SamplingParams], prompt_token_ids, output_token_ids,
                     eos_token_id: int | None, masks) -> SamplerOutput:
     """`Sampler.sample` for a batch where some rows use XTC (see the module docstring)."""
