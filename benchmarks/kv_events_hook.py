@@ -41,8 +41,8 @@ def run(prompts: list[list[int]], mode: str) -> float:
     kv = KVCacheManager(2048, BLOCK, True)
     recorder = encode = None
     if mode != "off":
-        from treadle.integrations.kv_events.recorder import KVEventRecorder
-        from treadle.integrations.kv_events.wire import EventBatch, encode_batch
+        from treadle.kv_events.recorder import KVEventRecorder
+        from treadle.kv_events.wire import EventBatch, encode_batch
 
         recorder = KVEventRecorder(BLOCK, "CPU")
         kv.set_event_sink(recorder)

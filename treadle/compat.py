@@ -1,6 +1,6 @@
 """Which features can run together: every refusal of a combination, in one place.
 
-Each participant in a check is an `Element`: a KV spec (core/kv/specs.py: full
+Each participant in a check is an `Element`: a KV spec (kv_specs/specs.py: full
 attention, a sliding-window group, H2O eviction), the KV cache dtype, or a feature of the
 configuration (speculative decoding and its method, tensor / pipeline parallelism, a
 named attention backend, P/D disaggregation, prefix caching off, KV events, replicas
@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from treadle.core.kv.specs import (ATTENTION_BACKENDS, CACHE_DTYPES, CAPABILITIES, KVSpec,
+from treadle.kv_specs.specs import (ATTENTION_BACKENDS, CACHE_DTYPES, CAPABILITIES, KVSpec,
                                    primary_spec)
 
 

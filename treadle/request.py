@@ -84,7 +84,7 @@ class Request:
     proposed to follow its last one, computed with it in one step and kept only as far
     as the model agrees with them.
 
-    With heavy-hitter eviction (core/kv/eviction.py) the cache holds fewer tokens than
+    With heavy-hitter eviction (kv_specs/eviction.py) the cache holds fewer tokens than
     were computed: `num_evicted_tokens` of them were dropped, and `num_kv_tokens` is what
     the request's blocks hold (positions still count every computed token).
     """

@@ -1,7 +1,7 @@
 """Heavy-hitter (H2O) eviction in the engine (`kv_eviction="h2o"`): against a reference
 written here on transformers, which runs the whole sequence each step with a 4D mask
 holding what each query saw when it was computed (so its attention probabilities are the
-engine's), accumulates them, and evicts by the same rule (core/kv/eviction.py): greedy
+engine's), accumulates them, and evicts by the same rule (kv_specs/eviction.py): greedy
 tokens, the kept positions (exactly the recent ones plus the heavy hitters) and their
 scores agree. Memory stays within the budget, and swap preemption keeps the scores."""
 

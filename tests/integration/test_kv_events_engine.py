@@ -18,7 +18,7 @@ from treadle import LLM, SamplingParams
 zmq = pytest.importorskip("zmq")
 
 from conftest import make_tiny_checkpoint  # noqa: E402
-from treadle.integrations.kv_events.index import KVEventIndex  # noqa: E402
+from treadle.kv_events.index import KVEventIndex  # noqa: E402
 
 BLOCK = 4
 END = (-1).to_bytes(8, "big", signed=True)

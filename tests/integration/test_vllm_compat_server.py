@@ -109,7 +109,7 @@ def test_vllm_names_types_labels_and_values(server):
 
 
 def test_kv_events_from_the_server_predict_its_prefix_hits(server):
-    from treadle.integrations.kv_events.index import KVEventIndex
+    from treadle.kv_events.index import KVEventIndex
 
     base, endpoint, replay = server
     prompt = "a prefix the router will find again, " * 6

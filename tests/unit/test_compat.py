@@ -9,7 +9,7 @@ import pytest
 from treadle import compat
 from treadle.config import EngineConfig
 from treadle.server.config import ServerConfig
-from treadle.core.kv.specs import (CACHE_DTYPES, FullAttentionSpec, H2OSpec, SlidingWindowSpec,
+from treadle.kv_specs.specs import (CACHE_DTYPES, FullAttentionSpec, H2OSpec, SlidingWindowSpec,
                                    primary_spec)
 from treadle.distributed.config import ReplicaConfig
 

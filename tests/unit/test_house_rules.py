@@ -3,9 +3,10 @@ and imports that run down the layers only.
 
 Read with `ast`, nothing is imported. The layers, top to bottom: the tools and front ends
 (cli, bench, sim, measure), server, distributed and the stacks treadle runs inside
-(integrations.ray_serve), engine, executor, worker, models, layers; core is the
-scheduler's pure-Python room, beside the worker, below the engine. integrations.kv_events
-is a wire format the engine speaks (vLLM's KV events): below the engine, beside core.
+(integrations), engine, executor, worker, models, layers; core is the scheduler's
+pure-Python room, beside the worker, below the engine; kv_events is a wire format the
+engine speaks (vLLM's KV events), beside core; config and compat (the options and their
+refused combinations) sit on kv_specs (what a KV cache is declared to be), the ground.
 What a package may not import is listed per package below; a lazy import inside a
 function counts like one at the top.
 """
@@ -25,7 +26,8 @@ TRITON_KERNELS = PACKAGE / "worker" / "cuda" / "triton"
 
 FRONT = ("cli",)
 TOOLS = ("bench", "sim", "measure")
-ABOVE_ENGINE = ("server", "distributed", "integrations.ray_serve", *FRONT, *TOOLS)
+ABOVE_ENGINE = ("server", "distributed", "integrations", *FRONT, *TOOLS)
+ENGINE_AND_BELOW = ("layers", "models", "worker", "core", "engine", "executor", "kv_events")
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     "layers": ("models", "worker", "core", "engine", "executor", *ABOVE_ENGINE),
     "models": ("worker", "core", "engine", "executor", *ABOVE_ENGINE),
@@ -35,9 +37,12 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "engine": ABOVE_ENGINE,
     "server": (*FRONT, *TOOLS),
     "distributed": (*FRONT, *TOOLS),
-    "integrations.ray_serve": (*FRONT, *TOOLS),
-    "integrations.kv_events": ("layers", "models", "worker", "engine", "executor",
-                               *ABOVE_ENGINE),
+    "integrations": (*FRONT, *TOOLS),
+    "kv_events": ("layers", "models", "worker", "engine", "executor", *ABOVE_ENGINE),
+    "config": ("request", "sampling_params", *ENGINE_AND_BELOW, *ABOVE_ENGINE),
+    "compat": ("config", "request", "sampling_params", *ENGINE_AND_BELOW, *ABOVE_ENGINE),
+    "kv_specs": ("config", "compat", "request", "sampling_params", *ENGINE_AND_BELOW,
+                 *ABOVE_ENGINE),
     "structured": ("worker", "engine", "executor", *ABOVE_ENGINE),
 }
 """Package of treadle -> the packages of treadle it must not import."""
@@ -48,9 +53,7 @@ def python_files():
 
 
 def _room(parts) -> str:
-    """The package a module path belongs to; integrations' are one room each."""
-    if parts[0] == "integrations" and len(parts) > 1:
-        return "integrations." + parts[1].removesuffix(".py")
+    """The package (or top-level module) a module path belongs to."""
     return parts[0].removesuffix(".py")
 
 

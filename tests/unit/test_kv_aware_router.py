@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from treadle.integrations.kv_events.index import KVEventIndex, _ReplicaView
-from treadle.integrations.kv_events.wire import BlockStored, EventBatch
+from treadle.kv_events.index import KVEventIndex, _ReplicaView
+from treadle.kv_events.wire import BlockStored, EventBatch
 from treadle.router.kv_aware import KVEventRouter
 from treadle.router.routers import PrefixAwareRouter, PrefixRouterOptions, ReplicaLoad
 

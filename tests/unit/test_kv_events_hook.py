@@ -1,5 +1,5 @@
 """KV events from the KV cache manager's hook (core/kv/events.py) and the recorder
-(integrations/kv_events/recorder.py), without sockets or a model.
+(kv_events/recorder.py), without sockets or a model.
 
 A hypothesis state machine drives a KVCacheManager as the scheduler does — requests of
 two tenants admitted with prefix hits, decoding, preempted by swap or recompute, resumed,
@@ -18,8 +18,8 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 
 from treadle.core.kv.hashing import hash_block, root_hash
 from treadle.core.kv.manager import KVCacheManager
-from treadle.integrations.kv_events.recorder import KVEventRecorder
-from treadle.integrations.kv_events.wire import (MEDIUM_CPU, MEDIUM_CPU_SWAP,
+from treadle.kv_events.recorder import KVEventRecorder
+from treadle.kv_events.wire import (MEDIUM_CPU, MEDIUM_CPU_SWAP,
                                                  AllBlocksCleared, BlockRemoved, BlockStored,
                                                  wire_hash)
 from treadle.lora import LoRARequest

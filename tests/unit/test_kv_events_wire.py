@@ -19,9 +19,9 @@ import pytest
 zmq = pytest.importorskip("zmq")
 
 from treadle.core.kv.hashing import hash_block, root_hash  # noqa: E402
-from treadle.integrations.kv_events.index import KVEventIndex  # noqa: E402
-from treadle.integrations.kv_events.publisher import ZmqEventPublisher  # noqa: E402
-from treadle.integrations.kv_events.wire import (AllBlocksCleared, BlockRemoved,  # noqa: E402
+from treadle.kv_events.index import KVEventIndex  # noqa: E402
+from treadle.kv_events.publisher import ZmqEventPublisher  # noqa: E402
+from treadle.kv_events.wire import (AllBlocksCleared, BlockRemoved,  # noqa: E402
                                                  BlockStored, wire_hash)
 
 STORED_FIELDS = ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
@@ -286,7 +286,7 @@ def _skip_many(send, count: int):
 
 def test_options_are_checked_and_replicas_get_their_own_ports():
     from treadle.config import EngineConfig
-    from treadle.integrations.kv_events.config import KVEventsConfig
+    from treadle.config.kv_events import KVEventsConfig
 
     config = KVEventsConfig("tcp://*:5557", "tcp://*:5558", "kv@x")
     second = config.for_replica(2)

@@ -1,4 +1,4 @@
-"""Heavy-hitter eviction in the engine core (core/kv/eviction.py, core/kv/h2o.py):
+"""Heavy-hitter eviction in the engine core (kv_specs/eviction.py, core/kv/h2o.py):
 the budget arithmetic, compaction of a table (shared blocks copied, rewritten blocks out
 of the prefix cache, nothing registered after an eviction), and the scheduler keeping
 every request within its budget with correct step messages."""
@@ -10,7 +10,7 @@ from test_scheduler import NO_LOOKAHEAD, fake_runner, make_request, run_to_compl
 
 from treadle.config import CacheConfig, SchedulerConfig
 from treadle.core.kv.manager import KVCacheManager
-from treadle.core.kv.eviction import EvictionBudget
+from treadle.kv_specs.eviction import EvictionBudget
 from treadle.core.scheduler import Scheduler
 
 

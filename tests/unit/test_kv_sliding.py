@@ -158,7 +158,7 @@ def test_the_kv_config_names_each_group_its_layers_and_blocks():
     split, each layer's group, and no swap space when a group cannot swap."""
     from treadle.config import EngineConfig
     from treadle.core.kv.config import kv_cache_config
-    from treadle.core.kv.specs import FullAttentionSpec, H2OSpec, SlidingWindowSpec
+    from treadle.kv_specs.specs import FullAttentionSpec, H2OSpec, SlidingWindowSpec
 
     config = EngineConfig.from_options(block_size=16, max_num_seqs=8,
                                        max_num_batched_tokens=512, kv_cache_dtype="int8")

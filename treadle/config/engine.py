@@ -10,7 +10,7 @@ from typing import Any
 
 from treadle.config.values import _flag_type, SPECULATIVE_OPTION, ENV_PREFIX
 from treadle.compat import check_config
-from treadle.integrations.kv_events.config import KVEventsConfig
+from treadle.config.kv_events import KVEventsConfig
 from treadle.config.model import ModelConfig
 from treadle.config.cache import CacheConfig
 from treadle.config.scheduler import SchedulerConfig
@@ -45,7 +45,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     """Given whole, as the one option `speculative_config` (a dict or JSON string)."""
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
-    """KV-cache events in vLLM's format (treadle/integrations/kv_events/config.py)."""
+    """KV-cache events in vLLM's format (treadle/config/kv_events.py)."""
 
     _SECTIONS = ("model", "cache", "scheduler", "parallel", "lora", "kv_events")
 

@@ -245,7 +245,7 @@ def fit(plan: StepPlan, request: Request, hit: PrefixHit) -> tuple[Admission, in
     if plan.holds_back(request, num_tokens > room.budget):
         return Admission.DEFERRED, 0
     num_tokens = min(num_tokens, room.budget)
-    if kv.eviction is not None:  # its steps are capped (core/kv_eviction.py)
+    if kv.eviction is not None:  # its steps are capped (kv_specs/eviction.py)
         num_tokens = min(num_tokens, kv.eviction.max_step_tokens)
     if not kv.can_allocate(request, num_tokens, hit.blocks):
         return Admission.NO_FIT, 0
@@ -267,7 +267,7 @@ def fit(plan: StepPlan, request: Request, hit: PrefixHit) -> tuple[Admission, in
 
 def _budget_fits(kv: KVCacheManager, request: Request, computed_blocks: list[KVBlock],
                  room: StepRoom) -> bool:
-    """With eviction a request's steps are small (core/kv_eviction.py), yet it soon holds
+    """With eviction a request's steps are small (kv_specs/eviction.py), yet it soon holds
     its whole budget: admit it only when that fits, or two such requests would take
     turns preempting each other a chunk at a time."""
     remaining = max(0, request.sampling_params.max_tokens - request.num_output_tokens)

@@ -79,7 +79,7 @@ class NewRequestData:
 
 @dataclass
 class KVCompaction:
-    """Heavy-hitter eviction of one request before the step (core/kv/eviction.py): of its
+    """Heavy-hitter eviction of one request before the step (kv_specs/eviction.py): of its
     `num_tokens` cached tokens keep `num_kept` (the `num_recent` most recent and the
     highest-scoring others, in their order), moved to the first slots of `dst_block_ids`.
     `src_block_ids` is its block table before, so the worker needs nothing else of it."""

@@ -70,7 +70,7 @@ from treadle.config import CacheConfig, SchedulerConfig, SpeculativeConfig, pars
 from treadle.core import policy
 from treadle.core.fair_share import FairShareLedger
 from treadle.core.kv.manager import KVCacheManager
-from treadle.core.kv.eviction import EvictionBudget
+from treadle.kv_specs.eviction import EvictionBudget
 from treadle.core.kv.config import LayerGroups
 from treadle.core.kv.sliding import SlidingWindowGroup
 from treadle.core.outputs import (EngineCoreOutput, ModelRunnerOutput, PromptLogprobs,
@@ -101,7 +101,7 @@ class SchedulerStats:
     """Admissions past a waiting request that did not fit."""
     num_swap_in: int = 0
     num_kv_compactions: int = 0
-    """Heavy-hitter evictions (core/kv_eviction.py)."""
+    """Heavy-hitter evictions (kv_specs/eviction.py)."""
     num_evicted_tokens: int = 0
     """Tokens of KV they dropped."""
     allocated_slots: int = 0

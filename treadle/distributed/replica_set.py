@@ -208,7 +208,7 @@ class ReplicaSet:
         options = rc.prefix_options(self.limits.block_size, self.limits.num_kv_tokens)
         if rc.routing != "prefix" or not config.kv_events.enabled:
             return make_router(rc.routing, options)
-        from treadle.integrations.kv_events.index import KVEventIndex
+        from treadle.kv_events.index import KVEventIndex
         from treadle.router.kv_aware import KVEventRouter
 
         self.kv_index = KVEventIndex(self.limits.block_size, config.kv_events.kv_events_topic)

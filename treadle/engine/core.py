@@ -8,7 +8,7 @@ longer than the model's context, or larger than the whole KV cache) ends at once
 error and never reaches the scheduler. With LoRA it keeps the adapters it knows
 (engine/lora_registry.py): a request's adapter is checked against the model when it is
 first seen, and the scheduler gets the worker's slot count. With `kv_events_endpoint`
-set it publishes the prefix cache's changes once per step (treadle/integrations/kv_events,
+set it publishes the prefix cache's changes once per step (treadle/kv_events,
 imported only then). It works on token ids only: tokenization, detokenization and
 user-facing outputs belong to the layers above. No torch here.
 """
@@ -111,9 +111,9 @@ class EngineCore:
         self._in_flight: deque[tuple] = deque()
         """Submitted steps not answered yet: (SchedulerOutput, step number, start time)."""
         self.kv_events = None
-        """The KV-event recorder and publisher (integrations/kv_events/engine.py), or None."""
+        """The KV-event recorder and publisher (kv_events/engine.py), or None."""
         if config.kv_events.enabled:
-            from treadle.integrations.kv_events.engine import KVEvents
+            from treadle.kv_events.engine import KVEvents
 
             try:
                 self.kv_events = KVEvents.attach(self.scheduler.kv, config.kv_events,

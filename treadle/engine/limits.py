@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from treadle.core.kv.specs import FullAttentionSpec, KVSpec, primary_spec
+from treadle.kv_specs.specs import FullAttentionSpec, KVSpec, primary_spec
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""treadle inside the stacks people deploy: KV events in vLLM's format (kv_events/), and
-the other integrations beside it. Each subpackage imports its third-party library only
-when it is used, so importing this package costs nothing.
+"""treadle inside the stacks people deploy (Ray Serve: ray_serve/). Each subpackage
+imports its third-party library only when it is used, so importing this package costs
+nothing. vLLM's KV-event wire format, which the engine itself speaks, is treadle/kv_events.
 """

@@ -2,7 +2,7 @@
 
 Owns `KVEventRouter`, the `prefix` router used when the replicas publish KV events
 (`--kv-events-endpoint`): a replica's matched prefix is what its prefix cache holds by
-its events — a `PrefixIndex`, the interface of treadle/integrations/kv_events/index.py's
+its events — a `PrefixIndex`, the interface of treadle/kv_events/index.py's
 `KVEventIndex` (`longest_prefix(replica_id, token_ids, cache_salt, lora_id, lora_name)`)
 — instead of what the router sent there. Events only follow a prefill, so a prompt routed
 a moment ago is not in them yet: a burst of one new prefix would spread over every

@@ -28,7 +28,7 @@ ALIASES = {"native": "cpu-native"}
 """Earlier names still accepted."""
 KV_CACHE_DTYPE_SUPPORT = backends_reading()
 """The `kv_cache_dtype`s each backend reads and writes (worker/kv_quant.py), as the cache
-dtypes declare them (core/kv/specs.py `CACHE_DTYPES`; triton: fp8 rows of a uint8 cache,
+dtypes declare them (kv_specs/specs.py `CACHE_DTYPES`; triton: fp8 rows of a uint8 cache,
 worker/cuda/triton/common.py)."""
 
 

@@ -1,7 +1,7 @@
 """Heavy-hitter (H2O) eviction, the worker's half: attention scores, and compaction.
 
 The engine core decides when a request is compacted and to how many tokens
-(core/kv/eviction.py); the worker holds what that choice needs and the core cannot see:
+(kv_specs/eviction.py); the worker holds what that choice needs and the core cannot see:
 every cached token's accumulated attention, the probability mass it has received from
 every query since it was computed, summed over heads and layers. A compaction keeps the
 `num_recent` most recent tokens and the highest-scoring others (ties to the earlier

@@ -2,7 +2,7 @@
 the per-layer tensors, the swap space, and block copies between them.
 
 Owns the physical storage only, the worker side of the engine core's KV specs
-(core/kv/specs.py: what a group is and what a slot stores; core/kv/config.py: how many
+(kv_specs/specs.py: what a group is and what a slot stores; core/kv/config.py: how many
 blocks each layer's tensor gets, decided once by the engine core). Which request uses
 which block is decided in core/, and how attention reads a layout is its backend's
 business (worker/attention). A layout is named by the backend that uses it:
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from treadle.core.kv.specs import CACHE_DTYPES
+from treadle.kv_specs.specs import CACHE_DTYPES
 from treadle.worker import kv_quant
 from treadle.worker.cpu.huge_pages import HugePageArena
 
@@ -47,7 +47,7 @@ KV_LAYOUTS = {"heads_first": 2, "blocks_first": 1}
 @dataclass(frozen=True)
 class KVCacheSpec:
     """One layer's KV tensor layout and dtype, and the number of layers: the tensors of a
-    core KV spec's group (its `cache_dtype`, one of core/kv/specs.py `CACHE_DTYPES`)."""
+    core KV spec's group (its `cache_dtype`, one of kv_specs/specs.py `CACHE_DTYPES`)."""
 
     num_layers: int
     num_kv_heads: int

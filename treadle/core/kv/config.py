@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from treadle.compat import check_kv_specs
-from treadle.core.kv.eviction import EvictionBudget
-from treadle.core.kv.specs import KVSpec, SlidingWindowSpec, primary_spec
+from treadle.kv_specs.eviction import EvictionBudget
+from treadle.kv_specs.specs import KVSpec, SlidingWindowSpec, primary_spec
 
 if TYPE_CHECKING:
     from treadle.config import EngineConfig

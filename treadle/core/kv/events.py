@@ -8,7 +8,7 @@ dropped by `reset_prefix_cache`), when nothing cached is left after a reset
 (`all_cleared`), and when a swap-out parks a request's cached blocks in the swap pool
 and when they leave it (`swapped_out`, `swap_released`).
 
-It owns no state and no wire format: the sink (treadle/integrations/kv_events) turns the
+It owns no state and no wire format: the sink (treadle/kv_events) turns the
 calls into vLLM's events and publishes them. With no sink attached every call site is
 one `is None` test on a path that evicts or registers blocks, never per token. The
 sliding-window group's pool announces nothing: its hits are cut to the full group's

@@ -14,7 +14,7 @@ from __future__ import annotations
 from treadle.core.kv.block_pool import BlockPool, KVBlock
 from treadle.core.kv.events import KVEventSink
 from treadle.core.kv.interface import BlockHashes, SpecManager
-from treadle.core.kv.specs import KVSpec
+from treadle.kv_specs.specs import KVSpec
 from treadle.request import Request
 
 

@@ -1,5 +1,5 @@
 """The heavy-hitter (H2O) group's manager: full attention whose table holds a request's
-kept tokens only (core/kv/eviction.py decides when and how many; the worker, which).
+kept tokens only (kv_specs/eviction.py decides when and how many; the worker, which).
 
 Differs from full attention in three rules. A prefix hit is capped so that the first
 step fits under the budget (`EvictionBudget.max_prefix_hit_tokens`). A block is
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from treadle.core.kv.full import FullAttentionManager
 from treadle.core.kv.interface import BlockHashes
-from treadle.core.kv.specs import H2OSpec
+from treadle.kv_specs.specs import H2OSpec
 from treadle.core.outputs import KVCompaction
 from treadle.request import Request
 

@@ -2,7 +2,7 @@
 them; vLLM's single_type_kv_cache_manager is the shape).
 
 A manager owns one group's block pool and each request's table in it, and answers for
-its spec (core/kv/specs.py) alone: how long a prefix hit it can serve, how many blocks a
+its spec (kv_specs/specs.py) alone: how long a prefix hit it can serve, how many blocks a
 step is short of, which blocks a request no longer needs. It never sees another group,
 never chooses which request gets memory (the scheduler does) and never hashes tokens
 (the composite hands it the request's chained prefix hashes). No torch here.
@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from typing import Callable
 
 from treadle.core.kv.block_pool import BlockPool, KVBlock
-from treadle.core.kv.specs import KVSpec
+from treadle.kv_specs.specs import KVSpec
 from treadle.request import Request
 
 BlockHashes = Callable[[int], list[bytes]]

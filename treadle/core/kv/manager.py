@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from treadle.core.kv.block_pool import BlockPool, KVBlock
 from treadle.core.kv.config import KVCacheConfig
 from treadle.core.kv.events import KVEventSink
-from treadle.core.kv.eviction import EvictionBudget
+from treadle.kv_specs.eviction import EvictionBudget
 from treadle.core.kv.full import FullAttentionManager
 from treadle.core.kv.h2o import H2OManager
 from treadle.core.kv.hashing import hash_block, root_hash
 from treadle.core.kv.interface import SpecManager
 from treadle.core.kv.sliding import SlidingWindowManager
-from treadle.core.kv.specs import FullAttentionSpec, H2OSpec, KVSpec, SlidingWindowSpec
+from treadle.kv_specs.specs import FullAttentionSpec, H2OSpec, KVSpec, SlidingWindowSpec
 from treadle.core.outputs import KVCompaction
 from treadle.request import Request
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from treadle.core.kv.block_pool import BlockPool, KVBlock
 from treadle.core.kv.interface import BlockHashes, SpecManager
-from treadle.core.kv.specs import SlidingWindowSpec
+from treadle.kv_specs.specs import SlidingWindowSpec
 from treadle.request import Request
 
 PLACEHOLDER_BLOCK = 0

@@ -34,7 +34,7 @@ def reachable_endpoint(endpoint: str | None, node_ip: str) -> str | None:
     """The address a router on another process connects to for an engine publishing on
     `endpoint`: a bound tcp wildcard becomes the node's address, an ipc path stays (same
     node), anything else (inproc, or an endpoint the engine connects out to) is None."""
-    from treadle.integrations.kv_events.publisher import binds
+    from treadle.kv_events.publisher import binds
 
     if endpoint is None or not binds(endpoint) or endpoint.startswith("inproc://"):
         return None

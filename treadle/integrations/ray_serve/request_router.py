@@ -47,7 +47,7 @@ class TreadleRequestRouter(RequestRouter):
         self.index = None
         """The KVEventIndex the prefix router routes on (replicas with KV events)."""
         if routing == "prefix" and kv_events:
-            from treadle.integrations.kv_events.index import KVEventIndex
+            from treadle.kv_events.index import KVEventIndex
             from treadle.router.kv_aware import KVEventRouter
 
             self.index = KVEventIndex(self.options.chunk_size, kv_events_topic)

@@ -5,6 +5,6 @@ into vLLM's events, `publisher` sends them as numbered batches on a ZMQ PUB sock
 replays missed ones from a bounded buffer on a ROUTER socket, `engine` is what the engine
 core attaches when `kv_events_endpoint` is set. The router side: `subscriber` follows one
 publisher (gaps filled by replay), `index` keeps which blocks each replica holds and
-answers how long a prompt's cached prefix is there. `wire` is the format; `config` the
-options. Nothing here imports pyzmq until a socket is made.
+answers how long a prompt's cached prefix is there. `wire` is the format; the options are
+treadle/config/kv_events.py. Nothing here imports pyzmq until a socket is made.
 """

@@ -22,8 +22,8 @@ import threading
 from dataclasses import dataclass, field
 
 from treadle.core.kv.hashing import hash_block, root_hash
-from treadle.integrations.kv_events.subscriber import EventSubscriber
-from treadle.integrations.kv_events.wire import (MEDIUM_CPU_SWAP, AllBlocksCleared,
+from treadle.kv_events.subscriber import EventSubscriber
+from treadle.kv_events.wire import (MEDIUM_CPU_SWAP, AllBlocksCleared,
                                                  BlockRemoved, BlockStored, EventBatch,
                                                  wire_hash)
 

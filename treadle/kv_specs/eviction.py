@@ -21,7 +21,7 @@ scores, worker/h2o.py); this module decides when and how many, from counts alone
   real position: keys are stored rotated); cache slots count only the kept ones
   (`Request.num_kv_tokens`).
 
-The spec (core/kv/specs.py `H2OSpec`) carries this budget; the manager (core/kv/h2o.py)
+The spec (kv_specs/specs.py `H2OSpec`) carries this budget; the manager (core/kv/h2o.py)
 applies it to block tables. No torch here.
 """
 

@@ -10,9 +10,9 @@ treadle's host caches, `GPU` on CUDA: WorkerInfo.kv_medium).
 
 from __future__ import annotations
 
-from treadle.integrations.kv_events.config import KVEventsConfig
-from treadle.integrations.kv_events.publisher import ZmqEventPublisher
-from treadle.integrations.kv_events.recorder import KVEventRecorder
+from treadle.config.kv_events import KVEventsConfig
+from treadle.kv_events.publisher import ZmqEventPublisher
+from treadle.kv_events.recorder import KVEventRecorder
 
 
 class KVEvents:

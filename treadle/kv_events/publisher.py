@@ -22,7 +22,7 @@ import threading
 import time
 from collections import deque
 
-from treadle.integrations.kv_events.wire import (END_SEQ, AllBlocksCleared, EventBatch,
+from treadle.kv_events.wire import (END_SEQ, AllBlocksCleared, EventBatch,
                                                  encode_batch, seq_bytes)
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ socket and never blocks.
 
 from __future__ import annotations
 
-from treadle.integrations.kv_events.wire import (KIND_FULL_ATTENTION, MEDIUM_CPU_SWAP,
+from treadle.kv_events.wire import (KIND_FULL_ATTENTION, MEDIUM_CPU_SWAP,
                                                  AllBlocksCleared, BlockRemoved, BlockStored,
                                                  wire_hash)
 from treadle.request import Request

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from treadle.core.kv.eviction import EvictionBudget
+from treadle.kv_specs.eviction import EvictionBudget
 
 CAPABILITIES = ("swap", "prefix_caching", "prefix_transfer", "eviction", "speculation",
                 "draft_kv", "sharding", "batch_invariance")
@@ -162,7 +162,7 @@ class SlidingWindowSpec(KVSpec):
 @dataclass(frozen=True)
 class H2OSpec(KVSpec):
     """Full attention under heavy-hitter eviction (`--kv-eviction h2o`): a request keeps
-    at most `budget.budget_tokens` tokens of KV (core/kv/eviction.py)."""
+    at most `budget.budget_tokens` tokens of KV (kv_specs/eviction.py)."""
 
     budget: EvictionBudget | None = None
 

@@ -31,7 +31,7 @@ import logging
 import threading
 from typing import Callable
 
-from treadle.integrations.kv_events.wire import END_SEQ, EventBatch, decode_batch, seq_bytes
+from treadle.kv_events.wire import END_SEQ, EventBatch, decode_batch, seq_bytes
 
 logger = logging.getLogger(__name__)
 
