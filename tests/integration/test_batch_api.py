@@ -16,12 +16,9 @@ import httpx
 import openai
 import pytest
 
-from server_fixtures import running_server
+from server_fixtures import running_server, TINY_DEMO
 from treadle.models.demo import write_demo_model
 
-TINY_DEMO = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                 initializer_range=0.2)
 KEYS = {"alpha": "alpha-key", "beta": "beta-key", "gamma": "gamma-key", "delta": "delta-key"}
 MAX_LINES, MAX_BYTES, MAX_OPEN, WINDOW = 40, 16_000, 2, 4
 

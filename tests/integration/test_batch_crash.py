@@ -14,12 +14,9 @@ import time
 import openai
 import pytest
 
-from server_fixtures import running_server
+from server_fixtures import running_server, TINY_DEMO
 from treadle.models.demo import write_demo_model
 
-TINY_DEMO = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                 initializer_range=0.2)
 N = 40
 
 

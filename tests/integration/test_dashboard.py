@@ -16,14 +16,11 @@ import time
 import httpx
 import pytest
 
-from server_fixtures import running_server
+from server_fixtures import running_server, TINY_DEMO
 from treadle.bench.headless_browser import HeadlessChromium, find_chromium
 from treadle.engine.trace import read_trace
 from treadle.models.demo import write_demo_model
 
-TINY_DEMO = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                 initializer_range=0.2)
 KEYS = {"alpha": "key-alpha", "beta": "key-beta"}
 WEIGHTS = {"alpha": 1, "beta": 3}
 

@@ -23,10 +23,8 @@ import pytest
 
 from treadle import LLM, SamplingParams
 from treadle.models.demo import write_demo_model
+from server_fixtures import TINY_DEMO
 
-TINY_DEMO = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                 initializer_range=0.2)
 BLOCK = 16
 COMMON = dict(dtype="float32", attention_backend="torch", block_size=BLOCK,
               max_num_batched_tokens=512, max_num_seqs=8, num_threads=1)

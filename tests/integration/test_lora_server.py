@@ -15,16 +15,13 @@ import httpx
 import pytest
 
 from lora_adapters import make_adapter
-from server_fixtures import running_server
+from server_fixtures import running_server, TINY_DEMO
 from treadle import LLM, LoRARequest, SamplingParams
 from treadle.models.demo import write_demo_model
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-TINY_DEMO = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                 initializer_range=0.2)
 ADMIN, LIMITED = "key-admin", "key-limited"
 H_ADMIN = {"Authorization": f"Bearer {ADMIN}"}
 H_LIMITED = {"Authorization": f"Bearer {LIMITED}"}

@@ -23,14 +23,11 @@ pytest.importorskip("opentelemetry.sdk")
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E402
     InMemorySpanExporter)
 
-from server_fixtures import running_server  # noqa: E402
+from server_fixtures import TINY_DEMO, running_server  # noqa: E402
 from test_timelines import run as run_offline  # noqa: E402
 from treadle.models.demo import write_demo_model  # noqa: E402
 from treadle.server.otel import RequestSpans, traces_url  # noqa: E402
 
-TINY_DEMO = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                 initializer_range=0.2)
 
 
 @pytest.fixture(scope="module")

@@ -13,15 +13,12 @@ import httpx
 import openai
 import pytest
 
-from server_fixtures import running_server
+from server_fixtures import running_server, TINY_DEMO
 from treadle import LLM, SamplingParams
 from treadle.engine.token_words import TokenWords
 from treadle.models.demo import write_demo_model
 from treadle.worker.dry import dry_penalties
 
-TINY_DEMO = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                 initializer_range=0.2)
 REPEATED = "the cat sat on the mat. the cat sat on the mat. the cat sat on the"
 DRY = dict(dry_multiplier=50.0, dry_allowed_length=1, dry_sequence_breakers=["§"])
 XTC = dict(temperature=1.0, top_k=2, xtc_probability=1.0, xtc_threshold=0.0)

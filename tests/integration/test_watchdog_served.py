@@ -16,18 +16,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_fixtures import running_server
-from treadle.models.demo import write_demo_model
+from server_fixtures import running_server, write_tiny_demo
 
-TINY_DEMO = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                 initializer_range=0.2)
 
 
 @pytest.fixture(scope="module")
 def tiny_demo(tmp_path_factory):
-    return str(write_demo_model(tmp_path_factory.mktemp("demo") / "m", seed=5,
-                                config_overrides=TINY_DEMO))
+    return write_tiny_demo(tmp_path_factory.mktemp("demo"))
 
 
 def stalls(metrics_text: str) -> float:
