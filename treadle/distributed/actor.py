@@ -172,11 +172,15 @@ class EngineReplica:
                 "num_in_flight": self.engine.num_in_flight, "kv_usage": sched.kv.usage}
 
     def check_health(self) -> None:
-        """Raises (RuntimeError naming the cause) once the engine loop has died (Ray
-        Serve's health check: it replaces the replica)."""
+        """Raises (RuntimeError naming the cause) once the engine loop has died or while
+        it is stalled (engine/watchdog.py: work queued, no step for stall_timeout): Ray
+        Serve's health check, which replaces the replica."""
         if self.engine.error is not None:
             raise RuntimeError(f"replica {self.index}: the engine loop died "
                                f"({self.engine.error!r})")
+        stalled = self.engine.stalled
+        if stalled is not None:
+            raise RuntimeError(f"replica {self.index}: {stalled}")
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -136,8 +136,10 @@ class OpenAIServing:
         """The OTLP exporter (server/otel.py) when configured (server/dashboard.py)."""
         self.step_recorder = None
         """The engine's StepRecorder while the dashboard, timelines or spans are on."""
-        self._takes_band = "band" in inspect.signature(engine.generate).parameters
-        """Whether the engine runs requests in bands (a batch line asks for the lowest)."""
+        parameters = inspect.signature(engine.generate).parameters.values()
+        self._takes_band = any(p.name == "band" or p.kind is p.VAR_KEYWORD for p in parameters)
+        """Whether the engine takes bands and deadlines (a batch line asks for the lowest
+        band; replicas pass them on as keywords)."""
 
     # ----- the small endpoints ------------------------------------------------------------
 
@@ -482,8 +484,9 @@ class OpenAIServing:
         if self.request_spans is not None:  # its span joins the caller's trace
             self.request_spans.note_parent(request_id, request.headers)
         band = self.band(request)
-        extra = {"band": band} if band is not None and self._takes_band else {}
+        extra = {"band": band} if band is not None else {}
         extra.update({k: v for k, v in (scheduling or {}).items() if v is not None})
+        extra = extra if self._takes_band else {}
         completed, per_token = False, None
         try:
             if params.needs_tokenized_words:  # the first time, a scan of the vocabulary

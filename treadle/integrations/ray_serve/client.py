@@ -130,6 +130,12 @@ class ServeEngineClient:
             any(v.healthy for v in router.replica_views()) for router in self.routers.values())
 
     @property
+    def stalled(self) -> str | None:
+        """Never: a replica whose engine stalls fails Ray Serve's health check
+        (EngineReplica.check_health), which takes it out of routing and replaces it."""
+        return None
+
+    @property
     def num_in_flight(self) -> int:
         return self._num_in_flight
 
