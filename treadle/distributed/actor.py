@@ -4,7 +4,8 @@ actor pool) or one Ray Serve replica (treadle/integrations/ray_serve/deployment.
 Owns what a front end calls on a replica: `info` (its limits, model, tokenizer folder),
 `generate` (an async generator of the request's RequestOutputs), `abort`,
 `load` (the actor pool's view: queue depth, KV usage, health), `routing_stats` and
-`check_health` (Ray Serve's: the router's view; raises once the engine died), `metrics_text` (its
+`check_health` (Ray Serve's: the router's view; raises once the engine died or
+while it is stalled), `metrics_text` (its
 Prometheus exposition), the adapter and tenant-weight calls the server makes, and the
 KV export/import of prefill/decode disaggregation (treadle/distributed/pd_engine.py). The
 engine's thread count is the actor's declared CPUs, so replicas on one node do not
