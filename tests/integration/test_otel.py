@@ -215,9 +215,12 @@ from treadle.server.dashboard import install_observability
 from treadle.server.serving import OpenAIServing
 import treadle.server.api, treadle.server.serve
 app = FastAPI()
-scheduler = SimpleNamespace(max_num_seqs=4, scheduling_policy="fcfs", priority_aging=0.0)
-engine = SimpleNamespace(config=SimpleNamespace(scheduler=scheduler), limits=None,
-                         tokenizer=None, model_name="m",
+scheduler = SimpleNamespace(max_num_seqs=4, scheduling_policy="fcfs", priority_aging=0.0,
+                            max_num_batched_tokens=256)
+from treadle.engine.limits import EngineLimits
+limits = EngineLimits(vocab_size=100, max_model_len=64, num_kv_tokens=1024, block_size=16)
+engine = SimpleNamespace(config=SimpleNamespace(scheduler=scheduler), limits=limits,
+                         tokenizer=None, model_name="m", generate=lambda *args, **kwargs: None,
                          record_steps=lambda s, f: StepRecorder(None, s, f))
 serving = OpenAIServing(engine, ServerConfig(otlp_traces_endpoint=sys.argv[1] or None),
                         KeyRing({}))

@@ -85,4 +85,5 @@ def _prepare_openmp(args: argparse.Namespace) -> None:
     from treadle.worker.threads import prepare_openmp
 
     policy = args.omp_wait_policy or os.environ.get(ENV_PREFIX + "OMP_WAIT_POLICY", "auto")
-    logging.getLogger("treadle.cli").info(prepare_openmp(policy))
+    # debug: the fail-fast checks' one line comes first; the engine logs the setting it runs
+    logging.getLogger("treadle.cli").debug(prepare_openmp(policy))

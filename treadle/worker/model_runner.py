@@ -283,7 +283,6 @@ class ModelRunner:
                     self.proposer.swap_blocks(into, out=False)
         return self.start_copies(copy)
 
-    @torch.inference_mode()
     def _begin_step(self, scheduler_output: SchedulerOutput) -> None:
         """Forget finished requests' sampler and grammar state, evict (H2O), and start
         compiling new requests' grammars."""
@@ -309,6 +308,7 @@ class ModelRunner:
             return None
         return greedy
 
+    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         self._begin_step(scheduler_output)
         proposer = self.proposer
