@@ -63,13 +63,16 @@ request_time_per_output_token_seconds. The spec_decode names appear with specula
 def cache_config_labels(config, core) -> dict[str, object]:
     """vllm:cache_config_info's labels for an engine: its EngineConfig and EngineCore
     (num_gpu_blocks: the KV cache's blocks on whichever device; num_cpu_blocks: its swap
-    blocks, as vLLM's swap space was counted; swap_space in GiB, as vLLM gives it)."""
+    blocks, as vLLM's swap space was counted; swap_space in GiB, as vLLM gives it: the
+    size the engine settled on when the option is `auto`)."""
     cache = config.cache
+    swap_bytes = (cache.swap_space if isinstance(cache.swap_space, (int, float)) else
+                  core.num_swap_blocks * cache.block_size * getattr(core, "kv_bytes_per_token", 0))
     return {"block_size": cache.block_size, "cache_dtype": cache.kv_cache_dtype,
             "enable_prefix_caching": cache.enable_prefix_caching,
             "gpu_memory_utilization": cache.gpu_memory_utilization,
             "num_gpu_blocks": core.num_kv_blocks, "num_cpu_blocks": core.num_swap_blocks,
-            "prefix_caching_hash_algo": "blake2b", "swap_space": cache.swap_space / 1024**3}
+            "prefix_caching_hash_algo": "blake2b", "swap_space": swap_bytes / 1024**3}
 
 
 def lora_adapters(scheduler) -> tuple[list[str], list[str]]:
