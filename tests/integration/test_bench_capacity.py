@@ -28,7 +28,13 @@ def test_doubling_then_bisection_finds_the_capacity_within_the_bracket():
     assert seen == [0.5, 1.0, 2.0, 4.0, 3.0, 3.5, 3.25]
     assert search.capacity_rps == 3.25 and len(search.probes) == 7
     seen.clear()
-    assert search_capacity(fake_probe(0.1, seen), 0.5).capacity_rps == 0.0 and seen == [0.5]
+    # the start misses: halve until a rate meets, then bisect
+    search = search_capacity(fake_probe(0.1, seen), 0.5, max_doublings=3, bisections=2)
+    assert seen == [0.5, 0.25, 0.125, 0.0625, 0.09375, 0.109375]
+    assert search.capacity_rps == 0.09375
+    seen.clear()  # nothing meets: 0
+    assert search_capacity(fake_probe(0.01, seen), 0.5, max_doublings=2).capacity_rps == 0.0
+    assert seen == [0.5, 0.25, 0.125]
     seen.clear()  # never misses: the last rate probed is a lower bound
     assert search_capacity(fake_probe(100, seen), 1.0, max_doublings=2).capacity_rps == 4.0
 
@@ -59,7 +65,7 @@ def test_a_search_on_a_tiny_model_over_http(tmp_path):
         assert [p.rate for p in search.probes] == [2.0, 4.0] and search.capacity_rps == 4.0
         assert [(p.num_requests, p.num_failed) for p in search.probes] == [(6, 0), (8, 0)]
         strict = Prober(base, load, SLO(ttft_s=1e-6, tbt_s=1e-6), log=lambda _: None)
-        assert search_capacity(strict, start_rps=2.0).capacity_rps == 0.0
+        assert search_capacity(strict, start_rps=2.0, max_doublings=1).capacity_rps == 0.0
     rows = table_rows({"systems": {"a": {"capacity_rps": 2.0, "goodput_rps": 1.0,
                                          "goodput_rate_rps": 3.0},
                                    "b": {"capacity_rps": 1.0, "goodput_rps": 0.5,

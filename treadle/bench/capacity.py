@@ -102,9 +102,10 @@ def judge(results: list[RequestResult], rate: float, duration_s: float, slo: SLO
 def search_capacity(probe: Callable[[float], Probe], start_rps: float,
                     max_doublings: int = 8, bisections: int = 3) -> Search:
     """The highest rate whose probe meets the SLO: double from `start_rps` until a probe
-    misses (at most `max_doublings` times), then bisect `bisections` times between the
-    last pass and the first miss (capacity within 2^-bisections of the bracket). 0 when
-    even `start_rps` misses."""
+    misses (at most `max_doublings` times), or, when `start_rps` already misses, halve
+    until one meets (as many times); then bisect `bisections` times between the last
+    pass and the first miss (capacity within 2^-bisections of the bracket). 0 when no
+    rate probed meets it."""
     search = Search(0.0)
     rate, passed, failed = start_rps, None, None
     for _ in range(max_doublings + 1):
@@ -114,6 +115,15 @@ def search_capacity(probe: Callable[[float], Probe], start_rps: float,
             failed = rate
             break
         passed, rate = rate, rate * 2
+    if passed is None:  # the start misses: a system whose batches cost more per step
+        for _ in range(max_doublings):  # than one request alone shows
+            rate = failed / 2
+            result = probe(rate)
+            search.probes.append(result)
+            if result.meets:
+                passed = rate
+                break
+            failed = rate
     if passed is None:
         return search
     if failed is None:  # never missed: the capacity is at least the last rate probed
