@@ -6,6 +6,7 @@ file-system path in /v1/models. Each case was answered 200 (or hung, or reset) b
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 
@@ -100,10 +101,19 @@ def test_echoes_are_bounded_and_models_show_no_paths(server):
 
 
 def raw_request(server, data: bytes, timeout: float) -> bytes:
+    """The whole reply: read until the server closes the connection or the body its
+    Content-Length announces has arrived (head and body may come in two segments)."""
     host, port = server.rsplit("//", 1)[1].split(":")
     with socket.create_connection((host, int(port)), timeout=timeout) as s:
         s.sendall(data)
-        return s.recv(65536)
+        reply = b""
+        while True:
+            chunk = s.recv(65536)
+            reply += chunk
+            head, sep, body = reply.partition(b"\r\n\r\n")
+            length = re.search(rb"(?i)content-length: *(\d+)", head) if sep else None
+            if not chunk or (length and len(body) >= int(length.group(1))):
+                return reply
 
 
 def test_an_oversized_head_is_431_and_a_stalled_body_408(server):
