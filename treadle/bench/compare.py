@@ -49,7 +49,8 @@ from typing import Any, Iterator
 import yaml
 
 from treadle.measure import workloads
-from treadle.measure.launch import free_port, launched_server, peer_environment, wait_healthy
+from treadle.measure.launch import (free_port, launched_server, peer_environment, stop,
+                                    wait_healthy)
 from treadle.measure.report import format_table, percentiles
 from treadle.measure.http_load import request_records, run_load, summarize
 
@@ -162,13 +163,7 @@ def _external_server(command: str, model: str, timeout_s: float) -> Iterator[str
         wait_healthy(base, proc, timeout_s, log.name)
         yield base
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop(proc, group=True)
         log.close()
 
 

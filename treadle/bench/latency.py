@@ -22,7 +22,6 @@ import gc
 import json
 import os
 import shlex
-import signal
 import statistics
 import subprocess
 import time
@@ -33,7 +32,8 @@ from typing import Any, Iterator
 from treadle.measure import workloads
 from treadle.measure.background_load import background_load
 from treadle.measure.http_load import run_load, served_model, summarize
-from treadle.measure.launch import free_port, launched_server, peer_environment, wait_healthy
+from treadle.measure.launch import (free_port, launched_server, peer_environment, stop,
+                                    wait_healthy)
 from treadle.measure.report import cpu_info
 
 DEFAULT_CONCURRENCY = (1, 4, 16, 64)
@@ -183,13 +183,7 @@ def llama_server(binary: Path, model: str, slots: int, context: int, threads: in
             wait_healthy(base, proc, timeout_s, str(log_path))
             yield base
         finally:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    os.kill(proc.pid, signal.SIGKILL)
-                    proc.wait()
+            stop(proc)
 
 
 # ----- the grid -----------------------------------------------------------------------------

@@ -75,6 +75,20 @@ def launched_server(serve_args: list[str], startup_timeout: float = 300.0,
             yield served
 
 
+def stop(proc: subprocess.Popen, group: bool = False) -> None:
+    """End a server this process started, by its PID (`group`: its whole process group,
+    for a shell command's children): SIGTERM, then SIGKILL after 60 s."""
+    if proc.poll() is not None:
+        return
+    kill = os.killpg if group else os.kill
+    kill(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 @contextmanager
 def _launched(serve_args: list[str], startup_timeout: float,
               log_level: str) -> Iterator[tuple[str, subprocess.Popen]]:
@@ -91,10 +105,4 @@ def _launched(serve_args: list[str], startup_timeout: float,
         wait_healthy(base, proc, startup_timeout, proc.log_path)
         yield base, proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc)
