@@ -402,7 +402,42 @@ def test_grammars_compile_on_the_pool_never_on_the_callers_thread(compiler, toke
     state.close()
 
 
-def test_a_compile_over_its_time_budget_is_refused_naming_it(tokenizer):
+def test_a_compile_over_its_cpu_budget_is_refused_naming_it_and_stays_refused(tokenizer):
+    import time
+    compiler = GrammarCompiler.from_hf_tokenizer(tokenizer, VOCAB)
+    real = compiler._build
+
+    def busy(spec):
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:  # CPU work, as a compile does
+            pass
+        return real(spec)
+    compiler._build = busy
+    compiler.budget_s = 0.1
+    spec = from_structured_outputs({"regex": "[0-9]+"})
+    for _ in range(2):  # the refusal is cached: asking again is refused at once
+        with pytest.raises(StructuredOutputError, match=r"of CPU, over the budget of 0.1 s"):
+            asyncio.run(compiler.compile_async(spec))
+    assert compiler.num_compiled == 1
+
+
+def test_a_compile_waiting_for_cpu_is_not_refused_for_its_wall_time(tokenizer):
+    """A compile descheduled (the idle class on a busy server) but within its CPU budget
+    is served: the budget counts the grammar's work, not the machine's load."""
+    import time
+    compiler = GrammarCompiler.from_hf_tokenizer(tokenizer, VOCAB)
+    real = compiler._build
+
+    def descheduled(spec):
+        time.sleep(0.4)  # wall time without CPU time
+        return real(spec)
+    compiler._build = descheduled
+    compiler.budget_s = 0.2
+    spec = from_structured_outputs({"regex": "[0-9]+"})
+    assert asyncio.run(compiler.compile_async(spec)).spec == spec
+
+
+def test_a_compile_past_the_admission_wait_is_refused_then_served_from_the_cache(tokenizer):
     import time
     compiler = GrammarCompiler.from_hf_tokenizer(tokenizer, VOCAB)
     real = compiler._build
@@ -412,9 +447,36 @@ def test_a_compile_over_its_time_budget_is_refused_naming_it(tokenizer):
         return real(spec)
     compiler._build = slow
     spec = from_structured_outputs({"regex": "[0-9]+"})
-    with pytest.raises(StructuredOutputError, match="longer than 0.1 s"):
-        asyncio.run(compiler.compile_async(spec, timeout_s=0.1))
+    with pytest.raises(StructuredOutputError, match="did not finish within 0.1 s"):
+        asyncio.run(compiler.compile_async(spec, wait_s=0.1))
     time.sleep(0.6)  # the compile finished in its thread and was cached
     t0 = time.perf_counter()
-    asyncio.run(compiler.compile_async(spec, timeout_s=0.1))
+    asyncio.run(compiler.compile_async(spec, wait_s=0.1))
     assert time.perf_counter() - t0 < 0.1 and compiler.num_compiled == 1
+
+
+def test_compile_threads_run_at_the_idle_scheduling_class(tokenizer):
+    """The compile thread takes only cores nothing else wants (Linux SCHED_IDLE); the
+    calling thread keeps its class."""
+    import os
+    compiler = GrammarCompiler.from_hf_tokenizer(tokenizer, VOCAB)
+    policy = compiler._compile_executor().submit(os.sched_getscheduler, 0).result()
+    assert policy == os.SCHED_IDLE
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
+def test_the_server_and_an_in_process_worker_share_one_compiler(tokenizer, tmp_path):
+    """A grammar compiled at admission is a cache hit for the worker in the same process:
+    one compile per grammar, not one on each side."""
+    from treadle.worker.grammar import GrammarState
+    first = GrammarCompiler.shared(tmp_path, tokenizer, VOCAB, tokenizer.eos_token_id)
+    assert GrammarCompiler.shared(tmp_path, lambda: 1 / 0, VOCAB,
+                                  tokenizer.eos_token_id) is first  # built once
+    spec = from_structured_outputs({"regex": "[a-c]+"})
+    asyncio.run(first.compile_async(spec))
+    state = GrammarState(tmp_path, VOCAB, tokenizer.eos_token_id)
+    state.prepare([("r", spec)])
+    state.start([(0, "r", spec, [], [])])
+    state.masks()
+    state.close()
+    assert first.num_compiled == 1 and not state.failed

@@ -35,8 +35,9 @@ class LazyGrammarCompiler:
 
                 def build() -> None:
                     try:
-                        self._future.set_result(GrammarCompiler.from_hf_tokenizer(
-                            engine.tokenizer, engine.limits.vocab_size, engine.eos_token_id))
+                        self._future.set_result(GrammarCompiler.shared(
+                            engine.model_dir, engine.tokenizer, engine.limits.vocab_size,
+                            engine.eos_token_id))
                     except BaseException as exc:  # noqa: BLE001 - raised again by get()
                         self._future.set_exception(exc)
                 threading.Thread(target=build, name="treadle-grammar-compiler",

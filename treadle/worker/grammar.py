@@ -1,12 +1,15 @@
 """The worker's side of structured outputs: grammar state per constrained request, token
 masks computed while the forward pass runs, and masks applied before sampling.
 
-Owns, on the rank that samples, a `GrammarCompiler` for the model's tokenizer (built on
-a pool thread when the first constrained request arrives: `warm_up`; a one-time cost of
-a few tenths of a second, part of it holding the GIL) and a `StructuredRequest` per live
-constrained request (treadle/structured), compiled on the pool when the worker first
-sees the request (`prepare`, from its first step, usually a prompt chunk): a grammar's
-compile never runs on the engine's thread. Each step: `start(rows)` submits, per constrained request, one job
+Owns, on the rank that samples, the process's `GrammarCompiler` for the model's
+tokenizer (`GrammarCompiler.shared`: in the server's process it is the server's, which
+compiled the request's grammar at admission; built on a pool thread when the first
+constrained request arrives otherwise: `warm_up`, a one-time cost of a few tenths of a
+second, part of it holding the GIL) and a `StructuredRequest` per live constrained
+request (treadle/structured), made when the worker first sees the request (`prepare`,
+from its first step, usually a prompt chunk) on a compile thread at the idle scheduling
+class: a cache hit costs a matcher copy, and a compile (a worker in its own process) never
+runs on the engine's thread nor takes a core from the forward pass. Each step: `start(rows)` submits, per constrained request, one job
 to a small thread pool that brings its matcher to its tokens as the step message says
 (`sync`: cheap when one token was added; it also undoes whatever a preemption or a
 rejected proposal took back) and fills the mask of its sampling position. llguidance
@@ -77,6 +80,7 @@ class GrammarState:
         self.mask_budget_s = mask_budget_s
         self.num_threads = num_threads or max(1, min(8, (os.cpu_count() or 2) // 2))
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._compiles: concurrent.futures.ThreadPoolExecutor | None = None
         self._compiler: concurrent.futures.Future | None = None
         self._requests: dict[str, concurrent.futures.Future] = {}
         """Each live constrained request's matcher (a future: compiled on the pool)."""
@@ -90,6 +94,18 @@ class GrammarState:
                 max_workers=self.num_threads, thread_name_prefix="treadle-grammar")
         return self._pool.submit(fn, *args)
 
+    def _compile_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        """Where a request's grammar is compiled when the server has not (a worker in its
+        own process) or its compile was evicted: one thread at the idle scheduling class,
+        so a compile takes only a core the forward pass leaves idle. Masks stay on the
+        normal-priority pool: the step waits for them."""
+        if self._compiles is None:
+            from treadle.structured.compiler import lower_thread_priority
+            self._compiles = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="treadle-grammar-compile",
+                initializer=lower_thread_priority)
+        return self._compiles
+
     def warm_up(self) -> None:
         """Start building the grammar compiler for the model's tokenizer on the pool (the
         tokenizer's load and llguidance's token trie: a few tenths of a second)."""
@@ -100,10 +116,8 @@ class GrammarState:
         from treadle.models.tokenizer import load_tokenizer
         from treadle.structured.compiler import GrammarCompiler
 
-        tokenizer = load_tokenizer(self.model_dir)
-        if tokenizer is None:
-            raise ValueError("structured outputs need the model's tokenizer files")
-        return GrammarCompiler.from_hf_tokenizer(tokenizer, self.vocab_size, self.eos_token_id)
+        return GrammarCompiler.shared(self.model_dir, lambda: load_tokenizer(self.model_dir),
+                                      self.vocab_size, self.eos_token_id)
 
     def prepare(self, requests) -> None:
         """Compile the grammars of requests the worker sees for the first time (id,
@@ -112,7 +126,8 @@ class GrammarState:
         for request_id, spec in requests:
             if request_id not in self._requests:
                 self.warm_up()
-                self._requests[request_id] = self._submit(self._new_request, spec)
+                self._requests[request_id] = self._compile_pool().submit(
+                    self._new_request, spec)
 
     def _new_request(self, spec):
         return self._compiler.result().new_request(spec)
@@ -185,8 +200,9 @@ class GrammarState:
                 "grammar is too ambiguous to follow at this length"))
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        for pool in (self._compiles, self._pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
 
 
 def _sync_and_fill(compiled: concurrent.futures.Future, output_ids: list[int],
