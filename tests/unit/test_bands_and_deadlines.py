@@ -160,6 +160,63 @@ def test_a_step_that_prefills_an_interactive_request_carries_no_batch_work(polic
 
 
 @pytest.mark.parametrize("policy", POLICIES)
+def test_batch_work_is_bounded_per_step_while_interactive_traffic_is_present(policy):
+    """Batch requests decode on every seat; interactive requests come and go: while one
+    is present, and for batch_yield_window_s after the last, each step carries at most
+    batch_step_tokens batch tokens (short steps for the next interactive arrival); the
+    interactive requests keep their tokens; after the window the batch fills every seat
+    again; every output is right and every block freed."""
+    clock = FakeClock()
+    sched = make_scheduler(policy, max_tokens=256, max_seqs=12, clock=clock,
+                           batch_step_tokens=3, batch_yield_window_s=5.0)
+    batch = [make_request(f"b{i}", 8, 60, band="batch") for i in range(10)]
+    for r in batch:
+        sched.add_request(r)
+    for _ in range(3):
+        step(sched, clock)
+
+    def batch_tokens(out):
+        return sum(s.num_scheduled_tokens for s in out.scheduled
+                   if s.request_id.startswith("b"))
+
+    assert batch_tokens(step(sched, clock)) == 10  # alone: every seat
+    interactive = [make_request(f"i{i}", 6, 5, arrival=clock.t) for i in range(2)]
+    for r in interactive:
+        sched.add_request(r)
+    last_interactive = None
+    while any(r.status is not RequestStatus.FINISHED_LENGTH for r in interactive):
+        out = step(sched, clock)
+        assert batch_tokens(out) <= 3
+        last_interactive = clock.t
+    bounded = []
+    while clock.t < last_interactive + 8:
+        bounded.append((clock.t, batch_tokens(step(sched, clock))))
+    assert all(n <= 3 for t, n in bounded if t < last_interactive + 4)
+    assert bounded[-1][1] == 10  # the window passed: every seat again
+    replay(sched, clock, [])
+    for r in batch + interactive:
+        assert r.output_token_ids == expected_tokens(r)
+    assert sched.kv.pool.num_free_blocks == 256
+
+
+def test_the_batch_bound_by_default_is_what_a_steps_fixed_cost_buys():
+    """batch_step_tokens 0 (auto): fixed_s / per_token_s of the measured step costs (10
+    ms a step and 0.5 ms a token: 20 tokens), within [1, max_num_batched_tokens]; no
+    bound without interactive traffic, nor once the window has passed."""
+    from treadle.core.batch_share import BatchShare
+    costs = StepCostModel()
+    for tokens in (1, 50, 100, 200) * 50:
+        costs.observe(tokens, 0.010 + 0.0005 * tokens)
+    share = BatchShare(SchedulerConfig(max_num_batched_tokens=512), costs)
+    assert share.step_tokens(0.0) is None
+    share.observe([make_request("i", 4, 4)], 10.0)
+    assert share.step_tokens(10.5) == 20
+    assert share.step_tokens(12.5) is None  # the default window is 2 s
+    share.observe([make_request("b", 4, 4, band="batch")], 13.0)
+    assert share.step_tokens(13.0) is None  # batch work alone
+
+
+@pytest.mark.parametrize("policy", POLICIES)
 def test_batch_work_alone_runs_as_fast_as_interactive_work(policy):
     """With nothing interactive to yield to, batch requests run flat out: the same steps
     and tokens as the same requests in the interactive band."""

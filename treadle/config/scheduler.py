@@ -80,6 +80,13 @@ class SchedulerConfig:
         "slo policy: refuse at once (an error naming the deadline and the predicted first "
         "token) a waiting request that can no longer meet its slo_ttft_ms, instead of "
         "serving it best-effort"))
+    batch_step_tokens: int = field(default=0, metadata=_help(
+        "Most tokens batch-band requests (Batch API lines) take in one step while "
+        "interactive traffic is present, so that steps stay short for interactive "
+        "arrivals (0: auto, what a step's fixed cost buys by the measured step costs)"))
+    batch_yield_window_s: float = field(default=2.0, metadata=_help(
+        "Seconds after the last interactive request during which batch work stays "
+        "bounded by batch_step_tokens (then it fills every seat again)"))
     max_head_bypasses: int = field(default=16, metadata=_help(
         "Times smaller requests may pass a waiting request that does not fit before it gets "
         "the next opening (0: strict order)"))
@@ -104,7 +111,8 @@ class SchedulerConfig:
         if self.admission_lookahead_tokens < 0:
             raise ValueError("admission_lookahead_tokens must be >= 0, "
                              f"got {self.admission_lookahead_tokens}")
-        for name in ("max_head_bypasses", "max_preemptions"):
+        for name in ("max_head_bypasses", "max_preemptions", "batch_step_tokens",
+                     "batch_yield_window_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         parse_tenant_weights(self.tenant_weights)

@@ -151,7 +151,7 @@ def _admit_swapped(plan: StepPlan, request: Request) -> None:
     plan.swap_in.extend(swap_plan)
     plan.stats.num_swap_in += 1
     _resume(plan, request)
-    num_tokens = min(request.num_uncomputed_tokens, plan.budget)
+    num_tokens = min(request.num_uncomputed_tokens, plan.budget_for(request))
     if kv.eviction is not None:
         # No compaction in the step it comes back (the worker compacts before the
         # swap-ins land): it may pass its budget by this one step's tokens.
@@ -219,7 +219,8 @@ def step_room(plan: StepPlan, request: Request | None = None) -> StepRoom:
     tenant_room = None
     if cfg.tenant_kv_share and request is not None:
         tenant_room = plan.tenant_room(request)
-    return StepRoom(plan.budget, len(plan.running), plan.max_running, plan.kv_reserve,
+    budget = plan.budget if request is None else plan.budget_for(request)
+    return StepRoom(max(0, budget), len(plan.running), plan.max_running, plan.kv_reserve,
                     cfg.admission_lookahead_tokens if plan.running else 0, tenant_room)
 
 

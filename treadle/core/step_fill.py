@@ -160,8 +160,8 @@ def _try_admit(plan: StepPlan, request: Request) -> Admission:
 
 def schedule_running(plan: StepPlan, request: Request) -> None:
     """Give a running request its tokens, preempting others if its blocks run short."""
-    budget = plan.budget
-    if request.status is not RequestStatus.RUNNING or budget == 0:
+    budget = plan.budget_for(request)
+    if request.status is not RequestStatus.RUNNING or budget <= 0:
         return
     num_uncomputed = request.num_uncomputed_tokens
     num_tokens = min(num_uncomputed, budget)

@@ -63,6 +63,9 @@ class StepPlan:
         self.step = scheduler.stats.num_steps
         self.budget = self.config.max_num_batched_tokens
         """Tokens left in the step's budget."""
+        self.batch_budget = scheduler.batch_share.step_tokens(now)
+        """Tokens left to batch-band requests in this step (None: no bound of their
+        own; core/batch_share.py)."""
         cap = self.policy.max_running(scheduler.requests.values())
         self.max_running = (self.config.max_num_seqs if cap is None
                             else min(cap, self.config.max_num_seqs))
@@ -118,6 +121,13 @@ class StepPlan:
 
     # ----- the budget ---------------------------------------------------------------------
 
+    def budget_for(self, request: Request) -> int:
+        """Tokens `request` may still take in this step: the step's budget, and for a
+        batch request also the batch band's (core/batch_share.py)."""
+        if request.band == BATCH and self.batch_budget is not None:
+            return min(self.budget, self.batch_budget)
+        return self.budget
+
     def schedule_tokens(self, request: Request, num_tokens: int,
                         spec: list[int] | None = None) -> None:
         """`num_tokens` of the request run in the step (`spec`: its proposed ones among them)."""
@@ -135,6 +145,8 @@ class StepPlan:
         if spec:
             self.spec_tokens[rid] = spec
         self.budget -= num_tokens
+        if request.band == BATCH and self.batch_budget is not None:
+            self.batch_budget -= num_tokens
         self.fair_share.charge(request, num_tokens)
 
     def unschedule(self, request: Request) -> None:
@@ -146,6 +158,8 @@ class StepPlan:
         self.spec_tokens.pop(request.request_id, None)
         if num_tokens:
             self.budget += num_tokens
+            if request.band == BATCH and self.batch_budget is not None:
+                self.batch_budget += num_tokens
             self.fair_share.charge(request, -num_tokens)
 
     def holds_back(self, request: Request, partial: bool) -> bool:
