@@ -84,6 +84,7 @@ class ServeEngineClient:
     def __init__(self, handles: dict, config, served_model_name: str | None = None,
                  on_shutdown=None, max_restarts: int | None = None) -> None:
         """`handles`: role ("both", or "prefill" and "decode") -> DeploymentHandle;
+        `config`: the engines' EngineConfig (None: the first replica's, once connected);
         `on_shutdown`: what `shutdown` does after this client stops (launch.py: delete the
         application and leave Ray when this process started them); `max_restarts`: deaths
         of every replica index after which, with none in routing, the fleet is dead
@@ -131,6 +132,7 @@ class ServeEngineClient:
     def _take_infos(self, infos: list[dict]) -> None:
         first = min(infos, key=lambda i: i["index"])
         self.info = first
+        self.config = self.config or first["config"]  # a client of a running application
         self.limits = min((i["limits"] for i in infos), key=lambda lim: lim.num_kv_tokens)
         self.model_name = first["model_name"]
         self.eos_token_id = first["eos_token_id"]

@@ -31,13 +31,13 @@ def replica_threads(config: EngineConfig, replicas: int, cluster_cpus: float) ->
     return max(1, int(cluster_cpus) // replicas)
 
 
-def _join_or_start(replica_config: ReplicaConfig) -> bool:
-    """Ray up in this process (joined, or a local cluster started): whether it started
-    it here."""
+def _join_or_start(replica_config: ReplicaConfig) -> tuple[bool, bool]:
+    """Ray up in this process (a cluster joined, or a local one started): (whether Ray
+    was initialized here, whether the cluster was started here)."""
     import ray
 
     if ray.is_initialized():
-        return False
+        return False, False
     kwargs = {"include_dashboard": False}
     if replica_config.ray_address is not None:
         kwargs["address"] = replica_config.ray_address
@@ -55,7 +55,7 @@ def _join_or_start(replica_config: ReplicaConfig) -> bool:
             "start` uses token authentication (Ray 2.59 and later): run treadle with "
             "RAY_AUTH_MODE=token, and the cluster's token in ~/.ray/auth_token or "
             "RAY_AUTH_TOKEN (docs/replicas.md)") from exc
-    return True
+    return True, replica_config.ray_address is None
 
 
 def start_replicas(config: EngineConfig, replica_config: ReplicaConfig,
@@ -69,7 +69,7 @@ def start_replicas(config: EngineConfig, replica_config: ReplicaConfig,
     from treadle.integrations.ray_serve.app import DEPLOYMENTS, engine_graph
     from treadle.integrations.ray_serve.client import ServeEngineClient
 
-    started_ray = _join_or_start(replica_config)
+    joined, started_cluster = _join_or_start(replica_config)
     name = f"treadle-{os.getpid()}"
 
     def stop() -> None:
@@ -77,8 +77,9 @@ def start_replicas(config: EngineConfig, replica_config: ReplicaConfig,
             serve.delete(name)
         except Exception as exc:  # noqa: BLE001 - leaving anyway
             logger.warning("could not delete the Ray Serve application %s: %s", name, exc)
-        if started_ray:
+        if started_cluster:  # a joined cluster's Serve stays: other apps may use it
             serve.shutdown()
+        if joined:
             ray.shutdown()
 
     try:

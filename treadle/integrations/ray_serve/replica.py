@@ -57,7 +57,7 @@ class EngineReplica:
                 "eos_token_id": engine.eos_token_id, "model_dir": str(engine.core.model_dir),
                 "supports_structured_outputs": engine.supports_structured_outputs,
                 "lora_enabled": engine.lora_enabled, "pid": os.getpid(),
-                "num_threads": engine.config.model.num_threads}
+                "num_threads": engine.config.model.num_threads, "config": engine.config}
 
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams, priority: int = 0, tenant: str | None = None,
