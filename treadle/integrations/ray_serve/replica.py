@@ -117,8 +117,9 @@ class EngineReplica:
                                  **scheduling):
         """Decode role: the outputs after the first token of a request prefilled
         elsewhere; `await export(request_id, start)` brings the prefill replica's KV from
-        block `start` on (its `export_kv`: a Ray Serve call pinned to that replica). The request waits here in WAITING_FOR_REMOTE_KV while the blocks
-        this engine lacks come over. `scheduling`: band and deadlines."""
+        block `start` on (its `export_kv`: a Ray Serve call pinned to that replica). The
+        request waits here in WAITING_FOR_REMOTE_KV while the blocks this engine lacks
+        come over. `scheduling`: band and deadlines."""
         import time
 
         engine = self.engine
