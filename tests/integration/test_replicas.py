@@ -293,7 +293,7 @@ def test_killed_replica_errors_its_streams_only_and_comes_back(server, client, r
 
 def test_sigterm_drains_in_flight_requests_and_exits_0(server):
     base, proc = server
-    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 60, "temperature": 0,
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 30, "temperature": 0,
             "ignore_eos": True, "stream": True}
     with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()

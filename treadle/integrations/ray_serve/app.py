@@ -27,6 +27,9 @@ DEPLOYMENTS = {"both": ENGINE_DEPLOYMENT, "prefill": PREFILL_DEPLOYMENT,
                "decode": DECODE_DEPLOYMENT}
 """Each role's engine deployment."""
 INGRESS_DEPLOYMENT = "TreadleOpenAI"
+DRAIN_POLL_S = 0.2
+"""How often a replica Ray Serve is removing looks whether its requests are done (Ray
+Serve's default, 2 s, makes every removal last 2 s at least)."""
 ROUTER_CLASS = "treadle.integrations.ray_serve.request_router.TreadleRequestRouter"
 """By name: Ray Serve imports it in each handle's process (the class, pickled, would carry
 its module's map of routers)."""
@@ -60,6 +63,7 @@ def engine_graph(config: EngineConfig, replica_config: ReplicaConfig,
         return serve.deployment(
             EngineDeployment, name=DEPLOYMENTS[role],
             health_check_period_s=HEALTH_CHECK_PERIOD_S, max_ongoing_requests=100_000,
+            graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
             request_router_config=router,
             ray_actor_options={"num_cpus": config.model.num_threads or 1,
                                "num_gpus": replica_config.replica_num_gpus},
