@@ -70,6 +70,8 @@ class TreadleRequestRouter(RequestRouter):
         self._decisions: dict[str, RouteDecision] = {}
         self._followed: dict[int, str] = {}
         """Replica index -> the replica id whose KV events the index follows."""
+        self._present: set[int] = set()
+        """The replica indexes in Ray Serve's last list."""
         self.deaths: dict[int, int] = {}
         """Replica index -> how many times a replica of that index was seen dead."""
         registry.register(self._deployment_id.app_name, self._deployment_id.name, self)
@@ -121,6 +123,11 @@ class TreadleRequestRouter(RequestRouter):
         super().update_replicas(replicas)
         live = {r.replica_id.unique_id for r in replicas}
         self.dead &= live
+        present = {r.replica_metadata.get("index") for r in replicas} - {None}
+        if self.front_metrics is not None:  # gone without a failed call (idle, downscaled)
+            for index in self._present - present:
+                self.front_metrics.set_healthy(index, False)
+        self._present = present
         for r in replicas:
             index = r.replica_metadata.get("index")
             if index is None:
