@@ -41,8 +41,8 @@ def engine_graph(config: EngineConfig, replica_config: ReplicaConfig,
     """Role -> bound engine deployment: {"both": ...} with `replica_config.replicas`
     replicas (or `scaling`: Ray Serve's num_replicas or autoscaling_config), or P/D's
     {"prefill": ..., "decode": ...} (the decode deployment bound with the prefill
-    deployment's handle). Each replica declares
-    `config.model.num_threads` CPUs and `replica_config.replica_num_gpus` GPUs."""
+    deployment's handle). Each replica declares `config.model.num_threads` CPUs and
+    `replica_config.replica_num_gpus` GPUs."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
