@@ -22,8 +22,9 @@ Where the checks run, all at start:
   what the configuration alone tells.
 - `check_kv_specs`: core/kv/config.py, once the model's layers (and so its sliding
   group) are known: the engine core when it sizes the KV cache, before any tensor.
-- `check_disaggregation`: P/D, before Ray starts (ReplicaSet) and on each P/D engine
-  once its KV specs are known (PDEngine).
+- `check_disaggregation`: P/D, before Ray starts (`treadle serve`, and the Ray Serve
+  application's engine deployments: integrations/ray_serve/app.py) and on each P/D
+  engine once its KV specs are known (PDEngine).
 - `check_serving`: `treadle serve` (and `--replicas`), for what the server's and the
   replicas' options add.
 - `check_batch_invariant_run`: each worker, once its dtype, kernels and attention backend

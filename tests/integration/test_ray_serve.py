@@ -1,7 +1,8 @@
 """treadle on Ray Serve (treadle/integrations/ray_serve): `build_openai_app` on a local Ray
 cluster (2 CPUs, the tiny model of replica_fixtures.py, two engine replicas). Greedy
 completions through Ray Serve's HTTP proxy and treadle's OpenAI routes equal one
-engine's; a replica killed is replaced by Ray Serve and requests reach it again."""
+engine's; a replica killed is replaced by Ray Serve and requests reach it again; the P/D
+application with an adapter given at start gives one engine's texts too."""
 
 from __future__ import annotations
 
@@ -105,3 +106,37 @@ def test_killed_replica_is_replaced_and_routed_to_again(app):
     after = replica_tokens(base)
     assert all(after.get(r, 0) - before.get(r, 0) >= 4 for r in ("0", "1")), (before, after)
     print(f"\nray serve: replica replaced and routed to {recovered_s:.1f} s after the kill")
+
+
+def test_pd_app_with_an_adapter_equals_one_engine(tiny, app, tmp_path):
+    """The same application shape with P/D (a prefill and a decode deployment, the decode
+    one fetching KV through the prefill one's handle) and an adapter from the start: its
+    greedy texts, with and without the adapter, are one engine's."""
+    pytest.importorskip("peft")
+    from lora_adapters import make_adapter
+
+    from treadle import LLM, LoRARequest
+    from treadle.integrations.ray_serve import build_openai_app
+
+    base, _ = app
+    serve.delete("treadle")  # its two replicas' CPUs for these two
+    adapter = make_adapter(tiny, tmp_path / "a0", 4, seed=1)
+    serve.run(build_openai_app(dict(model=tiny, enable_lora=True, max_lora_rank=8, **OPTIONS),
+                               prefill_replicas=1, decode_replicas=1, served_model_name="tiny",
+                               lora_modules=[("a0", adapter)]),
+              name="treadle-pd", route_prefix="/")
+    prompts = [[5, 6, 7, 8, 9] * 5, [11, 12, 13] * 9]
+    got = [complete(base, p)["choices"][0]["text"] for p in prompts]
+    got_a0 = httpx.post(base + "/v1/completions", timeout=120, json={
+        "model": "a0", "prompt": prompts[0], "max_tokens": 8, "temperature": 0,
+        "ignore_eos": True}).json()["choices"][0]["text"]
+    llm = LLM(model=tiny, enable_lora=True, max_lora_rank=8, **OPTIONS)
+    want = [o.outputs[0].text for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts + prompts[:1]],
+        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False,
+        lora_request=[None, None, LoRARequest("a0", 1, adapter)])]
+    llm.engine.shutdown()
+    assert got + [got_a0] == want
+    assert got_a0 != got[0]
+    tokens = replica_tokens(base)
+    assert tokens.get("1", 0) > 0  # the decode replica (index 1) generated

@@ -1,12 +1,17 @@
-"""Engine replicas on a local Ray cluster (2 CPUs, a tiny model): the same greedy outputs as
-one engine, the OpenAI front end over them (streaming, disconnects, 429s, /metrics by
-replica), and a replica killed mid-stream (its requests get an error event, the others
-finish, it comes back)."""
+"""`treadle serve --replicas 2` on Ray Serve (a local Ray cluster of 2 CPUs that the server
+joins with --ray-address, a tiny model, LoRA on): the same greedy outputs as one engine,
+with and without an adapter, on both replicas; the OpenAI front end over them (streaming,
+disconnects, 429s, /metrics by replica); adapters loaded, listed and unloaded on every
+replica; a replica killed mid-stream (its requests that had sent tokens get an error
+event, the one that had not is sent again and finishes, Ray Serve replaces the replica,
+which gets the adapters back); SIGTERM drains and exits 0."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import threading
 import time
 
@@ -14,19 +19,28 @@ import httpx
 import pytest
 
 ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+pytest.importorskip("peft")
 
+from lora_adapters import make_adapter  # noqa: E402
 from replica_fixtures import OPTIONS, serving, tiny_model  # noqa: E402
-from treadle.config import EngineConfig  # noqa: E402
-from treadle.distributed.config import ReplicaConfig  # noqa: E402
+from server_fixtures import launched_server  # noqa: E402
 from treadle.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
+LORA = dict(enable_lora=True, max_lora_rank=8)
+PROMPTS = [[5, 6, 7, 8 + i, 9] * (i + 1) for i in range(6)]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("tiny"))
+def files(tmp_path_factory):
+    """(tiny model, {adapter name: folder})."""
+    root = tmp_path_factory.mktemp("replicas")
+    tiny = tiny_model(root / "tiny")
+    return tiny, {"a0": make_adapter(tiny, root / "a0", 4, seed=1),
+                  "a1": make_adapter(tiny, root / "a1", 8, seed=2),
+                  "big": make_adapter(tiny, root / "big", 16, seed=3)}
 
 
 @pytest.fixture(scope="module")
@@ -37,60 +51,85 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="module")
-def replica_set(tiny, ray_cluster):
-    from treadle.distributed.replica_set import ReplicaSet
-
-    # two sequences at a time per replica: a third one waits there (the fault test)
-    replicas = ReplicaSet(EngineConfig.from_options(model=tiny, max_num_seqs=2, **OPTIONS),
-                          ReplicaConfig(replicas=2, routing="round-robin"), "tiny")
-    yield replicas
-    replicas.shutdown()
+def server(files, ray_cluster):
+    """(base URL, process) of `treadle serve --replicas 2`, two sequences at a time per
+    replica (a third one waits there: the fault test)."""
+    tiny, adapters = files
+    args = ["--model", tiny, "--served-model-name", "tiny", "--dtype", "float32",
+            "--num-kv-blocks", str(OPTIONS["num_kv_blocks"]), "--num-threads", "1",
+            "--max-num-seqs", "2", "--replicas", "2", "--routing", "round-robin",
+            "--ray-address", ray_cluster, "--enable-lora", "--max-lora-rank", "8",
+            "--lora-modules", f"a0={adapters['a0']}", "--enable-lora-runtime-updates"]
+    with launched_server(args, startup_timeout=300, log_level="INFO") as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
-def server(replica_set):
-    with serving(replica_set) as base:
-        yield base
+def client(server):
+    """A second front end in this process over the server's application (white-box: the
+    replicas' actors, pinned calls, a front end with other server options)."""
+    from treadle.integrations.ray_serve.client import ServeEngineClient
+
+    [app] = [name for name in serve.status().applications if name.startswith("treadle-")]
+    c = ServeEngineClient({"both": serve.get_deployment_handle("TreadleEngine", app)}, None,
+                          "tiny").connect()
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(files):
+    """One engine's greedy texts: PROMPTS without an adapter, PROMPTS[0] with each."""
+    from treadle import LLM, LoRARequest
+
+    tiny, adapters = files
+    llm = LLM(model=tiny, **OPTIONS, **LORA)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS + PROMPTS[:1] * 2], params,
+                        use_tqdm=False, lora_request=[None] * len(PROMPTS) + [
+                            LoRARequest("a0", 1, adapters["a0"]),
+                            LoRARequest("a1", 2, adapters["a1"])])
+    llm.engine.shutdown()
+    texts = [o.outputs[0].text for o in outs]
+    return {"base": texts[:len(PROMPTS)], "a0": texts[-2], "a1": texts[-1]}
 
 
 def metric(base: str, name: str, labels: str = "") -> float:
     total = 0.0
-    for line in httpx.get(base + "/metrics").text.splitlines():
+    for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
         key = line.split(" ")[0]
         if key.split("{")[0] in (f"treadle:{name}", f"treadle:{name}_total") and labels in key:
             total += float(line.rsplit(" ", 1)[1])
     return total
 
 
-PROMPTS = [[5, 6, 7, 8 + i, 9] * (i + 1) for i in range(6)]
+def complete_all(base: str, prompts, model: str = "tiny", max_tokens: int = 12) -> list:
+    async def one(client, p):
+        r = await client.post(base + "/v1/completions", json={
+            "model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*[one(client, p) for p in prompts])
+    return asyncio.run(main())
 
 
-def test_greedy_outputs_through_two_replicas_equal_one_engine(tiny, replica_set):
-    from treadle import LLM
+def routed(base: str) -> list[float]:
+    return [metric(base, "router_requests", f'reason="round-robin",replica="{i}"')
+            for i in range(2)]
 
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
-    async def through_replicas():
-        async def one(i):
-            last = None
-            async for out in replica_set.generate(f"eq-{i}", None, PROMPTS[i], params):
-                last = out
-            assert last.prompt_token_ids == PROMPTS[i]
-            return last.outputs[0].token_ids
-        return await asyncio.gather(*[one(i) for i in range(len(PROMPTS))])
-
-    routed_before = [replica_set.front_metrics.routed.labels("tiny", str(i), "round-robin")
-                     ._value.get() for i in range(2)]
-    got = asyncio.run(through_replicas())
-    llm = LLM(model=tiny, **OPTIONS)
-    want = [o.outputs[0].token_ids for o in
-            llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
-    del llm
-    assert got == want
-    routed = [replica_set.front_metrics.routed.labels("tiny", str(i), "round-robin")
-              ._value.get() - routed_before[i] for i in range(2)]
-    assert routed == [3, 3]
-    assert replica_set.config.model.num_threads == 1
+def test_greedy_outputs_through_two_replicas_equal_one_engine(server, reference):
+    base, _ = server
+    before = routed(base)
+    assert complete_all(base, PROMPTS) == reference["base"]
+    assert [a - b for a, b in zip(routed(base), before)] == [3, 3]
+    # the adapter given at start (--lora-modules), on both replicas (round-robin)
+    assert complete_all(base, PROMPTS[:1] * 2, "a0") == [reference["a0"]] * 2
+    assert reference["a0"] != reference["base"][0]
 
 
 def sse_events(response) -> list:
@@ -98,7 +137,8 @@ def sse_events(response) -> list:
             if line.startswith("data: ") and line != "data: [DONE]"]
 
 
-def test_front_end_streams_aborts_and_labels_metrics(server, replica_set):
+def test_front_end_streams_aborts_and_labels_metrics(server):
+    server, _ = server
     body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 16, "temperature": 0,
             "ignore_eos": True}
     whole = httpx.post(server + "/v1/completions", json=body, timeout=60).json()
@@ -130,18 +170,17 @@ def test_front_end_streams_aborts_and_labels_metrics(server, replica_set):
     asyncio.run(main())
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and (
-            replica_set.num_in_flight or metric(server, "num_requests_running")
+            metric(server, "num_requests_running")
             or metric(server, "request_success", 'finished_reason="abort"') - aborted_before < 4):
         time.sleep(0.1)
     assert metric(server, "request_success", 'finished_reason="abort"') - aborted_before == 4
-    assert replica_set.num_in_flight == 0
     assert metric(server, "num_requests_running") == 0
     assert metric(server, "kv_cache_usage_perc") == 0
 
 
-def test_tenant_bound_gets_429_across_replicas(replica_set):
+def test_tenant_bound_gets_429_across_replicas(client):
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True}
-    with serving(replica_set, tenant_tokens_per_minute=300) as base:
+    with serving(client, tenant_tokens_per_minute=300) as base:
         first = httpx.post(base + "/v1/completions", json=body, timeout=60)
         assert first.status_code == 200, first.text
         second = httpx.post(base + "/v1/completions", json=body, timeout=60)
@@ -150,42 +189,81 @@ def test_tenant_bound_gets_429_across_replicas(replica_set):
         assert "Retry-After" in second.headers
 
 
-def test_killed_replica_errors_its_streams_only_and_rejoins(server, replica_set):
+def replica_adapters(client, index: int, want: set[str]) -> set[str]:
+    """The adapters replica `index` has registered, once they are `want` (or 30 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        names = {lora.lora_name for lora in client.call(index, "list_loras")}
+        if names == want or time.monotonic() > deadline:
+            return names
+        time.sleep(0.1)
+
+
+def test_adapters_load_list_and_unload_on_every_replica(server, client, files, reference):
+    base, _ = server
+    _, adapters = files
+    r = httpx.post(base + "/v1/load_lora_adapter", timeout=60,
+                   json={"lora_name": "a1", "lora_path": adapters["a1"]})
+    assert r.status_code == 200, r.text
+    cards = {c["id"] for c in httpx.get(base + "/v1/models", timeout=30).json()["data"]}
+    assert cards == {"tiny", "a0", "a1"}
+    assert [replica_adapters(client, i, {"a0", "a1"}) for i in range(2)] == [{"a0", "a1"}] * 2
+    assert complete_all(base, PROMPTS[:1] * 2, "a1") == [reference["a1"]] * 2
+    big = httpx.post(base + "/v1/load_lora_adapter", timeout=60,
+                     json={"lora_name": "big", "lora_path": adapters["big"]})
+    assert big.status_code == 400 and "max_lora_rank" in big.json()["error"]["message"]
+    assert "Traceback" not in big.json()["error"]["message"]  # the replica's own error
+    r = httpx.post(base + "/v1/unload_lora_adapter", json={"lora_name": "a1"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert [replica_adapters(client, i, {"a0"}) for i in range(2)] == [{"a0"}] * 2
+    gone = httpx.post(base + "/v1/completions", timeout=60, json={
+        "model": "a1", "prompt": PROMPTS[0], "max_tokens": 2})
+    assert gone.status_code == 404
+
+
+def test_killed_replica_errors_its_streams_only_and_comes_back(server, client, reference):
     """Six streams, three per replica, two running and one waiting on each: replica 0 is
     killed once the four running ones have sent tokens. Its two running streams end with
-    an error event; its waiting one (no token sent) is retried on replica 1 and finishes,
-    as do replica 1's; it is out of routing at once, restarts and takes requests again."""
+    an error event; its waiting one (no token sent) is sent again to replica 1 and
+    finishes, as do replica 1's; Ray Serve replaces the replica, which takes requests
+    again, with the adapters."""
+    server, _ = server
     body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 400, "temperature": 0,
             "ignore_eos": True, "stream": True}
     retried_before = metric(server, "replica_retried_requests", 'replica="0"')
+    deaths_before = metric(server, "replica_deaths", 'replica="0"')
 
-    async def stream(client, ready):
+    async def stream(http, ready):
         events = []
-        async with client.stream("POST", server + "/v1/completions", json=body) as response:
+        async with http.stream("POST", server + "/v1/completions", json=body) as response:
             async for line in response.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     events.append(json.loads(line[6:]))
-                    ready.release()
+                    if len(events) == 1:
+                        ready.release()
         return events
 
     async def main():
-        async with httpx.AsyncClient(timeout=120) as client:
+        async with httpx.AsyncClient(timeout=120) as http:
             ready = asyncio.Semaphore(0)
-            tasks = [asyncio.ensure_future(stream(client, ready)) for _ in range(6)]
+            tasks = [asyncio.ensure_future(stream(http, ready)) for _ in range(6)]
             for _ in range(4):  # the four running streams sent a token
                 await ready.acquire()
             marks["killed"] = time.monotonic()
-            ray.kill(replica_set.actor(0), no_restart=False)
+            ray.kill(client.actor(0), no_restart=True)
             watcher.start()
             return await asyncio.gather(*tasks)
 
     marks = {}
 
-    def watch():  # when the restarted replica is back in routing
+    def healthy() -> bool:
+        return metric(server, "replica_healthy", 'replica="0"') == 1
+
+    def watch():  # when the new replica 0 is in routing
         deadline = marks["killed"] + 120
-        while replica_set.replicas[0].healthy and time.monotonic() < deadline:
+        while healthy() and time.monotonic() < deadline:
             time.sleep(0.05)
-        while not replica_set.replicas[0].healthy and time.monotonic() < deadline:
+        while not healthy() and time.monotonic() < deadline:
             time.sleep(0.05)
         marks["back"] = time.monotonic()
 
@@ -200,21 +278,30 @@ def test_killed_replica_errors_its_streams_only_and_rejoins(server, replica_set)
         assert "".join(e["choices"][0]["text"] for e in events if e["choices"])
         assert events[-1]["choices"][0]["finish_reason"] == "length"
     assert metric(server, "replica_retried_requests", 'replica="0"') - retried_before == 1
-    assert not replica_set.replicas[0].healthy  # out of routing at once
-    ok = httpx.post(server + "/v1/completions", json={**body, "stream": False,
-                                                      "max_tokens": 4}, timeout=60)
-    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
-    deadline = time.monotonic() + 120
-    while not replica_set.replicas[0].healthy and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert replica_set.replicas[0].healthy, "the restarted replica did not rejoin"
-    watcher.join(10)
+    assert metric(server, "replica_deaths", 'replica="0"') - deaths_before >= 1
+    watcher.join(130)
+    assert "back" in marks and healthy(), "Ray Serve did not bring replica 0 back"
     print(f"\nfaults: of the killed replica's 3 streams, 2 with tokens sent errored, the 1 "
-          f"without a token was retried on replica 1 and finished (0 lost); the replica was "
-          f"back in routing {marks['back'] - marks['killed']:.1f} s after the kill")
+          f"without a token was sent again to replica 1 and finished (0 lost); replica 0 "
+          f"was back in routing {marks['back'] - marks['killed']:.1f} s after the kill")
     before = metric(server, "generation_tokens", 'replica="0"')
-    for _ in range(2):  # round-robin: one of the two lands on the restarted replica
-        r = httpx.post(server + "/v1/completions", json={**body, "stream": False,
-                                                         "max_tokens": 4}, timeout=60)
-        assert r.status_code == 200
-    assert metric(server, "generation_tokens", 'replica="0"') - before == 4
+    # round-robin: one of each pair lands on the new replica, which gets the adapter
+    assert complete_all(server, PROMPTS[:2]) == reference["base"][:2]
+    assert complete_all(server, PROMPTS[:1] * 2, "a0") == [reference["a0"]] * 2
+    assert metric(server, "generation_tokens", 'replica="0"') - before == 24
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0(server):
+    base, proc = server
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 30, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        os.kill(proc.pid, signal.SIGTERM)
+        events = [json.loads(first[6:])] + [json.loads(line[6:]) for line in lines
+                                            if line.startswith("data: ")
+                                            and line != "data: [DONE]"]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert proc.wait(60) == 0
+    assert not [name for name in serve.status().applications if name.startswith("treadle-")]

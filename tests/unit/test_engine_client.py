@@ -19,10 +19,9 @@ from treadle.engine.async_engine import AsyncEngine
 from treadle.engine.client import EngineClient
 
 ray = pytest.importorskip("ray")
-from treadle.distributed.replica_set import ReplicaSet  # noqa: E402
 from treadle.integrations.ray_serve.client import ServeEngineClient  # noqa: E402
 
-IMPLEMENTATIONS = [AsyncEngine, PDEngine, ReplicaSet, ServeEngineClient]
+IMPLEMENTATIONS = [AsyncEngine, PDEngine, ServeEngineClient]
 
 
 def protocol_members() -> dict[str, object]:

@@ -2,13 +2,13 @@
 and imports that run down the layers only.
 
 Read with `ast`, nothing is imported. The layers, top to bottom: the tools and front ends
-(cli, bench, sim, measure), server, distributed and the stacks treadle runs inside
-(integrations), engine, executor, worker, models, layers; core is the scheduler's
-pure-Python room, beside the worker, below the engine; kv_events is a wire format the
-engine speaks (vLLM's KV events), beside core; config and compat (the options and their
-refused combinations) sit on kv_specs (what a KV cache is declared to be), the ground.
-What a package may not import is listed per package below; a lazy import inside a
-function counts like one at the top.
+(cli, bench, sim, measure), the stacks treadle runs inside (integrations: Ray Serve runs
+treadle's server as its ingress), server, distributed, engine, executor, worker, models,
+layers; core is the scheduler's pure-Python room, beside the worker, below the engine;
+kv_events is a wire format the engine speaks (vLLM's KV events), beside core; config and
+compat (the options and their refused combinations) sit on kv_specs (what a KV cache is
+declared to be), the ground. What a package may not import is listed per package below; a
+lazy import inside a function counts like one at the top.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "core": ("layers", "models", "worker", "engine", "executor", *ABOVE_ENGINE),
     "executor": ("engine", *ABOVE_ENGINE),
     "engine": ABOVE_ENGINE,
-    "server": (*FRONT, *TOOLS),
+    "server": ("integrations", *FRONT, *TOOLS),
     "distributed": (*FRONT, *TOOLS),
     "integrations": (*FRONT, *TOOLS),
     "kv_events": ("layers", "models", "worker", "engine", "executor", *ABOVE_ENGINE),

@@ -1,7 +1,7 @@
 """The prefix router on KV events (router/kv_aware.py): a replica's match is what its
 events say it holds (a real KVEventIndex, fed events directly), or the prompts routed
 there in the last seconds; tenants and adapters salt both; the prefix tree stays the
-router when the replicas publish no events (distributed/replica_set.py)."""
+router when the replicas publish no events (integrations/ray_serve/request_router.py)."""
 
 from __future__ import annotations
 
@@ -70,12 +70,12 @@ def test_recent_routes_count_until_the_events_come_then_age_out():
     assert (d.replica, d.reason) == (1, "balance")
 
 
-def test_connect_endpoint_names_the_replicas_node():
+def test_reachable_endpoint_names_the_replicas_node():
     pytest.importorskip("ray")
-    from treadle.distributed.replica_set import connect_endpoint
+    from treadle.integrations.ray_serve.deployment import reachable_endpoint
 
-    assert connect_endpoint("tcp://*:5557", "10.0.0.2") == "tcp://10.0.0.2:5557"
-    assert connect_endpoint("tcp://0.0.0.0:5558", "10.0.0.2") == "tcp://10.0.0.2:5558"
-    assert connect_endpoint("tcp://h:5557", "10.0.0.2") == "tcp://h:5557"
-    assert connect_endpoint("ipc:///tmp/kv_dp1", "10.0.0.2") == "ipc:///tmp/kv_dp1"
-    assert connect_endpoint(None, "x") is None
+    assert reachable_endpoint("tcp://*:5557", "10.0.0.2") == "tcp://10.0.0.2:5557"
+    assert reachable_endpoint("ipc:///tmp/kv_dp1", "10.0.0.2") == "ipc:///tmp/kv_dp1"
+    assert reachable_endpoint("tcp://h:5557", "10.0.0.2") is None  # the engine connects out
+    assert reachable_endpoint("inproc://kv", "10.0.0.2") is None
+    assert reachable_endpoint(None, "x") is None

@@ -41,7 +41,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     sock = preflight.bind_port(server_config.host, server_config.port)
     from treadle.server.serve import serve  # torch, uvicorn, the engine: after the checks
 
-    return serve(config, server_config, replica_config, batch_config, sock=sock)
+    start_replicas = None
+    if replica_config.on_ray:  # on Ray Serve (ray: imported only here)
+        from treadle.integrations.ray_serve.launch import start_replicas
+    return serve(config, server_config, replica_config, batch_config, sock=sock,
+                 start_replicas=start_replicas)
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""`treadle serve` options of the scale-out: replicas, the Ray cluster, routing.
+"""`treadle serve` options of the scale-out: replicas, the Ray cluster, routing (served by
+the Ray Serve application of treadle/integrations/ray_serve).
 
 Owns the frozen `ReplicaConfig` (its fields become `--replicas`, `--ray-address`,
 `--routing`, `--route-*` ... flags) and its validation. It imports neither Ray nor torch.
@@ -20,8 +21,8 @@ class ReplicaConfig:
     """Engine replicas on Ray behind one front end (docs/replicas.md)."""
 
     replicas: int = field(default=1, metadata=_help(
-        "Engine replicas, one Ray actor each, behind this one front end (1: the engine "
-        "runs in this process, no Ray)"))
+        "Engine replicas, one Ray Serve replica each, behind this one front end (1: the "
+        "engine runs in this process, no Ray)"))
     ray_address: str | None = field(default=None, metadata=_help(
         "Join this running Ray cluster (e.g. 127.0.0.1:6379 or 'auto') instead of starting "
         "a local one; implies replicas on Ray even with --replicas 1"))
@@ -29,9 +30,10 @@ class ReplicaConfig:
         "CPUs of the local Ray cluster started without --ray-address (all cores when not "
         "given)"))
     replica_num_gpus: float = field(default=0.0, metadata=_help(
-        "GPUs each replica actor declares to Ray (its CPUs: --num-threads)"))
+        "GPUs each replica declares to Ray (its CPUs: --num-threads)"))
     replica_max_restarts: int = field(default=3, metadata=_help(
-        "Times Ray restarts a replica actor that died (it rejoins once it answers)"))
+        "Ray Serve replaces a replica that dies; once every replica has died more than "
+        "this many times and none serves, the server gives up (/health 503, exit 1)"))
     prefill_replicas: int = field(default=0, metadata=_help(
         "P/D disaggregation: replicas that only prefill (and sample the first token); "
         "needs --decode-replicas, replaces --replicas"))

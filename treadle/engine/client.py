@@ -2,13 +2,13 @@
 needs of an engine, stated once.
 
 Owns the interface, nothing else: one engine in this process (engine/async_engine.py
-`AsyncEngine`, and `PDEngine`, a subclass), or N engine replicas on Ray behind a router
-(distributed/replica_set.py `ReplicaSet`) implement it, and the server is written against
-it alone. tests/unit/test_engine_client.py checks each implementation against it, member
-by member, signatures included. The two errors a request can end with belong to the
-interface too. Importing this module imports neither the server's
-dependencies (FastAPI, uvicorn) nor torch nor Ray: the types it names are only read by
-type checkers. It implements nothing and must not grow engine logic.
+`AsyncEngine`, and `PDEngine`, a subclass), or N engine replicas on Ray Serve behind
+treadle's router (integrations/ray_serve/client.py `ServeEngineClient`) implement it, and
+the server is written against it alone. tests/unit/test_engine_client.py checks each
+implementation against it, member by member, signatures included. The two errors a
+request can end with belong to the interface too. Importing this module imports neither
+the server's dependencies (FastAPI, uvicorn) nor torch nor Ray: the types it names are
+only read by type checkers. It implements nothing and must not grow engine logic.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ class BatchService:
             self.unavailable = str(exc)
             logger.warning("the Batch API is off: %s", exc)
             return
-        engines = len(getattr(serving.engine, "replicas", None) or [None])  # a ReplicaSet's
+        engines = len(getattr(serving.engine, "replicas", None) or [None])  # replicas on Ray
         window = config.window(serving.engine.config.scheduler.max_num_seqs * engines)
         self.runner = BatchRunner(self.store, ServingLineExecutor(serving), window,
                                   config.batch_max_lines, paused=self._paused)

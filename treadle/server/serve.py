@@ -112,26 +112,30 @@ def parse_lora_modules(entries: list[str] | None) -> list[tuple[str, str]]:
 
 
 def make_engine(engine_config: EngineConfig, server_config: ServerConfig,
-                replica_config=None) -> EngineClient:
-    """One AsyncEngine in this process, or replicas on Ray behind a ReplicaSet (both an
-    EngineClient) when replica_config asks for them."""
+                replica_config=None, start_replicas=None) -> EngineClient:
+    """One AsyncEngine in this process, or, when replica_config asks for replicas on Ray,
+    `start_replicas(engine_config, replica_config, served_model_name)`'s EngineClient
+    (`treadle serve` passes treadle.integrations.ray_serve's: the server never imports
+    the stacks above it)."""
     if replica_config is None or not replica_config.on_ray:
         return AsyncEngine(engine_config, server_config.served_model_name)
-    from treadle.distributed.replica_set import ReplicaSet  # ray: imported only here
-
-    return ReplicaSet(engine_config, replica_config, server_config.served_model_name)
+    if start_replicas is None:
+        raise ValueError("replicas on Ray: no start_replicas given (treadle serve passes "
+                         "treadle.integrations.ray_serve.launch.start_replicas)")
+    return start_replicas(engine_config, replica_config, server_config.served_model_name)
 
 
 def serve(engine_config: EngineConfig, server_config: ServerConfig,
           replica_config=None, batch_config: BatchConfig | None = None,
-          *, sock: socket.socket) -> int:
+          *, sock: socket.socket, start_replicas=None) -> int:
     """Serve until SIGTERM / SIGINT (exit status 0) or the engine's death (1). `sock`: the
     listening socket of host:port, bound by the caller before the engine started
-    (`treadle serve` binds it first: treadle/cli/preflight.py `bind_port`)."""
+    (`treadle serve` binds it first: treadle/cli/preflight.py `bind_port`);
+    `start_replicas`: what makes the replicas' EngineClient (make_engine)."""
     keyring = KeyRing.from_options(server_config.api_key, server_config.api_keys_file)
     lora_modules = parse_lora_modules(server_config.lora_modules)
     check_serving(engine_config, server_config, replica_config)  # treadle/compat.py
-    engine = make_engine(engine_config, server_config, replica_config)
+    engine = make_engine(engine_config, server_config, replica_config, start_replicas)
     try:
         for name, path in lora_modules:  # LoRAError (a ValueError) names what does not fit
             if name == engine.model_name or engine.get_lora(name) is not None:

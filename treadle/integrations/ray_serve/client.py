@@ -1,15 +1,20 @@
 """`ServeEngineClient`: treadle's engine replicas on Ray Serve, with the interface of one engine.
 
-Owns, over the deployment handle of a treadle application's engine deployment (app.py),
-what the server needs of an EngineClient (treadle/engine/client.py): requests go out
-through the handle — Ray Serve routes each with treadle's router class
-(request_router.py) and streams its outputs back —, a request whose replica dies before
-it sent a token is sent again (to another replica: the dead one is out of routing at
-once), one that dies after ends with an error naming the replica; the fleet's metrics
-(every replica's, labelled, and the front end's own); tenant weights (carried with every
-call, applied by a replica when newer than its own, so a replaced replica needs no
-replay). It runs in the OpenAI ingress deployment of `build_openai_app`, and never
-decides where a request goes. (Neither P/D nor adapters are on this path yet.)
+Owns, over the deployment handles of a treadle application's engine deployments (app.py:
+one colocated deployment, or P/D's prefill and decode deployments), what the server
+needs of an EngineClient (treadle/engine/client.py): requests go out through the handles
+— Ray Serve routes each with treadle's router class (request_router.py) and streams its
+outputs back —, a request whose replica dies before it sent a token is sent again (to
+another replica: the dead one is out of routing at once), one that dies after ends with
+an error naming the replica; P/D's flow (prefill and the first token on a prefill
+replica, the rest on a decode replica that fetches the prompt's KV it lacks from that
+prefill replica; what P/D does not carry runs whole on a decode replica); the fleet's
+metrics (every replica's, labelled, and the front end's own); tenant weights and LoRA
+adapters (the registry is here, with the adapters' ids; both are carried with every
+call and applied by a replica when newer than its own, so a replica Ray Serve replaces
+gets them back on its first call). It runs in `treadle serve --replicas` (launch.py)
+and in the OpenAI ingress deployment of `build_openai_app`, and never decides where a
+request goes.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from treadle.distributed.metrics import FrontEndMetrics, merge_expositions
 from treadle.engine.client import EngineDeadError, EngineFailedError
 from treadle.engine.llm import STRUCTURED_UNSUPPORTED
 from treadle.integrations.ray_serve.registry import router_for
-from treadle.lora import LoRARequest
+from treadle.lora import AdapterSpec, LoRARequest
 from treadle.models.tokenizer import load_tokenizer
 from treadle.router.routers import ReplicaLoad
 from treadle.sampling_params import SamplingParams
@@ -45,6 +50,26 @@ def replica_failure(exc: BaseException) -> bool:
                             EngineDeadError))
 
 
+def cause(exc: BaseException) -> BaseException:
+    """The replica's own exception inside Ray's wrapper (a LoRAError, a ValueError)."""
+    inner = getattr(exc, "cause", None)
+    return inner if isinstance(inner, BaseException) else exc
+
+
+def pd_applies(params: SamplingParams) -> bool:
+    """Whether P/D carries this request: one sample, no logprobs of any kind, no grammar
+    (a decode replica serves the others whole)."""
+    return (params.n == 1 and params.logprobs is None and params.prompt_logprobs is None
+            and params.structured_outputs is None)
+
+
+def ended_with_first(first, params: SamplingParams) -> bool:
+    """Whether a prefilled request's first output is its last (an error, one token, or
+    a stop)."""
+    return first.finished and (first.error is not None or params.max_tokens == 1
+                               or first.outputs[0].finish_reason != "length")
+
+
 class _Metrics:
     def __init__(self, client: "ServeEngineClient") -> None:
         self._client = client
@@ -57,15 +82,19 @@ class ServeEngineClient:
     """A treadle application's engine deployments, served as one engine."""
 
     def __init__(self, handles: dict, config, served_model_name: str | None = None,
-                 on_shutdown=None) -> None:
-        """`handles`: role ("both") -> DeploymentHandle;
-        `on_shutdown`: what `shutdown` does after this client stops (app.py: delete the
-        application and leave Ray when this process started them)."""
+                 on_shutdown=None, max_restarts: int | None = None) -> None:
+        """`handles`: role ("both", or "prefill" and "decode") -> DeploymentHandle;
+        `config`: the engines' EngineConfig (None: the first replica's, once connected);
+        `on_shutdown`: what `shutdown` does after this client stops (launch.py: delete the
+        application and leave Ray when this process started them); `max_restarts`: deaths
+        of every replica index after which, with none in routing, the fleet is dead
+        (`error`; None: never)."""
         self.handles = handles
         self.config = config
         self.served_model_name = served_model_name
         self._on_shutdown = on_shutdown
-        self.error: BaseException | None = None
+        self.max_restarts = max_restarts
+        self._error: BaseException | None = None
         self.metrics = _Metrics(self)
         # the engines' facts, from their info (connect / connect_async)
         self.info = self.limits = self.tokenizer = self.eos_token_id = None
@@ -75,6 +104,9 @@ class ServeEngineClient:
         self._stopped = False
         self._weights: dict[str, float] = {}
         self._weights_version = 0
+        self._loras: dict[str, LoRARequest] = {}
+        self._loras_version = 0
+        self._next_lora_id = 1
         self._seen: set[int] = set()
         self.routers: dict = {}
 
@@ -100,6 +132,7 @@ class ServeEngineClient:
     def _take_infos(self, infos: list[dict]) -> None:
         first = min(infos, key=lambda i: i["index"])
         self.info = first
+        self.config = self.config or first["config"]  # a client of a running application
         self.limits = min((i["limits"] for i in infos), key=lambda lim: lim.num_kv_tokens)
         self.model_name = first["model_name"]
         self.eos_token_id = first["eos_token_id"]
@@ -113,6 +146,7 @@ class ServeEngineClient:
             if router is None:
                 raise RuntimeError(f"no treadle request router for {handle.deployment_name}")
             router.front_metrics = self.front_metrics
+            router.use_kv_capacity(self.limits.num_kv_tokens)
             self.routers[role] = router
         for i in infos:
             self._seen.add(i["index"])
@@ -122,6 +156,17 @@ class ServeEngineClient:
 
     def start(self) -> None:
         """Nothing to start: the replicas step from their construction."""
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the fleet is dead: every replica index died more than `max_restarts` times
+        and none is in routing (the server then exits), or None."""
+        if self._error is None and self.max_restarts is not None and self._seen and all(
+                not any(v.healthy for v in r.replica_views()) for r in self.routers.values()):
+            deaths = {i: n for r in self.routers.values() for i, n in r.deaths.items()}
+            if all(deaths.get(i, 0) > self.max_restarts for i in self._seen):
+                self._error = EngineDeadError("every engine replica died past its restarts")
+        return self._error
 
     @property
     def is_alive(self) -> bool:
@@ -171,10 +216,73 @@ class ServeEngineClient:
         self._num_in_flight += 1
         try:
             args = (request_id, prompt, prompt_token_ids, params, priority, tenant, lora_request)
-            async for output in self.stream("both", "generate", args, scheduling=scheduling):
+            if "prefill" not in self.handles:
+                outputs = self.stream("both", "generate", args, scheduling=scheduling)
+            elif pd_applies(params):
+                outputs = self._generate_pd(args, scheduling)
+            else:  # what P/D does not carry runs whole on a decode replica
+                outputs = self.stream("decode", "generate", args, scheduling=scheduling)
+            async for output in outputs:
                 yield output
         finally:
             self._num_in_flight -= 1
+
+    async def _generate_pd(self, args: tuple, scheduling: dict):
+        """Prefill (and the first token) on a prefill replica, the rest on a decode
+        replica that takes the prompt's KV blocks it lacks from that prefill replica."""
+        import dataclasses
+
+        request_id, params = args[0], args[3]
+        first, uid = await self._prefill(args, scheduling)
+        try:
+            if ended_with_first(first, params):
+                yield first
+                return
+            yield dataclasses.replace(first, finished=False, outputs=[
+                dataclasses.replace(c, finish_reason=None) for c in first.outputs])
+            async for output in self.stream("decode", "generate_prefilled", args,
+                                            extra=(first, uid), retry=False,
+                                            scheduling=scheduling):
+                yield output
+        finally:
+            # idempotent: the decode side's export released it already, unless the
+            # request ended before (first token final, abort, decode replica died)
+            self.pinned("prefill", uid, "release", request_id)
+
+    async def _prefill(self, args: tuple, scheduling: dict):
+        """(The first output, the prefill replica's id): sent again when the replica
+        dies before answering (nothing was sent to the client yet)."""
+        request_id, prompt_token_ids = args[0], args[2]
+        handle = self.handles["prefill"].options(method_name="prefill")
+        router = self.routers["prefill"]
+        for attempt in range(MAX_ATTEMPTS):
+            response = handle.remote(*args, weights=self.weights_arg(),
+                                     loras=self.loras_arg(), **scheduling)
+            done = False
+            try:
+                first, _ = await response
+                done = True
+                first.prompt_token_ids = first.prompt_token_ids or prompt_token_ids
+                where = router.where.get(request_id)
+                if where is None:
+                    raise EngineFailedError("the prefill replica is not known")
+                return first, where[1]
+            except Exception as exc:  # noqa: BLE001 - sorted out below
+                if not replica_failure(exc):
+                    raise
+                index = self.replica_failed("prefill", request_id)
+                if attempt == MAX_ATTEMPTS - 1:
+                    raise EngineFailedError(f"engine replica {index} died while prefilling "
+                                            "the request") from None
+                if index is not None:
+                    self.front_metrics.record_retry(index)
+                logger.warning("prefill replica %s failed before request %s's first token "
+                               "(%s): sending it again", index, request_id,
+                               type(exc).__name__)
+            finally:
+                if not done:
+                    response.cancel()
+                router.where.pop(request_id, None)
 
     async def stream(self, role: str, method: str, args: tuple, extra: tuple = (),
                      retry: bool = True, scheduling: dict | None = None):
@@ -185,7 +293,7 @@ class ServeEngineClient:
         for attempt in range(MAX_ATTEMPTS):
             sent = finished = False
             response = handle.remote(*args, *extra, weights=self.weights_arg(),
-                                     **(scheduling or {}))
+                                     loras=self.loras_arg(), **(scheduling or {}))
             try:
                 async for output in response:
                     if output.prompt_token_ids is None:
@@ -202,6 +310,8 @@ class ServeEngineClient:
                 if sent or not retry or attempt == MAX_ATTEMPTS - 1:
                     raise EngineFailedError(f"engine replica {index} died while serving the "
                                             "request") from None
+                if index is not None:
+                    self.front_metrics.record_retry(index)
                 logger.warning("replica %s failed before request %s's first token (%s): "
                                "sending it again", index, request_id, type(exc).__name__)
             finally:
@@ -283,25 +393,63 @@ class ServeEngineClient:
                     texts.append(item)
         return merge_expositions(sorted(texts, key=lambda t: t[0]), self.front_metrics.registry)
 
-    # ----- adapters: not served on Ray Serve yet (build_openai_app refuses enable_lora) --
+    # ----- adapters: the registry is here; every call carries it -------------------------
 
-    def add_lora(self, name: str, path: str):
-        """Refused: adapters are not served on Ray Serve yet."""
-        raise ValueError("adapters are not served on Ray Serve yet")
+    def loras_arg(self):
+        return (self._loras_version, list(self._loras.values())) if self._loras_version \
+            else None
 
-    check_lora = add_lora
+    def add_lora(self, name: str, path: str) -> AdapterSpec:
+        """Register an adapter for every replica (checked against the model on one
+        first: LoRAError naming what does not fit), under an id this client gives it.
+        Blocking: from a thread without an event loop."""
+        spec = self.check_lora(name, path)
+        lora = LoRARequest(name, self._next_lora_id, path, self.model_name)
+        self._next_lora_id += 1
+        self._loras[name] = lora
+        self._sync_loras()
+        return spec
 
-    def remove_lora(self, name: str):
-        """Refused: adapters are not served on Ray Serve yet."""
-        raise ValueError("adapters are not served on Ray Serve yet")
+    def check_lora(self, name: str, path: str) -> AdapterSpec:
+        """Check an adapter's files on one replica, registering nothing (blocking)."""
+        if not self.lora_enabled:
+            raise ValueError("enable_lora is off: these engines serve no adapters")
+        handle = next(iter(self.handles.values()))
+        try:
+            return handle.check_lora.remote(name, path).result(timeout_s=CONTROL_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - the replica's own error, unwrapped
+            raise cause(exc) from None
+
+    def remove_lora(self, name: str) -> LoRARequest | None:
+        """Forget an adapter (the replicas drop it in the background, and on their next
+        call at the latest); requests running with it finish with it."""
+        removed = self._loras.pop(name, None)
+        if removed is not None:
+            self._sync_loras()
+        return removed
 
     def get_lora(self, name: str) -> LoRARequest | None:
-        """None: no adapter is served here."""
-        return None
+        """The adapter registered under `name`, or None."""
+        return self._loras.get(name)
 
     def list_loras(self) -> list[LoRARequest]:
-        """None served here."""
-        return []
+        """Every registered adapter, by id."""
+        return sorted(self._loras.values(), key=lambda lora: lora.lora_int_id)
+
+    def _sync_loras(self) -> None:
+        """A new version of the registry, sent to every replica now (in the background:
+        requests carry it anyway)."""
+        self._loras_version += 1
+        arg = self.loras_arg()
+        for handle in self.handles.values():
+            _in_thread(lambda h=handle: h.broadcast("sync_loras", arg).results(
+                timeout_s=CONTROL_TIMEOUT_S, return_exceptions=True))
+
+    def pd_stats(self) -> list[dict]:
+        """P/D: each decode replica's transfers and landings (benchmarks, tests;
+        blocking)."""
+        return sorted(self.handles["decode"].broadcast("pd_stats").results(
+            timeout_s=CONTROL_TIMEOUT_S), key=lambda s: s["index"])
 
     # ----- waiting (tests, tools) ---------------------------------------------------------
 

@@ -20,6 +20,7 @@ front end's metrics and learns which replica serves a request and which ones die
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -32,7 +33,7 @@ from treadle.router.routers import (NoReplicaError, PrefixRouterOptions, Replica
 
 logger = logging.getLogger(__name__)
 
-PROMPT_METHODS = {"generate": 2}
+PROMPT_METHODS = {"generate": 2, "prefill": 2, "generate_prefilled": 2}
 """Methods whose calls carry a prompt, and the position of its token ids among the args
 (request_id, prompt, prompt_token_ids, params, priority, tenant, lora_request, ...)."""
 
@@ -41,8 +42,11 @@ class TreadleRequestRouter(RequestRouter):
 
     def initialize_state(self, routing: str = "prefix", prefix: dict | None = None,
                          kv_events: bool = False, kv_events_topic: str = "",
-                         **_: Any) -> None:
+                         kv_capacity_default: bool = False, **_: Any) -> None:
         self.routing = routing
+        self.kv_capacity_default = kv_capacity_default
+        """Whether the prefix tree's capacity is the replicas' KV cache (route_cache_tokens
+        not given): set by `use_kv_capacity` once the front end knows it."""
         self.options = PrefixRouterOptions(**prefix) if prefix else PrefixRouterOptions()
         self.index = None
         """The KVEventIndex the prefix router routes on (replicas with KV events)."""
@@ -66,7 +70,19 @@ class TreadleRequestRouter(RequestRouter):
         self._decisions: dict[str, RouteDecision] = {}
         self._followed: dict[int, str] = {}
         """Replica index -> the replica id whose KV events the index follows."""
+        self._present: set[int] = set()
+        """The replica indexes in Ray Serve's last list."""
+        self.deaths: dict[int, int] = {}
+        """Replica index -> how many times a replica of that index was seen dead."""
         registry.register(self._deployment_id.app_name, self._deployment_id.name, self)
+
+    def use_kv_capacity(self, num_kv_tokens: int) -> None:
+        """The replicas' KV tokens, from the front end: the prefix trees' capacity unless
+        route_cache_tokens was given (before the first routed prompt)."""
+        options = getattr(self.router, "options", None)
+        if self.kv_capacity_default and options is not None:
+            self.router.options = dataclasses.replace(
+                options, capacity_tokens=max(num_kv_tokens, options.chunk_size))
 
     # ----- what the front end reads ----------------------------------------------------------
 
@@ -95,6 +111,7 @@ class TreadleRequestRouter(RequestRouter):
         index = next((r.replica_metadata.get("index") for r in self.curr_replicas.values()
                       if r.replica_id.unique_id == replica_id), None)
         if index is not None:
+            self.deaths[index] = self.deaths.get(index, 0) + 1
             self.router.forget(index)
             if self.front_metrics is not None:
                 self.front_metrics.record_death(index)
@@ -106,6 +123,11 @@ class TreadleRequestRouter(RequestRouter):
         super().update_replicas(replicas)
         live = {r.replica_id.unique_id for r in replicas}
         self.dead &= live
+        present = {r.replica_metadata.get("index") for r in replicas} - {None}
+        if self.front_metrics is not None:  # gone without a failed call (idle, downscaled)
+            for index in self._present - present:
+                self.front_metrics.set_healthy(index, False)
+        self._present = present
         for r in replicas:
             index = r.replica_metadata.get("index")
             if index is None:

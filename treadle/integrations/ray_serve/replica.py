@@ -1,16 +1,15 @@
-"""The engine replica: one AsyncEngine inside one Ray actor (`treadle serve --replicas`'s
-actor pool) or one Ray Serve replica (treadle/integrations/ray_serve/deployment.py).
+"""The engine replica: one AsyncEngine inside one Ray Serve replica (deployment.py).
 
 Owns what a front end calls on a replica: `info` (its limits, model, tokenizer folder),
 `generate` (an async generator of the request's RequestOutputs), `abort`,
-`load` (the actor pool's view: queue depth, KV usage, health), `routing_stats` and
-`check_health` (Ray Serve's: the router's view; raises once the engine died or
-while it is stalled), `metrics_text` (its
-Prometheus exposition), the adapter and tenant-weight calls the server makes, and the
-KV export/import of prefill/decode disaggregation (treadle/distributed/pd_engine.py). The
-engine's thread count is the actor's declared CPUs, so replicas on one node do not
-oversubscribe its cores. An engine loop that dies takes the actor down with it (exit),
-so that Ray restarts it (max_restarts) and the front end sees the death at once.
+`routing_stats` and `check_health` (Ray Serve's: the router's view; raises once the
+engine died or while it is stalled, and Ray Serve replaces the replica), `metrics_text`
+(its Prometheus exposition), the adapters (`sync_loras`: the front end's registry, with
+its ids, applied when newer than this replica's, so a replaced replica gets them back on
+its first call) and tenant weights, and the KV export/import of prefill/decode
+disaggregation (treadle/distributed/pd_engine.py). The engine's thread count is the
+replica's declared CPUs, so replicas on one node do not oversubscribe its cores. It
+imports no Ray.
 """
 
 from __future__ import annotations
@@ -30,8 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 class EngineReplica:
-    """An AsyncEngine serving one replica's requests (wrapped by ray.remote in
-    replica_set.py, so this module imports no Ray)."""
+    """An AsyncEngine serving one replica's requests."""
 
     def __init__(self, config: EngineConfig, served_model_name: str | None,
                  index: int, role: str = "both", max_held: int = 16) -> None:
@@ -50,6 +48,7 @@ class EngineReplica:
         if role == "decode":
             self._transfer_metrics = _TransferMetrics(self.engine.metrics.registry,
                                                       self.engine.model_name)
+        self._loras_version = 0
 
     def info(self) -> dict:
         engine = self.engine
@@ -58,7 +57,7 @@ class EngineReplica:
                 "eos_token_id": engine.eos_token_id, "model_dir": str(engine.core.model_dir),
                 "supports_structured_outputs": engine.supports_structured_outputs,
                 "lora_enabled": engine.lora_enabled, "pid": os.getpid(),
-                "num_threads": engine.config.model.num_threads}
+                "num_threads": engine.config.model.num_threads, "config": engine.config}
 
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams, priority: int = 0, tenant: str | None = None,
@@ -67,14 +66,11 @@ class EngineReplica:
         has them: a long prompt is not pickled again at every step). `scheduling`: band,
         slo_ttft_ms, slo_tpot_ms (AsyncEngine.generate's)."""
         first = True
-        try:
-            async for output in self.engine.generate(request_id, prompt, prompt_token_ids,
-                                                     params, priority, tenant, lora_request,
-                                                     **scheduling):
-                yield output if first else dataclasses.replace(output, prompt_token_ids=None)
-                first = False
-        finally:
-            self._exit_if_dead()
+        async for output in self.engine.generate(request_id, prompt, prompt_token_ids,
+                                                 params, priority, tenant, lora_request,
+                                                 **scheduling):
+            yield output if first else dataclasses.replace(output, prompt_token_ids=None)
+            first = False
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -100,8 +96,6 @@ class EngineReplica:
         except BaseException:
             engine.release_slot(request_id)
             raise
-        finally:
-            self._exit_if_dead()
         if request_id not in engine.held:
             engine.release_slot(request_id)
         return last, request_id in engine.held
@@ -123,9 +117,9 @@ class EngineReplica:
                                  **scheduling):
         """Decode role: the outputs after the first token of a request prefilled
         elsewhere; `await export(request_id, start)` brings the prefill replica's KV from
-        block `start` on (its `export_kv`: an actor call, or a Ray Serve call pinned to
-        that replica). The request waits here in WAITING_FOR_REMOTE_KV while the blocks
-        this engine lacks come over. `scheduling`: band and deadlines."""
+        block `start` on (its `export_kv`: a Ray Serve call pinned to that replica). The
+        request waits here in WAITING_FOR_REMOTE_KV while the blocks this engine lacks
+        come over. `scheduling`: band and deadlines."""
         import time
 
         engine = self.engine
@@ -145,13 +139,10 @@ class EngineReplica:
             self._transfer_metrics.record(record)
             return payload
 
-        try:
-            async for output in engine.generate_prefilled(
-                    request_id, prompt, prompt_token_ids, params, priority, tenant,
-                    lora_request, first, fetch_kv, **scheduling):
-                yield dataclasses.replace(output, prompt_token_ids=None)
-        finally:
-            self._exit_if_dead()
+        async for output in engine.generate_prefilled(
+                request_id, prompt, prompt_token_ids, params, priority, tenant,
+                lora_request, first, fetch_kv, **scheduling):
+            yield dataclasses.replace(output, prompt_token_ids=None)
 
     def lookup(self, prompt_token_ids: list[int], tenant: str | None) -> int:
         """Decode role: leading prompt blocks this engine's prefix cache holds (tests)."""
@@ -186,15 +177,6 @@ class EngineReplica:
     def shutdown(self) -> None:
         self.engine.shutdown()
 
-    def load(self) -> dict:
-        """The router's view of this replica (and its health)."""
-        engine = self.engine
-        self._exit_if_dead()
-        sched = engine.core.scheduler
-        return {"num_waiting": sched.num_waiting, "num_running": sched.num_running,
-                "num_in_flight": engine.num_in_flight, "kv_usage": sched.kv.usage,
-                "alive": engine.is_alive, "stalled": engine.stalled}
-
     def metrics_text(self) -> bytes:
         return self.engine.metrics.exposition()
 
@@ -204,27 +186,25 @@ class EngineReplica:
     def tenant_weights(self) -> dict[str, float]:
         return self.engine.tenant_weights
 
-    def add_lora(self, name: str, path: str):
-        return self.engine.add_lora(name, path)
-
     def check_lora(self, name: str, path: str):
         return self.engine.check_lora(name, path)
 
-    def remove_lora(self, name: str):
-        return self.engine.remove_lora(name)
+    def sync_loras(self, loras) -> None:
+        """Take the front end's adapters, `loras` = (version, [LoRARequest]), when newer
+        than the ones this replica has: the missing registered with the front end's ids
+        (every replica keys an adapter's prefix-cache blocks alike), the others removed."""
+        if loras is None or loras[0] <= self._loras_version:
+            return
+        wanted = {lora.lora_name: lora for lora in loras[1]}
+        for lora in self.engine.list_loras():
+            if wanted.get(lora.lora_name) != lora:
+                self.engine.remove_lora(lora.lora_name)
+        for lora in wanted.values():
+            self.engine.core.add_lora(lora)
+        self._loras_version = loras[0]
 
     def list_loras(self) -> list[LoRARequest]:
         return self.engine.list_loras()
-
-    def _exit_if_dead(self) -> None:
-        if self.engine.error is not None:
-            logger.error("replica %d: the engine loop died (%s); exiting so that Ray "
-                         "restarts this actor", self.index, self.engine.error)
-            os._exit(1)
-
-    async def ping(self) -> int:
-        await asyncio.sleep(0)
-        return self.index
 
 
 def _prompt_hashes(engine, prompt_token_ids, salt, lora_request) -> list[bytes]:
