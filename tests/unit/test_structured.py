@@ -480,3 +480,24 @@ def test_the_server_and_an_in_process_worker_share_one_compiler(tokenizer, tmp_p
     state.masks()
     state.close()
     assert first.num_compiled == 1 and not state.failed
+
+
+def test_a_compile_is_held_to_the_cpus_it_is_given_and_let_go_after(tokenizer):
+    """compile_cpus (the server: the engine's step thread's CPU) holds the compile thread
+    to those CPUs while it compiles; the thread's affinity is what it was afterwards."""
+    import os
+    compiler = GrammarCompiler.from_hf_tokenizer(tokenizer, VOCAB)
+    allowed = os.sched_getaffinity(0)
+    target = {min(allowed)}
+    seen = []
+    real = compiler._build
+
+    def watched(spec):
+        seen.append(os.sched_getaffinity(0))
+        return real(spec)
+    compiler._build = watched
+    compiler.compile_cpus = lambda: target
+    asyncio.run(compiler.compile_async(from_structured_outputs({"regex": "x+"})))
+    assert seen == [target]
+    after = compiler._compile_executor().submit(os.sched_getaffinity, 0).result()
+    assert after == allowed

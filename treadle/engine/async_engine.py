@@ -179,6 +179,15 @@ class AsyncEngine:
         """The checkpoint folder the core loaded."""
         return self.core.model_dir
 
+    def step_thread_cpus(self) -> set[int] | None:
+        """The CPU the engine's thread last ran on (Linux), None where that is unknown."""
+        try:
+            with open(f"/proc/self/task/{self._thread.native_id}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return {int(fields[36])}  # field 39 of proc(5), "processor"
+        except (OSError, ValueError, IndexError, TypeError):
+            return None
+
     @property
     def is_alive(self) -> bool:
         """The loop runs and has not failed (/health)."""

@@ -76,6 +76,11 @@ class EngineClient(Protocol):
     def supports_structured_outputs(self) -> bool:
         """Whether the engine applies grammar masks (it has the model's tokenizer files)."""
 
+    def step_thread_cpus(self) -> set[int] | None:
+        """The CPU the thread that steps the engine last ran on, in this process (grammar
+        compiles are held to it: server/grammars.py), or None (the engine steps in
+        another process, or the platform does not say)."""
+
     # ----- health and lifecycle ----------------------------------------------------------
 
     @property

@@ -35,9 +35,11 @@ class LazyGrammarCompiler:
 
                 def build() -> None:
                     try:
-                        self._future.set_result(GrammarCompiler.shared(
+                        compiler = GrammarCompiler.shared(
                             engine.model_dir, engine.tokenizer, engine.limits.vocab_size,
-                            engine.eos_token_id))
+                            engine.eos_token_id)
+                        compiler.compile_cpus = engine.step_thread_cpus
+                        self._future.set_result(compiler)
                     except BaseException as exc:  # noqa: BLE001 - raised again by get()
                         self._future.set_exception(exc)
                 threading.Thread(target=build, name="treadle-grammar-compiler",

@@ -157,6 +157,10 @@ class ServeEngineClient:
     def start(self) -> None:
         """Nothing to start: the replicas step from their construction."""
 
+    def step_thread_cpus(self) -> set[int] | None:
+        """None: the engines step in their replicas' processes, not here."""
+        return None
+
     @property
     def error(self) -> BaseException | None:
         """Why the fleet is dead: every replica index died more than `max_restarts` times
