@@ -5,7 +5,7 @@ Owns the trace file format, JSON lines, one object per line:
     {"type": "header", "version": 2, "policy": "priority",
      "engine": {"block_size": 16, "num_kv_blocks": 8192, "kv_bytes_per_token": 46080, ...}}
     {"type": "arrival", "request_id": "7", "t": 0.0312, "priority": 0, "tenant": null,
-     "num_prompt_tokens": 120, "max_tokens": 64}
+     "band": "interactive", "num_prompt_tokens": 120, "max_tokens": 64}
     {"type": "step", "step": 0, "t_start": 0.0315, "t_end": 0.1702,
      "scheduled": [["7", 120, "prefill"], ["3", 1, "decode"]],
      "preempted": ["5"], "finished": [["3", "length"]],
@@ -141,7 +141,8 @@ class TraceRecorder:
         self._write({
             "type": "arrival", "request_id": request.request_id,
             "t": round(request.arrival_time - self._t0, 6), "priority": request.priority,
-            "tenant": request.tenant, "num_prompt_tokens": request.num_prompt_tokens,
+            "tenant": request.tenant, "band": request.band,
+            "num_prompt_tokens": request.num_prompt_tokens,
             "max_tokens": request.sampling_params.max_tokens})
 
     def record_step(self, step: int, t_start: float, t_end: float,

@@ -18,6 +18,7 @@ import time
 
 import uvicorn
 
+from treadle.engine.gc_freeze import freeze_startup_heap
 from treadle.batch.config import BatchConfig
 from treadle.compat import check_serving
 from treadle.config import EngineConfig
@@ -150,6 +151,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig,
     engine.start()
     app = build_app(engine, server_config, keyring, batch_config)
     app.state.serving.grammars.warm_up()  # before any request: its GIL time stalls nobody
+    freeze_startup_heap("the server")
     head = server_config.max_header_bytes  # h11's own buffer above it: ours answers 431
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                             log_level="info", timeout_graceful_shutdown=5,

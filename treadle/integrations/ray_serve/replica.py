@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import os
 
+from treadle.engine.gc_freeze import freeze_startup_heap
 from treadle.config import EngineConfig
 from treadle.core.kv.hashing import prefix_salt
 from treadle.engine.async_engine import AsyncEngine
@@ -43,6 +44,7 @@ class EngineReplica:
 
             self.engine = PDEngine(config, served_model_name, max_held)
         self.engine.start()
+        freeze_startup_heap(f"replica {index}")  # the replica's process serves this engine only
         self.transfers: list[dict] = []
         """Decode role: per request, blocks skipped / sent, bytes, seconds (the last 10000)."""
         if role == "decode":
