@@ -1,14 +1,14 @@
 """Does compiling a grammar stall the other streams? (issue: compiling never stalls others)
 
-Serves a model, runs one long plain stream (greedy, ignore_eos), and measures its
-inter-token gaps while each of the heaviest grammars the server accepts is requested (a
-schema of N optional integer properties, an enum of M strings, both made unique per
-repeat, so each is a compile-cache miss): a `compile` window spans the compile as the
-server logs it (its debug line gives the monotonic start and end, the clock this process
-reads); a `quiet` window as long, after the request, has nothing but the stream. The first constrained request of the process
-builds the grammar compilers (a one-time cost, done before measuring). The figure is the
-ratio of the p90 gap in compile windows to the p90 gap in quiet windows, over `--repeats`
-repeats (target: within 1.2x).
+Serves a model, runs one long plain stream (greedy, ignore_eos), and measures its inter-
+token gaps while each of the heaviest grammars the server accepts is requested (a schema
+of N optional integer properties, an enum of M strings, both made unique per repeat, so
+each is a compile-cache miss): a `compile` window spans the compile as the server logs
+it (its debug line gives the monotonic start and end, the clock this process reads); a
+`quiet` window as long, after the request, has nothing but the stream. The first
+constrained request of the process builds the grammar compilers (a one-time cost, done
+before measuring). The figure is the ratio of the p90 gap in compile windows to the p90
+gap in quiet windows, over `--repeats` repeats (target: within 1.2x).
 
     python benchmarks/grammar_stall.py --model PATH [--repeats 5] [--output stall.json]
 """

@@ -110,9 +110,10 @@ class GrammarCompiler:
     def shared(cls, model_dir, hf_tokenizer, vocab_size: int,
                eos_token_ids: Sequence[int] | int | None) -> "GrammarCompiler":
         """The process's one compiler for the model in `model_dir`, built on first use from
-        `hf_tokenizer` (the tokenizer, or a function loading it: called only then). The server and an in-process worker share it, so
-        a grammar the server compiled at admission is a cache hit when the worker first
-        sees the request, instead of a second compile beside the forward pass."""
+        `hf_tokenizer` (the tokenizer, or a function loading it: called only then). The
+        server and an in-process worker share it, so a grammar the server compiled at
+        admission is a cache hit when the worker first sees the request, instead of a
+        second compile beside the forward pass."""
         eos = tuple([eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids or ())
         key = (str(model_dir), vocab_size, eos)
         with _SHARED_LOCK:  # held while building (~0.3 s): a second caller waits for it

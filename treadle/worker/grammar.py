@@ -8,17 +8,18 @@ constrained request arrives otherwise: `warm_up`, a one-time cost of a few tenth
 second, part of it holding the GIL) and a `StructuredRequest` per live constrained
 request (treadle/structured), made when the worker first sees the request (`prepare`,
 from its first step, usually a prompt chunk) on a compile thread at the idle scheduling
-class: a cache hit costs a matcher copy, and a compile (a worker in its own process) never
-runs on the engine's thread nor takes a core from the forward pass. Each step: `start(rows)` submits, per constrained request, one job
-to a small thread pool that brings its matcher to its tokens as the step message says
-(`sync`: cheap when one token was added; it also undoes whatever a preemption or a
-rejected proposal took back) and fills the mask of its sampling position. llguidance
-drops the GIL in both, so the jobs run while the model's forward pass does. `masks()`
-waits for them and gives (bitmask, logits rows) for the sampler, which applies them after
-logit_bias and penalties and before temperature and sampling. Positions after proposed
-tokens (speculative decoding) are masked as if those tokens had been accepted.
-Unconstrained rows are never touched. It decides nothing: ending a request whose grammar
-is complete is the scheduler's (its end-of-sequence is then the only token allowed).
+class: a cache hit costs a matcher copy, and a compile (a worker in its own process)
+never runs on the engine's thread nor takes a core from the forward pass. Each step:
+`start(rows)` submits, per constrained request, one job to a small thread pool that
+brings its matcher to its tokens as the step message says (`sync`: cheap when one token
+was added; it also undoes whatever a preemption or a rejected proposal took back) and
+fills the mask of its sampling position. llguidance drops the GIL in both, so the jobs
+run while the model's forward pass does. `masks()` waits for them and gives (bitmask,
+logits rows) for the sampler, which applies them after logit_bias and penalties and
+before temperature and sampling. Positions after proposed tokens (speculative decoding)
+are masked as if those tokens had been accepted. Unconstrained rows are never touched.
+It decides nothing: ending a request whose grammar is complete is the scheduler's (its
+end-of-sequence is then the only token allowed).
 
 Nothing a grammar does raises out of here. A request whose grammar fails at run time (its
 spec does not compile here, the parser hits one of its limits, or its sync and mask take
