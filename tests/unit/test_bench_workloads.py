@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from treadle.measure import report, workloads
-from treadle.measure.workloads import azure_conv, cap_lengths, shared_prefix, synthetic
+from treadle.measure.workloads import azure_conv, cap_lengths, multi_turn, shared_prefix, synthetic
 
 TRACE = Path(__file__).resolve().parents[2] / "benchmarks" / "traces" / workloads.AZURE_CONV_FILE
 
@@ -130,3 +130,25 @@ def test_write_json_and_table(tmp_path):
     lines = table.splitlines()
     assert lines[0].split() == ["name", "v"] and len(lines) == 4
     assert len({len(line) for line in lines[1:]}) == 1
+
+
+def test_multi_turn_prompts_extend_their_conversations_previous_turn():
+    """Each turn re-sends its conversation's history: its prompt starts with the previous
+    turn's prompt (then that turn's stand-in reply, then a new user message); turns are
+    ordered turn by turn across conversations; conversations share nothing."""
+    w = multi_turn(num_conversations=3, turns=4, system_len=16, user_len=(4, 8),
+                   reply_len=5, vocab_size=1000, seed=1)
+    conv = w.description["conversation_of_request"]
+    assert len(w.requests) == 12 and conv == [0, 1, 2] * 4
+    for c in range(3):
+        turns = [r for r, k in zip(w.requests, conv) if k == c]
+        for earlier, later in zip(turns, turns[1:]):
+            grown = len(later.prompt_token_ids) - len(earlier.prompt_token_ids)
+            assert later.prompt_token_ids[:len(earlier.prompt_token_ids)] == \
+                earlier.prompt_token_ids
+            assert 5 + 4 <= grown <= 5 + 8
+        assert all(r.max_tokens == 5 for r in turns)
+    firsts = [w.requests[c].prompt_token_ids[:16] for c in range(3)]
+    assert firsts[0] != firsts[1] != firsts[2]
+    assert multi_turn(num_conversations=3, turns=4, system_len=16, user_len=(4, 8),
+                      reply_len=5, vocab_size=1000, seed=1).requests == w.requests

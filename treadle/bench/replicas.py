@@ -1,11 +1,14 @@
-"""Replicas and P/D measured over HTTP (`python -m treadle.bench.replicas prefix|pd`).
+"""Replicas and P/D measured over HTTP (`python -m treadle.bench.replicas
+prefix|multiturn|pd`).
 
 `prefix`: the shared-prefix workload (treadle/measure/workloads.py) through 2 replicas of 1
 thread each under `prefix` routing (on the prompts sent, and on the replicas' KV events:
 `--kv-events-endpoint`) and `round-robin` routing, and through 1 engine of 2 threads,
 the same total KV blocks each, servers started in turn and repeated alternately: the
 prefix-cache hit rate (hit tokens / queried tokens, summed over the replicas' /metrics)
-and TTFT p50/p99. `pd`: a long-prompt-interference workload (short chats decoding while
+and TTFT p50/p99. `multiturn`: the same systems on a multi-turn replay (conversations
+re-sending their history turn by turn, `--num-requests` requests of 4 turns each
+conversation). `pd`: a long-prompt-interference workload (short chats decoding while
 long prompts arrive) through 2 colocated replicas and through 1 prefill + 1 decode
 replica: TPOT p50/p99 of the short requests, and the KV transfer seconds per request
 (the decode replica's treadle:pd_kv_transfer_seconds). The load generator and the
@@ -90,7 +93,7 @@ def run_one(serve_args: list[str], workload: workloads.Workload, rate: float,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m treadle.bench.replicas")
-    parser.add_argument("experiment", choices=["prefix", "pd"])
+    parser.add_argument("experiment", choices=["prefix", "multiturn", "pd"])
     parser.add_argument("--model", default="demo")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--num-requests", type=int, default=48)
@@ -104,9 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     events = f"ipc://{tempfile.mkdtemp(prefix='treadle-bench-kv-')}/events"
     common = ["--model", args.model, "--num-kv-blocks", str(args.kv_blocks)]
     double = ["--model", args.model, "--num-kv-blocks", str(2 * args.kv_blocks)]
-    if args.experiment == "prefix":
-        workload = workloads.shared_prefix(num_requests=args.num_requests, num_prefixes=8,
-                                           prefix_len=512, suffix_len=(16, 48), output_len=16)
+    if args.experiment in ("prefix", "multiturn"):
+        if args.experiment == "prefix":
+            workload = workloads.shared_prefix(num_requests=args.num_requests, num_prefixes=8,
+                                               prefix_len=512, suffix_len=(16, 48),
+                                               output_len=16)
+        else:
+            workload = workloads.multi_turn(num_conversations=max(1, args.num_requests // 4),
+                                            turns=4, system_len=256, reply_len=16)
         systems = {
             "prefix": common + ["--replicas", "2", "--num-threads", "1", "--routing", "prefix"],
             "prefix (KV events)": common + ["--replicas", "2", "--num-threads", "1",

@@ -284,6 +284,40 @@ def shared_prefix(num_requests: int = 64, num_prefixes: int = 4, prefix_len: int
     })
 
 
+def multi_turn(num_conversations: int = 8, turns: int = 4, system_len: int = 128,
+               user_len: tuple[int, int] = (32, 64), reply_len: int = 32,
+               vocab_size: int = 49152, seed: int = 0) -> Workload:
+    """Conversations replayed turn by turn: turn t of a conversation sends its whole
+    history (its own system prompt, then each earlier user message and reply) and a new
+    user message, and asks for a `reply_len`-token reply. The earlier replies are fixed
+    random tokens standing in for the model's (a greedy run of a random-weight model
+    would not give text worth re-sending), so each turn's prompt extends the previous
+    turn's exactly as a client re-sending its history does. Requests are ordered turn 1 of
+    every conversation, then turn 2 of every conversation, and so on: replayed at a rate,
+    a conversation's next turn comes `num_conversations` requests after the last."""
+    if num_conversations < 1 or turns < 1 or system_len < 0 or reply_len < 1:
+        raise ValueError("need num_conversations >= 1, turns >= 1, system_len >= 0, "
+                         f"reply_len >= 1; got {num_conversations}, {turns}, {system_len}, "
+                         f"{reply_len}")
+    user_lo, user_hi = _check_range("user_len", user_len)
+    _check_vocab(vocab_size)
+    rng = np.random.default_rng(seed)
+    histories = [_random_ids(rng, system_len, vocab_size) for _ in range(num_conversations)]
+    requests, conversation_of = [], []
+    for _ in range(turns):
+        for c in range(num_conversations):
+            histories[c] = histories[c] + _random_ids(
+                rng, int(rng.integers(user_lo, user_hi + 1)), vocab_size)
+            requests.append(WorkloadRequest(list(histories[c]), reply_len))
+            conversation_of.append(c)
+            histories[c] = histories[c] + _random_ids(rng, reply_len, vocab_size)
+    return Workload("multi-turn", requests, {
+        "workload": "multi-turn", "num_conversations": num_conversations, "turns": turns,
+        "system_len": system_len, "user_len": [user_lo, user_hi], "reply_len": reply_len,
+        "conversation_of_request": conversation_of, "vocab_size": vocab_size, "seed": seed,
+    })
+
+
 @dataclass(frozen=True)
 class ReplayRequest:
     """One request of a replay: tokens, forced output length, arrival (s since start)."""
