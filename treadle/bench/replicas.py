@@ -7,8 +7,8 @@ thread each under `prefix` routing (on the prompts sent, and on the replicas' KV
 the same total KV blocks each, servers started in turn and repeated alternately: the
 prefix-cache hit rate (hit tokens / queried tokens, summed over the replicas' /metrics)
 and TTFT p50/p99. `multiturn`: the same systems on a multi-turn replay (conversations
-re-sending their history turn by turn, `--num-requests` requests of 4 turns each
-conversation). `pd`: a long-prompt-interference workload (short chats decoding while
+re-sending their history turn by turn, 4 turns each, an odd number of conversations
+near `--num-requests` / 4). `pd`: a long-prompt-interference workload (short chats decoding while
 long prompts arrive) through 2 colocated replicas and through 1 prefill + 1 decode
 replica: TPOT p50/p99 of the short requests, and the KV transfer seconds per request
 (the decode replica's treadle:pd_kv_transfer_seconds). The load generator and the
@@ -113,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
                                                prefix_len=512, suffix_len=(16, 48),
                                                output_len=16)
         else:
-            workload = workloads.multi_turn(num_conversations=max(1, args.num_requests // 4),
+            # An odd number of conversations: round-robin over 2 replicas would otherwise
+            # keep each conversation on one replica by accident (its turns are an even
+            # number of requests apart).
+            workload = workloads.multi_turn(num_conversations=max(1, args.num_requests // 4) | 1,
                                             turns=4, system_len=256, reply_len=16)
         systems = {
             "prefix": common + ["--replicas", "2", "--num-threads", "1", "--routing", "prefix"],
