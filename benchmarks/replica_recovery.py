@@ -27,15 +27,7 @@ from ray import serve
 
 from treadle.integrations.ray_serve.client import ServeEngineClient
 from treadle.measure.launch import launched_server
-
-
-def metric(base: str, name: str, labels: str) -> float:
-    total = 0.0
-    for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
-        key = line.split(" ")[0]
-        if key.split("{")[0] in (f"treadle:{name}", f"treadle:{name}_total") and labels in key:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+from treadle.measure.scrape import metric_total
 
 
 async def one(http: httpx.AsyncClient, base: str, max_tokens: int, rng: random.Random):
@@ -64,14 +56,14 @@ def watch(base: str, marks: dict, stop: threading.Event) -> None:
     """When replica 0 is in routing again, and when it generates again, after the kill."""
     while "killed" not in marks and not stop.is_set():
         time.sleep(0.05)
-    tokens = metric(base, "generation_tokens", 'replica="0"')
+    tokens = metric_total(base, "generation_tokens", 'replica="0"')
     while not stop.is_set() and ("healthy" not in marks or "serving" not in marks):
-        healthy = metric(base, "replica_healthy", 'replica="0"') == 1
+        healthy = metric_total(base, "replica_healthy", 'replica="0"') == 1
         if "down" not in marks and not healthy:
             marks["down"] = time.monotonic()
         if "down" in marks and healthy and "healthy" not in marks:
             marks["healthy"] = time.monotonic()
-        now_tokens = metric(base, "generation_tokens", 'replica="0"')
+        now_tokens = metric_total(base, "generation_tokens", 'replica="0"')
         if "healthy" in marks and now_tokens > 0 and now_tokens != tokens:
             marks["serving"] = time.monotonic()  # a new replica's counter starts at 0
         tokens = now_tokens

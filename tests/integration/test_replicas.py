@@ -25,6 +25,7 @@ pytest.importorskip("peft")
 from lora_adapters import make_adapter  # noqa: E402
 from replica_fixtures import OPTIONS, serving, tiny_model  # noqa: E402
 from server_fixtures import launched_server  # noqa: E402
+from treadle.measure.scrape import metric_total  # noqa: E402
 from treadle.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -94,15 +95,6 @@ def reference(files):
     return {"base": texts[:len(PROMPTS)], "a0": texts[-2], "a1": texts[-1]}
 
 
-def metric(base: str, name: str, labels: str = "") -> float:
-    total = 0.0
-    for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
-        key = line.split(" ")[0]
-        if key.split("{")[0] in (f"treadle:{name}", f"treadle:{name}_total") and labels in key:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def complete_all(base: str, prompts, model: str = "tiny", max_tokens: int = 12) -> list:
     async def one(client, p):
         r = await client.post(base + "/v1/completions", json={
@@ -118,7 +110,7 @@ def complete_all(base: str, prompts, model: str = "tiny", max_tokens: int = 12) 
 
 
 def routed(base: str) -> list[float]:
-    return [metric(base, "router_requests", f'reason="round-robin",replica="{i}"')
+    return [metric_total(base, "router_requests", f'reason="round-robin",replica="{i}"')
             for i in range(2)]
 
 
@@ -154,7 +146,7 @@ def test_front_end_streams_aborts_and_labels_metrics(server):
             in text
     assert 'treadle:replica_healthy{model_name="tiny",replica="1"} 1.0' in text
 
-    aborted_before = metric(server, "request_success", 'finished_reason="abort"')
+    aborted_before = metric_total(server, "request_success", 'finished_reason="abort"')
 
     async def vanish(client):
         async with client.stream("POST", server + "/v1/completions", json={
@@ -170,12 +162,12 @@ def test_front_end_streams_aborts_and_labels_metrics(server):
     asyncio.run(main())
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and (
-            metric(server, "num_requests_running")
-            or metric(server, "request_success", 'finished_reason="abort"') - aborted_before < 4):
+            metric_total(server, "num_requests_running")
+            or metric_total(server, "request_success", 'finished_reason="abort"') - aborted_before < 4):
         time.sleep(0.1)
-    assert metric(server, "request_success", 'finished_reason="abort"') - aborted_before == 4
-    assert metric(server, "num_requests_running") == 0
-    assert metric(server, "kv_cache_usage_perc") == 0
+    assert metric_total(server, "request_success", 'finished_reason="abort"') - aborted_before == 4
+    assert metric_total(server, "num_requests_running") == 0
+    assert metric_total(server, "kv_cache_usage_perc") == 0
 
 
 def test_tenant_bound_gets_429_across_replicas(client):
@@ -230,8 +222,8 @@ def test_killed_replica_errors_its_streams_only_and_comes_back(server, client, r
     server, _ = server
     body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 400, "temperature": 0,
             "ignore_eos": True, "stream": True}
-    retried_before = metric(server, "replica_retried_requests", 'replica="0"')
-    deaths_before = metric(server, "replica_deaths", 'replica="0"')
+    retried_before = metric_total(server, "replica_retried_requests", 'replica="0"')
+    deaths_before = metric_total(server, "replica_deaths", 'replica="0"')
 
     async def stream(http, ready):
         events = []
@@ -257,7 +249,7 @@ def test_killed_replica_errors_its_streams_only_and_comes_back(server, client, r
     marks = {}
 
     def healthy() -> bool:
-        return metric(server, "replica_healthy", 'replica="0"') == 1
+        return metric_total(server, "replica_healthy", 'replica="0"') == 1
 
     def watch():  # when the new replica 0 is in routing
         deadline = marks["killed"] + 120
@@ -277,18 +269,18 @@ def test_killed_replica_errors_its_streams_only_and_comes_back(server, client, r
     for events in finished:
         assert "".join(e["choices"][0]["text"] for e in events if e["choices"])
         assert events[-1]["choices"][0]["finish_reason"] == "length"
-    assert metric(server, "replica_retried_requests", 'replica="0"') - retried_before == 1
-    assert metric(server, "replica_deaths", 'replica="0"') - deaths_before >= 1
+    assert metric_total(server, "replica_retried_requests", 'replica="0"') - retried_before == 1
+    assert metric_total(server, "replica_deaths", 'replica="0"') - deaths_before >= 1
     watcher.join(130)
     assert "back" in marks and healthy(), "Ray Serve did not bring replica 0 back"
     print(f"\nfaults: of the killed replica's 3 streams, 2 with tokens sent errored, the 1 "
           f"without a token was sent again to replica 1 and finished (0 lost); replica 0 "
           f"was back in routing {marks['back'] - marks['killed']:.1f} s after the kill")
-    before = metric(server, "generation_tokens", 'replica="0"')
+    before = metric_total(server, "generation_tokens", 'replica="0"')
     # round-robin: one of each pair lands on the new replica, which gets the adapter
     assert complete_all(server, PROMPTS[:2]) == reference["base"][:2]
     assert complete_all(server, PROMPTS[:1] * 2, "a0") == [reference["a0"]] * 2
-    assert metric(server, "generation_tokens", 'replica="0"') - before == 24
+    assert metric_total(server, "generation_tokens", 'replica="0"') - before == 24
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_0(server):

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from server_fixtures import running_server, write_tiny_demo
-
+from treadle.measure.scrape import metric_total
 
 
 @pytest.fixture(scope="module")
@@ -33,17 +33,6 @@ def server(tiny_demo):
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
-
-
-def metric(base: str, name: str, labels: str = "") -> float:
-    text = httpx.get(base + "/metrics").text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(f"treadle:{name}") and labels in line and not line.startswith("#"):
-            key = line.split(" ")[0]
-            if key.split("{")[0] == f"treadle:{name}" or key.split("{")[0] == f"treadle:{name}_total":
-                total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 # ----- the OpenAI client ----------------------------------------------------------------------
@@ -190,7 +179,7 @@ def test_fifty_disconnects_abort_and_free_everything(server):
             "ignore_eos": True, "temperature": 0}, timeout=120)
         return r.json()
 
-    aborted_before = metric(server, "request_success", 'finished_reason="abort"')
+    aborted_before = metric_total(server, "request_success", 'finished_reason="abort"')
 
     async def main():
         limits = httpx.Limits(max_connections=100)
@@ -203,16 +192,16 @@ def test_fifty_disconnects_abort_and_free_everything(server):
     assert good["usage"]["completion_tokens"] == 30
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        if (metric(server, "num_requests_running") == 0
-                and metric(server, "kv_cache_usage_perc") == 0
-                and metric(server, "request_success", 'finished_reason="abort"')
+        if (metric_total(server, "num_requests_running") == 0
+                and metric_total(server, "kv_cache_usage_perc") == 0
+                and metric_total(server, "request_success", 'finished_reason="abort"')
                 - aborted_before >= 50):
             break
         time.sleep(0.2)
-    assert metric(server, "request_success", 'finished_reason="abort"') - aborted_before == 50
-    assert metric(server, "num_requests_running") == 0
-    assert metric(server, "num_requests_waiting") == 0
-    assert metric(server, "kv_cache_usage_perc") == 0
+    assert metric_total(server, "request_success", 'finished_reason="abort"') - aborted_before == 50
+    assert metric_total(server, "num_requests_running") == 0
+    assert metric_total(server, "num_requests_waiting") == 0
+    assert metric_total(server, "kv_cache_usage_perc") == 0
 
 
 def test_metrics_exposition(server, client):
@@ -227,7 +216,7 @@ def test_metrics_exposition(server, client):
                  "request_queue_time_seconds", "request_prefill_time_seconds",
                  "request_decode_time_seconds", "batch_slot_efficiency"):
         assert f"treadle:{name}" in text, name
-    assert metric(server, "generation_tokens") >= 3
+    assert metric_total(server, "generation_tokens") >= 3
 
 
 # ----- auth, overload, fuzzing, shutdown (each on its own server) --------------------------
