@@ -124,9 +124,13 @@ class StepPlan:
     def budget_for(self, request: Request) -> int:
         """Tokens `request` may still take in this step: the step's budget, and for a
         batch request also the batch band's (core/batch_share.py)."""
-        if request.band == BATCH and self.batch_budget is not None:
+        if self._batch_bounded(request):
             return min(self.budget, self.batch_budget)
         return self.budget
+
+    def _batch_bounded(self, request: Request) -> bool:
+        """Whether `request`'s tokens also count against the batch band's bound."""
+        return request.band == BATCH and self.batch_budget is not None
 
     def schedule_tokens(self, request: Request, num_tokens: int,
                         spec: list[int] | None = None) -> None:
@@ -145,7 +149,7 @@ class StepPlan:
         if spec:
             self.spec_tokens[rid] = spec
         self.budget -= num_tokens
-        if request.band == BATCH and self.batch_budget is not None:
+        if self._batch_bounded(request):
             self.batch_budget -= num_tokens
         self.fair_share.charge(request, num_tokens)
 
@@ -158,7 +162,7 @@ class StepPlan:
         self.spec_tokens.pop(request.request_id, None)
         if num_tokens:
             self.budget += num_tokens
-            if request.band == BATCH and self.batch_budget is not None:
+            if self._batch_bounded(request):
                 self.batch_budget += num_tokens
             self.fair_share.charge(request, -num_tokens)
 

@@ -4,9 +4,9 @@ Owns `freeze_startup_heap`: once an engine (and a server around it) has loaded, 
 objects it built — the model's modules and parameters, the tokenizer, the app — live as
 long as the process, yet CPython's full (generation 2) collections walk every one of them
 each time: ~90-120 ms for the ~330,000 objects of an offline engine on the demo model,
-more in a server, and every thread waits meanwhile (the collector holds the GIL). Under
-load those passes come every few seconds and each is an engine step that much longer (seen
-as ~200 ms steps of a dozen tokens beside a batch job). `gc.freeze()` moves what exists
+more in a server (~347,000 objects), and every thread waits meanwhile (the collector
+holds the GIL), so each full pass under load is an engine step that much longer.
+`gc.freeze()` moves what exists
 into a permanent generation that collections skip; what requests allocate later is
 collected as before. vLLM and SGLang freeze after start-up for the same reason.
 

@@ -145,10 +145,11 @@ class GrammarCompiler:
                 hit = StructuredOutputError(spec.field, (
                     f"compiling the grammar took {cpu_s:.1f} s of CPU, over the budget of "
                     f"{self.budget_s:g} s: simplify it"))
+            end = time.monotonic()
             # benchmarks/grammar_stall.py reads this line's span (monotonic clock)
             logger.debug("grammar compiled for %s in %.1f ms on %s (monotonic %.6f to %.6f)",
-                         spec.field, 1e3 * (time.monotonic() - start),
-                         threading.current_thread().name, start, time.monotonic())
+                         spec.field, 1e3 * (end - start), threading.current_thread().name,
+                         start, end)
             with self._lock:
                 self._cache[key] = hit
                 self._cache.move_to_end(key)
@@ -205,9 +206,7 @@ class GrammarCompiler:
         it), at the idle scheduling class."""
         with self._lock:
             if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=2, thread_name_prefix="treadle-grammar",
-                    initializer=lower_thread_priority)
+                self._executor = idle_thread_pool(2, "treadle-grammar")
             return self._executor
 
     def new_request(self, spec: StructuredSpec):
@@ -290,6 +289,13 @@ class GrammarCompiler:
             if probe.is_error():
                 break
         return probe.get_error() if probe.is_error() else None
+
+
+def idle_thread_pool(max_workers: int, name: str) -> concurrent.futures.ThreadPoolExecutor:
+    """A thread pool whose threads run at the idle scheduling class (lower_thread_priority):
+    where grammars are compiled, by the server and by a worker."""
+    return concurrent.futures.ThreadPoolExecutor(
+        max_workers=max_workers, thread_name_prefix=name, initializer=lower_thread_priority)
 
 
 def lower_thread_priority() -> str:

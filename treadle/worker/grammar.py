@@ -101,10 +101,8 @@ class GrammarState:
         so a compile takes only a core the forward pass leaves idle. Masks stay on the
         normal-priority pool: the step waits for them."""
         if self._compiles is None:
-            from treadle.structured.compiler import lower_thread_priority
-            self._compiles = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="treadle-grammar-compile",
-                initializer=lower_thread_priority)
+            from treadle.structured.compiler import idle_thread_pool
+            self._compiles = idle_thread_pool(1, "treadle-grammar-compile")
         return self._compiles
 
     def warm_up(self) -> None:
