@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from treadle.structured.spec import StructuredOutputError, StructuredSpec
+from treadle.thread_priority import idle_thread_pool
 
 logger = logging.getLogger(__name__)
 
@@ -289,31 +290,6 @@ class GrammarCompiler:
             if probe.is_error():
                 break
         return probe.get_error() if probe.is_error() else None
-
-
-def idle_thread_pool(max_workers: int, name: str) -> concurrent.futures.ThreadPoolExecutor:
-    """A thread pool whose threads run at the idle scheduling class (lower_thread_priority):
-    where grammars are compiled, by the server and by a worker."""
-    return concurrent.futures.ThreadPoolExecutor(
-        max_workers=max_workers, thread_name_prefix=name, initializer=lower_thread_priority)
-
-
-def lower_thread_priority() -> str:
-    """Put the calling thread in the idle scheduling class (Linux SCHED_IDLE: it runs
-    only on a core nothing else wants), or at nice 19 where that is not available; the
-    class it got ('idle', 'nice 19' or 'normal'). Linux schedules threads, so this
-    leaves the rest of the process as it was."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        return "idle"
-    except (AttributeError, OSError):
-        pass
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        return "nice 19"
-    except (AttributeError, OSError) as exc:
-        logger.debug("grammar compiles run at normal priority: %s", exc)
-        return "normal"
 
 
 def _lowest_allowed(row, excluded: set[int]) -> int | None:

@@ -101,7 +101,7 @@ class GrammarState:
         so a compile takes only a core the forward pass leaves idle. Masks stay on the
         normal-priority pool: the step waits for them."""
         if self._compiles is None:
-            from treadle.structured.compiler import idle_thread_pool
+            from treadle.thread_priority import idle_thread_pool
             self._compiles = idle_thread_pool(1, "treadle-grammar-compile")
         return self._compiles
 

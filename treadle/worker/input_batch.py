@@ -63,6 +63,9 @@ class InputBatch:
         """The sliding-window layers' tables, same rows and columns (None until a step
         message carries one: core/kv/sliding.py)."""
         self._free_rows = list(range(num_rows - 1, -1, -1))
+        self.highest_block_id = -1
+        """The highest block id any step message has given (worker/cpu/kv_prefault.py
+        keeps the pages past it resident)."""
 
     def update(self, scheduler_output: SchedulerOutput) -> list[CachedRequestState]:
         """Apply a step message: drop finished requests, free the rows of preempted ones,
@@ -100,6 +103,7 @@ class InputBatch:
             if end > self.block_table.shape[1]:
                 self._grow(width=end)
             self.block_table[state.row, state.num_blocks:end] = new_blocks
+            self.highest_block_id = max(self.highest_block_id, max(new_blocks))
             sliding = scheduled.new_sliding_block_ids
             if sliding:
                 if self.sliding_block_table is None:

@@ -44,6 +44,7 @@ from treadle.worker.attention_backends import make_attention_backend
 from treadle.worker.device import get_platform
 from treadle.worker.grammar import GrammarState
 from treadle.worker.cost_probe import measure_copy_bytes_per_s, measure_matmul_flops_per_s
+from treadle.worker.cpu.kv_prefault import KVPrefaulter
 from treadle.worker.kv_cache import KVCacheSpec, allocate_kv_caches, allocate_swap_space
 from treadle.worker import kv_transfer
 from treadle.worker.memory_budget import cache_bytes
@@ -92,6 +93,8 @@ class Worker:
         self.platform = get_platform(config.model.device, rank)
         self.platform.prepare_process(config.model.keep_freed_memory)
         self.runner: ModelRunner | None = None
+        self.kv_prefaulter: KVPrefaulter | None = None
+        """Keeps the CPU KV cache's pages resident ahead of use (worker/cpu/kv_prefault.py)."""
         self.draft_model = None
         """The draft checkpoint's model (speculative method draft, output rank)."""
         if cores:
@@ -228,6 +231,9 @@ class Worker:
         device = self.platform.device
         num_kv_blocks, num_swap_blocks = kv_config.num_blocks, kv_config.num_swap_blocks
         kv_caches = self._allocate_kv(kv_config)
+        if self.kv_prefaulter is not None:
+            self.kv_prefaulter.close()
+        self.kv_prefaulter = KVPrefaulter.for_caches(kv_caches, self.kv_spec.block_dim)
         swap_caches = (allocate_swap_space(self.kv_spec, num_swap_blocks, block_size,
                                            self.platform.pin_swap_memory)
                        if num_swap_blocks else None)
@@ -423,7 +429,10 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """One step; the output on the output rank (parallel_state), None on the others."""
-        return self.runner.execute(scheduler_output)
+        output = self.runner.execute(scheduler_output)
+        if self.kv_prefaulter is not None:
+            self.kv_prefaulter.advance(self.runner.batch.highest_block_id)
+        return output
 
     @property
     def is_output_rank(self) -> bool:

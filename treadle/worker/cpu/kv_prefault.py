@@ -1,0 +1,146 @@
+"""Makes the CPU KV cache's memory resident just ahead of the blocks the engine uses,
+on a background thread, so that no decode step pays for a page fault.
+
+The KV tensors are untouched anonymous memory in transparent huge pages
+(worker/cpu/huge_pages.py, worker/kv_cache.py): resident only once written, so a cache at
+rest costs the blocks used so far (issue 47). The block pool hands out never-used blocks
+in id order (core/kv/block_pool.py), so every layer's K and V runs cross into a new 2 MiB
+page at about the same step, and that step takes the first write fault of each: on the
+2-vCPU Xeon VM of issue 46, 30 faults of ~6 ms each (180 ms of system time inside one
+DecodeStack call, where a few ms is usual), one step in ~250 beside a batch job, which
+set the interactive stream's p99 TTFT.
+
+`KVPrefaulter` keeps the pages populated from block 0 up to one huge page's worth of
+blocks past the highest block id the worker has been given, with
+`madvise(MADV_POPULATE_WRITE)` (Linux 5.14+): the kernel faults the pages in writable
+without writing them, so blocks already holding KV keep it, and the thread holds no GIL
+while the kernel works. It runs in the idle scheduling class (thread_priority.py): only
+on a core the engine leaves idle. Residency stays about what is used plus two huge pages
+per K or V run. Where the call is refused (an older kernel, not Linux) it stops, and the
+step pays the faults as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import math
+import os
+import threading
+
+import torch
+
+from treadle.thread_priority import lower_thread_priority
+from treadle.worker.cpu.huge_pages import HUGE_PAGE
+
+logger = logging.getLogger(__name__)
+
+MADV_POPULATE_WRITE = 23
+"""linux/mman.h (5.14): populate page tables writable, writing nothing."""
+_PAGE = 4096
+_CHUNK_BYTES = HUGE_PAGE
+"""Bytes of each run populated per round: every run advances together, as the pool's ids do."""
+
+
+def _madvise():
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.madvise
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+class KVPrefaulter:
+    """Populates the KV caches' pages ahead of use on a daemon thread (see the module)."""
+
+    def __init__(self, caches: list[torch.Tensor], block_dim: int) -> None:
+        self._caches = caches  # held: the pointers below stay valid while this lives
+        self._runs: list[tuple[int, int, int]] = []
+        """(address, bytes per block, blocks) of each contiguous run of blocks: a layer's K
+        and V, and per KV head where the layout puts heads before blocks."""
+        for cache in caches:
+            if not cache.is_contiguous():
+                raise ValueError("KV caches must be contiguous to be prefaulted")
+            num_blocks = cache.shape[block_dim]
+            block_bytes = math.prod(cache.shape[block_dim + 1:]) * cache.element_size()
+            for outer in range(math.prod(cache.shape[:block_dim])):
+                self._runs.append((cache.data_ptr() + outer * num_blocks * block_bytes,
+                                   block_bytes, num_blocks))
+        smallest = min(bb for _, bb, _ in self._runs)
+        self.ahead_blocks = -(-HUGE_PAGE // smallest)
+        """Blocks kept populated past the highest in use: a huge page of the smallest run."""
+        self.num_blocks = max(nb for _, _, nb in self._runs)
+        self.populated_blocks = 0
+        """Blocks [0, this) of every run are resident (set by the thread)."""
+        self.failed: str | None = None
+        self._target = 0
+        self._chunk_blocks = max(1, _CHUNK_BYTES // smallest)
+        self._wake = threading.Event()
+        self._idle = threading.Event()
+        self._closed = False
+        self._madvise = _madvise()
+        self._thread = threading.Thread(target=self._run, name="treadle-kv-prefault",
+                                        daemon=True)
+        self._thread.start()
+        self.advance(-1)
+
+    @classmethod
+    def for_caches(cls, caches: list[torch.Tensor], block_dim: int) -> KVPrefaulter | None:
+        """A prefaulter for CPU caches on Linux, else None (nothing to do)."""
+        if (not caches or os.name != "posix" or not hasattr(os, "sched_getaffinity")
+                or any(c.device.type != "cpu" for c in caches)):
+            return None
+        return cls(caches, block_dim)
+
+    def advance(self, highest_block_id: int) -> None:
+        """The worker has been given blocks up to `highest_block_id`: keep the pages a huge
+        page's worth past it populated. Cheap; the work is the thread's."""
+        target = min(self.num_blocks, highest_block_id + 1 + self.ahead_blocks)
+        if target > self._target and self.failed is None:
+            self._target = target
+            self._idle.clear()
+            self._wake.set()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until the thread has populated up to the last target (tests, benchmarks)."""
+        return self._idle.wait(timeout)
+
+    def close(self) -> None:
+        """Stop the thread (it lets go of the caches)."""
+        self._closed = True
+        self._wake.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        lower_thread_priority()
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._closed:
+                return
+            while self.populated_blocks < self._target and not self._closed:
+                end = min(self._target, self.populated_blocks + self._chunk_blocks)
+                if not self._populate(self.populated_blocks, end):
+                    self._idle.set()
+                    return
+                self.populated_blocks = end
+            self._idle.set()
+
+    def _populate(self, start: int, end: int) -> bool:
+        """Blocks [start, end) of every run; False (and `failed` says why) when refused."""
+        for address, block_bytes, num_blocks in self._runs:
+            lo = address + min(start, num_blocks) * block_bytes
+            hi = address + min(end, num_blocks) * block_bytes
+            if hi <= lo:
+                continue
+            lo -= lo % _PAGE
+            hi += -hi % _PAGE
+            if self._madvise(lo, hi - lo, MADV_POPULATE_WRITE) != 0:
+                code = ctypes.get_errno()
+                self.failed = errno.errorcode.get(code, str(code))
+                logger.info("KV pages are not prefaulted (madvise MADV_POPULATE_WRITE: %s): "
+                            "steps take the page faults as blocks are first used", self.failed)
+                return False
+        return True
