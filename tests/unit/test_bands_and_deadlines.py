@@ -200,8 +200,8 @@ def test_batch_work_is_bounded_per_step_while_interactive_traffic_is_present(pol
 
 
 def test_the_batch_bound_by_default_is_what_a_steps_fixed_cost_buys():
-    """batch_step_tokens 0 (auto): fixed_s / per_token_s of the measured step costs (10
-    ms a step and 0.5 ms a token: 20 tokens), within [1, max_num_batched_tokens]; no
+    """batch_step_tokens 0 (auto): a quarter of fixed_s / per_token_s of the measured step
+    costs (10 ms a step and 0.5 ms a token: 5 tokens), within [1, max_num_batched_tokens]; no
     bound without interactive traffic, nor once the window has passed."""
     from treadle.core.batch_share import BatchShare
     costs = StepCostModel()
@@ -210,7 +210,7 @@ def test_the_batch_bound_by_default_is_what_a_steps_fixed_cost_buys():
     share = BatchShare(SchedulerConfig(max_num_batched_tokens=512), costs)
     assert share.step_tokens(0.0) is None
     share.observe([make_request("i", 4, 4)], 10.0)
-    assert share.step_tokens(10.5) == 20
+    assert share.step_tokens(10.5) == 5
     assert share.step_tokens(12.5) is None  # the default window is 2 s
     share.observe([make_request("b", 4, 4, band="batch")], 13.0)
     assert share.step_tokens(13.0) is None  # batch work alone

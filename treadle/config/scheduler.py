@@ -83,7 +83,8 @@ class SchedulerConfig:
     batch_step_tokens: int = field(default=0, metadata=_help(
         "Most tokens batch-band requests (Batch API lines) take in one step while "
         "interactive traffic is present, so that steps stay short for interactive "
-        "arrivals (0: auto, what a step's fixed cost buys by the measured step costs)"))
+        "arrivals (0: auto, what a quarter of a step's fixed cost buys by the measured "
+        "step costs)"))
     batch_yield_window_s: float = field(default=2.0, metadata=_help(
         "Seconds after the last interactive request during which batch work stays "
         "bounded by batch_step_tokens (then it fills every seat again)"))
