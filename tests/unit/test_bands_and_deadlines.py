@@ -211,9 +211,10 @@ def test_the_batch_bound_by_default_is_what_a_steps_fixed_cost_buys():
     assert share.step_tokens(0.0) is None
     share.observe([make_request("i", 4, 4)], 10.0)
     assert share.step_tokens(10.5) == 5
-    assert share.step_tokens(12.5) is None  # the default window is 2 s
-    share.observe([make_request("b", 4, 4, band="batch")], 13.0)
-    assert share.step_tokens(13.0) is None  # batch work alone
+    assert share.step_tokens(14.5) == 5  # the default window is 5 s
+    assert share.step_tokens(15.5) is None
+    share.observe([make_request("b", 4, 4, band="batch")], 16.0)
+    assert share.step_tokens(16.0) is None  # batch work alone
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -85,9 +85,10 @@ class SchedulerConfig:
         "interactive traffic is present, so that steps stay short for interactive "
         "arrivals (0: auto, what a quarter of a step's fixed cost buys by the measured "
         "step costs)"))
-    batch_yield_window_s: float = field(default=2.0, metadata=_help(
+    batch_yield_window_s: float = field(default=5.0, metadata=_help(
         "Seconds after the last interactive request during which batch work stays "
-        "bounded by batch_step_tokens (then it fills every seat again)"))
+        "bounded by batch_step_tokens (then it fills every seat again; an interactive "
+        "stream of rate r finds it unbounded with probability exp(-r x window))"))
     max_head_bypasses: int = field(default=16, metadata=_help(
         "Times smaller requests may pass a waiting request that does not fit before it gets "
         "the next opening (0: strict order)"))
