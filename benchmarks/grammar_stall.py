@@ -4,11 +4,20 @@ Serves a model, runs one long plain stream (greedy, ignore_eos), and measures it
 token gaps while each of the heaviest grammars the server accepts is requested (a schema
 of N optional integer properties, an enum of M strings, both made unique per repeat, so
 each is a compile-cache miss): a `compile` window spans the compile as the server logs
-it (its debug line gives the monotonic start and end, the clock this process reads); a
-`quiet` window as long, after the request, has nothing but the stream. The first
-constrained request of the process builds the grammar compilers (a one-time cost, done
-before measuring). The figure is the ratio of the p90 gap in compile windows to the p90
-gap in quiet windows, over `--repeats` repeats (target: within 1.2x).
+it (its debug line gives the monotonic start and end, the clock this process reads).
+Two baselines, each window as long as the compile's it follows:
+
+- `control`: the same request without its grammar, the window opening when it is sent.
+  A compile window's edge gaps hold work that is not the compile: the one in flight when
+  it opens, the request's arrival; the one it closes in, the request's prefill joining
+  the stream's step. The control window holds the same two (its arrival and prefill),
+  and its decode steps besides, but no compile: the ratio to it is what compiling adds.
+- `quiet`: nothing but the stream.
+
+The first constrained request of the process builds the grammar compilers (a one-time
+cost, done before measuring). The figures are the ratios of the p90 gap in compile
+windows to the p90 gap in each baseline's windows, over `--repeats` repeats (target: the
+control ratio within 1.2x).
 
     python benchmarks/grammar_stall.py --model PATH [--repeats 5] [--output stall.json]
 """
@@ -90,7 +99,7 @@ def main() -> int:
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
     served = ["--served-model-name", "m"] + (["--model", args.model] if args.model else [])
-    result = {"quiet": [], "compile": [], "requests": []}
+    result = {"quiet": [], "control": [], "compile": [], "requests": []}
     with launched_server(served, startup_timeout=600, log_level="DEBUG") as (base, proc):
         warm = {"model": "m", "prompt": "x", "max_tokens": 2,
                 "structured_outputs": {"regex": "[a-z]+"}}
@@ -113,13 +122,23 @@ def main() -> int:
                 result["requests"][-1].update(compile_s=round(end - start, 3),
                                               gaps_ms=[round(1e3 * g, 1) for g in gaps])
                 time.sleep(0.1)
+                length = max(end - start, 0.2)
+                plain = {k: v for k, v in body.items() if k != "response_format"}
+                t1 = time.monotonic()
+                httpx.post(base + "/v1/chat/completions", timeout=300,
+                           json=plain).raise_for_status()
+                time.sleep(max(0.0, t1 + length - time.monotonic()))
+                result["control"] += stream.gaps(t1, t1 + length)
+                time.sleep(0.1)
                 t2 = time.monotonic()
-                time.sleep(max(end - start, 0.2))  # nothing but the stream
+                time.sleep(length)  # nothing but the stream
                 result["quiet"] += stream.gaps(t2, time.monotonic())
         stream.stop()
-    summary = {f"p90_{window}_s": p90(result[window]) for window in ("quiet", "compile")}
-    summary["gaps"] = {window: len(result[window]) for window in ("quiet", "compile")}
-    summary["ratio"] = summary["p90_compile_s"] / summary["p90_quiet_s"]
+    windows = ("quiet", "control", "compile")
+    summary = {f"p90_{window}_s": p90(result[window]) for window in windows}
+    summary["gaps"] = {window: len(result[window]) for window in windows}
+    summary["ratio"] = summary["p90_compile_s"] / summary["p90_control_s"]
+    summary["ratio_to_quiet"] = summary["p90_compile_s"] / summary["p90_quiet_s"]
     print(json.dumps(summary, indent=1))
     for request in result["requests"]:
         print(request)
