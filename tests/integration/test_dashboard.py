@@ -50,6 +50,13 @@ def served(tmp_path_factory):
         yield base, trace, {t: [] for t in KEYS}
 
 
+SWAPPING_TOKENS = 56
+"""Output tokens of the timeline test's load: 32 + k + 1 prompt tokens and these make 6
+blocks of 16, so 8 running requests need more than the 28 blocks even when each tenant's
+share their 32-token prefix (at 40 tokens they fit exactly, and a CI run went without a
+preemption: the timelines' preemptions then went untested)."""
+
+
 def complete(base, tenant, k, j, max_tokens=40):
     """Thread k's j-th request: the j-th requests of one tenant share a 32-token prefix."""
     r = httpx.post(base + "/v1/completions", headers=bearer(tenant), timeout=300,
@@ -62,15 +69,16 @@ def complete(base, tenant, k, j, max_tokens=40):
 class Load:
     """Bounded background traffic from both tenants: `per_thread` requests per thread."""
 
-    def __init__(self, base, sent, threads_per_tenant=5, per_thread=4):
+    def __init__(self, base, sent, threads_per_tenant=5, per_thread=4, max_tokens=40):
         self.errors: list = []
-        self.threads = [threading.Thread(target=self._run, args=(base, sent, t, k, per_thread))
+        self.threads = [threading.Thread(target=self._run,
+                                         args=(base, sent, t, k, per_thread, max_tokens))
                         for t in KEYS for k in range(threads_per_tenant)]
 
-    def _run(self, base, sent, tenant, k, per_thread):
+    def _run(self, base, sent, tenant, k, per_thread, max_tokens):
         try:
             for j in range(per_thread):
-                sent[tenant].append(complete(base, tenant, k, j))
+                sent[tenant].append(complete(base, tenant, k, j, max_tokens))
         except Exception as exc:  # noqa: BLE001
             self.errors.append(exc)
 
@@ -145,7 +153,7 @@ def test_served_timelines_match_the_trace_and_each_tenant_sees_its_own(served):
 
     watcher = threading.Thread(target=watch)
     watcher.start()
-    with Load(base, sent):
+    with Load(base, sent, max_tokens=SWAPPING_TOKENS):
         pass
     watcher.join(timeout=120)
     trace = read_trace(trace_path)
@@ -159,7 +167,7 @@ def test_served_timelines_match_the_trace_and_each_tenant_sees_its_own(served):
             assert body["id"] == rid and body["object"] == "request.timeline"
             (t,) = body["requests"]
             assert t["tenant"] == tenant and t["status"] == "finished"
-            assert t["num_output_tokens"] == 40 and t["finish_reason"] == "length"
+            assert t["num_output_tokens"] == SWAPPING_TOKENS and t["finish_reason"] == "length"
             from_trace = [(s.step, n, kind) for s in trace.steps
                           for r2, n, kind in s.scheduled if r2 == rid]
             from_timeline = []

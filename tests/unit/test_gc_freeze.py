@@ -22,7 +22,9 @@ def test_freezing_keeps_what_exists_out_of_collections_and_frees_startup_garbage
     before = gc.get_freeze_count()
     try:
         frozen = freeze_startup_heap("a test")
-        assert frozen > before and frozen == gc.get_freeze_count()
+        # Frozen objects that other threads free afterwards leave the count (a CI run saw
+        # 6 go between the two reads), so the count now is at most what was frozen.
+        assert frozen > before and before < gc.get_freeze_count() <= frozen
         assert gone() is None  # start-up garbage was collected, not frozen
         assert ref not in gc.get_objects()  # frozen: no generation holds it
         fresh = Node()

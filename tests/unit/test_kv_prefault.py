@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import re
 import resource
+import weakref
 
 import pytest
 import torch
@@ -117,3 +118,15 @@ def test_gpu_or_empty_caches_get_none():
     assert KVPrefaulter.for_caches([], SPEC.block_dim) is None
     meta = [torch.empty((2, 8, 16, 2, 64), device="meta")]
     assert KVPrefaulter.for_caches(meta, SPEC.block_dim) is None
+
+
+def test_a_dropped_prefaulter_ends_its_thread_and_frees_the_caches():
+    """The thread holds neither the prefaulter nor the caches: a worker that is dropped
+    (tests make hundreds) does not keep its KV cache alive through a daemon thread."""
+    caches = allocate_kv_caches(SPEC, num_blocks=1024, block_size=BLOCK_SIZE)
+    prefaulter = _prefaulter(caches)
+    thread, cache = prefaulter._thread, weakref.ref(caches[0])
+    del prefaulter, caches
+    gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and cache() is None

@@ -28,6 +28,7 @@ import logging
 import math
 import os
 import threading
+import weakref
 
 import torch
 
@@ -51,12 +52,65 @@ def _madvise():
     return fn
 
 
+class _Population:
+    """What the thread shares with its owner: the runs, the target and the progress. It
+    holds no reference to the owner or the caches, so a worker that is dropped frees its
+    caches (the owner's finalizer stops the thread)."""
+
+    def __init__(self, runs: list[tuple[int, int, int]], chunk_blocks: int) -> None:
+        self.runs = runs
+        self.chunk_blocks = chunk_blocks
+        self.target = 0
+        self.populated_blocks = 0
+        self.failed: str | None = None
+        self.closed = False
+        self.wake = threading.Event()
+        self.idle = threading.Event()
+        self.madvise = _madvise()
+
+    def close(self) -> None:
+        self.closed = True
+        self.wake.set()
+
+    def run(self) -> None:
+        lower_thread_priority()
+        while True:
+            self.wake.wait()
+            self.wake.clear()
+            if self.closed:
+                return
+            while self.populated_blocks < self.target and not self.closed:
+                end = min(self.target, self.populated_blocks + self.chunk_blocks)
+                if not self._populate(self.populated_blocks, end):
+                    self.idle.set()
+                    return
+                self.populated_blocks = end
+            self.idle.set()
+
+    def _populate(self, start: int, end: int) -> bool:
+        """Blocks [start, end) of every run; False (and `failed` says why) when refused."""
+        for address, block_bytes, num_blocks in self.runs:
+            lo = address + min(start, num_blocks) * block_bytes
+            hi = address + min(end, num_blocks) * block_bytes
+            if hi <= lo:
+                continue
+            lo -= lo % _PAGE
+            hi += -hi % _PAGE
+            if self.madvise(lo, hi - lo, MADV_POPULATE_WRITE) != 0:
+                code = ctypes.get_errno()
+                self.failed = errno.errorcode.get(code, str(code))
+                logger.info("KV pages are not prefaulted (madvise MADV_POPULATE_WRITE: %s): "
+                            "steps take the page faults as blocks are first used", self.failed)
+                return False
+        return True
+
+
 class KVPrefaulter:
     """Populates the KV caches' pages ahead of use on a daemon thread (see the module)."""
 
     def __init__(self, caches: list[torch.Tensor], block_dim: int) -> None:
-        self._caches = caches  # held: the pointers below stay valid while this lives
-        self._runs: list[tuple[int, int, int]] = []
+        self._caches = caches  # held: the addresses the thread uses stay mapped
+        runs: list[tuple[int, int, int]] = []
         """(address, bytes per block, blocks) of each contiguous run of blocks: a layer's K
         and V, and per KV head where the layout puts heads before blocks."""
         for cache in caches:
@@ -65,24 +119,17 @@ class KVPrefaulter:
             num_blocks = cache.shape[block_dim]
             block_bytes = math.prod(cache.shape[block_dim + 1:]) * cache.element_size()
             for outer in range(math.prod(cache.shape[:block_dim])):
-                self._runs.append((cache.data_ptr() + outer * num_blocks * block_bytes,
-                                   block_bytes, num_blocks))
-        smallest = min(bb for _, bb, _ in self._runs)
+                runs.append((cache.data_ptr() + outer * num_blocks * block_bytes,
+                             block_bytes, num_blocks))
+        smallest = min(bb for _, bb, _ in runs)
         self.ahead_blocks = -(-HUGE_PAGE // smallest)
         """Blocks kept populated past the highest in use: a huge page of the smallest run."""
-        self.num_blocks = max(nb for _, _, nb in self._runs)
-        self.populated_blocks = 0
-        """Blocks [0, this) of every run are resident (set by the thread)."""
-        self.failed: str | None = None
-        self._target = 0
-        self._chunk_blocks = max(1, _CHUNK_BYTES // smallest)
-        self._wake = threading.Event()
-        self._idle = threading.Event()
-        self._closed = False
-        self._madvise = _madvise()
-        self._thread = threading.Thread(target=self._run, name="treadle-kv-prefault",
+        self.num_blocks = max(nb for _, _, nb in runs)
+        self._state = _Population(runs, max(1, _CHUNK_BYTES // smallest))
+        self._thread = threading.Thread(target=self._state.run, name="treadle-kv-prefault",
                                         daemon=True)
         self._thread.start()
+        weakref.finalize(self, self._state.close)
         self.advance(-1)
 
     @classmethod
@@ -93,54 +140,32 @@ class KVPrefaulter:
             return None
         return cls(caches, block_dim)
 
+    @property
+    def populated_blocks(self) -> int:
+        """Blocks [0, this) of every run are resident."""
+        return self._state.populated_blocks
+
+    @property
+    def failed(self) -> str | None:
+        """Why the kernel refused (then the thread has stopped), or None."""
+        return self._state.failed
+
     def advance(self, highest_block_id: int) -> None:
         """The worker has been given blocks up to `highest_block_id`: keep the pages a huge
         page's worth past it populated. Cheap; the work is the thread's."""
+        state = self._state
         target = min(self.num_blocks, highest_block_id + 1 + self.ahead_blocks)
-        if target > self._target and self.failed is None:
-            self._target = target
-            self._idle.clear()
-            self._wake.set()
+        if target > state.target and state.failed is None:
+            state.target = target
+            state.idle.clear()
+            state.wake.set()
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until the thread has populated up to the last target (tests, benchmarks)."""
-        return self._idle.wait(timeout)
+        return self._state.idle.wait(timeout)
 
     def close(self) -> None:
-        """Stop the thread (it lets go of the caches)."""
-        self._closed = True
-        self._wake.set()
+        """Stop the thread."""
+        self._state.close()
         if self._thread is not threading.current_thread():
             self._thread.join()
-
-    def _run(self) -> None:
-        lower_thread_priority()
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            if self._closed:
-                return
-            while self.populated_blocks < self._target and not self._closed:
-                end = min(self._target, self.populated_blocks + self._chunk_blocks)
-                if not self._populate(self.populated_blocks, end):
-                    self._idle.set()
-                    return
-                self.populated_blocks = end
-            self._idle.set()
-
-    def _populate(self, start: int, end: int) -> bool:
-        """Blocks [start, end) of every run; False (and `failed` says why) when refused."""
-        for address, block_bytes, num_blocks in self._runs:
-            lo = address + min(start, num_blocks) * block_bytes
-            hi = address + min(end, num_blocks) * block_bytes
-            if hi <= lo:
-                continue
-            lo -= lo % _PAGE
-            hi += -hi % _PAGE
-            if self._madvise(lo, hi - lo, MADV_POPULATE_WRITE) != 0:
-                code = ctypes.get_errno()
-                self.failed = errno.errorcode.get(code, str(code))
-                logger.info("KV pages are not prefaulted (madvise MADV_POPULATE_WRITE: %s): "
-                            "steps take the page faults as blocks are first used", self.failed)
-                return False
-        return True
