@@ -234,8 +234,11 @@ def _single_points(model: str | None, peer_model: str | None, options: dict,
 def _served_points(model: str | None, peer_model: str | None, options: dict, cfg: dict,
                    levels: list[int], llama_dir: str | None, log_dir: Path) -> list[dict]:
     """Concurrency above 1: `treadle serve` against llama-server, the same load."""
+    # Every request of a point is sent at once and must be served, as llama-server serves
+    # it: no refusal for a predicted wait (at 64 streams of 512-token prompts the wait
+    # passes the default 20 s and a quarter of the requests were 503s).
     serve_args = ([] if model is None else ["--model", model]) + serve_flags(
-        {"max_num_seqs": max(levels), **options})
+        {"max_num_seqs": max(levels), **options}) + ["--max-queue-delay", "0"]
     points = []
     with ExitStack() as stack:
         bases = {"treadle": stack.enter_context(launched_server(

@@ -29,6 +29,7 @@ import math
 import os
 import threading
 import weakref
+from typing import Callable
 
 import torch
 
@@ -57,8 +58,12 @@ class _Population:
     holds no reference to the owner or the caches, so a worker that is dropped frees its
     caches (the owner's finalizer stops the thread)."""
 
-    def __init__(self, runs: list[tuple[int, int, int]], chunk_blocks: int) -> None:
+    def __init__(self, runs: list[tuple[int, int, int]], chunk_blocks: int,
+                 owner: Callable[[], object | None]) -> None:
         self.runs = runs
+        self.owner = owner
+        """A weak reference to the owner: held strongly for one round at a time, so the
+        caches stay mapped while the kernel populates them."""
         self.chunk_blocks = chunk_blocks
         self.target = 0
         self.populated_blocks = 0
@@ -80,8 +85,13 @@ class _Population:
             if self.closed:
                 return
             while self.populated_blocks < self.target and not self.closed:
+                owner = self.owner()
+                if owner is None:  # dropped: its caches may be unmapped already
+                    return
                 end = min(self.target, self.populated_blocks + self.chunk_blocks)
-                if not self._populate(self.populated_blocks, end):
+                populated = self._populate(self.populated_blocks, end)
+                del owner
+                if not populated:
                     self.idle.set()
                     return
                 self.populated_blocks = end
@@ -125,7 +135,7 @@ class KVPrefaulter:
         self.ahead_blocks = -(-HUGE_PAGE // smallest)
         """Blocks kept populated past the highest in use: a huge page of the smallest run."""
         self.num_blocks = max(nb for _, _, nb in runs)
-        self._state = _Population(runs, max(1, _CHUNK_BYTES // smallest))
+        self._state = _Population(runs, max(1, _CHUNK_BYTES // smallest), weakref.ref(self))
         self._thread = threading.Thread(target=self._state.run, name="treadle-kv-prefault",
                                         daemon=True)
         self._thread.start()
