@@ -215,6 +215,8 @@ class Worker:
         """Allocate the KV cache and swap space of the engine core's KV config (its layer
         groups and block counts, core/kv/config.py); make the runner."""
         self.runner = self._make_runner(kv_config)
+        self.kv_prefaulter = KVPrefaulter.for_caches(self.runner.kv_caches,
+                                                     self.kv_spec.block_dim)
         self._enable_default_graphs()
 
     def _allocate_kv(self, kv_config: KVCacheConfig) -> list[torch.Tensor]:
@@ -231,9 +233,6 @@ class Worker:
         device = self.platform.device
         num_kv_blocks, num_swap_blocks = kv_config.num_blocks, kv_config.num_swap_blocks
         kv_caches = self._allocate_kv(kv_config)
-        if self.kv_prefaulter is not None:
-            self.kv_prefaulter.close()
-        self.kv_prefaulter = KVPrefaulter.for_caches(kv_caches, self.kv_spec.block_dim)
         swap_caches = (allocate_swap_space(self.kv_spec, num_swap_blocks, block_size,
                                            self.platform.pin_swap_memory)
                        if num_swap_blocks else None)

@@ -26,7 +26,7 @@ import ctypes
 import errno
 import logging
 import math
-import os
+import sys
 import threading
 import weakref
 from typing import Callable
@@ -145,7 +145,7 @@ class KVPrefaulter:
     @classmethod
     def for_caches(cls, caches: list[torch.Tensor], block_dim: int) -> KVPrefaulter | None:
         """A prefaulter for CPU caches on Linux, else None (nothing to do)."""
-        if (not caches or os.name != "posix" or not hasattr(os, "sched_getaffinity")
+        if (not caches or not sys.platform.startswith("linux")
                 or any(c.device.type != "cpu" for c in caches)):
             return None
         return cls(caches, block_dim)
