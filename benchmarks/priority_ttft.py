@@ -38,7 +38,8 @@ def run(time_scale: float, policy: str, background: str | None, options: dict) -
                           for r in setup.requests]
     summary = summarize_fleet(run_sim(setup), with_requests=False)
     high = summary.get("label_high", summary)["ttft_ms"]
-    return {"high_ttft_p50_ms": high["median"], "high_ttft_p99_ms": high["p99"]}
+    return {"high_ttft_p50_ms": high["median"], "high_ttft_p99_ms": high["p99"],
+            "total_tokens_per_s": summary["total_tokens_per_s"]}
 
 
 def main(argv=None) -> int:
@@ -46,9 +47,15 @@ def main(argv=None) -> int:
     parser.add_argument("--time-scale", type=float, nargs="+", default=[1.0, 1.5, 3.0])
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="another scheduler option for every run, e.g. "
+                        "priority_aging=0 (repeatable)")
     args = parser.parse_args(argv)
     options = {"max_num_seqs": args.max_num_seqs,
                "max_num_batched_tokens": args.max_num_batched_tokens}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        options[key] = json.loads(value)
     results = {}
     for ts in args.time_scale:
         idle = run(ts, "fcfs", None, options)
@@ -60,8 +67,13 @@ def main(argv=None) -> int:
                                                               options)}
         for name, r in rows.items():
             r["p99_over_idle"] = r["high_ttft_p99_ms"] / idle["high_ttft_p99_ms"]
-            print(f"time scale {ts}: {name}: p50 {r['high_ttft_p50_ms']:.0f} ms, p99 "
-                  f"{r['high_ttft_p99_ms']:.0f} ms ({r['p99_over_idle']:.2f}x idle)")
+            line = (f"time scale {ts}: {name}: p50 {r['high_ttft_p50_ms']:.0f} ms, p99 "
+                    f"{r['high_ttft_p99_ms']:.0f} ms ({r['p99_over_idle']:.2f}x idle)")
+            if name != "idle":  # throughput over the whole run (background included)
+                r["throughput_over_fcfs"] = (r["total_tokens_per_s"]
+                                             / rows["fcfs"]["total_tokens_per_s"])
+                line += f", throughput {r['throughput_over_fcfs']:.3f}x fcfs's"
+            print(line)
         results[str(ts)] = rows
     print(json.dumps(results, indent=1))
     return 0

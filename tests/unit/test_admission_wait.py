@@ -177,7 +177,7 @@ def test_under_the_priority_policy_only_the_as_urgent_wait_ahead():
 def test_more_urgent_arrivals_that_overtake_stretch_the_wait_and_can_take_every_slot():
     """Under the priority policy the more urgent arrivals of the last minute take a share
     rho of the slots; a waiting request of lower priority waits W / (1 - rho), and when
-    they take all of it, until aging lifts it (refused, Retry-After 60)."""
+    they take all of it, for as long as they do (refused, Retry-After 60)."""
     def urgent_load(num_urgent: int) -> AdmissionControl:
         c = control(delay=1000.0, priority_ordered=True, slots=1)
         for k in range(num_urgent):  # each holds the slot 1 + 50 steps = 0.51 s
@@ -206,7 +206,8 @@ def test_more_urgent_arrivals_that_overtake_stretch_the_wait_and_can_take_every_
         flooded.progressed(ticket, 2, k * 0.25 + STEP_S)
         flooded.release(ticket)
     assert flooded.predicted_wait(5, 15.0) == math.inf
-    with pytest.raises(Overloaded, match="until aging") as info:
+    with pytest.raises(Overloaded,
+                       match="as long as more urgent requests take every slot") as info:
         flooded.admit("t", 10, 10, 15.0, priority=5)
     assert info.value.retry_after_s == 60
 

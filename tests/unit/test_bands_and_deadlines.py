@@ -12,7 +12,9 @@ import random
 import pytest
 
 from treadle.config import SCHEDULING_POLICIES, CacheConfig, EngineConfig, SchedulerConfig
+from treadle.core.fair_share import FairShareLedger
 from treadle.core.outputs import ModelRunnerOutput
+from treadle.core.policies import make_policy
 from treadle.core.policies.slo import BEST_EFFORT, SLO_REFUSAL
 from treadle.core.scheduler import Scheduler
 from treadle.core.step_cost import StepCostModel
@@ -199,22 +201,90 @@ def test_batch_work_is_bounded_per_step_while_interactive_traffic_is_present(pol
     assert sched.kv.pool.num_free_blocks == 256
 
 
-def test_the_batch_bound_by_default_is_what_a_steps_fixed_cost_buys():
-    """batch_step_tokens 0 (auto): a quarter of fixed_s / per_token_s of the measured step
-    costs (10 ms a step and 0.5 ms a token: 5 tokens), within [1, max_num_batched_tokens]; no
-    bound without interactive traffic, nor once the window has passed."""
-    from treadle.core.batch_share import BatchShare
+def test_the_bounds_by_default_are_what_a_steps_fixed_cost_buys():
+    """batch_step_tokens and priority_step_tokens 0 (auto): a quarter (the batch band) and
+    the whole (less urgent priority classes) of fixed_s / per_token_s of the measured step
+    costs (10 ms a step and 0.5 ms a token: 5 and 20 tokens), within [1,
+    max_num_batched_tokens]; batch requests yield while an interactive one is about and
+    for the window after it (5 s by default), not once it has passed, and never to batch
+    work alone."""
+    from treadle.core.policy import yield_class
+    from treadle.core.yield_share import YieldShare
     costs = StepCostModel()
     for tokens in (1, 50, 100, 200) * 50:
         costs.observe(tokens, 0.010 + 0.0005 * tokens)
-    share = BatchShare(SchedulerConfig(max_num_batched_tokens=512), costs)
-    assert share.step_tokens(0.0) is None
+    config = SchedulerConfig(max_num_batched_tokens=512)
+    fcfs = make_policy(config, FairShareLedger())
+    share = YieldShare(config, costs, lambda r, now: yield_class(r, fcfs, now))
+    assert share.step_tokens() == {"band": 5, "class": 20}
+    batch = make_request("b", 4, 4, band="batch")
+    assert share.most_urgent_class(0.0) is None
     share.observe([make_request("i", 4, 4)], 10.0)
-    assert share.step_tokens(10.5) == 5
-    assert share.step_tokens(14.5) == 5  # the default window is 5 s
-    assert share.step_tokens(15.5) is None
-    share.observe([make_request("b", 4, 4, band="batch")], 16.0)
-    assert share.step_tokens(16.0) is None  # batch work alone
+    for now, pool in ((10.5, "band"), (14.5, "band"), (15.5, None)):
+        assert share.pool(batch, share.most_urgent_class(now), now) == pool, now
+    share.observe([batch], 16.0)
+    assert share.pool(batch, share.most_urgent_class(16.0), 16.0) is None  # alone
+
+
+def _tokens_of(out, prefix):
+    return sum(s.num_scheduled_tokens for s in out.scheduled if s.request_id.startswith(prefix))
+
+
+def test_less_urgent_priority_classes_yield_per_step_while_a_more_urgent_one_is_about():
+    """Under `priority`, priority-1 requests decode on every seat; priority-0 requests come
+    and go: while one is present, and for the window after the last, the priority-1
+    requests take at most priority_step_tokens of each step together (the batch band's
+    bound is not theirs); the urgent ones keep their tokens; after the window the lower
+    class fills every seat again; outputs right, blocks freed."""
+    clock = FakeClock()
+    sched = make_scheduler("priority", max_tokens=256, max_seqs=12, clock=clock,
+                           priority_step_tokens=4, batch_step_tokens=1,
+                           batch_yield_window_s=5.0)
+    low = [make_request(f"l{i}", 8, 60, priority=1) for i in range(10)]
+    for r in low:
+        sched.add_request(r)
+    for _ in range(3):
+        step(sched, clock)
+    assert _tokens_of(step(sched, clock), "l") == 10  # alone: every seat
+    urgent = [make_request(f"u{i}", 6, 5, arrival=clock.t, priority=0) for i in range(2)]
+    for r in urgent:
+        sched.add_request(r)
+    while any(r.status is not RequestStatus.FINISHED_LENGTH for r in urgent):
+        out = step(sched, clock)
+        assert _tokens_of(out, "l") <= 4
+        last_urgent = clock.t
+    after = []
+    while clock.t < last_urgent + 8:
+        after.append((clock.t, _tokens_of(step(sched, clock), "l")))
+    assert all(n <= 4 for t, n in after if t < last_urgent + 4)
+    assert any(n == 4 for t, n in after if t < last_urgent + 4)  # not the batch bound
+    assert after[-1][1] == 10  # the window passed: every seat again
+    replay(sched, clock, [])
+    for r in low + urgent:
+        assert r.output_token_ids == expected_tokens(r)
+    assert sched.kv.pool.num_free_blocks == 256
+
+
+def test_priority_classes_are_strict_by_default_and_aging_lifts_a_class_out_of_yielding():
+    """By default `priority` orders strictly (no aging): a priority-1 request that has
+    waited a minute still yields to a fresh priority-0 one. With linear aging on
+    (priority_aging_rate), a request aged half a level or more is of the class above
+    and no longer yields to it; `priority_yield=False` turns yielding off."""
+    from treadle.core.policy import yield_class
+
+    def pool_after(wait, **options):
+        config = SchedulerConfig(scheduling_policy="priority", **options)
+        policy = make_policy(config, FairShareLedger())
+        old = make_request("old", 4, 4, priority=1)
+        fresh = make_request("fresh", 4, 4, arrival=wait, priority=0)
+        policy.prepare_step([old, fresh], wait)
+        return yield_class(old, policy, wait) > yield_class(fresh, policy, wait)
+
+    assert SchedulerConfig().priority_aging == 0 and SchedulerConfig().priority_aging_rate == 0
+    assert pool_after(60.0)
+    assert pool_after(40.0, priority_aging_rate=0.01)  # 0.4 levels: still below
+    assert not pool_after(60.0, priority_aging_rate=0.01)  # 0.6 levels: lifted
+    assert not pool_after(60.0, priority_yield=False)
 
 
 @pytest.mark.parametrize("policy", POLICIES)

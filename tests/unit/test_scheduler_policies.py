@@ -504,10 +504,12 @@ def test_replay_measures_every_request_and_priority_reorders():
 @pytest.mark.parametrize("isolate", [True, False])
 def test_urgent_prefill_step_defers_background_chunks(isolate):
     clock = FakeClock()
-    # finish_prompts_first off: this test is about isolation alone (with it, the long
-    # chunk would wait behind the urgent prompt either way).
+    # finish_prompts_first and priority_yield off: this test is about isolation alone
+    # (with the first, the long chunk would wait behind the urgent prompt either way; with
+    # the second, it would shrink to the yielding classes' bound).
     sched = make_scheduler("priority", max_tokens=64, max_seqs=8, clock=clock,
-                           isolate_urgent_prefill=isolate, finish_prompts_first=False)
+                           isolate_urgent_prefill=isolate, finish_prompts_first=False,
+                           priority_yield=False)
     # Two lows decode; a third has a long prompt that is being prefilled in chunks.
     lows = [make_request(f"low{i}", 8, 40, priority=1) for i in range(2)]
     long_low = make_request("long", 400, 4, priority=1, arrival=0.1)

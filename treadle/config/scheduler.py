@@ -34,13 +34,21 @@ class SchedulerConfig:
         "decode step's linears stop waiting on weight reads at about this many rows: with "
         "bf16 SmolLM2-135M on an AVX-512 BF16 CPU, 12 ran 2.5 percent faster than 16, 24 "
         "2-5 percent slower than 16)"))
-    priority_aging_rate: float = field(default=0.01, metadata=_help(
+    priority_aging_rate: float = field(default=0.0, metadata=_help(
         "priority policy: priority levels a request gains per second it waits to run (not while "
         "it runs; 0: none)"))
-    priority_aging: float = field(default=4.0, metadata=_help(
+    priority_aging: float = field(default=0.0, metadata=_help(
         "priority policy: the bound on waiting, as a multiple of the mean wait of recent "
         "requests: a request that has waited that long outranks every priority class "
         "(docs/scheduling.md; 0: off)"))
+    priority_yield: bool = field(default=True, metadata=_help(
+        "priority policy: while a request of a more urgent priority class is present (or "
+        "was, within batch_yield_window_s), the less urgent classes together take at most "
+        "batch_step_tokens of a step, as the batch band does beside interactive traffic"))
+    priority_step_tokens: int = field(default=0, metadata=_help(
+        "priority policy, with priority_yield: most tokens the less urgent classes take "
+        "together in one step while a more urgent class is about (0: auto, what a step's "
+        "whole fixed cost buys by the measured step costs)"))
     srpt_aging_rate: float = field(default=10.0, metadata=_help(
         "srpt policy: tokens of remaining work a request sheds per second in the engine (0: none)"))
     tenant_weights: str = field(default="", metadata=_help(
@@ -114,7 +122,7 @@ class SchedulerConfig:
             raise ValueError("admission_lookahead_tokens must be >= 0, "
                              f"got {self.admission_lookahead_tokens}")
         for name in ("max_head_bypasses", "max_preemptions", "batch_step_tokens",
-                     "batch_yield_window_s"):
+                     "priority_step_tokens", "batch_yield_window_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         parse_tenant_weights(self.tenant_weights)

@@ -128,6 +128,12 @@ def band_rank(request: Request) -> int:
     return 1 if request.band == BATCH else 0
 
 
+def yield_class(request: Request, scheduling_policy, now: float) -> tuple[int, int]:
+    """The request's class for yielding (core/yield_share.py): its band, then the
+    policy's class (`SchedulingPolicy.yield_class`); lower is more urgent."""
+    return band_rank(request), scheduling_policy.yield_class(request, now)
+
+
 DEFAULT_TENANT = "default"
 """The tenant of requests that name none."""
 

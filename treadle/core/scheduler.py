@@ -68,7 +68,7 @@ from typing import Callable
 
 from treadle.config import CacheConfig, SchedulerConfig, SpeculativeConfig, parse_tenant_weights
 from treadle.core import policy
-from treadle.core.batch_share import BatchShare
+from treadle.core.yield_share import YieldShare
 from treadle.core.fair_share import FairShareLedger
 from treadle.core.kv.manager import KVCacheManager
 from treadle.kv_specs.eviction import EvictionBudget
@@ -145,8 +145,9 @@ class Scheduler:
         """Measured step costs (core/step_cost.py), fed by `observe_step_time`."""
         self.policy = make_policy(scheduler_config, self.fair_share)
         self.policy.step_costs = self.step_costs
-        self.batch_share = BatchShare(scheduler_config, self.step_costs)
-        """The batch band's bound per step while interactive traffic is present."""
+        self.yield_share = YieldShare(scheduler_config, self.step_costs,
+                                      lambda r, now: policy.yield_class(r, self.policy, now))
+        """Who yields per step to more urgent traffic about, and the bound on it."""
         self._ended: list[EngineCoreOutput] = []
         """Outputs of requests the scheduler ended itself (a policy's refusals), for the
         caller (`take_ended_outputs`)."""
@@ -314,7 +315,7 @@ class Scheduler:
                                    error) is not None:
                 self._ended.append(EngineCoreOutput(request.request_id, [],
                                                     FinishReason.ERROR, error))
-        self.batch_share.observe(self.requests.values(), now)
+        self.yield_share.observe(self.requests.values(), now)
         plan = StepPlan(self, now)
         fill_step(plan)
         plan.plan_proposals()

@@ -63,9 +63,14 @@ class StepPlan:
         self.step = scheduler.stats.num_steps
         self.budget = self.config.max_num_batched_tokens
         """Tokens left in the step's budget."""
-        self.batch_budget = scheduler.batch_share.step_tokens(now)
-        """Tokens left to batch-band requests in this step (None: no bound of their
-        own; core/batch_share.py)."""
+        share = scheduler.yield_share
+        self._yield_share = share
+        self._yield_to = share.most_urgent_class(now)
+        """The most urgent class present now or lately: the less urgent ones yield."""
+        self.yield_budgets: dict[str, int] = (
+            share.step_tokens() if self._yield_to is not None else {})
+        """Tokens left to the yielding requests of each pool in this step (empty: nobody
+        yields; core/yield_share.py)."""
         cap = self.policy.max_running(scheduler.requests.values())
         self.max_running = (self.config.max_num_seqs if cap is None
                             else min(cap, self.config.max_num_seqs))
@@ -123,14 +128,18 @@ class StepPlan:
 
     def budget_for(self, request: Request) -> int:
         """Tokens `request` may still take in this step: the step's budget, and for a
-        batch request also the batch band's (core/batch_share.py)."""
-        if self._batch_bounded(request):
-            return min(self.budget, self.batch_budget)
+        request of a less urgent class than one about, also the yielding classes' bound
+        (core/yield_share.py)."""
+        pool = self._yield_pool(request)
+        if pool is not None:
+            return min(self.budget, self.yield_budgets[pool])
         return self.budget
 
-    def _batch_bounded(self, request: Request) -> bool:
-        """Whether `request`'s tokens also count against the batch band's bound."""
-        return request.band == BATCH and self.batch_budget is not None
+    def _yield_pool(self, request: Request) -> str | None:
+        """The yielding pool `request`'s tokens also count against (None: none)."""
+        if not self.yield_budgets:
+            return None
+        return self._yield_share.pool(request, self._yield_to, self.now)
 
     def schedule_tokens(self, request: Request, num_tokens: int,
                         spec: list[int] | None = None) -> None:
@@ -149,8 +158,9 @@ class StepPlan:
         if spec:
             self.spec_tokens[rid] = spec
         self.budget -= num_tokens
-        if self._batch_bounded(request):
-            self.batch_budget -= num_tokens
+        pool = self._yield_pool(request)
+        if pool is not None:
+            self.yield_budgets[pool] -= num_tokens
         self.fair_share.charge(request, num_tokens)
 
     def unschedule(self, request: Request) -> None:
@@ -162,8 +172,9 @@ class StepPlan:
         self.spec_tokens.pop(request.request_id, None)
         if num_tokens:
             self.budget += num_tokens
-            if self._batch_bounded(request):
-                self.batch_budget += num_tokens
+            pool = self._yield_pool(request)
+            if pool is not None:
+                self.yield_budgets[pool] += num_tokens
             self.fair_share.charge(request, -num_tokens)
 
     def holds_back(self, request: Request, partial: bool) -> bool:

@@ -281,9 +281,10 @@ class AdmissionControl:
         wait = self.predicted_wait(priority, now) if lim.max_queue_delay_s > 0 else None
         if wait is not None and wait > lim.max_queue_delay_s:
             retry = wait - lim.max_queue_delay_s + 1.0 if math.isfinite(wait) else self._WINDOW_S
-            about = f"about {wait:.1f} s" if math.isfinite(wait) else "until aging lifts it"
+            about = (f"about {wait:.1f} s for the engine" if math.isfinite(wait)
+                     else "for the engine as long as more urgent requests take every slot")
             raise Overloaded(f"server overloaded: a request of priority {priority} would wait "
-                             f"{about} for the engine (max_queue_delay="
+                             f"{about} (max_queue_delay="
                              f"{lim.max_queue_delay_s:g} s)", retry, "queue_delay")
         per_start = (wait / (self.num_waiting + 1) if wait is not None and math.isfinite(wait)
                      else 1.0)

@@ -64,6 +64,12 @@ class SchedulingPolicy:
         """One number per request, lower is more urgent, in the policy's unit."""
         raise NotImplementedError
 
+    def yield_class(self, request: Request, now: float) -> int:
+        """The request's class within its band for yielding (core/yield_share.py): while
+        a request of a lower class is about, the higher classes take a bounded share of
+        each step. One class (0) unless the policy has classes of its own."""
+        return 0
+
     def order_key(self, request: Request, now: float) -> tuple:
         """Sort key: band (interactive first), urgency, then arrival, then request id (a
         total order)."""

@@ -1,15 +1,19 @@
-"""Priority classes: lower `priority` values run first (vLLM's convention), aged.
+"""Priority classes: lower `priority` values run first (vLLM's convention).
 
-A request's urgency is its priority less `priority_aging_rate` levels per second it has
-waited to run (not while it runs), less the boost that keeps its wait within
-`priority_aging` times the mean wait of recent requests (`bounded_wait_boost`). A
-waiting request more urgent by the threshold (half a level by default) may preempt a
-running one, and a step that prefills a request of a more urgent class carries nothing
-of the less urgent ones (`isolate_urgent_prefill`).
+Strict classes by default. A request's urgency is its priority, less (opt-in)
+`priority_aging_rate` levels per second it has waited to run (not while it runs) and the
+boost that keeps its wait within `priority_aging` times the mean wait of recent requests
+(`bounded_wait_boost`). A waiting request more urgent by the threshold (half a level by
+default) may preempt a running one; a step that prefills a request of a more urgent class
+carries nothing of the less urgent ones (`isolate_urgent_prefill`); and while a more
+urgent class is about, the less urgent ones take a bounded share of each step
+(`priority_yield`, core/yield_share.py) by their `yield_class`: the class a request's aged
+urgency rounds to, so that aging lifts it out of yielding as it lifts it in the order.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import ClassVar, Iterable
 
@@ -65,6 +69,7 @@ class PriorityPolicy(SchedulingPolicy):
     def __init__(self, config: SchedulerConfig, ledger: FairShareLedger) -> None:
         super().__init__(config, ledger)
         self.isolates_urgent_prefill = config.isolate_urgent_prefill
+        self.yields_by_class = config.priority_yield
         self.aging_rate = config.priority_aging_rate
         self.wait_bound = config.priority_aging
         self.mean_wait = 0.0
@@ -82,8 +87,17 @@ class PriorityPolicy(SchedulingPolicy):
         self.mean_wait = max(self._waits_sum, 0.0) / len(self._waits)
 
     def prepare_step(self, requests: Iterable[Request], now: float = 0.0) -> None:
-        if self.wait_bound > 0:
+        if self.wait_bound > 0 or self.yields_by_class:
             self.most_urgent_priority = min((r.priority for r in requests), default=0)
+
+    def yield_class(self, request: Request, now: float) -> int:
+        if not self.yields_by_class:
+            return 0
+        # The class its aged urgency rounds to (half a level, the admission threshold,
+        # lifts it one class); aging lifts a request at most to the most urgent class
+        # present, never above it (or fresh requests of that class would yield to it).
+        aged = math.floor(self.urgency(request, now) + 0.5)
+        return max(min(request.priority, aged), self.most_urgent_priority)
 
     def urgency(self, request: Request, now: float) -> float:
         waited = request.waited(now)
