@@ -23,6 +23,7 @@ from collections import deque
 
 from treadle.config import SchedulerConfig
 from treadle.core import policy
+from treadle.core.decode_gap import decode_step_prefill_tokens
 from treadle.core.fair_share import FairShareLedger, tenant_share_blocks
 from treadle.core.kv.manager import KVCacheManager
 from treadle.core.outputs import KVCompaction
@@ -71,6 +72,12 @@ class StepPlan:
             share.step_tokens() if self._yield_to is not None else {})
         """Tokens left to the yielding requests of each pool in this step (empty: nobody
         yields; core/yield_share.py)."""
+        self.decode_prefill_budget = decode_step_prefill_tokens(self.config,
+                                                                scheduler.step_costs)
+        """Prompt tokens left to a step that carries decodes (None: no bound;
+        core/decode_gap.py)."""
+        self.num_decodes = 0
+        """Decoding requests scheduled in the step."""
         cap = self.policy.max_running(scheduler.requests.values())
         self.max_running = (self.config.max_num_seqs if cap is None
                             else min(cap, self.config.max_num_seqs))
@@ -130,10 +137,14 @@ class StepPlan:
         """Tokens `request` may still take in this step: the step's budget, and for a
         request of a less urgent class than one about, also the yielding classes' bound
         (core/yield_share.py)."""
+        budget = self.budget
+        if (self.num_decodes and self.decode_prefill_budget is not None
+                and not request.is_decoding):
+            budget = min(budget, self.decode_prefill_budget)
         pool = self._yield_pool(request)
         if pool is not None:
-            return min(self.budget, self.yield_budgets[pool])
-        return self.budget
+            budget = min(budget, self.yield_budgets[pool])
+        return budget
 
     def _yield_pool(self, request: Request) -> str | None:
         """The yielding pool `request`'s tokens also count against (None: none)."""
@@ -158,6 +169,7 @@ class StepPlan:
         if spec:
             self.spec_tokens[rid] = spec
         self.budget -= num_tokens
+        self._count_prefill(request, num_tokens)
         pool = self._yield_pool(request)
         if pool is not None:
             self.yield_budgets[pool] -= num_tokens
@@ -172,10 +184,19 @@ class StepPlan:
         self.spec_tokens.pop(request.request_id, None)
         if num_tokens:
             self.budget += num_tokens
+            self._count_prefill(request, -num_tokens)
             pool = self._yield_pool(request)
             if pool is not None:
                 self.yield_budgets[pool] += num_tokens
             self.fair_share.charge(request, -num_tokens)
+
+    def _count_prefill(self, request: Request, num_tokens: int) -> None:
+        """Decodes and prompt tokens in the step, for the bound on prompt tokens beside
+        decodes (`num_tokens` < 0: they leave the step)."""
+        if request.is_decoding:
+            self.num_decodes += 1 if num_tokens > 0 else -1
+        elif self.decode_prefill_budget is not None:
+            self.decode_prefill_budget -= num_tokens
 
     def holds_back(self, request: Request, partial: bool) -> bool:
         """`finish_prompts_first`: whether prefill tokens of `request` (`partial`: not

@@ -39,6 +39,7 @@ import heapq
 from typing import ClassVar, Iterable
 
 from treadle.config import SchedulerConfig
+from treadle.core.decode_gap import decode_step_prefill_tokens
 from treadle.core.fair_share import FairShareLedger
 from treadle.core.policies.base import SchedulingPolicy
 from treadle.core.policy import band_rank, remaining_outputs
@@ -74,7 +75,7 @@ class SLOPolicy(SchedulingPolicy):
 
     def __init__(self, config: SchedulerConfig, ledger: FairShareLedger) -> None:
         super().__init__(config, ledger)
-        self.budget = config.max_num_batched_tokens
+        self.config = config
         self.max_num_seqs = config.max_num_seqs
         self.reject = config.slo_reject
         self.late: set[str] = set()
@@ -89,6 +90,14 @@ class SLOPolicy(SchedulingPolicy):
     def costs(self) -> StepCostModel:
         return self.step_costs if self.step_costs is not None else self._default_costs
 
+    def _chunk_budget(self, num_decodes: int) -> int:
+        """A step's tokens for a prompt's chunks beside `num_decodes` decodes: the whole
+        budget, or with decodes running the prompt tokens core/decode_gap.py lets a step
+        with decodes carry, plus the decodes."""
+        budget = self.config.max_num_batched_tokens
+        bound = decode_step_prefill_tokens(self.config, self.costs) if num_decodes else None
+        return budget if bound is None else min(budget, bound + num_decodes)
+
     def slack(self, request: Request, now: float) -> float | None:
         """Seconds to spare before its next deadline after its own predicted work; None
         when it has no deadline left to meet (`urgency` tells met from best-effort)."""
@@ -98,7 +107,8 @@ class SLOPolicy(SchedulingPolicy):
             deadline = ttft_deadline(request)
             if deadline is None:
                 return None
-            work = self.costs.prefill_seconds(request.num_uncomputed_tokens, self.budget,
+            work = self.costs.prefill_seconds(request.num_uncomputed_tokens,
+                                              self._chunk_budget(self._num_decodes),
                                               self._num_decodes)
             return deadline - now - work
         if request.slo_tpot_ms is None:
@@ -142,7 +152,7 @@ class SLOPolicy(SchedulingPolicy):
         self._num_decodes = decodes
         if not waiting:
             return
-        costs, budget = self.costs, self.budget
+        costs, budget = self.costs, self._chunk_budget(decodes)
         step_s = costs.step_seconds(max(decodes, 1))
         seats_free = self.max_num_seqs - len(holders)
         seat_frees = [now + remaining_outputs(r) * step_s for r in holders]
