@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import seed as fixed_seed
 from hypothesis import strategies as st
 
@@ -392,7 +392,7 @@ def fits_now(sched: Scheduler, request: Request) -> bool:
     """Whether the waiting request's next chunk (after its prefix hit) fits the free
     blocks, by the KV manager's own count, beside what the running requests take in the
     step (their next tokens) and what those at their preemption bound may still need; at
-    its bound, its whole rest."""
+    its bound (swapped out or waiting), its whole rest."""
     kv, bound = sched.kv, sched.config.max_preemptions
     free = kv.pool.num_free_blocks
     for r in sched.running:
@@ -402,10 +402,15 @@ def fits_now(sched: Scheduler, request: Request) -> bool:
         else:
             free -= max(0, kv.num_blocks_for(min(r.num_tokens, r.num_computed_tokens + 16))
                         - held)
+    pinned = request.num_preemptions >= bound and request.band != "batch"
     if request.status == RequestStatus.SWAPPED:
-        return kv.num_swapped_blocks(request.request_id) <= free
+        if pinned:
+            return final_blocks(sched, request) <= free
+        # its blocks back and its next chunk's (a swap-in that cannot run waits)
+        return kv.num_blocks_for(request.num_computed_tokens + min(
+            request.num_uncomputed_tokens, 16)) <= free
     blocks, num_hit = kv.get_computed_blocks(request)
-    if request.num_preemptions >= bound and request.band != "batch":
+    if pinned:
         return final_blocks(sched, request) <= free
     if free < kv.pool.num_free_blocks:
         return kv.num_new_blocks_needed(request, num_hit, min(
@@ -452,7 +457,16 @@ arrivals = st.lists(st.tuples(
        num_blocks=st.sampled_from([16, 24, 64]), mode=st.sampled_from(["recompute", "swap"]),
        seed=st.integers(0, 3))
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@fixed_seed(20261206)  # CI reproducible: a random run finds an open case (docs/scheduling.md)
+@fixed_seed(20261206)  # CI reproducible
+# Found by a random search (docs/scheduling.md): under fair with swap, a swapped-out request
+# was swapped back in without room for its next tokens and preempted again, until its bound.
+@example(items=[(0, 1, 1, 0, "a", "interactive", False)] * 2
+         + [(0, 24, 23, 0, "a", "interactive", False), (3, 25, 1, 0, "a", "interactive", False)]
+         + [(0, 1, 1, 0, "a", "interactive", False)] * 2
+         + [(0, 1, 1, 0, "b", "interactive", False), (0, 25, 1, 0, "a", "interactive", False)]
+         + [(0, 1, 1, 0, "a", "interactive", False)] * 7
+         + [(0, 25, 5, 0, "a", "interactive", False), (0, 31, 1, 0, "a", "interactive", False)],
+         policy="fair", max_seqs=3, num_blocks=16, mode="swap", seed=0)
 def test_while_a_waiting_request_fits_admission_happens_within_a_bounded_number_of_steps(
         items, policy, max_seqs, num_blocks, mode, seed):
     """The property behind vllm #53130 and #45414 ("running=0, waiting=6, 0 tok/s"):
@@ -460,7 +474,8 @@ def test_while_a_waiting_request_fits_admission_happens_within_a_bounded_number_
     before, a step that starts with a free seat and a waiting request whose next chunk
     fits the free blocks admits some request within 3 steps (a prompt held back one step
     by finish_prompts_first, a step that had to preempt, the deferral of an urgent
-    prefill's step), and every request ends."""
+    prefill's step), a request swapped back in runs in that step, and every request
+    ends."""
     clock = FakeClock()
     sched = make_scheduler(policy, max_tokens=16, max_seqs=max_seqs, num_blocks=num_blocks,
                            mode=mode, num_swap_blocks=64, clock=clock,
@@ -490,7 +505,13 @@ def test_while_a_waiting_request_fits_admission_happens_within_a_bounded_number_
                               for r in sched.requests.values())
         waiting_before = {r.request_id for r in sched.waiting} | {
             r.request_id for r in sched.swapped}
+        swapped_before = {r.request_id for r in sched.swapped}
         out = step(sched, clock)
+        # A request swapped back in runs in that step (never back only to hold its blocks).
+        for rid in swapped_before:
+            r = sched.requests.get(rid)
+            assert r is None or r.status is not RequestStatus.RUNNING or (
+                rid in scheduled_ids(out)), (clock.t, rid)
         started = (sum(r.first_scheduled_time is not None for r in sched.requests.values())
                    > admitted_before or any(rid in waiting_before for rid in scheduled_ids(out)))
         streak = streak + 1 if fits and not started else 0

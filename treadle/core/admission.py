@@ -235,7 +235,13 @@ def fit(plan: StepPlan, request: Request, hit: PrefixHit) -> tuple[Admission, in
     lookahead = plan.max_model_len if pinned else room.lookahead_tokens
     if request.status == RequestStatus.SWAPPED:
         blocks = kv.num_swapped_blocks(request.request_id)
-        growth = kv_growth(kv, request, blocks * kv.block_size, lookahead)
+        # Room for its blocks and for this step's tokens: swapped in without room to run,
+        # it held its blocks idle until the next request short of a block preempted it
+        # again (a swap each way and a preemption spent for nothing, until its bound).
+        num_tokens = min(request.num_uncomputed_tokens, room.budget)
+        step_blocks = max(0, kv.num_blocks_for(request.num_computed_tokens + num_tokens)
+                          - blocks)
+        growth = max(step_blocks, kv_growth(kv, request, blocks * kv.block_size, lookahead))
         if (blocks + growth + room.kv_reserve > kv.pool.num_free_blocks
                 or (room.tenant_room is not None and blocks > room.tenant_room)):
             return Admission.NO_FIT, 0
