@@ -20,7 +20,7 @@ file:
   scoring its own tokens the same way (prefill kernels instead of decode ones).
 
 Run: `python benchmarks/quant_agreement.py [--formats Q8_0,Q4_0,Q4_1] [--max-tokens 64]
-[--out DIR]`
+[--out DIR]`, or `--file FILE.gguf` for another real file (its own tokenizer and template).
 """
 
 from __future__ import annotations
@@ -50,6 +50,10 @@ def main() -> None:
     parser.add_argument("--formats", default="Q8_0,Q4_0,Q4_1")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--out", default="results/quant_agreement")
+    parser.add_argument("--file", default=None,
+                        help="measure this GGUF file (its own tokenizer and chat template) "
+                             "instead of SmolLM2 in --formats, e.g. the real Gemma 3 270M "
+                             "Q4_K_M, whose Q5_0 and Q6_K projections run as Q8_0 made at load")
     args = parser.parse_args()
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
@@ -66,8 +70,11 @@ def main() -> None:
     shipped = default_model.default_model_gguf()
     report = {}
     prompt_ids = None
-    for fmt in args.formats.split(","):
-        path = shipped if fmt == "Q4_1" else out / f"SmolLM2-135M-Instruct.{fmt}.gguf"
+    if args.file is not None:
+        shipped = Path(args.file)
+    for fmt in ([Path(args.file).name] if args.file else args.formats.split(",")):
+        path = (shipped if args.file or fmt == "Q4_1"
+                else out / f"SmolLM2-135M-Instruct.{fmt}.gguf")
         if not path.is_file():
             write_tiny_gguf(checkpoint, path, "llama", {"": fmt})
         tokens, alone, scoring, self_scored = {}, None, None, None
@@ -76,10 +83,13 @@ def main() -> None:
                       kv_cache_memory="512MiB")
             if prompt_ids is None:  # the real tokenizer and chat template, from the shipped file
                 tok = LLM(model=str(shipped), dtype="bfloat16", kv_cache_memory="64MiB").tokenizer
-                prompt_ids = [tok.apply_chat_template([{"role": "user", "content": p}],
-                                                      add_generation_prompt=True,
-                                                      return_dict=True)["input_ids"]
-                              for p in PROMPTS]
+                if getattr(tok, "chat_template", None):
+                    prompt_ids = [tok.apply_chat_template([{"role": "user", "content": p}],
+                                                          add_generation_prompt=True,
+                                                          return_dict=True)["input_ids"]
+                                  for p in PROMPTS]
+                else:  # a file whose tokenizer carries no template: the plain prompts
+                    prompt_ids = [tok(p)["input_ids"] for p in PROMPTS]
             outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids],
                                 SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
                                                ignore_eos=True), use_tqdm=False)

@@ -164,6 +164,29 @@ def test_int8_quantizer_error_and_padding():
     assert ((deq - w.to(torch.bfloat16).float()).abs() <= scales[:, None] * 0.5001 + 1e-7).all()
 
 
+def test_q8_0_quantizer_is_gguf_q8_0_within_half_a_step():
+    """quantize_q8_0 writes GGUF Q8_0 blocks (what gguf's own dequantizer and ours read
+    back), each value within half a step of its block's scale; an all-zero block has
+    scale 0; K not a multiple of 32 is refused naming the rule."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from treadle.models.quant_formats import quantize_q8_0
+    w = torch.randn(5, 96) * torch.arange(1, 6)[:, None]
+    w[3, :32] = 0.0
+    blocks = quantize_q8_0(w.to(torch.bfloat16))
+    assert blocks.shape == (5, 3 * 34) and blocks.dtype == torch.uint8
+    ours = dequantize_torch(FORMATS["Q8_0"], blocks, 96, torch.float32)
+    theirs = torch.from_numpy(dequantize(blocks.numpy(), GGMLQuantizationType.Q8_0)).float()
+    assert torch.equal(ours, theirs.reshape(5, 96))
+    step = w.reshape(5, 3, 32).abs().amax(-1) / 127
+    err = (ours - w.to(torch.bfloat16).float()).abs().reshape(5, 3, 32)
+    assert (err <= step[..., None] * 0.5 + step[..., None] * 2e-3 + 1e-7).all()
+    assert (ours[3, :32] == 0).all()
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_q8_0(torch.randn(2, 48))
+
+
 def test_formats_refuse_what_they_cannot_hold():
     with pytest.raises(ValueError, match="block of 32"):
         FORMATS["Q8_0"].check_k(48)

@@ -17,7 +17,8 @@ from treadle.worker.cpu.native_quant import QuantKernels
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
-    """test_quantized_engine's file: q/k/v Q8_0, o Q4_0, gate/up Q4_1, down Q5_0 (dense)."""
+    """test_quantized_engine's file: q/k/v Q8_0, o Q4_0, gate/up Q4_1, down Q5_0 (Q8_0 made at
+    load)."""
     root = tmp_path_factory.mktemp("weight-cache")
     hf_dir = tiny_hf(root / "hf", "llama", hidden=64, inter=128)
     (root / "gguf").mkdir()

@@ -90,6 +90,32 @@ def quantize_int8(weight: torch.Tensor, rows_per_pass: int = 4096
     return blocks.view(torch.uint8), scales
 
 
+def quantize_q8_0(weight: torch.Tensor, rows_per_pass: int = 4096) -> torch.Tensor:
+    """A [N, K] float weight as GGUF Q8_0 blocks: uint8 [N, K / 32 * 34], each block of 32
+    values an fp16 scale d = amax / 127 then 32 int8 q = round(w / d) (ggml's rule, with q
+    taken against the fp16-rounded d that dequantization reads). K must be a multiple of
+    32. In passes of rows, as quantize_int8."""
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"Q8_0 quantization needs a 2-D float weight, got "
+                         f"{tuple(weight.shape)} {weight.dtype}")
+    n, k = weight.shape
+    if k % 32:
+        raise ValueError(f"Q8_0 quantization needs in_features a multiple of 32, got {k}")
+    out = torch.empty(n, k // 32, 34, dtype=torch.uint8)
+    for r0 in range(0, n, rows_per_pass):
+        w = weight[r0:r0 + rows_per_pass].float().reshape(-1, k // 32, 32)
+        amax = w.abs().amax(dim=2)
+        if not torch.isfinite(amax).all():
+            raise ValueError("Q8_0 quantization: the weight has inf or NaN entries")
+        d = (amax / 127.0).to(torch.float16)
+        inv = torch.where(d > 0, 1.0 / d.float(), torch.zeros_like(amax))
+        q = torch.round(w * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+        rows = out[r0:r0 + len(w)]
+        rows[..., :2] = d.contiguous().view(torch.uint8).reshape(len(w), k // 32, 2)
+        rows[..., 2:] = q.view(torch.uint8)
+    return out.reshape(n, k // 32 * 34)
+
+
 def _f16(raw: torch.Tensor) -> torch.Tensor:
     """Little-endian fp16 from the last dimension's 2 bytes, as fp32."""
     return raw.contiguous().view(torch.float16).float()

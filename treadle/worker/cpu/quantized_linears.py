@@ -3,10 +3,18 @@ head on `QuantizedLinear` weights (models/quant_weights.py) and the C quantized 
 
 `gguf` takes each projection's blocks from the GGUF file as they are (Q8_0, Q4_0, Q4_1,
 Q4_K; q/k/v and gate/up fused by concatenating rows, which needs one format per fused
-group), `int8` quantizes the loaded weights per output row. A layer whose tensors the
-kernels cannot hold (another GGML type, formats that differ inside a fused group, K that
-a format's block does not divide) keeps its dense kernel, and the start-up log counts
-them. Activations stay in the engine's dtype; the embedding lookup stays dense (it reads
+group), `int8` quantizes the loaded weights per output row. A projection of another GGML
+block type (Q5_0, Q6_K, ...), or a fused group of mixed formats, runs as Q8_0 blocks made
+at load from its decoded weight (`REQUANTIZED_TYPES`): dense it read two bytes a value,
+where Q8_0 reads 1.06 and holds more bits than any of those types. Measured: the
+Llama-3.2-1B shape's Q4_0 file (its tied embedding and LM head Q6_K) decoded at 36.6 ms a
+token, 1.11x its memory floor, against 55.8 ms with that head dense; the real Gemma 3 270M
+Q4_K_M (Q5_0 q/k/v and gate/up, half its down projections Q6_K) 23.7 against 20.1 tok/s
+at one stream, prefill 1,460 against 1,641 tok/s, and its greedy tokens scored
+teacher-forced against the bf16 model's agreed as often either way (1,018 of 1,024;
+docs/benchmarks.md). A layer whose tensors the kernels cannot hold otherwise (float
+types, K that a format's block does not divide) keeps its dense kernel, and the start-up
+log counts them. Activations stay in the engine's dtype; the embedding lookup stays dense (it reads
 one row per token, and a tied LM head shares it). A quantized layer's dense weight is
 then dropped (its parameter kept on the meta device, for its shape): nothing reads it
 after this (LoRA wraps the layer's kernel, the torch fallback dequantizes its own copy),
@@ -33,13 +41,19 @@ from pathlib import Path
 
 import torch
 
-from treadle.models.quant_formats import FORMATS
+from treadle.models.quant_formats import FORMATS, quantize_q8_0
 from treadle.models.quant_weights import QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _GGUF_FORMATS = {name for name, f in FORMATS.items() if f.ggml_type is not None}
+REQUANTIZED_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K",
+                               "Q6_K", "Q3_K", "Q2_K"})
+"""GGML block types whose projections run as Q8_0 blocks made at load when the kernels
+do not hold them as they are: Q8_0 keeps 8 bits a value per block of 32, more than any of
+these hold, and reads about half a bf16 weight's bytes. Float types (F32, F16, BF16) are
+not among them: a float checkpoint is not quantized behind the user's back."""
 
 
 class QuantizedLinearKernel:
@@ -129,11 +143,20 @@ class _FreshWeights:
                 return QuantizedLinear.quantize_int8(weight.detach().float(), bias,
                                                      kernels=self.kernels)
             parts = [self.raw.get(part) for part in _parts(name)]
-            if any(p is None or p.tensor_type not in _GGUF_FORMATS for p in parts):
+            if any(p is None for p in parts):
                 return None
-            pieces = [QuantizedLinear.from_gguf(p.tensor_type, p.data, p.shape,
-                                                kernels=self.kernels) for p in parts]
-            q = pieces[0] if len(pieces) == 1 else QuantizedLinear.concat_rows(pieces)
+            if all(p.tensor_type in _GGUF_FORMATS for p in parts) and len(
+                    {p.tensor_type for p in parts}) == 1:
+                pieces = [QuantizedLinear.from_gguf(p.tensor_type, p.data, p.shape,
+                                                    kernels=self.kernels) for p in parts]
+                q = pieces[0] if len(pieces) == 1 else QuantizedLinear.concat_rows(pieces)
+            elif all(p.tensor_type in REQUANTIZED_TYPES for p in parts):
+                # Another GGML block type (Q5_0, Q6_K, ...) or formats that differ inside a
+                # fused group: the loaded weight (those blocks decoded) as Q8_0 blocks.
+                q = QuantizedLinear.from_gguf("Q8_0", quantize_q8_0(weight.detach()),
+                                              tuple(weight.shape), kernels=self.kernels)
+            else:
+                return None
             if bias is not None:
                 q = QuantizedLinear(q.format, q.blocks, q.in_features, q.scales, bias,
                                     self.kernels, packed=q.packed)
