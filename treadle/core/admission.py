@@ -156,8 +156,13 @@ def _admit_swapped(plan: StepPlan, request: Request) -> None:
         # No compaction in the step it comes back (the worker compacts before the
         # swap-ins land): it may pass its budget by this one step's tokens.
         num_tokens = min(num_tokens, kv.eviction.max_step_tokens)
-    if (not plan.holds_back(request, num_tokens < request.num_uncomputed_tokens)
-            and kv.allocate_slots(request, num_tokens)):
+    if plan.holds_back(request, num_tokens < request.num_uncomputed_tokens):
+        return
+    while num_tokens > 0 and not kv.allocate_slots(request, num_tokens):
+        num_tokens //= 2  # a smaller chunk where the whole one finds no blocks (fit
+        # made sure of one token's)
+    if num_tokens > 0 and not plan.holds_back(
+            request, num_tokens < request.num_uncomputed_tokens):
         plan.schedule_tokens(request, num_tokens)
 
 
@@ -235,12 +240,10 @@ def fit(plan: StepPlan, request: Request, hit: PrefixHit) -> tuple[Admission, in
     lookahead = plan.max_model_len if pinned else room.lookahead_tokens
     if request.status == RequestStatus.SWAPPED:
         blocks = kv.num_swapped_blocks(request.request_id)
-        # Room for its blocks and for this step's tokens: swapped in without room to run,
-        # it held its blocks idle until the next request short of a block preempted it
-        # again (a swap each way and a preemption spent for nothing, until its bound).
-        num_tokens = min(request.num_uncomputed_tokens, room.budget)
-        step_blocks = max(0, kv.num_blocks_for(request.num_computed_tokens + num_tokens)
-                          - blocks)
+        # Room for its blocks and at least its next token: swapped in without room to
+        # run, it held its blocks idle until the next request short of a block preempted
+        # it again (a swap each way and a preemption spent for nothing, until its bound).
+        step_blocks = max(0, kv.num_blocks_for(request.num_kv_tokens + 1) - blocks)
         growth = max(step_blocks, kv_growth(kv, request, blocks * kv.block_size, lookahead))
         if (blocks + growth + room.kv_reserve > kv.pool.num_free_blocks
                 or (room.tenant_room is not None and blocks > room.tenant_room)):
