@@ -79,7 +79,10 @@ def test_offline_worker_death_raises_at_once(tiny_demo):
     killer.cancel()
 
 
-def _wait_for_503(base: str, within_s: float) -> float:
+def _wait_for_503(base: str) -> float:
+    """Seconds until /health answers 503 (the guarded failure: the 300 s worker timeout).
+    Under a second on a quiet machine; the clean-clone suite's two busy workers measured
+    1.03 and 1.06 s, hence the callers' 2 s bound."""
     start = time.monotonic()
     while time.monotonic() - start < 10:
         if httpx.get(base + "/health", timeout=2).status_code == 503:
@@ -107,7 +110,7 @@ def test_served_worker_death_fails_streams_and_health(tiny_demo):
         while len(events) < 3:  # it is generating
             time.sleep(0.02)
         os.kill(pid, signal.SIGKILL)
-        assert _wait_for_503(base, 1.0) < 1.0
+        assert _wait_for_503(base) < 2.0
         reader.join(30)
         assert not reader.is_alive(), "the stream hung after its worker died"
         assert events[-1] == "[DONE]"
@@ -121,7 +124,7 @@ def test_served_idle_worker_death_turns_health_503(tiny_demo):
         assert httpx.get(base + "/health").status_code == 200
         (pid,) = worker_pids(proc.pid)
         os.kill(pid, signal.SIGKILL)
-        assert _wait_for_503(base, 1.0) < 1.0
+        assert _wait_for_503(base) < 2.0
         r = httpx.post(base + "/v1/completions",
                        json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 503
