@@ -88,6 +88,10 @@ def ids(out) -> set[str]:
     return {s.request_id for s in out.scheduled}
 
 
+def _tokens_of(out, prefix):
+    return sum(s.num_scheduled_tokens for s in out.scheduled if s.request_id.startswith(prefix))
+
+
 # ----- the batch band ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -177,22 +181,18 @@ def test_batch_work_is_bounded_per_step_while_interactive_traffic_is_present(pol
     for _ in range(3):
         step(sched, clock)
 
-    def batch_tokens(out):
-        return sum(s.num_scheduled_tokens for s in out.scheduled
-                   if s.request_id.startswith("b"))
-
-    assert batch_tokens(step(sched, clock)) == 10  # alone: every seat
+    assert _tokens_of(step(sched, clock), "b") == 10  # alone: every seat
     interactive = [make_request(f"i{i}", 6, 5, arrival=clock.t) for i in range(2)]
     for r in interactive:
         sched.add_request(r)
     last_interactive = None
     while any(r.status is not RequestStatus.FINISHED_LENGTH for r in interactive):
         out = step(sched, clock)
-        assert batch_tokens(out) <= 3
+        assert _tokens_of(out, "b") <= 3
         last_interactive = clock.t
     bounded = []
     while clock.t < last_interactive + 8:
-        bounded.append((clock.t, batch_tokens(step(sched, clock))))
+        bounded.append((clock.t, _tokens_of(step(sched, clock), "b")))
     assert all(n <= 3 for t, n in bounded if t < last_interactive + 4)
     assert bounded[-1][1] == 10  # the window passed: every seat again
     replay(sched, clock, [])
@@ -224,10 +224,6 @@ def test_the_bounds_by_default_are_what_a_steps_fixed_cost_buys():
         assert share.pool(batch, share.most_urgent_class(now), now) == pool, now
     share.observe([batch], 16.0)
     assert share.pool(batch, share.most_urgent_class(16.0), 16.0) is None  # alone
-
-
-def _tokens_of(out, prefix):
-    return sum(s.num_scheduled_tokens for s in out.scheduled if s.request_id.startswith(prefix))
 
 
 def test_less_urgent_priority_classes_yield_per_step_while_a_more_urgent_one_is_about():

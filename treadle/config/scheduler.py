@@ -51,7 +51,7 @@ class SchedulerConfig:
     priority_yield: bool = field(default=True, metadata=_help(
         "priority policy: while a request of a more urgent priority class is present (or "
         "was, within batch_yield_window_s), the less urgent classes together take at most "
-        "batch_step_tokens of a step, as the batch band does beside interactive traffic"))
+        "priority_step_tokens of a step, as the batch band does beside interactive traffic"))
     priority_step_tokens: int = field(default=0, metadata=_help(
         "priority policy, with priority_yield: most tokens the less urgent classes take "
         "together in one step while a more urgent class is about (0: auto, what a step's "
