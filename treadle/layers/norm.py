@@ -24,6 +24,17 @@ class LayerOps(Protocol):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None: ...
 
+    # Gemma 3's layer steps (models/gemma3.py): norms that scale by (1 + weight).
+    def gemma_add_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None,
+                       delta_weight: torch.Tensor | None, weight: torch.Tensor | None,
+                       eps: float) -> torch.Tensor | bool | None: ...
+
+    def gemma_head_norms(self, qkv: torch.Tensor, q_weight: torch.Tensor,
+                         k_weight: torch.Tensor, heads: int, kv_heads: int,
+                         eps: float) -> bool: ...
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None: ...
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim: normalized in float32, cast back, then scaled (as HF)."""

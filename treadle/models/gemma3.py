@@ -28,7 +28,9 @@ from torch import nn
 
 from treadle.layers.attention import AttentionLayer
 from treadle.layers.linear import Linear
+from treadle.layers.norm import LayerOps
 from treadle.layers.parallel import ParallelContext
+from treadle.layers.plain_layer import SandwichDecoder, SandwichLayer
 from treadle.layers.rotary import RotaryEmbedding, RotaryInputs
 from treadle.layers.tensor_parallel import RowParallelLinear, ShardGeometry, VocabParallelEmbedding
 from treadle.models.llama import LlamaForCausalLM
@@ -42,6 +44,24 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (normed * (1.0 + weight.float())).to(x.dtype)
+
+
+def gemma_add_norm(hidden: torch.Tensor, delta: torch.Tensor | None,
+                   delta_norm: GemmaRMSNorm | None, norm: GemmaRMSNorm | None,
+                   ops: LayerOps | None) -> torch.Tensor | None:
+    """`hidden += delta_norm(delta)` in place (when delta is given), then norm(hidden)
+    (None without `norm`): one fused call through `ops` where it applies (the decode
+    stack, worker/cpu/gemma_stack.py, runs the same kernel)."""
+    if ops is not None:
+        out = ops.gemma_add_norm(hidden, delta,
+                                 None if delta_norm is None else delta_norm.weight,
+                                 None if norm is None else norm.weight,
+                                 (norm or delta_norm).eps)
+        if out is not None:
+            return None if out is True else out
+    if delta is not None:
+        hidden.add_(delta_norm(delta))
+    return None if norm is None else norm(hidden)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -99,6 +119,8 @@ class Gemma3Attention(nn.Module):
         self.k_norm = GemmaRMSNorm(d, dims["eps"], dtype)
         scalar = float(cfg.get("query_pre_attn_scalar") or d)
         softcap = cfg.get("attn_logit_softcapping")
+        self.ops: LayerOps | None = None
+        """Fused kernels (set_kernels), or None: torch only."""
         self.attn = AttentionLayer(self.num_heads, self.num_kv_heads, d, scalar ** -0.5,
                                    layer_index, sliding_window=window,
                                    logit_softcap=None if softcap is None else float(softcap))
@@ -107,11 +129,17 @@ class Gemma3Attention(nn.Module):
                 meta: Any) -> torch.Tensor:
         n, d = x.shape[0], self.head_dim
         qkv = self.qkv_proj(x)
-        q = self.q_norm(qkv[:, :self.q_size].view(n, self.num_heads, d))
-        k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size]
-                        .view(n, self.num_kv_heads, d))
-        value = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, d)
-        return self.o_proj(self.attn(torch.cat((q, k), dim=1), value, kv_cache, meta, rotary))
+        qk_size = self.q_size + self.kv_size
+        if self.ops is not None and self.ops.gemma_head_norms(
+                qkv, self.q_norm.weight, self.k_norm.weight, self.num_heads,
+                self.num_kv_heads, self.q_norm.eps):
+            qk = qkv[:, :qk_size].view(n, self.num_heads + self.num_kv_heads, d)
+        else:
+            q = self.q_norm(qkv[:, :self.q_size].view(n, self.num_heads, d))
+            k = self.k_norm(qkv[:, self.q_size:qk_size].view(n, self.num_kv_heads, d))
+            qk = torch.cat((q, k), dim=1)
+        value = qkv[:, qk_size:].view(n, self.num_kv_heads, d)
+        return self.o_proj(self.attn(qk, value, kv_cache, meta, rotary))
 
 
 class Gemma3MLP(nn.Module):
@@ -122,11 +150,14 @@ class Gemma3MLP(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * self.intermediate, False, dtype)
         self.down_proj = RowParallelLinear(self.intermediate, hidden, False, dtype,
                                            dims["parallel"])
+        self.ops: LayerOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        h = F.gelu(gate_up[:, :self.intermediate], approximate="tanh")
-        h.mul_(gate_up[:, self.intermediate:])
+        h = None if self.ops is None else self.ops.gelu_tanh_mul(gate_up)
+        if h is None:
+            h = F.gelu(gate_up[:, :self.intermediate], approximate="tanh")
+            h.mul_(gate_up[:, self.intermediate:])
         return self.down_proj(h)
 
 
@@ -142,14 +173,16 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps, dtype)
         self.mlp = Gemma3MLP(dims, dtype)
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps, dtype)
+        self.ops: LayerOps | None = None
 
     def forward(self, hidden: torch.Tensor, rotary: RotaryInputs, kv_cache: torch.Tensor,
                 meta: Any) -> torch.Tensor:
         """hidden is the residual stream, owned by the caller's forward: updated in place."""
-        attn = self.self_attn(self.input_layernorm(hidden), rotary, kv_cache, meta)
-        hidden.add_(self.post_attention_layernorm(attn))
-        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
-        hidden.add_(self.post_feedforward_layernorm(mlp))
+        x = gemma_add_norm(hidden, None, None, self.input_layernorm, self.ops)
+        attn = self.self_attn(x, rotary, kv_cache, meta)
+        x = gemma_add_norm(hidden, attn, self.post_attention_layernorm,
+                           self.pre_feedforward_layernorm, self.ops)
+        gemma_add_norm(hidden, self.mlp(x), self.post_feedforward_layernorm, None, self.ops)
         return hidden
 
 
@@ -224,12 +257,45 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         local = RotaryInputs(*self.local_rotary.cos_sin(positions, self.dtype))
         if self.parallel.is_first_stage:
             hidden = self.model.embed_tokens(input_ids) * self.embed_scale
+            if self.decode_stack is not None and self.parallel.is_last_stage:
+                out = self.decode_stack(hidden, rotary, kv_caches, attn_metadata, local)
+                if out is not None:
+                    return out
         for layer, kv_cache in zip(self.model.layers.values(), kv_caches):
             hidden = layer.forward(hidden, local if layer.is_sliding else rotary, kv_cache,
                                    attn_metadata)
         if not self.parallel.is_last_stage:
             return hidden
-        return self.model.norm(hidden)
+        return gemma_add_norm(hidden, None, None, self.model.norm, self.ops)
+
+    def sandwich_decoder(self) -> SandwichDecoder | None:
+        """This stage's layers as a fused kernel may run them (layers/plain_layer.py), on
+        the last stage and without softcaps; None otherwise."""
+        if not self.parallel.is_last_stage or not self.parallel.is_first_stage:
+            return None
+        plain = []
+        for layer in self.model.layers.values():
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.attn.logit_softcap is not None:
+                return None
+            plain.append(SandwichLayer(
+                layer.input_layernorm, layer.post_attention_layernorm,
+                layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm,
+                attn.q_norm, attn.k_norm, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                mlp.down_proj, attn.attn.scale, mlp.intermediate, attn.attn.sliding_window))
+        return SandwichDecoder(tuple(plain), self.model.norm) if plain else None
+
+    def set_kernels(self, linear_kernels: Any, ops: LayerOps | None) -> int:
+        count = super().set_kernels(linear_kernels, ops)
+        for module in self.modules():
+            if isinstance(module, (Gemma3DecoderLayer, Gemma3Attention, Gemma3MLP)):
+                module.ops = ops
+        return count
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The LM head kernel's argmax when there is no final softcap (Gemma 3's configs
+        have none): a softcap's tanh could round distinct logits into ties."""
+        return None if self.final_logit_softcap is not None else self.head_argmax(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = super().compute_logits(hidden)

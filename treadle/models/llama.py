@@ -310,8 +310,15 @@ class LlamaForCausalLM(nn.Module):
         argmax where it has one, one rank holds the whole vocabulary and the logits are
         the head's output as they are (a subclass that changes them, such as a softcap,
         is not covered). None where not covered: compute_logits then."""
-        if (type(self).compute_logits is not LlamaForCausalLM.compute_logits
-                or self.parallel.tp_size != 1):
+        if type(self).compute_logits is not LlamaForCausalLM.compute_logits:
+            return None
+        return self.head_argmax(hidden)
+
+    def head_argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """greedy_tokens over the LM head's output as it is (a subclass whose logits
+        differ only by a strictly increasing map may use it too); None where the kernel
+        has no argmax or the vocabulary is split over ranks."""
+        if self.parallel.tp_size != 1:
             return None
         argmax = getattr(self.lm_head_kernel, "argmax", None)
         return None if argmax is None else argmax(hidden, self.vocab_size)

@@ -116,6 +116,104 @@ def _quant_paths(quantized: list[QuantizedLinear]) -> list[tuple[int, ...]]:
     return table
 
 
+def backend_qualifies(model: Any, layer_ops: Any, attention: Any) -> bool:
+    """Whether the worker's kernels and backend are the driver's: the C layer ops, the
+    cpu-native backend on a bf16 cache, a bf16 model on one rank."""
+    return not (layer_ops is None or type(attention) is not CpuNativeBackend
+                or attention.layer_ops is None or attention.kv_cache_dtype != "auto"
+                or model.dtype != torch.bfloat16 or model.parallel.world_size != 1)
+
+
+def decode_rows(hidden: torch.Tensor, meta: Any, max_rows: int) -> Any:
+    """The step's decode-kernel rows (NativeDecode) when the step qualifies: every row one
+    decoded token in the kernel's row order, at most max_rows, no heavy-hitter observer,
+    contiguous bf16 hidden states; else None."""
+    m = hidden.shape[0]
+    if (type(meta) is not CpuNativeMetadata or getattr(meta, "observer", None) is not None
+            or m > max_rows or meta.native_prefill is not None or meta.prefill_spans
+            or hidden.dtype != torch.bfloat16 or not hidden.is_contiguous()):
+        return None
+    nd = meta.native_decode
+    if nd is None or nd.token_index is not None or nd.num_rows != m:
+        return None
+    return nd
+
+
+def rotary_fits(rotary: Any, m: int, head_dim: int) -> bool:
+    """Whether RotaryInputs' cos / sin are the [m, head_dim / 2] bf16 rows rope_kv reads."""
+    cos, sin = rotary.cos, rotary.sin
+    return not (cos.dtype != torch.bfloat16 or cos.shape[0] != m or cos.stride(-1) != 1
+                or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0)
+                or cos.shape[-1] * 2 != head_dim)
+
+
+def slots_fit(slots: torch.Tensor, m: int) -> bool:
+    return slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (m,)
+
+
+def model_dims(model: Any, intermediate: int, eps: float, scale: float,
+               decode_split: int | None) -> _Dims:
+    """The driver's sizes of `model` (its routes are LinearRoutes')."""
+    return _Dims(hidden=model.hidden_size, heads=model.num_heads,
+                 kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+                 intermediate=intermediate, eps=eps, scale=scale,
+                 decode_split=-1 if decode_split is None else decode_split)
+
+
+def layer_kernels(layers: Any, lib: Any) -> list[tuple] | None:
+    """Each layer's (qkv, o, gate_up, down) kernels the driver calls, or None when one of
+    them is not on `lib`'s kernels."""
+    kernels = []
+    for layer in layers:
+        found = tuple(_kernel(linear, lib)
+                      for linear in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        if any(k is None for k in found):
+            return None
+        kernels.append(found)
+    return kernels
+
+
+class LinearRoutes:
+    """Which kernel the driver runs each linear on, set in `dims` as the layers' own calls
+    would choose it (NativeLayerOps.linear, QuantizedLinear.apply), and up to how many rows
+    a step qualifies (`max_rows`)."""
+
+    def __init__(self, layer_ops: Any, kernels: list[tuple], dims: _Dims) -> None:
+        self._dims = dims
+        flat = [k for layer in kernels for k in layer]
+        dense = [k for k in flat if isinstance(k, DenseLinearKernel)]
+        self._quant_paths = _quant_paths([k for k in flat if isinstance(k, QuantizedLinear)])
+        self._paths_for = 0  # the rows whose paths dims holds
+        # The AMX rows only when every projection fits that kernel, as the layers' own
+        # calls would choose it (NativeLayerOps.linear): the same kernel for the same rows.
+        amx = layer_ops.amx_rows is not None and all(
+            layer_ops.amx_covers(layer_ops.amx_rows[0], *k.weight.shape) for k in dense)
+        if amx:
+            dims.amx_first, dims.amx_last = layer_ops.amx_rows
+        if layer_ops.gemm_rows is not None:  # the rows NativeLayerOps.linear gives it
+            dims.widen_first = layer_ops.gemm_rows
+        # The packed GEMM at every row count, as NativeLayerOps.linear runs it for a weight
+        # with its packed copy: only when every dense projection has one.
+        vnni = bool(dense) and all(layer_ops.packed_fits(k.vnni, k.weight) for k in dense)
+        dims.vnni = int(vnni)
+        limits = ([_VNNI_MAX_ROWS if vnni else layer_ops.linear_rows if amx
+                   else layer_ops.max_rows] if dense else [])
+        if dense and layer_ops.batch_invariant and not (
+                amx if layer_ops.amx_rows is not None else vnni or not layer_ops.vnni):
+            # Batch-invariant ops route each weight alone (AMX or packed where it has
+            # them, the widening GEMM otherwise); the driver routes all alike: not here.
+            limits.append(0)
+        if len(dense) < len(flat):
+            limits.append(len(self._quant_paths))
+        self.max_rows = min(limits)
+
+    def set_rows(self, m: int) -> None:
+        """Set the quantized formats' paths for a step of m rows."""
+        if self._quant_paths and self._paths_for != m:
+            self._dims.quant_path[:] = self._quant_paths[m - 1]
+            self._paths_for = m
+
+
 class DecodeStack:
     """One model's layers as the C driver reads them; `__call__` runs a qualifying step."""
 
@@ -138,38 +236,10 @@ class DecodeStack:
             _entry(entry.down, down)
         self._cache_ptrs: tuple[int, ...] = ()
         first = plain.layers[0]
-        self._dims = _Dims(hidden=model.hidden_size, heads=model.num_heads,
-                           kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-                           intermediate=first.intermediate,
-                           eps=float(first.input_norm.eps),
-                           scale=float(first.scale),
-                           decode_split=-1 if decode_split is None else decode_split)
-        flat = [k for layer in kernels for k in layer]
-        dense = [k for k in flat if isinstance(k, DenseLinearKernel)]
-        self._quant_paths = _quant_paths([k for k in flat if isinstance(k, QuantizedLinear)])
-        self._paths_for = 0  # the rows whose paths _dims holds
-        # The AMX rows only when every projection fits that kernel, as the layers' own
-        # calls would choose it (NativeLayerOps.linear): the same kernel for the same rows.
-        amx = layer_ops.amx_rows is not None and all(
-            layer_ops.amx_covers(layer_ops.amx_rows[0], *k.weight.shape) for k in dense)
-        if amx:
-            self._dims.amx_first, self._dims.amx_last = layer_ops.amx_rows
-        if layer_ops.gemm_rows is not None:  # the rows NativeLayerOps.linear gives it
-            self._dims.widen_first = layer_ops.gemm_rows
-        # The packed GEMM at every row count, as NativeLayerOps.linear runs it for a weight
-        # with its packed copy: only when every dense projection has one.
-        vnni = bool(dense) and all(layer_ops.packed_fits(k.vnni, k.weight) for k in dense)
-        self._dims.vnni = int(vnni)
-        limits = ([_VNNI_MAX_ROWS if vnni else layer_ops.linear_rows if amx
-                   else layer_ops.max_rows] if dense else [])
-        if dense and layer_ops.batch_invariant and not (
-                amx if layer_ops.amx_rows is not None else vnni or not layer_ops.vnni):
-            # Batch-invariant ops route each weight alone (AMX or packed where it has
-            # them, the widening GEMM otherwise); the driver routes all alike: not here.
-            limits.append(0)
-        if len(dense) < len(flat):
-            limits.append(len(self._quant_paths))
-        self.max_rows = min(limits)
+        self._dims = model_dims(model, first.intermediate, float(first.input_norm.eps),
+                                float(first.scale), decode_split)
+        self._routes = LinearRoutes(layer_ops, kernels, self._dims)
+        self.max_rows = self._routes.max_rows
         """Rows up to which a step runs here."""
 
     @classmethod
@@ -177,9 +247,7 @@ class DecodeStack:
         """The stack for `model`, or None where it does not qualify. layer_ops:
         worker.cpu.native_linear.NativeLayerOps (its library holds the driver); attention: the
         worker's backend."""
-        if (layer_ops is None or type(attention) is not CpuNativeBackend
-                or attention.layer_ops is None or attention.kv_cache_dtype != "auto"
-                or model.dtype != torch.bfloat16 or model.parallel.world_size != 1):
+        if not backend_qualifies(model, layer_ops, attention):
             return None
         plain_decoder = getattr(model, "plain_decoder", None)
         plain = plain_decoder() if plain_decoder is not None else None
@@ -189,13 +257,9 @@ class DecodeStack:
                                       (layer.input_norm, layer.post_attention_norm)]
         if any(n.eps != norms[0].eps or not n.weight.is_contiguous() for n in norms):
             return None
-        kernels = []
-        for layer in plain.layers:
-            found = tuple(_kernel(linear, layer_ops.lib)
-                          for linear in (layer.qkv, layer.o, layer.gate_up, layer.down))
-            if any(k is None for k in found):
-                return None
-            kernels.append(found)
+        kernels = layer_kernels(plain.layers, layer_ops.lib)
+        if kernels is None:
+            return None
         return cls(layer_ops, model, plain, kernels, attention.decode_split)
 
     def _bind_caches(self, kv_caches: list[torch.Tensor]) -> bool:
@@ -223,26 +287,14 @@ class DecodeStack:
         embedded tokens, becomes the residual stream), or None: then nothing was written
         and the caller runs its layers."""
         m = hidden.shape[0]
-        if (type(meta) is not CpuNativeMetadata or getattr(meta, "observer", None) is not None
-                or m > self.max_rows or meta.native_prefill is not None or meta.prefill_spans
-                or hidden.dtype != torch.bfloat16 or not hidden.is_contiguous()):
+        nd = decode_rows(hidden, meta, self.max_rows)
+        if (nd is None or not rotary_fits(rotary, m, self._dims.head_dim)
+                or not slots_fit(meta.slot_mapping, m)):
             return None
-        nd = meta.native_decode
-        if nd is None or nd.token_index is not None or nd.num_rows != m:
-            return None
-        cos, sin = rotary.cos, rotary.sin
-        if (cos.dtype != torch.bfloat16 or cos.shape[0] != m or cos.stride(-1) != 1
-                or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0)
-                or cos.shape[-1] * 2 != self._dims.head_dim):
-            return None
-        slots = meta.slot_mapping
-        if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape != (m,):
-            return None
+        cos, sin, slots = rotary.cos, rotary.sin, meta.slot_mapping
         if not self._bind_caches(kv_caches):
             return None
-        if self._quant_paths and self._paths_for != m:
-            self._dims.quant_path[:] = self._quant_paths[m - 1]
-            self._paths_for = m
+        self._routes.set_rows(m)
         out = torch.empty_like(hidden)
         status = self._fn(self._layers, len(self._layers), ctypes.byref(self._dims),
                           self._final_norm.weight.data_ptr(), hidden.data_ptr(),

@@ -150,6 +150,15 @@ class NativeLayerOps:
         self._silu_mul = lib.silu_mul_bf16
         self._silu_mul.argtypes = [_P, _P, _I64, _I64]
         self._silu_mul.restype = ctypes.c_int
+        self._gemma_add_norm = lib.gemma_add_norm_bf16
+        self._gemma_add_norm.argtypes = [_P] * 5 + [_I64, _I64, ctypes.c_float]
+        self._gemma_add_norm.restype = ctypes.c_int
+        self._gemma_head_norms = lib.gemma_head_norms_bf16
+        self._gemma_head_norms.argtypes = [_P, _I64, _P, _P] + [_I64] * 4 + [ctypes.c_float]
+        self._gemma_head_norms.restype = ctypes.c_int
+        self._gelu_tanh_mul = lib.gelu_tanh_mul_bf16
+        self._gelu_tanh_mul.argtypes = self._silu_mul.argtypes
+        self._gelu_tanh_mul.restype = ctypes.c_int
         self._rope_kv = lib.rope_kv_bf16
         self._rope_kv.argtypes = [_P, _I64, _P, _I64, _P, _P, _I64, _P, _P, _P, _P] + [_I64] * 5
         self._rope_kv.restype = ctypes.c_int
@@ -361,6 +370,56 @@ class NativeLayerOps:
         m, two_i = gate_up.shape
         out = torch.empty(m, two_i // 2, dtype=torch.bfloat16)
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), m, two_i // 2)
+        return out
+
+    def gemma_add_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None,
+                       delta_weight: torch.Tensor | None, weight: torch.Tensor | None,
+                       eps: float) -> torch.Tensor | bool | None:
+        """Gemma 3's norms around a residual add (kernels/norm_bf16.c): `hidden +=
+        gemma_norm(delta, delta_weight)` in place (skipped when delta is None), then
+        gemma_norm(hidden, weight) as a new tensor (with weight None: nothing, and True
+        returned). None when not covered (bf16, contiguous [M, H]): nothing was written."""
+        shape = hidden.shape
+        if (hidden.dtype != torch.bfloat16 or hidden.dim() != 2 or not hidden.is_contiguous()
+                or any(w is not None and (w.dtype != torch.bfloat16 or not w.is_contiguous()
+                                          or w.shape != shape[1:])
+                       for w in (delta_weight, weight))
+                or (delta is not None and (delta_weight is None
+                                           or delta.dtype != torch.bfloat16
+                                           or delta.shape != shape
+                                           or not delta.is_contiguous()))):
+            return None
+        out = None if weight is None else torch.empty_like(hidden)
+        self._gemma_add_norm(hidden.data_ptr(), None if delta is None else delta.data_ptr(),
+                             None if delta_weight is None else delta_weight.data_ptr(),
+                             None if weight is None else weight.data_ptr(),
+                             None if out is None else out.data_ptr(), shape[0], shape[1], eps)
+        return True if out is None else out
+
+    def gemma_head_norms(self, qkv: torch.Tensor, q_weight: torch.Tensor,
+                         k_weight: torch.Tensor, heads: int, kv_heads: int,
+                         eps: float) -> bool:
+        """Gemma's per-head norms of the queries and keys of a fused [M, (heads + 2 *
+        kv_heads) * head_dim] projection, in place; False when not covered (nothing
+        written)."""
+        d = q_weight.shape[0]
+        if (qkv.dtype != torch.bfloat16 or qkv.dim() != 2 or qkv.stride(1) != 1
+                or qkv.shape[1] < (heads + kv_heads) * d
+                or any(w.dtype != torch.bfloat16 or not w.is_contiguous() or w.shape != (d,)
+                       for w in (q_weight, k_weight))):
+            return False
+        return self._gemma_head_norms(qkv.data_ptr(), qkv.stride(0), q_weight.data_ptr(),
+                                      k_weight.data_ptr(), qkv.shape[0], heads, kv_heads, d,
+                                      eps) == 0
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """gelu_tanh(gate_up[:, :I]) * gate_up[:, I:] as bf16 [M, I]; None when not
+        covered."""
+        if gate_up.dtype != torch.bfloat16 or gate_up.dim() != 2 or not gate_up.is_contiguous():
+            return None
+        m, two_i = gate_up.shape
+        out = torch.empty(m, two_i // 2, dtype=torch.bfloat16)
+        self._gelu_tanh_mul(gate_up.data_ptr(), out.data_ptr(), m, two_i // 2)
         return out
 
     def rope_kv(self, qk: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,

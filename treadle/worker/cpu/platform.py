@@ -21,6 +21,7 @@ import torch
 
 from treadle.worker.cpu import cpu_isa, heap, quantized_linears, weight_cache
 from treadle.worker.cpu.decode_stack import DecodeStack
+from treadle.worker.cpu.gemma_stack import GemmaDecodeStack
 from treadle.worker.cpu.linear_kernels import DenseLinearKernel, dense_kernel_factory
 from treadle.worker.cpu.native import load_kernels
 from treadle.worker.cpu.native_attention import CpuNativeBackend
@@ -147,8 +148,12 @@ class CpuPlatform(Platform):
         """fp32 adapters under a bf16 / fp16 model (worker/lora/layers.py says why)."""
         return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
-    def decode_stack(self, model: Any, layer_ops: Any, attention: Any) -> DecodeStack | None:
-        return DecodeStack.build(model, layer_ops, attention)
+    def decode_stack(self, model: Any, layer_ops: Any,
+                     attention: Any) -> DecodeStack | GemmaDecodeStack | None:
+        """The plain Llama stack (decode_stack.py) or Gemma 3's (gemma_stack.py), by the
+        layer shape the model declares; None where neither qualifies."""
+        return (DecodeStack.build(model, layer_ops, attention)
+                or GemmaDecodeStack.build(model, layer_ops, attention))
 
     def sampler_kernels(self, native: Any, attention: Any) -> NativeSampling | None:
         """The C sampling kernel runs with the cpu-native attention backend; the other
@@ -183,7 +188,7 @@ class CpuPlatform(Platform):
             attention.kernels = kernels
             attention.layer_ops = layer_ops
         if hasattr(model, "decode_stack"):
-            model.decode_stack = DecodeStack.build(model, layer_ops, attention)
+            model.decode_stack = self.decode_stack(model, layer_ops, attention)
         if sampler is not None and sampler.kernels is not None:
             sampler.kernels = None if kernels is None else NativeSampling(kernels)
 

@@ -24,6 +24,10 @@
  * would. The caller checks that the
  * step qualifies (every row one decoded token, rows within the linear kernels' limits, a
  * bf16 cache, no sliding window, no adapters, one rank): see worker/decode_stack.py.
+ *
+ * decode_stack_gemma_bf16 (at the end) is Gemma 3's driver: the same linears, its own
+ * norms, GeGLU, and per layer the tables, slots, pool, RoPE and window of its kind (global
+ * or local): see worker/cpu/gemma_stack.py.
  */
 
 #include <stdint.h>
@@ -72,6 +76,21 @@ int paged_decode_bf16_fixed(const bf16_t *q, const bf16_t *k_cache, const bf16_t
                             int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, int64_t num_blocks, int64_t block_size,
                             int64_t max_blocks, float scale, int64_t split_tokens);
+
+/* The Gemma 3 layer kernels (norm_bf16.c) and the windowed decode attention
+   (paged_decode.c: window 0 is the whole context). */
+int gemma_add_norm_bf16(bf16_t *hidden, const bf16_t *delta, const bf16_t *delta_weight,
+                        const bf16_t *weight, bf16_t *out, int64_t M, int64_t H, float eps);
+int gemma_head_norms_bf16(bf16_t *qkv, int64_t row, const bf16_t *q_weight,
+                          const bf16_t *k_weight, int64_t M, int64_t heads, int64_t kv_heads,
+                          int64_t D, float eps);
+int gelu_tanh_mul_bf16(const bf16_t *gate_up, bf16_t *out, int64_t M, int64_t I);
+__attribute__((weak)) int paged_decode_bf16_window(const bf16_t *q, const bf16_t *k_cache, const bf16_t *v_cache,
+                             const int64_t *block_table, const int64_t *ctx_lens, bf16_t *out,
+                             int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t head_dim, int64_t num_blocks, int64_t block_size,
+                             int64_t max_blocks, float scale, int64_t split_tokens,
+                             int64_t window);
 
 /* One linear layer's weight [N, K]: dense bf16 (fmt < 0; bias bf16 [N] or NULL; packed:
  * the packed GEMM's copy (gemm_bf16_vnni.c) or NULL) or quantized (fmt: quant_simd.h's
@@ -200,6 +219,92 @@ int decode_stack_bf16(const decode_layer *layers, int64_t num_layers, const deco
     if (!status)
         status = add_rms_norm_bf16(hidden, num_layers ? delta : 0, final_norm, out, M, H,
                                    d->eps);
+    free(buf);
+    return status;
+}
+
+
+/* ---- Gemma 3 (models/gemma3.py) ------------------------------------------------------ */
+
+/* One Gemma 3 layer: four norms around its two sublayers, per-head q/k norms, GeGLU, and
+ * its kind's view of the step (kind 0: global layers, the full KV group; 1: local layers,
+ * the sliding group with its own tables, slots, pool and RoPE base). */
+typedef struct {
+    const bf16_t *input_norm, *post_attn_norm, *pre_ffw_norm, *post_ffw_norm;  /* [H] */
+    const bf16_t *q_norm, *k_norm;               /* [D] */
+    stack_linear qkv, o, gate_up, down;
+    bf16_t *k_cache, *v_cache;                   /* [kv_heads, num_blocks, block_size, D] */
+    int64_t num_blocks;                          /* this layer's cache blocks */
+    int64_t window;                              /* 0: the whole context */
+    int64_t kind;
+} gemma_layer;
+
+/* What one kind of layer reads of the step. */
+typedef struct {
+    const bf16_t *cos, *sin;                     /* [M, D / 2], rows cs_row apart */
+    const int64_t *slots;                        /* [M] */
+    const int64_t *block_table;                  /* [M, max_blocks] */
+    int64_t cs_row, max_blocks;
+} gemma_step_kind;
+
+/* The Gemma 3 decode step, the order and kernels of Gemma3DecoderLayer.forward with the
+ * native ops (so bit-identical to it):
+ *
+ *   x = gemma_norm_in(h += post_ffw_norm(down_prev))   gemma_add_norm_bf16
+ *   qkv = x . Wqkv^T; q, k = head norms (in place)     linear, gemma_head_norms_bf16
+ *   q = rope(q); cache <- rope(k), v                   rope_kv_bf16 (its kind's tables)
+ *   a = attention(q, cache) within the layer's window  paged_decode_bf16_window
+ *   x = pre_ffw_norm(h += post_attn_norm(a . Wo^T))    linear, gemma_add_norm_bf16
+ *   down = gelu_tanh_mul(x . Wgu^T) . Wd^T             linear, gelu_tanh_mul_bf16, linear
+ *
+ * and out = final_norm(h += post_ffw_norm(down)). hidden: the scaled embeddings [M, H],
+ * updated into the residual stream. Returns 0 or the first failing kernel's status. */
+int decode_stack_gemma_bf16(const gemma_layer *layers, int64_t num_layers,
+                            const decode_dims *d, const bf16_t *final_norm, bf16_t *hidden,
+                            bf16_t *out, int64_t M, const gemma_step_kind *kinds,
+                            const int64_t *ctx_lens, int threads) {
+    const int64_t H = d->hidden, D = d->head_dim, I = d->intermediate;
+    const int64_t q_size = d->heads * D, qkv_n = (d->heads + 2 * d->kv_heads) * D;
+    if (!paged_decode_bf16_window) return -3;
+    bf16_t *buf = malloc(sizeof(bf16_t) * M * (H + qkv_n + 2 * q_size + H + 3 * I));
+    if (!buf) return -2;
+    bf16_t *x = buf, *qkv = x + M * H, *q = qkv + M * qkv_n, *attn = q + M * q_size;
+    bf16_t *delta = attn + M * q_size, *gate_up = delta + M * H, *act = gate_up + 2 * M * I;
+    int status = 0;
+    for (int64_t l = 0; l < num_layers && !status; l++) {
+        const gemma_layer *L = &layers[l];
+        const gemma_step_kind *K = &kinds[L->kind];
+        status = gemma_add_norm_bf16(hidden, l ? delta : 0, l ? layers[l - 1].post_ffw_norm : 0,
+                                     L->input_norm, x, M, H, d->eps);
+        if (!status)
+            status = linear(d, x, H, &L->qkv, qkv, M, qkv_n, H, threads);
+        if (!status)
+            status = gemma_head_norms_bf16(qkv, qkv_n, L->q_norm, L->k_norm, M, d->heads,
+                                           d->kv_heads, D, d->eps);
+        if (!status)
+            status = rope_kv_bf16(qkv, qkv_n, qkv + q_size + d->kv_heads * D, qkv_n, K->cos,
+                                  K->sin, K->cs_row, K->slots, q, L->k_cache, L->v_cache, M,
+                                  d->heads, d->kv_heads, D, L->num_blocks * d->block_size);
+        if (!status)
+            status = paged_decode_bf16_window(q, L->k_cache, L->v_cache, K->block_table,
+                                              ctx_lens, attn, M, d->heads, d->kv_heads, D,
+                                              L->num_blocks, d->block_size, K->max_blocks,
+                                              d->scale, d->decode_split, L->window);
+        if (!status)
+            status = linear(d, attn, q_size, &L->o, delta, M, H, q_size, threads);
+        if (!status)
+            status = gemma_add_norm_bf16(hidden, delta, L->post_attn_norm, L->pre_ffw_norm, x,
+                                         M, H, d->eps);
+        if (!status)
+            status = linear(d, x, H, &L->gate_up, gate_up, M, 2 * I, H, threads);
+        if (!status) status = gelu_tanh_mul_bf16(gate_up, act, M, I);
+        if (!status)
+            status = linear(d, act, I, &L->down, delta, M, H, I, threads);
+    }
+    if (!status)
+        status = gemma_add_norm_bf16(hidden, num_layers ? delta : 0,
+                                     num_layers ? layers[num_layers - 1].post_ffw_norm : 0,
+                                     final_norm, out, M, H, d->eps);
     free(buf);
     return status;
 }

@@ -12,6 +12,10 @@
  *    o2 = bf16(bf16(x2 c) + bf16(x1 s))), rotated queries written to a contiguous
  *    [M, heads, head_dim], rotated keys and the values stored at each token's KV-cache
  *    slot: one call for what took a dozen torch ops and two index copies.
+ *  - gemma_add_norm_bf16, gemma_head_norms_bf16, gelu_tanh_mul_bf16: Gemma 3's layer
+ *    steps (models/gemma3.py): its RMSNorm scales by (1 + weight) in fp32 and rounds
+ *    once; a sublayer's post-norm, the residual add and the next pre-norm in one call;
+ *    the per-head q/k norms in place; GeGLU with the tanh-approximated GELU.
  *  - rope_kv_q8_bf16: the same rotation, with keys and values stored quantized to int8
  *    rows of the KV cache (worker/kv_quant.py: head_dim int8 values, then the float16
  *    scale fp16(max|x| / 127); q = nearest-even(x / scale)), bit-exact with
@@ -96,6 +100,92 @@ int silu_mul_bf16(const bf16_t *gate_up, bf16_t *out, int64_t M, int64_t I) {
             vf e = vf_exp(vf_sub(vf_zero(), x));
             vf s = vf_bf16_round(vf_div(x, vf_add(e, vf_set1(1.0f))));
             store_bf16(o + j, vf_mul(s, load_bf16(u + j, I - j)), I - j);
+        }
+    }
+    return 0;
+}
+
+/* ---- Gemma 3's layer steps (models/gemma3.py) ------------------------------------ */
+
+/* out = bf16(x * rsqrt(mean(x^2) + eps) * (1 + w)), computed in fp32 and rounded once:
+   Gemma's RMSNorm (models/gemma3.py gemma_rms_norm). out may be x. */
+static void gemma_norm_row(const bf16_t *x, const bf16_t *w, bf16_t *out, int64_t H,
+                           float eps) {
+    vf acc = vf_zero();
+    for (int64_t j = 0; j < H; j += W) {
+        const vf v = load_bf16(x + j, H - j);
+        acc = vf_fmadd(v, v, acc);
+    }
+    const vf inv = vf_set1(1.0f / sqrtf(vf_reduce_add(acc) / (float)H + eps));
+    const vf one = vf_set1(1.0f);
+    for (int64_t j = 0; j < H; j += W)
+        store_bf16(out + j, vf_mul(vf_mul(load_bf16(x + j, H - j), inv),
+                                   vf_add(one, load_bf16(w + j, H - j))), H - j);
+}
+
+/* hidden += gemma_norm(delta, delta_weight) (the normed delta rounded to bf16, then the
+   sum, as torch's in-place add; skipped when delta is NULL), then out =
+   gemma_norm(hidden, weight) (skipped when weight is NULL). One call for a sublayer's
+   post-norm, its residual add and the next sublayer's pre-norm. */
+int gemma_add_norm_bf16(bf16_t *hidden, const bf16_t *delta, const bf16_t *delta_weight,
+                        const bf16_t *weight, bf16_t *out, int64_t M, int64_t H, float eps) {
+    if (delta && !delta_weight) return -1;
+    #pragma omp parallel for schedule(static) if(M >= PARALLEL_ROWS)
+    for (int64_t m = 0; m < M; m++) {
+        bf16_t *h = hidden + m * H;
+        if (delta) {
+            const bf16_t *d = delta + m * H;
+            vf acc = vf_zero();
+            for (int64_t j = 0; j < H; j += W) {
+                const vf v = load_bf16(d + j, H - j);
+                acc = vf_fmadd(v, v, acc);
+            }
+            const vf inv = vf_set1(1.0f / sqrtf(vf_reduce_add(acc) / (float)H + eps));
+            const vf one = vf_set1(1.0f);
+            for (int64_t j = 0; j < H; j += W) {
+                const vf normed = vf_bf16_round(vf_mul(
+                    vf_mul(load_bf16(d + j, H - j), inv),
+                    vf_add(one, load_bf16(delta_weight + j, H - j))));
+                store_bf16(h + j, vf_add(load_bf16(h + j, H - j), normed), H - j);
+            }
+        }
+        if (weight) gemma_norm_row(h, weight, out + m * H, H, eps);
+    }
+    return 0;
+}
+
+/* The per-head norms of queries (q_weight) and keys (k_weight), in place: qkv is [M, ...]
+   rows `row` apart, each starting with heads query vectors and kv_heads key vectors of
+   D values. */
+int gemma_head_norms_bf16(bf16_t *qkv, int64_t row, const bf16_t *q_weight,
+                          const bf16_t *k_weight, int64_t M, int64_t heads, int64_t kv_heads,
+                          int64_t D, float eps) {
+    #pragma omp parallel for schedule(static) if(M >= PARALLEL_ROWS)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t h = 0; h < heads + kv_heads; h++) {
+            bf16_t *x = qkv + m * row + h * D;
+            gemma_norm_row(x, h < heads ? q_weight : k_weight, x, D, eps);
+        }
+    return 0;
+}
+
+/* out = bf16(bf16(gelu_tanh(gate)) * up) from the fused [M, 2*I] gate_up projection, as
+   F.gelu(approximate="tanh") then an in-place multiply. gelu_tanh(x) = 0.5 x (1 +
+   tanh(y)) = x / (1 + exp(-2y)), y = sqrt(2/pi) (x + 0.044715 x^3): the second form has
+   no cancellation near 0 and no tanh. */
+int gelu_tanh_mul_bf16(const bf16_t *gate_up, bf16_t *out, int64_t M, int64_t I) {
+    const float two_beta = 2.0f * 0.7978845608028654f, kappa = 0.044715f;
+    #pragma omp parallel for schedule(static) if(M >= 2 && M * I >= PARALLEL_SILU_VALUES)
+    for (int64_t m = 0; m < M; m++) {
+        const bf16_t *g = gate_up + m * 2 * I, *u = g + I;
+        bf16_t *o = out + m * I;
+        for (int64_t j = 0; j < I; j += W) {
+            const vf x = load_bf16(g + j, I - j);
+            const vf y2 = vf_mul(vf_set1(two_beta),
+                                 vf_fmadd(vf_mul(vf_set1(kappa), x), vf_mul(x, x), x));
+            const vf e = vf_exp(vf_sub(vf_zero(), y2));
+            const vf gelu = vf_bf16_round(vf_div(x, vf_add(e, vf_set1(1.0f))));
+            store_bf16(o + j, vf_mul(gelu, load_bf16(u + j, I - j)), I - j);
         }
     }
     return 0;
@@ -217,6 +307,25 @@ int add_rms_norm_bf16(void *hidden, const void *delta, const void *weight, void 
 }
 
 int silu_mul_bf16(const void *gate_up, void *out, int64_t M, int64_t I) {
+    (void)gate_up; (void)out; (void)M; (void)I;
+    return -1;
+}
+
+int gemma_add_norm_bf16(void *hidden, const void *delta, const void *delta_weight,
+                        const void *weight, void *out, int64_t M, int64_t H, float eps) {
+    (void)hidden; (void)delta; (void)delta_weight; (void)weight; (void)out; (void)M; (void)H;
+    (void)eps;
+    return -1;
+}
+
+int gemma_head_norms_bf16(void *qkv, int64_t row, const void *q_weight, const void *k_weight,
+                          int64_t M, int64_t heads, int64_t kv_heads, int64_t D, float eps) {
+    (void)qkv; (void)row; (void)q_weight; (void)k_weight; (void)M; (void)heads;
+    (void)kv_heads; (void)D; (void)eps;
+    return -1;
+}
+
+int gelu_tanh_mul_bf16(const void *gate_up, void *out, int64_t M, int64_t I) {
     (void)gate_up; (void)out; (void)M; (void)I;
     return -1;
 }
