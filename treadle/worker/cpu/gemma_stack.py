@@ -84,8 +84,7 @@ class GemmaDecodeStack:
     def build(cls, model: Any, layer_ops: Any, attention: Any) -> GemmaDecodeStack | None:
         """The stack for `model`, or None where it does not qualify (as DecodeStack.build;
         the model declares `sandwich_decoder()`)."""
-        if (not backend_qualifies(model, layer_ops, attention)
-                or not hasattr(layer_ops.lib, "paged_decode_bf16_window")):
+        if not backend_qualifies(model, layer_ops, attention):
             return None
         declare = getattr(model, "sandwich_decoder", None)
         decoder = declare() if declare is not None else None

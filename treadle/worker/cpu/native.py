@@ -100,14 +100,15 @@ class NativeKernels:
         """Whether bf16 dot products use vdpbf16ps (else bf16 is widened to fp32)."""
         lib.paged_decode_fast_path.argtypes = [_I64, _I64]
         lib.paged_decode_fast_path.restype = ctypes.c_int
-        # The entry points that take the context split (`split_tokens`, paged_decode.c).
-        self._decode = {torch.bfloat16: lib.paged_decode_bf16_fixed,
-                        torch.float32: lib.paged_decode_f32_fixed}
-        self._decode_q8 = {torch.bfloat16: lib.paged_decode_q8_bf16_fixed,
-                           torch.float32: lib.paged_decode_q8_f32_fixed}
+        # The entry points that take the context split (`split_tokens`) and a sliding
+        # window (`window`, 0: none): paged_decode.c.
+        self._decode = {torch.bfloat16: lib.paged_decode_bf16_window,
+                        torch.float32: lib.paged_decode_f32_window}
+        self._decode_q8 = {torch.bfloat16: lib.paged_decode_q8_bf16_window,
+                           torch.float32: lib.paged_decode_q8_f32_window}
         """Over an int8 KV cache (worker/kv_quant.py rows), by the queries' dtype."""
         for fn in (*self._decode.values(), *self._decode_q8.values()):
-            fn.argtypes = _ARGTYPES + [_I64]
+            fn.argtypes = _ARGTYPES + [_I64, _I64]
             fn.restype = ctypes.c_int
         self._sample_rows = lib.sample_rows
         self._sample_rows.argtypes = _SAMPLE_ARGTYPES
@@ -135,13 +136,15 @@ class NativeKernels:
 
     def supports_fast_decode(self, head_dim: int, group: int = 1) -> bool:
         """Whether `paged_decode` takes its vector path for this head size and number of
-        query heads per KV head (else it runs the generic loops: right, slower)."""
+        query heads per KV head (else it runs the generic loops: right, slower): head_dim
+        64 and 128 with 1..8 query heads per KV head, 256 with 1..4, on AVX-512 or AVX2
+        builds, over every cache dtype."""
         return bool(self.lib.paged_decode_fast_path(head_dim, group))
 
     def paged_decode(self, query: torch.Tensor, key_cache: torch.Tensor,
                      value_cache: torch.Tensor, block_table: torch.Tensor,
                      ctx_lens: torch.Tensor, out: torch.Tensor, scale: float,
-                     split_tokens: int | None = None) -> None:
+                     split_tokens: int | None = None, window: int | None = None) -> None:
         """Attention of one query token per request over its blocks, into `out`.
 
         query, out: [num_reqs, num_heads, head_dim]; key/value_cache: [kv_heads,
@@ -150,7 +153,11 @@ class NativeKernels:
         [num_reqs] int64. All contiguous, on CPU. split_tokens: None to split long contexts
         across threads as the batch suits; else the fixed length of the ranges a context is
         cut into (0: none), whatever the batch, so that each row's result depends on its
-        context alone (batch-invariant engines).
+        context alone (batch-invariant engines). window: None (or 0) to attend to the whole
+        context; else a row with context length n attends to positions [max(0, n -
+        window), n) only (the query, at n - 1, included: transformers' convention), and
+        its table's entries for blocks wholly before that are never read (a sliding KV
+        group frees those blocks: core/kv/sliding.py).
         """
         num_reqs, num_heads, head_dim = query.shape
         num_kv_heads, num_blocks, block_size, row = key_cache.shape
@@ -162,11 +169,11 @@ class NativeKernels:
             query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
             block_table.data_ptr(), ctx_lens.data_ptr(), out.data_ptr(),
             num_reqs, num_heads, num_kv_heads, head_dim, num_blocks, block_size,
-            block_table.shape[1], scale, -1 if split_tokens is None else max(0, split_tokens))
+            block_table.shape[1], scale, -1 if split_tokens is None else max(0, split_tokens),
+            window or 0)
         if status != 0:
             raise ValueError(f"paged_decode: head grouping {num_heads}/{num_kv_heads} x "
                              f"head_dim {head_dim} x block_size {block_size} exceeds its limits")
-
 
     def supports_prefill(self, dtype: torch.dtype, head_dim: int) -> bool:
         """Whether `paged_prefill` runs for this dtype and head size in this build (bf16,

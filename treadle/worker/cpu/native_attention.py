@@ -7,14 +7,21 @@ and every token of the short multi-token rows (speculative verification) in one 
 longer row in one call (`paged_prefill.c`, bf16 with AVX-512 BF16 and head_dim
 64/128). Where the prefill kernel or rope_kv does not apply (another dtype or head size),
 that part runs the `torch` backend's code, with the same results up to rounding; the
-decode kernel covers float32 and bf16 (the backend is not offered otherwise). Layers with
-a sliding window or a logit softcap run the torch backend's code whole (docs/gemma3.md:
-the kernels have neither, and Gemma 3's head_dim 256 is outside their vector paths).
+decode kernel covers float32 and bf16 (the backend is not offered otherwise).
+
+Sliding-window layers (Gemma 3's local layers, Mistral; docs/gemma3.md): their decode rows
+(the same single-token and short rows) run the decode kernel with its window bound, over
+the sliding KV group's block tables when the step has one (AttentionStep.sliding: the
+kernel never reads a table entry before a row's window, where that group keeps stale ids
+of freed blocks), their K/V written at that group's slots; those rows' tables are made
+once per step, by the first sliding layer. Their prefill rows take the torch backend's
+windowed views (the prefill kernel has no window bound). Layers with a logit softcap
+(neither kernel has one) run the torch backend's code whole.
 Layout `heads_first`, the one the kernels read. With `kv_cache_dtype=int8` the same
 calls read and write int8 rows (worker/kv_quant.py): rope_kv quantizes as it stores, the
 decode and prefill kernels dequantize in registers (prefill: while packing its tiles);
-the torch fallbacks (and the sliding / soft-capped layers) quantize and dequantize with
-kv_quant.
+the torch fallbacks (and the soft-capped layers, and the sliding layers' prefill rows)
+quantize and dequantize with kv_quant.
 
 Batch-invariant (`batch_invariant=True`, docs/batch_invariance.md): every query token of
 the step, decode or prefill, new or after a prefix-cache hit, is a row of the decode
@@ -22,8 +29,9 @@ kernel with the context its position sees, and long contexts are cut into ranges
 `DECODE_SPLIT_TOKENS` whatever the batch: one algorithm and one order of the sums over
 keys for every row, set by the row's context length alone. The prefill kernel (tiles
 that depend on how the prompt is chunked) and the torch paths are not used; the
-sliding-window and soft-capped layers that need them are refused at start
-(treadle/compat.py).
+soft-capped layers that need them are refused at start (treadle/compat.py). Sliding
+layers would not need them here (every row is then a decode-kernel row, with its
+window), but the sliding KV group is still refused at start (kv_specs/specs.py).
 """
 
 from __future__ import annotations
@@ -97,15 +105,46 @@ class CpuNativeMetadata:
     prefill_spans: list[PrefillSpan] = field(default_factory=list)
     """Multi-token rows for the torch path, when the prefill kernel does not apply."""
     step: AttentionStep | None = None
+    decode_rows: tuple[int, np.ndarray] = (0, np.zeros(0, np.int64))
+    """The step's rows in `native_decode`: its single-token rows, and the short
+    multi-token rows (indices)."""
+    prefill_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    """The other multi-token rows (the prefill kernel's, or the torch path's)."""
     torch_views: dict[int | None, LayerViews] = field(default_factory=dict)
-    """The torch path's views for sliding-window and soft-capped layers, by window (made
-    on first use: a model without such layers never builds them)."""
+    """The torch path's views for soft-capped layers, by window (made on first use: a
+    model without such layers never builds them)."""
+    window_prefills: dict[int, list[PrefillSpan]] = field(default_factory=dict)
+    """The torch path's windowed spans of `prefill_rows` for sliding-window layers, by
+    window (made on first use)."""
+    _sliding: tuple[NativeDecode | None, torch.Tensor] | None = None
 
     def views(self, window: int | None) -> LayerViews:
         if window not in self.torch_views:
             self.torch_views[window] = layer_views(self.step, self.backend.num_kv_heads,
                                                    torch.device("cpu"), window)
         return self.torch_views[window]
+
+    def window_prefill(self, window: int) -> list[PrefillSpan]:
+        """The prefill rows' spans for layers with `window` (over the sliding group's
+        tables when the step has them: `layer_views`)."""
+        if window not in self.window_prefills:
+            self.window_prefills[window] = layer_views(
+                self.step, self.backend.num_kv_heads, torch.device("cpu"), window,
+                self.prefill_rows).prefill_spans if self.prefill_rows.size else []
+        return self.window_prefills[window]
+
+    def sliding(self) -> tuple[NativeDecode | None, torch.Tensor]:
+        """The sliding-window layers' decode rows and K/V slots: over the sliding group's
+        tables and slots when the step has them (AttentionStep.sliding, as the torch
+        path's `layer_views` picks them), else the step's own. Made once per step."""
+        if self._sliding is None:
+            sliding = self.step.sliding
+            if sliding is None:
+                self._sliding = self.native_decode, self.slot_mapping
+            else:
+                nd = _decode_rows(sliding, *self.decode_rows) if self.native_decode else None
+                self._sliding = nd, torch.from_numpy(sliding.slot_mapping)
+        return self._sliding
 
 
 class CpuNativeBackend(AttentionBackend):
@@ -141,6 +180,7 @@ class CpuNativeBackend(AttentionBackend):
         longest = np.inf if self.batch_invariant else SHORT_ROW_TOKENS
         short = multi[step.query_lens[multi] <= longest]
         multi = multi[step.query_lens[multi] > longest]
+        meta.decode_rows, meta.prefill_rows = (num_decodes, short), multi
         if num_decodes or short.size:
             meta.native_decode = _decode_rows(step, num_decodes, short)
         if multi.size and self.native_prefill:
@@ -159,16 +199,22 @@ class CpuNativeBackend(AttentionBackend):
                 kv_cache: torch.Tensor, meta: CpuNativeMetadata,
                 rotary: Rotary | None) -> torch.Tensor:
         views = None
-        slots = meta.slot_mapping
-        if layer.sliding_window is not None or layer.logit_softcap is not None:
-            # The C kernels have no window bound and no softcap: these layers take the
-            # torch path, which reads only the blocks inside each row's window.
+        slots, nd, window = meta.slot_mapping, meta.native_decode, layer.sliding_window
+        prefill_spans = meta.prefill_spans
+        if layer.logit_softcap is not None:
+            # The C kernels have no softcap: these layers take the torch path whole (with
+            # its window, reading only the blocks inside each row's).
             if self.batch_invariant:
-                raise ValueError("batch_invariant: sliding-window and soft-capped layers "
-                                 "run the torch attention path (refused at start)")
-            views = meta.views(layer.sliding_window)
+                raise ValueError("batch_invariant: soft-capped layers run the torch "
+                                 "attention path (refused at start)")
+            views = meta.views(window)
             if views.slot_mapping is not None:
                 slots = views.slot_mapping
+        elif window is not None:
+            # The decode rows on the kernel with its window bound, over the sliding
+            # group's tables; the prefill rows on the torch path's windowed views.
+            nd, slots = meta.sliding()
+            prefill_spans = meta.window_prefill(window)
         query = None
         if rotary is not None and self.layer_ops is not None:
             # Rotated queries back, keys rotated and stored with the values; or None.
@@ -184,7 +230,6 @@ class CpuNativeBackend(AttentionBackend):
             attend_prefill_spans(query, kv_cache, views.prefill_spans, out, layer.scale,
                                  layer.logit_softcap, self.kv_cache_dtype)
             return out
-        nd = meta.native_decode
         if nd is not None:
             rows, index = nd.num_rows, nd.token_index
             if index is None:  # the kernel rows are tokens [0, rows): in place
@@ -194,9 +239,13 @@ class CpuNativeBackend(AttentionBackend):
                 rows_out = query.new_empty(rows, num_heads, head_dim)
             self.kernels.paged_decode(rows_query.contiguous(), kv_cache[0], kv_cache[1],
                                       nd.block_table, nd.ctx_lens, rows_out, layer.scale,
-                                      self.decode_split)
+                                      self.decode_split, window)
             if index is not None:
                 out.index_copy_(0, index, rows_out.view(rows, -1))
+        if window is not None:
+            attend_prefill_spans(query, kv_cache, prefill_spans, out, layer.scale,
+                                 kind=self.kv_cache_dtype)
+            return out
         npf = meta.native_prefill
         if npf is not None:
             self.kernels.paged_prefill(query, kv_cache[0], kv_cache[1], npf.spans,

@@ -85,7 +85,7 @@ int gemma_head_norms_bf16(bf16_t *qkv, int64_t row, const bf16_t *q_weight,
                           const bf16_t *k_weight, int64_t M, int64_t heads, int64_t kv_heads,
                           int64_t D, float eps);
 int gelu_tanh_mul_bf16(const bf16_t *gate_up, bf16_t *out, int64_t M, int64_t I);
-__attribute__((weak)) int paged_decode_bf16_window(const bf16_t *q, const bf16_t *k_cache, const bf16_t *v_cache,
+int paged_decode_bf16_window(const bf16_t *q, const bf16_t *k_cache, const bf16_t *v_cache,
                              const int64_t *block_table, const int64_t *ctx_lens, bf16_t *out,
                              int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
                              int64_t head_dim, int64_t num_blocks, int64_t block_size,
@@ -265,7 +265,6 @@ int decode_stack_gemma_bf16(const gemma_layer *layers, int64_t num_layers,
                             const int64_t *ctx_lens, int threads) {
     const int64_t H = d->hidden, D = d->head_dim, I = d->intermediate;
     const int64_t q_size = d->heads * D, qkv_n = (d->heads + 2 * d->kv_heads) * D;
-    if (!paged_decode_bf16_window) return -3;
     bf16_t *buf = malloc(sizeof(bf16_t) * M * (H + qkv_n + 2 * q_size + H + 3 * I));
     if (!buf) return -2;
     bf16_t *x = buf, *qkv = x + M * H, *q = qkv + M * qkv_n, *attn = q + M * q_size;

@@ -5,6 +5,17 @@
  * into an online softmax (running max, running sum, running weighted values).
  * Every K/V byte is read exactly once, with no gathered copy and no padding.
  *
+ * Sliding window (the `_window` entry points; window 0: none): a row with context length
+ * ctx attends to positions [max(0, ctx - window), ctx) only (transformers' convention:
+ * the window counts the query itself, at ctx - 1). Its walk starts at the block holding
+ * the window's first position, and in that block at that position: the table's entries
+ * for blocks wholly before the window are never read (a sliding KV group frees those
+ * blocks and leaves stale ids there: core/kv/sliding.py), nor are that block's rows
+ * before the window. On the fast path the chunks of the first block then start mid-block
+ * (nothing in the fold assumes aligned chunks: loads are unaligned, and the block's last
+ * chunk is short and zero-padded like a context's tail). The context ranges below count
+ * only the window's blocks, from its first one.
+ *
  * Layouts (contiguous):
  *   q, out        [num_reqs, num_heads, head_dim]
  *   k_cache, v_cache  [num_kv_heads, num_blocks, block_size, head_dim]
@@ -13,9 +24,13 @@
  *
  * Two implementations:
  *  - fast path (the vectors of simd.h: 16 lanes with AVX-512, 8 with AVX2; compiled when
- *    the ISA level has one of them): head_dim 64 or 128 and 1..8 query heads per KV head,
- *    specialised at compile time (constant trip counts, accumulators in registers where
- *    they fit). Keys are walked in chunks of one vector's width of tokens (any
+ *    the ISA level has one of them): head_dim 64 or 128 with 1..8 query heads per KV head,
+ *    and head_dim 256 (Gemma 3) with 1..4, specialised at compile time (constant trip
+ *    counts, accumulators in registers where they fit). Each (head_dim, group, query
+ *    dtype, cache kind) is an instantiation; 256 stops at 4 heads (Gemma 3: 4 at 270M and
+ *    1B, 2 at 4B-27B) to bound the compile: its 16 instantiations took gcc's CPU time
+ *    for this file from ~27 to ~37 s (avx512bf16), ~30 to ~39 s (avx512) and ~42 to ~54 s
+ *    (avx2), half of it the int8 caches'. Keys are walked in chunks of one vector's width of tokens (any
  *    block_size): the scores of a chunk come from vector dot products (bf16 pairs with
  *    vdpbf16ps on AVX-512 BF16, exact products, fp32 sums; elsewhere each key vector is
  *    widened to fp32 once and scored against every query head of the group) folded by one
@@ -25,11 +40,12 @@
  *    fold_values_dpbf16; elsewhere FMAs on widened values); the next block is prefetched when
  *    it does not follow the current one in memory. Work is split over (request, KV head) and, when there are too few of those to
  *    keep every thread busy (small batches, long contexts), over context ranges too, whose
- *    partial softmaxes are merged at the end (flash-decoding). The `_fixed` entry points
- *    take the ranges' length instead (split_tokens, rounded up to whole blocks; 0: none):
- *    every context longer than that is cut at the same positions whatever else the call
- *    holds, and its parts merged in order, so a row's result depends on its context
- *    alone, not on the batch (batch-invariant engines: docs/batch_invariance.md).
+ *    partial softmaxes are merged at the end (flash-decoding). The `_fixed` and `_window`
+ *    entry points take the ranges' length instead (split_tokens, rounded up to whole
+ *    blocks; 0: none): every context (window) longer than that is cut at the same
+ *    positions whatever else the call holds, and its parts merged in order, so a row's
+ *    result depends on its context (and window) alone, not on the batch (batch-invariant
+ *    engines: docs/batch_invariance.md).
  *  - generic path (any shape, any CPU): the plain loops below, auto-vectorised by gcc.
  *
  * int8 caches (paged_decode_q8_*; worker/kv_quant.py): each cached row is head_dim int8
@@ -70,6 +86,12 @@ static inline uint16_t bf16_store(float f) {
 static inline float f32_load(float x) { return x; }
 static inline float f32_store(float f) { return f; }
 
+/* The first position a row with ctx positions attends to under a window of `window`
+   positions (the query, at ctx - 1, included); window <= 0: no window. */
+static inline int64_t window_first(int64_t ctx, int64_t window) {
+    return window > 0 && ctx > window ? ctx - window : 0;
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* Generic path                                                                          */
 /* ------------------------------------------------------------------------------------ */
@@ -78,7 +100,7 @@ static inline float f32_store(float f) { return f; }
 static int NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *block_table,      \
          const int64_t *ctx_lens, T *out, int64_t num_reqs, int64_t num_heads,             \
          int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,   \
-         int64_t max_blocks, float scale) {                                                \
+         int64_t max_blocks, float scale, int64_t window) {                                \
     const int64_t group = num_heads / num_kv_heads;                                        \
     /* Small batches run on one thread: a parallel region's barrier costs more than the  \
        work, and on an oversubscribed machine it can wait out a whole time slice. */      \
@@ -92,12 +114,14 @@ static int NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *b
             for (int64_t i = 0; i < group * head_dim; i++) qf[i] = LOAD(qr[i]) * scale;    \
             memset(acc, 0, sizeof(float) * group * head_dim);                              \
             for (int64_t g = 0; g < group; g++) { run_max[g] = -INFINITY; run_sum[g] = 0; } \
-            for (int64_t start = 0; start < ctx; start += block_size) {                    \
+            const int64_t first = window_first(ctx, window);                               \
+            for (int64_t start = first - first % block_size; start < ctx; start += block_size) { \
                 const int64_t n = ctx - start < block_size ? ctx - start : block_size;     \
+                const int64_t t0 = first > start ? first - start : 0; /* window's start */  \
                 const int64_t block = block_table[r * max_blocks + start / block_size];    \
                 const int64_t base = ((h * num_blocks + block) * block_size) * head_dim;   \
                 const T *kb = k_cache + base, *vb = v_cache + base;                        \
-                for (int64_t t = 0; t < n; t++) {                                          \
+                for (int64_t t = t0; t < n; t++) {                                         \
                     float *kt = kf;                                                        \
                     for (int64_t d = 0; d < head_dim; d++) kt[d] = LOAD(kb[t * head_dim + d]); \
                     for (int64_t g = 0; g < group; g++) {                                  \
@@ -109,12 +133,12 @@ static int NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *b
                 }                                                                          \
                 for (int64_t g = 0; g < group; g++) {                                      \
                     float *sg = scores + g * block_size;                                   \
-                    float block_max = sg[0];                                               \
-                    for (int64_t t = 1; t < n; t++) block_max = sg[t] > block_max ? sg[t] : block_max; \
+                    float block_max = sg[t0];                                              \
+                    for (int64_t t = t0 + 1; t < n; t++) block_max = sg[t] > block_max ? sg[t] : block_max; \
                     const float new_max = block_max > run_max[g] ? block_max : run_max[g]; \
                     const float correction = expf(run_max[g] - new_max);                   \
                     float block_sum = 0.f;                                                 \
-                    for (int64_t t = 0; t < n; t++) {                                      \
+                    for (int64_t t = t0; t < n; t++) {                                     \
                         sg[t] = expf(sg[t] - new_max);                                     \
                         block_sum += sg[t];                                                \
                     }                                                                      \
@@ -123,7 +147,7 @@ static int NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *b
                     float *ag = acc + g * head_dim;                                        \
                     for (int64_t d = 0; d < head_dim; d++) ag[d] *= correction;            \
                 }                                                                          \
-                for (int64_t t = 0; t < n; t++) {                                          \
+                for (int64_t t = t0; t < n; t++) {                                         \
                     float *vt = kf;                                                        \
                     for (int64_t d = 0; d < head_dim; d++) vt[d] = LOAD(vb[t * head_dim + d]); \
                     for (int64_t g = 0; g < group; g++) {                                  \
@@ -159,7 +183,7 @@ static inline float row_scale(const int8_t *row, int64_t head_dim) {
 static int NAME(const T *q, const int8_t *k_cache, const int8_t *v_cache,                    \
          const int64_t *block_table, const int64_t *ctx_lens, T *out, int64_t num_reqs,      \
          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,      \
-         int64_t block_size, int64_t max_blocks, float scale) {                              \
+         int64_t block_size, int64_t max_blocks, float scale, int64_t window) {              \
     const int64_t group = num_heads / num_kv_heads, row = head_dim + 2;                      \
     _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) if(num_reqs * num_kv_heads > 8)") \
     for (int64_t r = 0; r < num_reqs; r++) {                                                 \
@@ -171,7 +195,7 @@ static int NAME(const T *q, const int8_t *k_cache, const int8_t *v_cache,       
             memset(acc, 0, sizeof(float) * group * head_dim);                                \
             float run_max[MAX_GROUP], run_sum[MAX_GROUP];                                    \
             for (int64_t g = 0; g < group; g++) { run_max[g] = -1e30f; run_sum[g] = 0; }      \
-            for (int64_t pos = 0; pos < ctx; pos++) {                                        \
+            for (int64_t pos = window_first(ctx, window); pos < ctx; pos++) {                \
                 const int64_t block = block_table[r * max_blocks + pos / block_size];        \
                 const int64_t at = ((h * num_blocks + block) * block_size + pos % block_size) * row; \
                 const int8_t *kt = k_cache + at, *vt = v_cache + at;                         \
@@ -212,10 +236,13 @@ DEFINE_GENERIC_DECODE_Q8(generic_decode_q8_f32, float, f32_load, f32_store)
 
 #if SIMD_WIDTH
 
-#define FAST_GROUP_MAX 8
+#define FAST_GROUP_MAX 8         /* query heads per KV head, head_dim 64 and 128 */
+#define FAST_GROUP_MAX_256 4     /* the same at head_dim 256 (compile time: see the top) */
 #define CHUNK SIMD_WIDTH         /* tokens scored together: one vector of scores */
 #define VW SIMD_WIDTH            /* floats per vector */
-#define MAX_HDV (128 / VW)       /* vectors per head, at most */
+#define MAX_HD 256               /* head_dim, at most */
+#define MAX_HDV (MAX_HD / VW)    /* vectors per head, at most */
+#define MAX_GROUP_HD 1024        /* query heads per KV head x head_dim, at most (8 x 128, 4 x 256) */
 #define NEG_BIG (-1e30f)         /* "minus infinity" without inf (compiled with fast-math) */
 /* Below this many K/V bytes in a call, one thread does it all: a parallel region's
    barrier costs more than the work, and on an oversubscribed machine it can wait out a
@@ -238,9 +265,11 @@ typedef struct {
     void *out;
     int64_t num_heads, num_kv_heads, num_blocks, block_size, max_blocks;
     float c;                     /* scale * log2(e): scores are kept in the exp2 domain */
+    int64_t window;              /* positions a row attends to, its own included (0: all) */
 } decode_args;
 
-/* One piece of work: request r, KV head h, blocks [b0, b1); writes the normalised result
+/* One piece of work: request r, KV head h, blocks [b0, b1) (in the first block of a
+   window, only its positions from the window's first on); writes the normalised result
    to out (part < 0) or its partial softmax to partials slot part. */
 typedef struct { int64_t r, b0, b1, part; } work_item;
 
@@ -316,7 +345,7 @@ ALWAYS_INLINE void chunk_scores(const float *qf, const void *k, vf *scores, cons
 /* chunk_scores for one bf16 query head qg with bf16 pairs: exact products, fp32 sums. */
 ALWAYS_INLINE vf chunk_scores_dpbf16(const uint16_t *qg, const uint16_t *k, const int HD) {
     vf a[CHUNK];
-    __m512i qv[128 / 32];
+    __m512i qv[MAX_HD / 32];
     #pragma GCC unroll 64
     for (int j = 0; j < HD / 32; j++) qv[j] = _mm512_loadu_si512(qg + 32 * j);
     #pragma GCC unroll 64
@@ -376,7 +405,7 @@ ALWAYS_INLINE void fold_values(vf *acc, const vf *corr, const float *p_buf, cons
     const int64_t row = cache_row_bytes(HD, kind);
     #pragma GCC unroll 16
     for (int j0 = 0; j0 < HD / VW; j0 += JB) {
-        vf o[FAST_GROUP_MAX * MAX_HDV];
+        vf o[MAX_GROUP_HD / VW];
         #pragma GCC unroll 64
         for (int g = 0; g < G; g++) {
             #pragma GCC unroll 64
@@ -427,7 +456,7 @@ ALWAYS_INLINE void fold_values_dpbf16(vf *acc, const vf *corr, const float *p_bu
     const int C = HD / 16, CB = value_block_dp(HD, G);
     #pragma GCC unroll 16
     for (int c0 = 0; c0 < C; c0 += CB) {
-        __m512 o[FAST_GROUP_MAX * MAX_HDV];
+        __m512 o[MAX_GROUP_HD / VW];
         #pragma GCC unroll 64
         for (int g = 0; g < G; g++) {
             #pragma GCC unroll 64
@@ -535,24 +564,28 @@ ALWAYS_INLINE void run_item(const decode_args *a, int64_t h, const work_item *w,
     const char *kh = (const char *)a->k_cache + h * a->num_blocks * bs * row;
     const char *vh = (const char *)a->v_cache + h * a->num_blocks * bs * row;
     const int64_t *table = a->block_table + w->r * a->max_blocks;
-    float qf[FAST_GROUP_MAX * 128] __attribute__((aligned(64)));
+    float qf[MAX_GROUP_HD] __attribute__((aligned(64)));
     widen_queries(q, qf, HD, G, bf16, bf16);
     float m[FAST_GROUP_MAX];
-    vf l[FAST_GROUP_MAX], acc[FAST_GROUP_MAX * MAX_HDV];
+    vf l[FAST_GROUP_MAX], acc[MAX_GROUP_HD / VW];
     #pragma GCC unroll 64
     for (int g = 0; g < G; g++) { m[g] = NEG_BIG; l[g] = vf_zero(); }
     #pragma GCC unroll 64
     for (int j = 0; j < G * (HD / VW); j++) acc[j] = vf_zero();
 
-    char kpad[CHUNK * 128 * 4] __attribute__((aligned(64)));
-    char vpad[CHUNK * 128 * 4] __attribute__((aligned(64)));
+    char kpad[CHUNK * MAX_HD * 4] __attribute__((aligned(64)));
+    char vpad[CHUNK * MAX_HD * 4] __attribute__((aligned(64)));
+    const int64_t first = window_first(ctx, a->window);
     for (int64_t b = w->b0; b < w->b1; b++) {
         const int64_t tokens = ctx - b * bs < bs ? ctx - b * bs : bs;
+        /* The window's first block is read from its first position: chunks then start
+           mid-block, and the block's last one is short (padded below). */
+        const int64_t t0 = first > b * bs ? first - b * bs : 0;
         const char *kb = kh + table[b] * bs * row, *vb = vh + table[b] * bs * row;
-        for (int64_t t = 0; t < tokens; t += CHUNK) {
+        for (int64_t t = t0; t < tokens; t += CHUNK) {
             /* Fetch the next block while this one computes, unless it follows this one
                in memory: then the hardware prefetcher streams it, and better. */
-            if (t == 0 && b + 1 < w->b1 && table[b + 1] != table[b] + 1) {
+            if (t == t0 && b + 1 < w->b1 && table[b + 1] != table[b] + 1) {
                 const int64_t nb = bs < CHUNK ? bs * row : chunk_bytes;
                 prefetch_rows(kh + table[b + 1] * bs * row, nb);
                 prefetch_rows(vh + table[b + 1] * bs * row, nb);
@@ -636,22 +669,24 @@ ALWAYS_INLINE void run_item_q8(const decode_args *a, int64_t h, const work_item 
     const int8_t *kh = (const int8_t *)a->k_cache + h * a->num_blocks * bs * row;
     const int8_t *vh = (const int8_t *)a->v_cache + h * a->num_blocks * bs * row;
     const int64_t *table = a->block_table + w->r * a->max_blocks;
-    float qf[FAST_GROUP_MAX * 128] __attribute__((aligned(64)));
+    float qf[MAX_GROUP_HD] __attribute__((aligned(64)));
     widen_queries((const char *)a->q + head0 * HD * (bf16 ? 2 : 4), qf, HD, G, bf16, 0);
     float m[FAST_GROUP_MAX];
-    vf l[FAST_GROUP_MAX], acc[FAST_GROUP_MAX * MAX_HDV];
+    vf l[FAST_GROUP_MAX], acc[MAX_GROUP_HD / VW];
     #pragma GCC unroll 64
     for (int g = 0; g < G; g++) { m[g] = NEG_BIG; l[g] = vf_zero(); }
     #pragma GCC unroll 64
     for (int j = 0; j < G * (HD / VW); j++) acc[j] = vf_zero();
 
-    int8_t kpad[CHUNK * 130] __attribute__((aligned(64)));
-    int8_t vpad[CHUNK * 130] __attribute__((aligned(64)));
+    int8_t kpad[CHUNK * (MAX_HD + 2)] __attribute__((aligned(64)));
+    int8_t vpad[CHUNK * (MAX_HD + 2)] __attribute__((aligned(64)));
+    const int64_t first = window_first(ctx, a->window);
     for (int64_t b = w->b0; b < w->b1; b++) {
         const int64_t tokens = ctx - b * bs < bs ? ctx - b * bs : bs;
+        const int64_t t0 = first > b * bs ? first - b * bs : 0;  /* as in run_item */
         const int8_t *kb = kh + table[b] * bs * row, *vb = vh + table[b] * bs * row;
-        for (int64_t t = 0; t < tokens; t += CHUNK) {
-            if (t == 0 && b + 1 < w->b1 && table[b + 1] != table[b] + 1) {
+        for (int64_t t = t0; t < tokens; t += CHUNK) {
+            if (t == t0 && b + 1 < w->b1 && table[b + 1] != table[b] + 1) {
                 const int64_t nb = bs < CHUNK ? bs * row : chunk_bytes;
                 prefetch_rows((const char *)(kh + table[b + 1] * bs * row), nb);
                 prefetch_rows((const char *)(vh + table[b + 1] * bs * row), nb);
@@ -700,33 +735,50 @@ typedef void (*item_fn)(const decode_args *, int64_t, const work_item *, float *
 #define ITEM_FNS_Q8(B, HD) ITEM_FN_Q8(B, HD, 1) ITEM_FN_Q8(B, HD, 2) ITEM_FN_Q8(B, HD, 3) \
     ITEM_FN_Q8(B, HD, 4) ITEM_FN_Q8(B, HD, 5) ITEM_FN_Q8(B, HD, 6) ITEM_FN_Q8(B, HD, 7) \
     ITEM_FN_Q8(B, HD, 8)
+#define ITEM_FNS4_Q8(B, HD) ITEM_FN_Q8(B, HD, 1) ITEM_FN_Q8(B, HD, 2) ITEM_FN_Q8(B, HD, 3) \
+    ITEM_FN_Q8(B, HD, 4)
 ITEM_FNS_Q8(0, 64)
 ITEM_FNS_Q8(0, 128)
+ITEM_FNS4_Q8(0, 256)
 ITEM_FNS_Q8(1, 64)
 ITEM_FNS_Q8(1, 128)
+ITEM_FNS4_Q8(1, 256)
 #define ITEM_ROW_Q8(B, HD) {item_q8_##B##_##HD##_1, item_q8_##B##_##HD##_2, \
     item_q8_##B##_##HD##_3, item_q8_##B##_##HD##_4, item_q8_##B##_##HD##_5, \
     item_q8_##B##_##HD##_6, item_q8_##B##_##HD##_7, item_q8_##B##_##HD##_8}
-static const item_fn ITEM_FNS_Q8_TABLE[2][2][FAST_GROUP_MAX] = {
-    {ITEM_ROW_Q8(0, 64), ITEM_ROW_Q8(0, 128)}, {ITEM_ROW_Q8(1, 64), ITEM_ROW_Q8(1, 128)}};
+#define ITEM_ROW4_Q8(B, HD) {item_q8_##B##_##HD##_1, item_q8_##B##_##HD##_2, \
+    item_q8_##B##_##HD##_3, item_q8_##B##_##HD##_4, NULL, NULL, NULL, NULL}
+static const item_fn ITEM_FNS_Q8_TABLE[2][3][FAST_GROUP_MAX] = {
+    {ITEM_ROW_Q8(0, 64), ITEM_ROW_Q8(0, 128), ITEM_ROW4_Q8(0, 256)},
+    {ITEM_ROW_Q8(1, 64), ITEM_ROW_Q8(1, 128), ITEM_ROW4_Q8(1, 256)}};
 
 #define ITEM_FN(B, HD, G) \
     static void item_##B##_##HD##_##G(const decode_args *a, int64_t h, const work_item *w, \
                                       float *partial) { run_item(a, h, w, partial, HD, G, B); }
 #define ITEM_FNS(B, HD) ITEM_FN(B, HD, 1) ITEM_FN(B, HD, 2) ITEM_FN(B, HD, 3) ITEM_FN(B, HD, 4) \
     ITEM_FN(B, HD, 5) ITEM_FN(B, HD, 6) ITEM_FN(B, HD, 7) ITEM_FN(B, HD, 8)
+#define ITEM_FNS4(B, HD) ITEM_FN(B, HD, 1) ITEM_FN(B, HD, 2) ITEM_FN(B, HD, 3) ITEM_FN(B, HD, 4)
 ITEM_FNS(0, 64)
 ITEM_FNS(0, 128)
+ITEM_FNS4(0, 256)
 ITEM_FNS(1, 64)
 ITEM_FNS(1, 128)
+ITEM_FNS4(1, 256)
 #define ITEM_ROW(B, HD) {item_##B##_##HD##_1, item_##B##_##HD##_2, item_##B##_##HD##_3, \
     item_##B##_##HD##_4, item_##B##_##HD##_5, item_##B##_##HD##_6, item_##B##_##HD##_7, \
     item_##B##_##HD##_8}
-static const item_fn ITEM_FNS_TABLE[2][2][FAST_GROUP_MAX] = {
-    {ITEM_ROW(0, 64), ITEM_ROW(0, 128)}, {ITEM_ROW(1, 64), ITEM_ROW(1, 128)}};
+#define ITEM_ROW4(B, HD) {item_##B##_##HD##_1, item_##B##_##HD##_2, item_##B##_##HD##_3, \
+    item_##B##_##HD##_4, NULL, NULL, NULL, NULL}
+static const item_fn ITEM_FNS_TABLE[2][3][FAST_GROUP_MAX] = {
+    {ITEM_ROW(0, 64), ITEM_ROW(0, 128), ITEM_ROW4(0, 256)},
+    {ITEM_ROW(1, 64), ITEM_ROW(1, 128), ITEM_ROW4(1, 256)}};
 
+/* head_dim 64, 128 with 1..8 query heads per KV head; 256 with 1..4 (Gemma 3: 4 at 270M
+   and 1B, 2 at 4B-27B), each of those an instantiation (see the top: compile time). */
 static int has_fast_path(int64_t head_dim, int64_t group) {
-    return (head_dim == 64 || head_dim == 128) && group >= 1 && group <= FAST_GROUP_MAX;
+    if (group < 1) return 0;
+    if (head_dim == 64 || head_dim == 128) return group <= FAST_GROUP_MAX;
+    return head_dim == 256 && group <= FAST_GROUP_MAX_256;
 }
 
 /* Returns -1 when the shape has no fast path, else the kernel's status. */
@@ -734,19 +786,23 @@ static int fast_decode(const decode_args *a, int64_t num_reqs, int64_t head_dim,
                        int q8, int64_t split_tokens) {
     const int64_t group = a->num_heads / a->num_kv_heads;
     if (!has_fast_path(head_dim, group)) return -1;
-    const item_fn fn = q8 ? ITEM_FNS_Q8_TABLE[bf16][head_dim == 128][group - 1]
-                          : ITEM_FNS_TABLE[bf16][head_dim == 128][group - 1];
+    const int hd = head_dim == 64 ? 0 : head_dim == 128 ? 1 : 2;
+    const item_fn fn = q8 ? ITEM_FNS_Q8_TABLE[bf16][hd][group - 1]
+                          : ITEM_FNS_TABLE[bf16][hd][group - 1];
     const int64_t bs = a->block_size, kvh = a->num_kv_heads;
 
     int threads = 1;
 #ifdef _OPENMP
     threads = omp_get_max_threads();
 #endif
+    /* Only the blocks inside each row's window count (and are ever read): the range of
+       blocks [first / bs, ceil(ctx / bs)) of a row. */
     int64_t total_blocks = 0, total_tokens = 0;
     for (int64_t r = 0; r < num_reqs; r++) {
         const int64_t ctx = a->ctx_lens[r] > 0 ? a->ctx_lens[r] : 0;
-        total_tokens += ctx;
-        total_blocks += (ctx + bs - 1) / bs;
+        const int64_t first = window_first(ctx, a->window);
+        total_tokens += ctx - first;
+        total_blocks += (ctx + bs - 1) / bs - first / bs;
     }
     const int64_t bytes = total_tokens * kvh * 2 * (q8 ? head_dim + 2 : head_dim * (bf16 ? 2 : 4));
     const int parallel = threads > 1 && bytes >= PARALLEL_MIN_BYTES;
@@ -764,7 +820,8 @@ static int fast_decode(const decode_args *a, int64_t num_reqs, int64_t head_dim,
     }
     int64_t num_items = 0;
     for (int64_t r = 0; r < num_reqs; r++) {
-        const int64_t nb = (a->ctx_lens[r] > 0 ? a->ctx_lens[r] + bs - 1 : 0) / bs;
+        const int64_t ctx = a->ctx_lens[r] > 0 ? a->ctx_lens[r] : 0;
+        const int64_t nb = (ctx + bs - 1) / bs - window_first(ctx, a->window) / bs;
         num_items += nb <= split_blocks ? 1 : (nb + split_blocks - 1) / split_blocks;
     }
     work_item *items = malloc(sizeof(work_item) * (num_items + num_reqs));
@@ -772,19 +829,22 @@ static int fast_decode(const decode_args *a, int64_t num_reqs, int64_t head_dim,
     work_item *merges = items + num_items;  /* split requests: r, first part, count */
     int64_t num_parts = 0, num_merges = 0, i = 0;
     for (int64_t r = 0; r < num_reqs; r++) {
-        const int64_t nb = (a->ctx_lens[r] > 0 ? a->ctx_lens[r] + bs - 1 : 0) / bs;
+        /* blocks [fb, fb + nb): the window's (all of the context's without one) */
+        const int64_t ctx = a->ctx_lens[r] > 0 ? a->ctx_lens[r] : 0;
+        const int64_t fb = window_first(ctx, a->window) / bs, nb = (ctx + bs - 1) / bs - fb;
         if (nb <= split_blocks) {
-            items[i++] = (work_item){r, 0, nb, -1};
+            items[i++] = (work_item){r, fb, fb + nb, -1};
             continue;
         }
         const int64_t parts = (nb + split_blocks - 1) / split_blocks;
         merges[num_merges++] = (work_item){r, num_parts, parts, 0};
         for (int64_t s = 0; s < parts; s++) {
-            /* even parts; fixed ranges: split_blocks each, the last one shorter */
+            /* even parts; fixed ranges: split_blocks each from the window's first block,
+               the last one shorter (so the cuts depend on the context and window alone) */
             const int64_t b0 = split_tokens > 0 ? s * split_blocks : nb * s / parts;
             const int64_t b1 = split_tokens > 0 ? (s + 1 == parts ? nb : b0 + split_blocks)
                                                 : nb * (s + 1) / parts;
-            items[i++] = (work_item){r, b0, b1, num_parts++};
+            items[i++] = (work_item){r, fb + b0, fb + b1, num_parts++};
         }
     }
     float *partial = NULL;
@@ -840,22 +900,35 @@ static int fast_decode(const decode_args *a, int64_t num_reqs, int64_t head_dim,
 /* ------------------------------------------------------------------------------------ */
 
 /* NAME: contexts split across threads as the batch suits (see the top); NAME##_fixed:
-   split at every split_tokens (0: never; negative: as NAME), whatever the batch. The
-   generic path never splits a context. */
+   split at every split_tokens (0: never; negative: as NAME), whatever the batch;
+   NAME##_window: the same with a sliding window (each row attends to its last `window`
+   positions, its own included; 0 or less: all of them). The generic path never splits a
+   context. */
 #define DEFINE_PAGED_DECODE(NAME, T, C, GENERIC, BF16, Q8)                                  \
+int NAME##_window(const T *q, const C *k_cache, const C *v_cache,                           \
+                  const int64_t *block_table, const int64_t *ctx_lens, T *out,              \
+                  int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,                \
+                  int64_t head_dim, int64_t num_blocks, int64_t block_size,                 \
+                  int64_t max_blocks, float scale, int64_t split_tokens, int64_t window) {  \
+    const int64_t group = num_heads / num_kv_heads;                                         \
+    if (group > MAX_GROUP || group * head_dim > MAX_GROUP_DIM                               \
+        || group * block_size > MAX_GROUP_TOKENS)                                           \
+        return 1;                                                                           \
+    if (window < 0) window = 0;                                                             \
+    FAST_PATH(BF16, Q8)                                                                     \
+    (void)split_tokens;                                                                     \
+    return GENERIC(q, k_cache, v_cache, block_table, ctx_lens, out, num_reqs, num_heads,    \
+                   num_kv_heads, head_dim, num_blocks, block_size, max_blocks, scale,       \
+                   window);                                                                 \
+}                                                                                           \
 int NAME##_fixed(const T *q, const C *k_cache, const C *v_cache,                            \
                  const int64_t *block_table, const int64_t *ctx_lens, T *out,               \
                  int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,                 \
                  int64_t head_dim, int64_t num_blocks, int64_t block_size,                  \
                  int64_t max_blocks, float scale, int64_t split_tokens) {                   \
-    const int64_t group = num_heads / num_kv_heads;                                         \
-    if (group > MAX_GROUP || group * head_dim > MAX_GROUP_DIM                               \
-        || group * block_size > MAX_GROUP_TOKENS)                                           \
-        return 1;                                                                           \
-    FAST_PATH(BF16, Q8)                                                                     \
-    (void)split_tokens;                                                                     \
-    return GENERIC(q, k_cache, v_cache, block_table, ctx_lens, out, num_reqs, num_heads,    \
-                   num_kv_heads, head_dim, num_blocks, block_size, max_blocks, scale);      \
+    return NAME##_window(q, k_cache, v_cache, block_table, ctx_lens, out, num_reqs,         \
+                         num_heads, num_kv_heads, head_dim, num_blocks, block_size,         \
+                         max_blocks, scale, split_tokens, 0);                               \
 }                                                                                           \
 int NAME(const T *q, const C *k_cache, const C *v_cache, const int64_t *block_table,       \
          const int64_t *ctx_lens, T *out, int64_t num_reqs, int64_t num_heads,              \
@@ -871,7 +944,7 @@ int NAME(const T *q, const C *k_cache, const C *v_cache, const int64_t *block_ta
     {                                                                                       \
         const decode_args a = {q, k_cache, v_cache, block_table, ctx_lens, out, num_heads,  \
                                num_kv_heads, num_blocks, block_size, max_blocks,            \
-                               scale * 1.4426950408889634f};                                \
+                               scale * 1.4426950408889634f, window};                        \
         const int status = fast_decode(&a, num_reqs, head_dim, BF16, Q8, split_tokens);     \
         if (status >= 0) return status;                                                     \
     }
