@@ -128,18 +128,6 @@ def executor_backend(request):
         os.environ[key] = previous
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (.ci/run: `-n 2 --dist loadgroup`) each test file runs on one
-    worker, so its module fixtures are made once, and every Ray test on the same worker,
-    so that one local Ray cluster runs at a time. (This conftest's hooks see the unit
-    tests' items too.)"""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        group = "ray" if item.get_closest_marker("ray") else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
-
-
 def pytest_generate_tests(metafunc):
     if metafunc.module.__name__.rpartition(".")[2] in ENGINE_TEST_MODULES:
         metafunc.parametrize("executor_backend", EXECUTORS, indirect=True, scope="session")
