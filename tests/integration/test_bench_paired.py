@@ -11,6 +11,7 @@ import pytest
 
 from treadle.bench import paired
 from treadle.bench.lockstep import run_closed_loop
+from treadle.measure import workloads
 from treadle.models.demo import write_demo_model
 
 
@@ -25,20 +26,27 @@ def test_parse_system():
 
 
 def test_two_systems_in_turn_generate_every_token(tmp_path, capsys):
+    # A 256-token context: the workload's lengths are capped to it (its four 1,024-token
+    # outputs to 255), so each lockstep run takes 255 steps, not 1,024 (the whole test was
+    # 30 s), and the run still has four long requests beside a short one.
     model = write_demo_model(tmp_path / "m", seed=3, config_overrides=dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=2048))
+        num_key_value_heads=2, max_position_embeddings=256))
     out = tmp_path / "paired.json"
     assert paired.main(["--model", str(model), "--dtype", "float32", "--num-threads", "1",
                         "--system", "a:kv_cache_memory=64MiB",
                         "--system", "b:kv_cache_memory=64MiB,max_num_seqs=2",
                         "--num-requests", "5", "--repeats", "2", "--output", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["workload"]["num_long"] == 4  # four 1,024-token outputs among the five
+    assert result["workload"]["num_long"] == 4  # four long outputs among the five
+    assert result["workload"]["max_model_len"] == 256
+    limits = [r.max_tokens for r in workloads.synthetic(
+        num_requests=5, seed=0, num_long=4, max_model_len=256).requests]
+    assert sorted(limits)[1:] == [255] * 4  # the long ones, capped to the context
     runs = result["runs"]
     assert len(runs) == 4 and {r["system"] for r in runs} == {"a", "b"}
     tokens = {r["output_tokens"] for r in runs}
-    assert len(tokens) == 1 and tokens.pop() > 4 * 1024  # every limit reached, EOS ignored
+    assert tokens == {sum(limits)}  # every request's own limit reached, EOS ignored
     assert all(r["ratio_to_first"] == 1.0 for r in runs if r["system"] == "a")
     (b,) = [row for row in result["summary"] if row["system"] == "b"]
     assert b["options"] == {"kv_cache_memory": "64MiB", "max_num_seqs": 2}
