@@ -161,11 +161,24 @@ def test_cli_generate_and_demo_model(tiny_demo, tmp_path):
     assert bad.returncode == 2 and "config.json" in bad.stderr
 
 
+HEAVY_BATCH = prompts(10, seed=11, lo=20, hi=100)
+
+
+@pytest.fixture(scope="module")
+def heavy_reference(llama_dir):
+    """HEAVY_BATCH's greedy tokens from an engine with room for all of it, made once for
+    the three modes and both executors (each engine gives the same greedy tokens, which
+    the other modules check, and an engine under the mp executor takes ~3 s to start)."""
+    llm = LLM(model=llama_dir, dtype="float32", num_kv_blocks=512)
+    tokens = greedy(llm, HEAVY_BATCH, max_tokens=24)
+    assert llm.get_stats()["num_preemptions"] == 0
+    llm.engine.shutdown()
+    return tokens
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
-def test_heavy_preemption_keeps_outputs_in_every_mode(llama_dir, mode):
-    batch = prompts(10, seed=11, lo=20, hi=100)
-    reference = greedy(LLM(model=llama_dir, dtype="float32", num_kv_blocks=512), batch,
-                       max_tokens=24)
+def test_heavy_preemption_keeps_outputs_in_every_mode(llama_dir, heavy_reference, mode):
+    batch, reference = HEAVY_BATCH, heavy_reference
     # The largest request needs ceil((100 + 24) / 16) = 8 blocks; the cache has 10.
     tight = LLM(model=llama_dir, dtype="float32", num_kv_blocks=10, block_size=16,
                 max_num_batched_tokens=64, preemption_mode=mode, swap_space="8MiB",

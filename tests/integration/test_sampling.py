@@ -81,11 +81,17 @@ MIXED = [SamplingParams(max_tokens=20, temperature=1.0, seed=11, ignore_eos=True
 
 
 def test_seeded_sampling_survives_batching_and_preemption(llama_dir):
+    """Each of five seeded requests alone (one engine, one request per generate call: a
+    request's seed drives its own generator, so nothing of an earlier call carries over;
+    an engine per request cost ~3 s each to start under the mp executor) gives the tokens
+    it gets in a batch of ten that preempts, by recompute and by swap."""
     batch = prompts(10, seed=2, lo=20, hi=90)
     params = [MIXED[i % len(MIXED)] for i in range(len(batch))]
-    alone = [LLM(model=llama_dir, dtype="float32", num_kv_blocks=256).generate(
-        [{"prompt_token_ids": p}], q, use_tqdm=False)[0].outputs[0].token_ids
-        for p, q in zip(batch[:5], params[:5])]
+    single = LLM(model=llama_dir, dtype="float32", num_kv_blocks=256)
+    alone = [single.generate([{"prompt_token_ids": p}], q, use_tqdm=False)[0].outputs[0].token_ids
+             for p, q in zip(batch[:5], params[:5])]
+    assert single.get_stats()["mean_batch_size"] == 1  # each request really ran alone
+    single.engine.shutdown()
     for mode in ("recompute", "swap"):
         tight = LLM(model=llama_dir, dtype="float32", num_kv_blocks=9, block_size=16,
                     max_num_batched_tokens=48, preemption_mode=mode, swap_space="4MiB",
