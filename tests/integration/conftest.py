@@ -128,6 +128,19 @@ def executor_backend(request):
         os.environ[key] = previous
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "executors(*names): in an engine test module, run this test on these "
+        "executors only (its docstring says where the others are covered)")
+
+
 def pytest_generate_tests(metafunc):
+    """Each test of ENGINE_TEST_MODULES once per executor, or on the executors its
+    `executors` mark names: for what happens in the engine's own process (validating a
+    request, configuration, the scheduler's choices), where a second executor repeats
+    the same work (an mp engine spends ~3 s starting its worker process)."""
     if metafunc.module.__name__.rpartition(".")[2] in ENGINE_TEST_MODULES:
-        metafunc.parametrize("executor_backend", EXECUTORS, indirect=True, scope="session")
+        mark = metafunc.definition.get_closest_marker("executors")
+        names = mark.args if mark is not None else EXECUTORS
+        assert names and set(names) <= set(EXECUTORS), names
+        metafunc.parametrize("executor_backend", names, indirect=True, scope="session")

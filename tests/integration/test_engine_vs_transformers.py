@@ -43,12 +43,13 @@ def expected(tiny_checkpoint):
     return model_dir, prompts, max_tokens, reference_tokens(model_dir, prompts, max_tokens)
 
 
-@pytest.mark.parametrize("options", [
-    dict(max_num_batched_tokens=64, max_num_seqs=5, block_size=16, attention_backend="native"),
-    dict(max_num_batched_tokens=37, max_num_seqs=16, block_size=4, enable_prefix_caching=False,
-         attention_backend="torch"),
-], ids=["budget64-seqs5-native", "budget37-block4-torch"])
-def test_greedy_tokens_match_transformers(expected, options):
+NATIVE = dict(max_num_batched_tokens=64, max_num_seqs=5, block_size=16,
+              attention_backend="native")
+CHUNKED = dict(max_num_batched_tokens=37, max_num_seqs=16, block_size=4,
+               enable_prefix_caching=False, attention_backend="torch")
+
+
+def check_matches_transformers(expected, options):
     model_dir, prompts, max_tokens, reference = expected
     llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=2048, **options)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
@@ -61,3 +62,17 @@ def test_greedy_tokens_match_transformers(expected, options):
         assert out.outputs[0].finish_reason == "length"
         assert out.outputs[0].token_ids == ref, f"prompt {i} (length {len(prompts[i])}) differs"
     assert llm.engine.scheduler.kv.pool.num_free_blocks == 2048
+
+
+def test_greedy_tokens_match_transformers(expected):
+    """A 37-token step budget, 16 sequences, blocks of 4, torch attention: prompts chunked
+    over many steps, on both executors."""
+    check_matches_transformers(expected, CHUNKED)
+
+
+@pytest.mark.executors("uni")
+def test_greedy_tokens_match_transformers_on_the_native_backend(expected):
+    """A 64-token step budget, 5 sequences, blocks of 16, the C kernels' attention. On one
+    executor: the mp executor carries the same kind of steps as in the test above, and
+    the native backend is its default, which every other engine test under mp runs."""
+    check_matches_transformers(expected, NATIVE)

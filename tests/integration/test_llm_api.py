@@ -63,7 +63,10 @@ def test_bad_prompts_fail_alone(llama_dir):
     assert llm.engine.scheduler.kv.pool.num_free_blocks == 20
 
 
+@pytest.mark.executors("uni")
 def test_mismatched_params_list_is_an_error(llama_dir):
+    """Checked in the engine's own process (the params list, the tokenizer a text prompt
+    or bad_words need) before anything reaches a worker: one executor."""
     llm = LLM(model=llama_dir, dtype="float32", num_kv_blocks=64)
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate([[5, 6], [7, 8]], [SamplingParams()] * 3, use_tqdm=False)
@@ -80,7 +83,11 @@ def test_mismatched_params_list_is_an_error(llama_dir):
     assert dry.error.startswith("dry_multiplier") and plain.error is None
 
 
+@pytest.mark.executors("uni")
 def test_string_prompts_and_text(tiny_demo):
+    """Tokenizing and detokenizing happen in the engine's own process, the worker sees
+    token ids either way: one executor (the mp executor's token ids are checked against
+    uni's in test_executors.py and by every other test here)."""
     llm = LLM(model=tiny_demo, dtype="float32", num_kv_blocks=256)
     out = llm.generate(["Hello, world!", "日本語 ✓"], SamplingParams(max_tokens=8, temperature=0,
                                                                    ignore_eos=True),
@@ -200,7 +207,10 @@ def test_heavy_preemption_keeps_outputs_in_every_mode(llama_dir, heavy_reference
         tight.engine.scheduler.kv.swap_pool.num_blocks
 
 
+@pytest.mark.executors("uni")
 def test_priority_and_tenant_reach_the_engine(llama_dir):
+    """The request's fields reach the engine core, in the engine's own process: one
+    executor."""
     llm = LLM(model=llama_dir, dtype="float32", num_kv_blocks=256, scheduling_policy="priority",
               max_num_seqs=1)
     seen = {}
@@ -220,8 +230,10 @@ def test_priority_and_tenant_reach_the_engine(llama_dir):
         llm.generate([[5], [6]], priority=[1, 2, 3], use_tqdm=False)
 
 
+@pytest.mark.executors("uni")
 def test_offline_step_budget_default_and_override(llama_dir):
-    """LLM takes a 1024-token step budget unless given one (the server keeps 512)."""
+    """LLM takes a 1024-token step budget unless given one (the server keeps 512): the
+    configuration, the same whatever the executor, checked on one."""
     from treadle.config import SchedulerConfig
 
     assert LLM(model=llama_dir).config.scheduler.max_num_batched_tokens == 1024

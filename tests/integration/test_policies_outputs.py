@@ -66,9 +66,7 @@ def reference(model_dir):
     return outputs
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "priority", "srpt", "fair", "makespan"])
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_greedy_outputs_identical_under_every_policy(model_dir, reference, policy, mode):
+def check_policy(model_dir, reference, policy, mode):
     outputs, stats = run(model_dir, scheduling_policy=policy, num_kv_blocks=40,
                          makespan_min_rows=2,  # paced below max_num_seqs
                          max_num_batched_tokens=32, max_num_seqs=4, preemption_mode=mode,
@@ -80,6 +78,26 @@ def test_greedy_outputs_identical_under_every_policy(model_dir, reference, polic
     assert stats["num_preemptions"] > 0
     if policy not in ("fcfs", "makespan"):  # the two never preempt at admission
         assert stats["num_admission_preemptions"] > 0
+
+
+@pytest.mark.executors("uni")
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "srpt", "fair", "makespan"])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_greedy_outputs_identical_under_every_policy(model_dir, reference, policy, mode):
+    """The policy is the scheduler's, in the engine's own process: its choices reach the
+    worker as steps and preemptions, whatever the executor, so the matrix runs on one
+    (the mp executor's twin below takes both preemption modes under one policy)."""
+    check_policy(model_dir, reference, policy, mode)
+
+
+@pytest.mark.executors("mp")
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_greedy_outputs_identical_with_the_worker_in_a_child_process(model_dir, reference,
+                                                                     mode):
+    """The mp executor's part of the matrix above: a policy that preempts at admission
+    and under memory pressure, by recompute and by swap (the swap copies run in the
+    child process), gives the same greedy outputs."""
+    check_policy(model_dir, reference, "priority", mode)
 
 
 def test_trace_records_every_token_and_plots(model_dir, reference, tmp_path):
