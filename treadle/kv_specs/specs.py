@@ -138,8 +138,9 @@ class SlidingWindowSpec(KVSpec):
     why_not: ClassVar[dict[str, str]] = {
         "swap": "there is no swap plan for its second block table: such requests are "
                 "preempted by recompute",
-        "batch_invariance": "its layers run the torch attention path (the C kernels have no "
-                            "window bound), whose matmuls change with the step's shapes",
+        "batch_invariance": "not tested yet: the mode would run every row of its layers on "
+                            "the C decode kernel's window bound, but no test has checked a "
+                            "sliding group's logits against the batch",
         "prefix_transfer": "P/D moves one block table's KV and a sliding-window model has a "
                            "second one (Gemma 3, Mistral's sliding_window): serve such a "
                            "model with --replicas instead",
