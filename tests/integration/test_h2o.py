@@ -72,19 +72,28 @@ def prompts(n, lengths, seed=0):
     return [torch.randint(3, 500, (length,), generator=g).tolist() for length in lengths[:n]]
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu-native"])
-def test_h2o_matches_a_reference_on_transformers(checkpoint, backend):
+REFERENCE_BATCH, REFERENCE_MAX_NEW = prompts(3, [50, 9, 27]), 30
+
+
+@pytest.fixture(scope="module")
+def h2o_reference(checkpoint):
+    """reference_h2o's (tokens, kept positions, scores) for each prompt of REFERENCE_BATCH:
+    made once for both backends (it runs the whole sequence on transformers each step)."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
         checkpoint, attn_implementation="eager", torch_dtype=torch.float32).eval()
-    batch = prompts(3, [50, 9, 27])
-    max_new = 30
+    return [reference_h2o(model, prompt, REFERENCE_MAX_NEW) for prompt in REFERENCE_BATCH]
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu-native"])
+def test_h2o_matches_a_reference_on_transformers(checkpoint, h2o_reference, backend):
+    batch, max_new = REFERENCE_BATCH, REFERENCE_MAX_NEW
     llm, got = run_engine(checkpoint, batch, max_new, backend)
     tracker = llm.engine.executor.worker.runner.h2o
     params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
     for i, prompt in enumerate(batch):
-        want_tokens, want_kept, want_scores = reference_h2o(model, prompt, max_new)
+        want_tokens, want_kept, want_scores = h2o_reference[i]
         assert got[i] == want_tokens  # in a batch
         # alone, and the worker's last state of it (no step ran after it ended)
         out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
