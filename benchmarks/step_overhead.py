@@ -103,24 +103,32 @@ def split(steps: list[dict]) -> dict:
 def run(model: str | None, requests: list[int], prompt_len: int, output_len: int,
         options: dict, paths: tuple[str, ...] = ("short",), repeats: int = 1) -> list[dict]:
     """Rows per (requests, path, repeat): `paths` "short" (the runner's short path for
-    plain greedy decode steps, worker/greedy_decode.py, the default) and "general" (it
-    switched off), alternating within each repeat."""
+    plain greedy decode steps, worker/greedy_decode.py, the default), "general" (it
+    switched off) and "overlap" (the short path under `overlap_steps`, a second engine:
+    the next step runs on the worker's thread while this one's outputs are processed, so
+    a step's parts run on two threads and "other" is not meaningful there; compare
+    `wall_s` per step), alternating within each repeat."""
     from treadle import LLM, SamplingParams
 
     llm = LLM(model=model, **options)
+    engines = {"short": llm, "general": llm}
+    if "overlap" in paths:
+        engines["overlap"] = LLM(model=model, **{**options, "overlap_steps": True})
     vocab = llm.limits.vocab_size
     rng = random.Random(0)
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
     rows = []
     runner = llm.engine.executor.worker.runner
     for n in requests:
-        llm.generate([{"prompt_token_ids": [11] * prompt_len}],
-                     SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+        for engine in set(engines.values()):
+            engine.generate([{"prompt_token_ids": [11] * prompt_len}],
+                            SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
         for repeat in range(repeats):
             for path in (paths if repeat % 2 == 0 else paths[::-1]):
                 batch = [{"prompt_token_ids": [rng.randrange(10, vocab - 10)
                                                for _ in range(prompt_len)]} for _ in range(n)]
-                runner.greedy_decode = path == "short"
+                runner.greedy_decode = path != "general"
+                llm = engines[path]
                 steps_before = llm.get_stats()["num_steps"]
                 with timed_parts() as steps:
                     t0 = time.perf_counter()
@@ -130,7 +138,8 @@ def run(model: str | None, requests: list[int], prompt_len: int, output_len: int
                 rows.append({"requests": n, "path": path, "repeat": repeat,
                              "steps": num_steps, "wall_s": wall, **split(steps)})
     runner.greedy_decode = True
-    llm.engine.shutdown()
+    for engine in set(engines.values()):
+        engine.engine.shutdown()
     return rows
 
 
@@ -141,7 +150,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--paths", default="short",
-                        help="short, general or short,general (alternating)")
+                        help="short, general, overlap, or several comma-separated (alternating)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--output", default=None, help="JSON file for the rows")
     parser.add_argument("options", nargs="*", help="engine options as key=value")
@@ -155,8 +164,10 @@ def main() -> None:
     parts = list(dict.fromkeys(p for p, *_ in PARTS)) + ["forward_glue", "runner_rest", "other"]
     for row in rows:
         print(f"{row['requests']} requests, {row['path']} path, repeat {row['repeat']}: "
-              f"{row['steps']} steps, {row['decode_steps']} of them decode-only; per decode "
-              "step, wall ms / thread CPU ms:")
+              f"{row['steps']} steps in {row['wall_s']:.3f} s "
+              f"({1e3 * row['wall_s'] / max(row['steps'], 1):.3f} ms a step), "
+              f"{row['decode_steps']} of them decode-only; per decode step, wall ms / "
+              "thread CPU ms:")
         for part in parts:
             wall = row["ms"].get(part, row.get(f"{part}_ms"))
             cpu = row["cpu_ms"].get(part, row.get(f"{part}_cpu_ms"))

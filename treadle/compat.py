@@ -4,7 +4,7 @@ Each participant in a check is an `Element`: a KV spec (kv_specs/specs.py: full
 attention, a sliding-window group, H2O eviction), the KV cache dtype, or a feature of the
 configuration (speculative decoding and its method, tensor / pipeline parallelism, a
 named attention backend, P/D disaggregation, prefix caching off, KV events, replicas
-behind the server). An element declares the capabilities it `needs` of every other element and the
+behind the server, overlapped steps and the executor). An element declares the capabilities it `needs` of every other element and the
 ones it `lacks`, each with the reason; two elements conflict when one needs what the
 other lacks, and the error names both and says why: "<lacking> does not support
 <needing>: <why>". The specs declare their capabilities themselves (`supports_*`,
@@ -146,6 +146,18 @@ LORA_OFF = Element("enable_lora off", lacks={
     "lora": "adapters are served only with enable_lora (lora_modules and "
             "enable_lora_runtime_updates need enable_lora)"})
 SLO_REJECT = Element("slo_reject", frozenset({"deadline_prediction"}))
+OVERLAP_STEPS = Element("overlap_steps", frozenset({"step_overlap"}), lacks={
+    "prefix_transfer": "P/D's KV reads and writes reach the worker between steps, and "
+                       "overlap_steps keeps the next step in flight"})
+
+
+def _executor_element(executor: str) -> Element:
+    """The executor: overlap_steps runs the worker on a thread of the engine's process,
+    which only the uni executor has."""
+    lacks = ({} if executor == "uni" else {
+        "step_overlap": "its workers are other processes; overlap_steps runs the one "
+                        "worker on a thread of the engine's process (executor uni)"})
+    return Element(f"distributed_executor_backend {executor}", lacks=lacks)
 
 
 def _policy_element(policy: str) -> Element:
@@ -194,6 +206,8 @@ def config_elements(config: Any) -> list[Element]:
     elements.append(_policy_element(config.scheduler.scheduling_policy))
     if config.scheduler.slo_reject:
         elements.append(SLO_REJECT)
+    if config.scheduler.overlap_steps:
+        elements += [OVERLAP_STEPS, _executor_element(config.parallel.executor)]
     return elements + _invariance_elements(config)
 
 

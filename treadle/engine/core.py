@@ -109,6 +109,8 @@ class EngineCore:
         self.time_recompute_s = 0.0
         """Forward time spent recomputing what recompute preemptions threw away."""
         self._in_flight: deque[tuple] = deque()
+        self._overlap = config.scheduler.overlap_steps
+        """Submit the next step before returning a step's outputs (docs/overlap.md)."""
         """Submitted steps not answered yet: (SchedulerOutput, step number, start time)."""
         self.kv_events = None
         """The KV-event recorder and publisher (kv_events/engine.py), or None."""
@@ -269,7 +271,8 @@ class EngineCore:
             self.kv_events.flush()
         return outputs
 
-    def _step(self) -> list[EngineCoreOutput]:
+    def _submit_steps(self) -> None:
+        """Schedule and submit steps while the executor takes more in flight."""
         while len(self._in_flight) < self.executor.max_in_flight:
             t_start = time.monotonic()
             step = self.scheduler.stats.num_steps
@@ -283,6 +286,9 @@ class EngineCore:
             self._in_flight.append((scheduler_output, step, t_start))
             if not scheduler_output.scheduled:
                 break
+
+    def _step(self) -> list[EngineCoreOutput]:
+        self._submit_steps()
         ended = self.scheduler.take_ended_outputs()  # a policy's refusals (slo_reject)
         if ended and self.trace:
             for output in ended:
@@ -299,6 +305,11 @@ class EngineCore:
             spec = self.scheduler.spec
             self.trace.record_step(step, t_start, time.monotonic(), scheduler_output, outputs,
                                    None if spec is None else spec.last_step)
+        if self._overlap:
+            # The next step runs while the caller processes these outputs; requests it
+            # adds meanwhile join the step after, a stop string found ends its request
+            # in flight (the row it ran is dropped when the step returns).
+            self._submit_steps()
         return outputs
 
     @property

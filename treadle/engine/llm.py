@@ -219,6 +219,8 @@ class LLM:
                 rate = ((self.driver.num_generated_tokens - tokens_before)
                         / max(time.perf_counter() - start, 1e-9))
                 progress.set_postfix_str(f"{rate:.1f} out tok/s", refresh=False)
+            while self.engine.num_steps_in_flight:  # overlap_steps: the one submitted last
+                self.driver.step()
         except BaseException:
             for request_id in pending:  # leave the engine clean for the next call
                 self.driver.abort(request_id)
