@@ -1,14 +1,15 @@
 """Which features can run together: every refusal of a combination, in one place.
 
-Each participant in a check is an `Element`: a KV spec (kv_specs/specs.py: full
-attention, a sliding-window group, H2O eviction), the KV cache dtype, or a feature of the
-configuration (speculative decoding and its method, tensor / pipeline parallelism, a
-named attention backend, P/D disaggregation, prefix caching off, KV events, replicas
-behind the server, overlapped steps and the executor). An element declares the capabilities it `needs` of every other element and the
-ones it `lacks`, each with the reason; two elements conflict when one needs what the
-other lacks, and the error names both and says why: "<lacking> does not support
-<needing>: <why>". The specs declare their capabilities themselves (`supports_*`,
-`why_not`); the features' are declared below. No rule is written as a pair of names.
+Each participant in a check is an `Element`: a KV spec (kv_specs/specs.py: full attention,
+a sliding-window group, H2O eviction), the KV cache dtype, or a feature of the
+configuration (speculative decoding and its method, tensor / pipeline parallelism, a named
+attention backend, P/D disaggregation, prefix caching off, KV events, replicas behind the
+server, overlapped steps and the executor). An element declares the capabilities it
+`needs` of every other element and the ones it `lacks`, each with the reason; two elements
+conflict when one needs what the other lacks, and the error names both and says why:
+"<lacking> does not support <needing>: <why>". The specs declare their capabilities
+themselves (`supports_*`, `why_not`); the features' are declared below. No rule is written
+as a pair of names.
 
 Batch invariance (`batch_invariant`, docs/batch_invariance.md) is the element
 BATCH_INVARIANT, which needs `batch_invariance`; what cannot give it lacks it: the KV specs
