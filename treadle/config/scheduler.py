@@ -94,7 +94,8 @@ class SchedulerConfig:
     overlap_steps: bool = field(default=False, metadata=_help(
         "Submit the next step to the worker before the outputs of the one just finished "
         "are processed (detokenizing, stop strings, streaming, metrics), so that work runs "
-        "beside the next forward pass; uni executor only (docs/overlap.md)"))
+        "beside the next forward pass; uni executor only. Off: on 2 cores it was not "
+        "measurably faster (docs/overlap.md)"))
     slo_reject: bool = field(default=False, metadata=_help(
         "slo policy: refuse at once (an error naming the deadline and the predicted first "
         "token) a waiting request that can no longer meet its slo_ttft_ms, instead of "
