@@ -20,6 +20,8 @@ import statistics
 import subprocess
 import sys
 
+from step_overhead import engine_options, workload_parser
+
 CONFIGS = {"serial": False, "overlap": True}
 
 
@@ -52,20 +54,12 @@ def one_run(model: str | None, requests: int, prompt_len: int, output_len: int,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--requests", default="1,4,16")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser = workload_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--output", default=None, help="JSON file for the runs")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child's run
-    parser.add_argument("options", nargs="*", help="engine options as key=value")
     args = parser.parse_args()
-    options = {}
-    for item in args.options:
-        key, _, value = item.partition("=")
-        options[key] = int(value) if value.isdigit() else value
+    options = engine_options(args.options)
     if args.one is not None:
         requests, overlap, seed = json.loads(args.one)
         print(json.dumps(one_run(args.model, requests, args.prompt_len, args.output_len,

@@ -143,22 +143,35 @@ def run(model: str | None, requests: list[int], prompt_len: int, output_len: int
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def workload_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments this script shares with overlap_steps.py: the model, the request
+    counts and lengths, and engine options as key=value (`engine_options`)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", default=None)
     parser.add_argument("--requests", default="1,4,16")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("options", nargs="*", help="engine options as key=value")
+    return parser
+
+
+def engine_options(items: list[str]) -> dict:
+    """key=value items as engine options (digits as ints)."""
+    options = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        options[key] = int(value) if value.isdigit() else value
+    return options
+
+
+def main() -> None:
+    parser = workload_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--paths", default="short",
                         help="short, general, overlap, or several comma-separated (alternating)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--output", default=None, help="JSON file for the rows")
-    parser.add_argument("options", nargs="*", help="engine options as key=value")
     args = parser.parse_args()
-    options = {}
-    for item in args.options:
-        key, _, value = item.partition("=")
-        options[key] = int(value) if value.isdigit() else value
+    options = engine_options(args.options)
     rows = run(args.model, [int(n) for n in args.requests.split(",")], args.prompt_len,
                args.output_len, options, tuple(args.paths.split(",")), args.repeats)
     parts = list(dict.fromkeys(p for p, *_ in PARTS)) + ["forward_glue", "runner_rest", "other"]
