@@ -103,32 +103,25 @@ def split(steps: list[dict]) -> dict:
 def run(model: str | None, requests: list[int], prompt_len: int, output_len: int,
         options: dict, paths: tuple[str, ...] = ("short",), repeats: int = 1) -> list[dict]:
     """Rows per (requests, path, repeat): `paths` "short" (the runner's short path for
-    plain greedy decode steps, worker/greedy_decode.py, the default), "general" (it
-    switched off) and "overlap" (the short path under `overlap_steps`, a second engine:
-    the next step runs on the worker's thread while this one's outputs are processed, so
-    a step's parts run on two threads and "other" is not meaningful there; compare
-    `wall_s` per step), alternating within each repeat."""
+    plain greedy decode steps, worker/greedy_decode.py, the default) and "general" (it
+    switched off), alternating within each repeat. (overlap_steps is measured by
+    overlap_steps.py, each configuration in a process of its own.)"""
     from treadle import LLM, SamplingParams
 
     llm = LLM(model=model, **options)
-    engines = {"short": llm, "general": llm}
-    if "overlap" in paths:
-        engines["overlap"] = LLM(model=model, **{**options, "overlap_steps": True})
     vocab = llm.limits.vocab_size
     rng = random.Random(0)
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
     rows = []
     runner = llm.engine.executor.worker.runner
     for n in requests:
-        for engine in set(engines.values()):
-            engine.generate([{"prompt_token_ids": [11] * prompt_len}],
-                            SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+        llm.generate([{"prompt_token_ids": [11] * prompt_len}],
+                     SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
         for repeat in range(repeats):
             for path in (paths if repeat % 2 == 0 else paths[::-1]):
                 batch = [{"prompt_token_ids": [rng.randrange(10, vocab - 10)
                                                for _ in range(prompt_len)]} for _ in range(n)]
-                runner.greedy_decode = path != "general"
-                llm = engines[path]
+                runner.greedy_decode = path == "short"
                 steps_before = llm.get_stats()["num_steps"]
                 with timed_parts() as steps:
                     t0 = time.perf_counter()
@@ -138,8 +131,7 @@ def run(model: str | None, requests: list[int], prompt_len: int, output_len: int
                 rows.append({"requests": n, "path": path, "repeat": repeat,
                              "steps": num_steps, "wall_s": wall, **split(steps)})
     runner.greedy_decode = True
-    for engine in set(engines.values()):
-        engine.engine.shutdown()
+    llm.engine.shutdown()
     return rows
 
 
@@ -167,7 +159,7 @@ def engine_options(items: list[str]) -> dict:
 def main() -> None:
     parser = workload_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--paths", default="short",
-                        help="short, general, overlap, or several comma-separated (alternating)")
+                        help="short, general or short,general (alternating)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--output", default=None, help="JSON file for the rows")
     args = parser.parse_args()

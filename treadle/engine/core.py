@@ -109,9 +109,9 @@ class EngineCore:
         self.time_recompute_s = 0.0
         """Forward time spent recomputing what recompute preemptions threw away."""
         self._in_flight: deque[tuple] = deque()
+        """Submitted steps not answered yet: (SchedulerOutput, step number, start time)."""
         self._overlap = config.scheduler.overlap_steps
         """Submit the next step before returning a step's outputs (docs/overlap.md)."""
-        """Submitted steps not answered yet: (SchedulerOutput, step number, start time)."""
         self.kv_events = None
         """The KV-event recorder and publisher (kv_events/engine.py), or None."""
         if config.kv_events.enabled:
