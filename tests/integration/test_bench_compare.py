@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -220,3 +226,51 @@ def test_a_gguf_file_reaches_every_system_as_is(tmp_path):
     workload = make_workload(load_config(config_path)["workload"], str(gguf))
     assert sum(r["output_tokens"] for r in point["requests"]) == sum(
         r.max_tokens for r in workload.requests)
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (a zombie waiting for init to reap it counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z"
+    except (FileNotFoundError, IndexError):
+        return True
+
+
+@pytest.mark.parametrize("kind", ["offline", "server"])
+def test_stopping_the_benchmark_stops_the_system_it_started(tmp_path, kind):
+    """A `treadle bench compare` ended by SIGTERM (a job runner's stop, `kill PID`) ends the
+    system it was running: peers and offline runners run in sessions of their own, so
+    without it they kept running after the benchmark was gone."""
+    (tmp_path / "config.json").write_text('{"vocab_size": 512}')
+    pid_file = tmp_path / "child.pid"
+    # a grandchild in the system's process group, as a shell command's server would be
+    command = f"sleep 600 & echo $! > {pid_file}; wait"
+    config_path = tmp_path / "cmp.yaml"
+    config_path.write_text(yaml.safe_dump({
+        "model": str(tmp_path), "workload": {"name": "synthetic", "num_requests": 2, "num_long": 0},
+        "systems": [{"name": "slow", "kind": kind, "command": command,
+                     "startup_timeout_s": 600}]}))
+    bench = subprocess.Popen([sys.executable, "-m", "treadle.cli", "bench", "compare",
+                              str(config_path), "--output", str(tmp_path / "out")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text().strip()):
+            assert bench.poll() is None, bench.stderr.read().decode()
+            assert time.monotonic() < deadline, "the system never started"
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        assert not _gone(child)
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=30) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while not _gone(child):
+            assert time.monotonic() < deadline, f"the system's process {child} outlived the benchmark"
+            time.sleep(0.05)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+        if pid_file.exists() and pid_file.read_text().strip():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)

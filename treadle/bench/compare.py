@@ -130,10 +130,12 @@ def _offline(command: str, model: str, workload, timeout_s: float) -> dict:
             try:
                 code = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
                 raise RuntimeError(f"offline runner ran past {timeout_s:.0f} s "
                                    f"(log: {log_path})") from None
+            finally:  # past its time, or this process stopped while it ran
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
         if code != 0 or not output.exists():
             tail = log_path.read_text()[-2000:]
             raise RuntimeError(f"offline runner exited with {code} (log: {log_path}):\n{tail}")

@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # httpx logs every request at INFO: a load generator's thousands of lines, not news.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    if args.command == "bench":
+        # a benchmark stopped by its user or a job runner stops the servers it started
+        from treadle.measure.launch import end_children_on_termination
+        end_children_on_termination()
     try:
         _prepare_openmp(args)
         return args.func(args)

@@ -6,7 +6,8 @@ and then blocks the server mid-request. The child gets SIGTERM (a graceful drain
 killed only if it does not exit within the timeout. Unless its options name one, the
 child gets a Batch API state directory of its own, removed after it: a launched server
 never resumes (and spends the benchmark's time on) the user's batches, and two launched
-at once never share one.
+at once never share one. `end_children_on_termination` makes SIGTERM and SIGHUP unwind
+the process as Ctrl-C does, so those stops run when the benchmark itself is stopped.
 """
 
 from __future__ import annotations
@@ -34,6 +35,25 @@ def peer_environment(environ: dict | None = None) -> dict[str, str]:
         if key:
             env.pop(key, None)
     return env
+
+
+TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def end_children_on_termination() -> None:
+    """From now on SIGTERM and SIGHUP raise SystemExit(128 + signal) in the main thread, so
+    every `finally` that stops a child (a launched server, a peer, an offline runner, the
+    background load) runs before this process ends. Python's default for these signals ends
+    the process at once, and children that started sessions of their own (peers, shell
+    commands) would keep running. A second signal while those stops run is ignored; SIGKILL
+    still ends everything at once."""
+    def unwind(signum, frame):
+        for sig in TERMINATING_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    for sig in TERMINATING_SIGNALS:
+        signal.signal(sig, unwind)
 
 
 def free_port() -> int:
