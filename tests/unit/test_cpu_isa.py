@@ -66,6 +66,30 @@ def test_cpu_flags_reads_x86_and_arm_lines():
     assert cpu_flags("") == frozenset()
 
 
+def test_the_avx512_level_adds_vnni_where_the_cpu_has_it():
+    """A Xeon with AVX-512 VNNI but no AVX-512 BF16 (Cascade Lake, Ice Lake, a guest whose
+    BF16 and AMX are hidden) builds the avx512 level with VNNI, so its quantized kernels
+    have the r16 decode path; a CPU without VNNI keeps the plain AVX-512 build, and the
+    other levels never add it (the AVX2 r16 path is the one without VNNI)."""
+    assert cpu_isa.compile_flags("avx512", V4 | {"avx512_vnni"}) == [
+        "-march=x86-64-v4", "-mavx512vnni", "-mtune=native"]
+    assert cpu_isa.compile_flags("avx512", V4) == ["-march=x86-64-v4", "-mtune=native"]
+    assert cpu_isa.compile_flags("avx2", V4 | {"avx512_vnni", "avx_vnni"}) == [
+        "-march=x86-64-v3", "-mtune=native"]
+
+
+def test_the_avx512_level_runs_the_r16_path_where_the_cpu_has_vnni():
+    """What the extension is for, on this machine: the avx512 level's library has the r16
+    decode path exactly when this CPU has AVX-512 VNNI (twin: the flags test above runs
+    everywhere)."""
+    from treadle.worker.cpu.native_quant import QuantKernels
+
+    if "avx512" not in LEVELS:
+        pytest.skip("this CPU does not run the avx512 level")
+    kernels = load_kernels("avx512")
+    assert QuantKernels(kernels.lib).has_r16 == ("avx512_vnni" in cpu_flags())
+
+
 EXPECTED_BUILD = {"avx512bf16": (16, True), "avx512": (16, False), "avx2": (8, False)}
 
 

@@ -39,12 +39,26 @@ _MARCH = {"avx512bf16": ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-m
           "native": ["-march=native"]}
 
 
-def compile_flags(level: str) -> list[str]:
-    """gcc's target flags for a level (tuned for this CPU: the cache key has its flags)."""
+_EXTENSIONS_WHERE_PRESENT = {"avx512": (("avx512_vnni", "-mavx512vnni"),)}
+"""level -> (CPU flag, gcc option) its build adds where this CPU has the flag. AVX-512
+VNNI without AVX-512 BF16 is a common Xeon: Cascade Lake, Ice Lake, and cloud guests of
+newer Xeons whose hypervisor hides BF16 and AMX. With it the avx512 level's quantized
+kernels take their int8 dot products on vpdpbusd and the r16 decode path (quant_r16.c),
+which an AVX-512 build without VNNI does not have: without it a GGUF model ran dense
+bf16 there (20 ms a token for SmolLM2 Q4_1 against llama.cpp's 14.7; docs/benchmarks.md)."""
+
+
+def compile_flags(level: str, flags: frozenset[str] | None = None) -> list[str]:
+    """gcc's target flags for a level (tuned for this CPU: the cache key has its flags),
+    with the extensions this CPU (or `flags`) has that the level adds where present."""
     if level not in _MARCH:
         raise ValueError(f"kernel_isa must be one of {', '.join(KERNEL_ISA_CHOICES)}, "
                          f"got {level!r}")
-    return list(_MARCH[level])
+    extensions = _EXTENSIONS_WHERE_PRESENT.get(level, ())
+    if extensions and flags is None:
+        flags = cpu_flags() if _is_x86() else frozenset()
+    tuned = list(_MARCH[level])
+    return tuned[:-1] + [option for flag, option in extensions if flag in flags] + tuned[-1:]
 
 
 def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
