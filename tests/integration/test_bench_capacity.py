@@ -9,8 +9,8 @@ import math
 import pytest
 
 from server_fixtures import running_server
-from treadle.bench.capacity import (SLO, Probe, Prober, TraceLoad, judge, search_capacity,
-                                    table_rows)
+from treadle.bench.capacity import (SLO, Probe, Prober, TraceLoad, common_goodput_rate, judge,
+                                    search_capacity, table_rows)
 from treadle.measure.http_load import RequestResult
 from treadle.models.demo import write_demo_model
 
@@ -37,6 +37,15 @@ def test_doubling_then_bisection_finds_the_capacity_within_the_bracket():
     assert seen == [0.5, 0.25, 0.125]
     seen.clear()  # never misses: the last rate probed is a lower bound
     assert search_capacity(fake_probe(100, seen), 1.0, max_doublings=2).capacity_rps == 4.0
+
+
+def test_goodput_is_measured_at_the_factor_times_the_capacity_even_below_the_start():
+    """A search whose start rate already missed (capacity 1.49, start 4.77 req/s on a
+    machine with slow prefill) measures goodput at 1.5 x 1.49, not 1.5 x 4.77; only a
+    capacity of 0 falls back to the start rate."""
+    assert common_goodput_rate(1.5, 1.49, 4.77) == pytest.approx(2.235)
+    assert common_goodput_rate(1.5, 6.0, 4.0) == pytest.approx(9.0)
+    assert common_goodput_rate(1.5, 0.0, 4.0) == pytest.approx(6.0)
 
 
 def test_a_failed_request_misses_both_targets_and_goodput_counts_each_request():

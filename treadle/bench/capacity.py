@@ -234,6 +234,15 @@ class System:
     """Fields every request of this system carries (the slo policy's deadlines)."""
 
 
+def common_goodput_rate(goodput_factor: float, capacity_rps: float, start_rps: float) -> float:
+    """The rate every system's goodput is measured at: `goodput_factor` x the first
+    system's capacity, or x its start rate where nothing met the targets (capacity 0).
+    Not the larger of the two: a start rate that already misses is often several times
+    the capacity (4.8x on a machine with slow prefill), and goodput there says nothing
+    about "1.5x capacity"."""
+    return goodput_factor * (capacity_rps if capacity_rps > 0 else start_rps)
+
+
 def run_capacity(systems: list[System], load: TraceLoad, slo: SLO | None,
                  goodput_factor: float = 1.5, log=print, max_doublings: int = 8,
                  bisections: int = 3) -> dict:
@@ -253,7 +262,7 @@ def run_capacity(systems: list[System], load: TraceLoad, slo: SLO | None,
                     f"p99 TBT {slo.tbt_s * 1000:.0f} ms")
             search = search_capacity(prober, start, max_doublings, bisections)
             if goodput_rate is None:
-                goodput_rate = goodput_factor * max(search.capacity_rps, start)
+                goodput_rate = common_goodput_rate(goodput_factor, search.capacity_rps, start)
             at_load = prober(goodput_rate)
         log(f"  capacity {search.capacity_rps:.3f} req/s; goodput at {goodput_rate:.3f} req/s: "
             f"{at_load.goodput_rps:.3f} req/s")
