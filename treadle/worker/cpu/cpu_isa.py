@@ -11,6 +11,7 @@ not import torch.
 
 from __future__ import annotations
 
+import functools
 import platform
 from pathlib import Path
 
@@ -45,7 +46,8 @@ VNNI without AVX-512 BF16 is a common Xeon: Cascade Lake, Ice Lake, and cloud gu
 newer Xeons whose hypervisor hides BF16 and AMX. With it the avx512 level's quantized
 kernels take their int8 dot products on vpdpbusd and the r16 decode path (quant_r16.c),
 which an AVX-512 build without VNNI does not have: without it a GGUF model ran dense
-bf16 there (20 ms a token for SmolLM2 Q4_1 against llama.cpp's 14.7; docs/benchmarks.md)."""
+bf16 there (17.1 ms a token for SmolLM2 Q4_1 against llama.cpp's 16.8; 6.9 with it;
+docs/benchmarks.md)."""
 
 
 def compile_flags(level: str, flags: frozenset[str] | None = None) -> list[str]:
@@ -57,23 +59,30 @@ def compile_flags(level: str, flags: frozenset[str] | None = None) -> list[str]:
     extensions = _EXTENSIONS_WHERE_PRESENT.get(level, ())
     if extensions and flags is None:
         flags = cpu_flags() if _is_x86() else frozenset()
-    tuned = list(_MARCH[level])
-    return tuned[:-1] + [option for flag, option in extensions if flag in flags] + tuned[-1:]
+    march, tune = _MARCH[level][:-1], _MARCH[level][-1:]  # -mtune (or -march=native) last
+    return march + [option for flag, option in extensions if flag in flags] + tune
 
 
 def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
-    """The CPU's feature flags (x86 `flags`, ARM `Features`); empty when unknown."""
+    """The CPU's feature flags (x86 `flags`, ARM `Features`); empty when unknown. This
+    machine's (no `cpuinfo`) are read once: compile_flags asks for them per kernel source,
+    and /proc/cpuinfo has a block per CPU."""
     if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return frozenset()
+        return _this_cpu_flags()
     words: set[str] = set()
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         if key.strip().lower() in ("flags", "features"):
             words.update(value.split())
     return frozenset(words)
+
+
+@functools.lru_cache(maxsize=1)
+def _this_cpu_flags() -> frozenset[str]:
+    try:
+        return cpu_flags(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return frozenset()
 
 
 def _is_x86() -> bool:
