@@ -12,6 +12,10 @@
 #   LLAMACPP_DIR=/work/peers/llama.cpp MODELS_DIR=/work/peers/models \
 #   VLLM_PY=/work/peers/vllm-venv/bin/python bash benchmarks/issue51_grid.sh
 #
+# The files it reads (MODELS_DIR): the default model's Q4_1 file and Gemma 3 270M Q4_K_M
+# (docs/benchmarks.md says where they come from), then the rest written by
+#   python benchmarks/make_issue51_files.py --models $MODELS_DIR --llamacpp-dir $LLAMACPP_DIR
+#
 # Writes results/issue51/ (OUT=... to change): one JSON per figure, log.txt (each part's
 # end time and the load average then: a part that ran at load > ~0.5 beside nothing else
 # was not quiet), cpu.txt (the CPU model and flags every figure ran on), and prints the

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import load_file
+from safetensors.torch import load_file
 
 from treadle.models.demo import CHAT_TEMPLATE, SPECIAL_TOKENS, _build_merges, _byte_alphabet
 
@@ -100,6 +100,7 @@ def write_tiny_gguf(checkpoint_dir: str | Path, out_path: str | Path, family: st
     from gguf.quants import quantize
 
     config = json.loads((Path(checkpoint_dir) / "config.json").read_text())
+    # torch's loader: numpy has no bfloat16 (the demo writer's checkpoints are bf16)
     weights = load_file(str(Path(checkpoint_dir) / "model.safetensors"))
     arch = ARCH[family]
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
@@ -139,7 +140,7 @@ def write_tiny_gguf(checkpoint_dir: str | Path, out_path: str | Path, family: st
             rope.get("rope_theta") or config.get("rope_theta"), head_dim, rope))
     rng = np.random.default_rng(seed)
     for name, value in weights.items():
-        value = value.astype(np.float32)
+        value = value.float().numpy()
         if arch == "llama" and name.endswith("q_proj.weight"):
             value = llama_cpp_permute(value, n_head)
         elif arch == "llama" and name.endswith("k_proj.weight"):
