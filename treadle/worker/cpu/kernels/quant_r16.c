@@ -125,8 +125,9 @@ static inline __attribute__((always_inline)) void r16_group(
     for (int64_t c = 0; c < nchunks; c++) {
         const uint8_t *ch = gw + c * cb;
         const char *pf = (const char *)ch + QK_PF_DIST;
-        for (int64_t p = 0; p < cb; p += 64)
-            if (pf + p < (const char *)pf_end) _mm_prefetch(pf + p, _MM_HINT_T1);
+        if (pf_end)
+            for (int64_t p = 0; p < cb; p += 64)
+                if (pf + p < (const char *)pf_end) _mm_prefetch(pf + p, _MM_HINT_T1);
         __m512i wv[8];
         __m512 d = _mm512_setzero_ps(), mn = _mm512_setzero_ps();
         if (FMT == QF_Q8_0 || FMT == QF_INT8) {
@@ -144,14 +145,21 @@ static inline __attribute__((always_inline)) void r16_group(
             d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ch + 256)));
         if (FMT == QF_Q4_1)
             mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ch + 288)));
+        /* One accumulator per x row, the rows innermost: MT independent vpdpbusd chains
+         * side by side (a row's 8 in a chain took 8 x its latency per chunk, which the
+         * core had to overlap across rows on its own), each x group broadcast from memory
+         * (a load, not a shuffle port). Integer sums: the same in any order. */
+        __m512i acc[R16_MAX_MT];
+        for (int i = 0; i < MT; i++) acc[i] = _mm512_set1_epi32(ci[(m0 + i) * nchunks + c]);
+        for (int j = 0; j < 8; j++)
+            for (int i = 0; i < MT; i++) {
+                int32_t xg;  /* qx values 4j .. 4j + 3 of row m0 + i's chunk */
+                memcpy(&xg, xq->q + (m0 + i) * kp + c * 32 + 4 * j, sizeof xg);
+                acc[i] = _mm512_dpbusd_epi32(acc[i], wv[j], _mm512_set1_epi32(xg));
+            }
         for (int i = 0; i < MT; i++) {
-            const int64_t m = m0 + i, at = m * nchunks + c;
-            int32_t xg[8];  /* the chunk's qx as 8 groups of 4 (memcpy: no aliasing) */
-            memcpy(xg, xq->q + m * kp + c * 32, sizeof xg);
-            __m512i acc = _mm512_set1_epi32(ci[at]);
-            for (int j = 0; j < 8; j++)
-                acc = _mm512_dpbusd_epi32(acc, wv[j], _mm512_set1_epi32(xg[j]));
-            const __m512 f = _mm512_cvtepi32_ps(acc), dx = _mm512_set1_ps(cdx[at]);
+            const int64_t at = (m0 + i) * nchunks + c;
+            const __m512 f = _mm512_cvtepi32_ps(acc[i]), dx = _mm512_set1_ps(cdx[at]);
             if (FMT == QF_INT8) {
                 out[i] = _mm512_fmadd_ps(f, dx, out[i]);
             } else {
@@ -173,16 +181,18 @@ static inline __attribute__((always_inline)) void r16_rows(
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
     for (int64_t m0 = 0; m0 < M; m0 += R16_MAX_MT) {
         const int64_t mt = M - m0 < R16_MAX_MT ? M - m0 : R16_MAX_MT;
+        /* the next group is prefetched on the first pass; later passes find it cached */
+        const uint8_t *pf = m0 == 0 ? pf_end : NULL;
         __m512 out[R16_MAX_MT];
         switch (mt) {  /* literal row counts, so that the accumulators stay in registers */
-        case 1: r16_group(FMT, 1, gw, nchunks, xq, ci, cdx, ct, m0, out, pf_end); break;
-        case 2: r16_group(FMT, 2, gw, nchunks, xq, ci, cdx, ct, m0, out, pf_end); break;
-        case 3: r16_group(FMT, 3, gw, nchunks, xq, ci, cdx, ct, m0, out, pf_end); break;
-        case 4: r16_group(FMT, 4, gw, nchunks, xq, ci, cdx, ct, m0, out, pf_end); break;
-        case 5: r16_group(FMT, 5, gw, nchunks, xq, ci, cdx, ct, m0, out, pf_end); break;
-        case 6: r16_group(FMT, 6, gw, nchunks, xq, ci, cdx, ct, m0, out, pf_end); break;
-        case 7: r16_group(FMT, 7, gw, nchunks, xq, ci, cdx, ct, m0, out, pf_end); break;
-        default: r16_group(FMT, 8, gw, nchunks, xq, ci, cdx, ct, m0, out, pf_end); break;
+        case 1: r16_group(FMT, 1, gw, nchunks, xq, ci, cdx, ct, m0, out, pf); break;
+        case 2: r16_group(FMT, 2, gw, nchunks, xq, ci, cdx, ct, m0, out, pf); break;
+        case 3: r16_group(FMT, 3, gw, nchunks, xq, ci, cdx, ct, m0, out, pf); break;
+        case 4: r16_group(FMT, 4, gw, nchunks, xq, ci, cdx, ct, m0, out, pf); break;
+        case 5: r16_group(FMT, 5, gw, nchunks, xq, ci, cdx, ct, m0, out, pf); break;
+        case 6: r16_group(FMT, 6, gw, nchunks, xq, ci, cdx, ct, m0, out, pf); break;
+        case 7: r16_group(FMT, 7, gw, nchunks, xq, ci, cdx, ct, m0, out, pf); break;
+        default: r16_group(FMT, 8, gw, nchunks, xq, ci, cdx, ct, m0, out, pf); break;
         }
         for (int64_t i = 0; i < mt; i++) {
             __m512 v = _mm512_add_ps(_mm512_mul_ps(out[i], sc), b);
