@@ -12,6 +12,7 @@ import pytest
 import torch
 from quant_data import make_weight
 
+from treadle.models.quant_weights import r16_at_every_row_count
 from treadle.worker.cpu.linear_kernels import packed_kernel_works
 from treadle.worker.cpu.native import load_kernels
 from treadle.worker.cpu.native_quant import (ISA_VARIANTS, QuantKernelError, QuantKernels,
@@ -135,6 +136,42 @@ def test_gemv_paths_match_reference(kernels, fmt):
                     y = kernels.gemv_r16(fmt, weight.packed, weight.scales, n, k, x, bias)
                     assert y.dtype == dtype and y.shape == (m, n)
                     assert_matches(y, *_reference(kernels, "dot", weight, w_ref, x, bias))
+
+
+@pytest.mark.parametrize("fmt", ("Q8_0", "Q4_0", "Q4_1", "INT8"))
+@pytest.mark.parametrize("invariant", (False, True), ids=("default", "batch_invariant"))
+def test_one_copy_of_a_weight_where_r16_runs_at_every_row_count(kernels, fmt, invariant):
+    """Where the r16 path runs at every row count the GGUF blocks are not kept beside the
+    r16 copy: `blocks` unpacks them byte for byte, the weight's bytes are the copy's, and
+    the products are unchanged. Elsewhere both are kept. (Batch-invariant kernels take
+    r16 at every row count wherever it is built: the avx2 build, on any x86 test CPU.)"""
+    import copy
+
+    if invariant:
+        kernels = copy.copy(kernels)
+        kernels.batch_invariant = True
+    every = r16_at_every_row_count(kernels, fmt)
+    assert every == (fmt in kernels.r16_formats and (invariant or (kernels.has_vnni
+                                                                  and not kernels.has_amx)))
+    gen = torch.Generator().manual_seed(3)
+    for i, (n, k) in enumerate(SHAPES[fmt]):
+        weight, w_ref = make_weight(fmt, n, k, seed=40 + i, kernels=kernels)
+        as_made, _ = make_weight(fmt, n, k, seed=40 + i)  # no kernels: the blocks as made
+        assert (weight.stored_blocks is None) == every
+        assert torch.equal(weight.blocks, as_made.blocks)
+        if fmt in kernels.r16_formats:
+            assert torch.equal(kernels.r16_unpack(fmt, weight.packed, n, k, as_made.row_bytes),
+                               as_made.blocks)
+        stored = 0 if every else as_made.blocks.numel()
+        packed = 0 if weight.packed is None else weight.packed.numel()
+        scales = 0 if weight.scales is None else weight.scales.numel() * 4
+        assert weight.nbytes == stored + packed + scales
+        for m in (1, 17, 200):
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+            path = weight.path(m)
+            y = weight.apply(x)
+            assert_matches(y, *_reference(kernels, "dot" if path == "r16" else path, weight,
+                                          w_ref, x, None))
 
 
 def test_gemm_runs_wherever_a_vector_unit_does(kernels, request):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from quant_data import make_weight
 
 from treadle.models.quant_formats import FORMATS, dequantize_torch, format_of, quantize_int8
-from treadle.models.quant_weights import QuantizedLinear, choose_path
+from treadle.models.quant_weights import QuantizedLinear, choose_path, r16_at_every_row_count
 from treadle.worker.cpu.native import load_kernels
 from treadle.worker.cpu.native_quant import ISA_VARIANTS, QuantKernels, build_variant, cpu_runs
 
@@ -220,6 +220,27 @@ def test_weight_object_refuses_bad_input(kernels):
         QuantizedLinear(weight.format, weight.blocks, 64, bias=torch.zeros(3))
 
 
+def test_only_the_r16_copy_is_kept_where_r16_runs_at_every_row_count():
+    """The rule that drops a weight's GGUF blocks agrees with the path rule: exactly
+    where every row count takes r16 (VNNI without AMX, batch-invariant kernels)."""
+    from types import SimpleNamespace
+
+    r16 = ("Q8_0", "Q4_0")
+    cases = {
+        "vnni": (SimpleNamespace(has_amx=False, has_vnni=True, r16_formats=r16), True),
+        "amx": (SimpleNamespace(has_amx=True, has_vnni=True, r16_formats=r16), False),
+        "avx2": (SimpleNamespace(has_amx=False, has_vnni=False, r16_formats=r16,
+                                 has_gemm=True), False),
+        "invariant": (SimpleNamespace(has_amx=True, has_vnni=True, r16_formats=r16,
+                                      batch_invariant=True), True),
+    }
+    for name, (kernels, every) in cases.items():
+        assert r16_at_every_row_count(kernels, "Q8_0") == every, name
+        assert all(choose_path(kernels, "Q8_0", m) == "r16" for m in range(1, 2049)) == every
+        assert not r16_at_every_row_count(kernels, "Q4_K")  # a format r16 does not hold
+    assert not r16_at_every_row_count(None, "Q8_0")
+
+
 def test_from_gguf_views_and_sizes(kernels):
     weight, ref = make_weight("Q4_0", 8, 64, seed=6)
     raw = weight.blocks.numpy()
@@ -247,8 +268,8 @@ def test_concat_rows_and_embedding(kernels, fmt):
         torch.testing.assert_close(y[:, a:b], w.apply(x))
     ids = torch.tensor([[3, 0], [15, 3]])
     assert torch.equal(fused.embedding(ids), ref[ids])
-    fused.kernels = None
-    assert torch.equal(fused.embedding(ids), ref[ids])
+    without_kernels = QuantizedLinear(fused.format, fused.blocks, 64, scales=fused.scales)
+    assert torch.equal(without_kernels.embedding(ids), ref[ids])
     other, _ = make_weight("Q4_0", 4, 64, seed=1)
     with pytest.raises(ValueError, match="cannot fuse"):
         QuantizedLinear.concat_rows([parts[0][0], other])

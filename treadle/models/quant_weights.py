@@ -49,6 +49,11 @@ stays callable for measurements. Paths round differently (int8 activations on th
 paths, bf16 weights on the bf16 ones), so a row's output depends slightly on how many
 rows share the call, as the bf16 kernels' already does.
 
+Where `r16` is the path at every row count (`r16_at_every_row_count`: AVX-512 VNNI
+without AMX, or batch-invariant kernels) the GGUF blocks are not kept beside the r16 copy
+(it holds the same bytes; `blocks` unpacks them for readers at load and in tests), so the
+weights take the file's bytes once, not twice.
+
 Batch-invariant kernels (`kernels.batch_invariant`, docs/batch_invariance.md) take one
 path per format at every row count (`invariant_path`): each path's sums run in an order
 that does not depend on the rows, but two paths' results differ in the last float bits
@@ -144,6 +149,16 @@ def choose_path(kernels, fmt: str, rows: int, dtype: torch.dtype = torch.bfloat1
     return "dot" if rows <= PLAIN_DOT_MAX_ROWS else "deq_buffered"
 
 
+def r16_at_every_row_count(kernels, fmt: str) -> bool:
+    """Whether `choose_path` takes `r16` for a `fmt` weight on `kernels` whatever the rows
+    (batch-invariant kernels, or AVX-512 VNNI without AMX): then nothing reads the GGUF
+    blocks at run time and `QuantizedLinear` keeps only the packed copy."""
+    if kernels is None or fmt not in getattr(kernels, "r16_formats", ()):
+        return False
+    return bool(getattr(kernels, "batch_invariant", False)
+                or (kernels.has_vnni and not kernels.has_amx))
+
+
 class QuantizedLinear:
     """y = x @ W.T + bias with W [out_features, in_features] kept quantized.
 
@@ -165,7 +180,11 @@ class QuantizedLinear:
                              f"{blocks.dtype} {tuple(blocks.shape)}")
         if (self.format.name == "INT8") != (scales is not None):
             raise ValueError("scales are given for INT8 weights and only for them")
-        self.blocks = blocks.contiguous()
+        self.stored_blocks: torch.Tensor | None = blocks.contiguous()
+        """The GGUF-layout blocks held in memory; None where the r16 copy is the only one
+        (`r16_at_every_row_count`): `blocks` then unpacks them for the few readers that
+        want them (the weight cache, dequantizing, fusing rows at load)."""
+        self.row_bytes = row_bytes
         self.in_features = in_features
         self.out_features = blocks.shape[0]
         self.scales = None if scales is None else scales.float().contiguous()
@@ -179,12 +198,26 @@ class QuantizedLinear:
         """The weight in the r16 layout, where the kernels run that path for this format
         (a second copy of the blocks: the other paths read the GGUF layout)."""
         if kernels is not None and self.format.name in getattr(kernels, "r16_formats", ()):
-            self.packed = (kernels.r16_pack(self.format.name, self.blocks, in_features)
+            self.packed = (kernels.r16_pack(self.format.name, self.stored_blocks, in_features)
                            if packed is None else
                            kernels.r16_adopt(self.format.name, packed, self.out_features,
                                              in_features))
+            if r16_at_every_row_count(kernels, self.format.name):
+                # Measured on the real Gemma 3 270M Q4_K_M (VNNI, no AMX): 508 MiB of
+                # quantized weights for a 253 MB file, half of it blocks no kernel read.
+                self.stored_blocks = None
         self._dense: torch.Tensor | None = None  # the fallback's copy
         self._bias_as: dict[torch.dtype, torch.Tensor] = {}
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        """The weight as GGUF blocks [out_features, row_bytes] (INT8: its rows): the stored
+        ones, or unpacked from the r16 copy where only that is kept (a new tensor per call:
+        for load-time and test readers, not for a step)."""
+        if self.stored_blocks is not None:
+            return self.stored_blocks
+        return self.kernels.r16_unpack(self.format.name, self.packed, self.out_features,
+                                       self.in_features, self.row_bytes)
 
     @classmethod
     def from_gguf(cls, ggml_type: int | str, data, shape: tuple[int, int],
@@ -226,9 +259,10 @@ class QuantizedLinear:
                    tile_rows=tile_rows)
 
     @classmethod
-    def concat_rows(cls, weights: list[QuantizedLinear]) -> QuantizedLinear:
+    def concat_rows(cls, weights: list[QuantizedLinear], kernels=None) -> QuantizedLinear:
         """One weight whose output rows are those of `weights` in order (fused QKV or
-        gate/up projections); they must share format and in_features."""
+        gate/up projections); they must share format and in_features. kernels: the fused
+        weight's (default: the first's; pieces made without kernels are not packed)."""
         first = weights[0]
         for w in weights[1:]:
             if w.format != first.format or w.in_features != first.in_features:
@@ -241,7 +275,8 @@ class QuantizedLinear:
         scales = None if first.scales is None else torch.cat([w.scales for w in weights])
         bias = torch.cat([w.bias for w in weights]) if all(biased) else None
         return cls(first.format, torch.cat([w.blocks for w in weights]), first.in_features,
-                   scales=scales, bias=bias, kernels=first.kernels, tile_rows=first.tile_rows)
+                   scales=scales, bias=bias, kernels=kernels or first.kernels,
+                   tile_rows=first.tile_rows)
 
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows `ids` (int64, any shape) dequantized: [*ids.shape, in_features] of dtype,
@@ -264,11 +299,12 @@ class QuantizedLinear:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the weight holds in memory (blocks, scales and the r16 copy; not the
-        bias)."""
+        """Bytes the weight holds in memory (stored blocks, scales and the r16 copy; not
+        the bias)."""
         extra = 0 if self.scales is None else self.scales.numel() * 4
         packed = 0 if self.packed is None else self.packed.numel()
-        return self.blocks.numel() + extra + packed
+        blocks = 0 if self.stored_blocks is None else self.stored_blocks.numel()
+        return blocks + extra + packed
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] (bfloat16 or float32) @ W.T + bias, in x's dtype."""
@@ -313,10 +349,10 @@ class QuantizedLinear:
         dtype = self.tile_dtype(x.dtype)
         xt = x.to(dtype)
         tile = torch.empty(min(self.tile_rows, n), k, dtype=dtype)
-        bias = self._bias_in(dtype)
+        bias, blocks = self._bias_in(dtype), self.blocks
         for n0 in range(0, n, self.tile_rows):
             n1 = min(n, n0 + self.tile_rows)
-            w = self.kernels.dequantize(self.format.name, self.blocks, self.scales, k,
+            w = self.kernels.dequantize(self.format.name, blocks, self.scales, k,
                                         rows=(n0, n1), out=tile[:n1 - n0])
             y[:, n0:n1] = F.linear(xt, w, None if bias is None else bias[n0:n1])
         return y

@@ -76,7 +76,7 @@ def _kernel(linear, lib) -> DenseLinearKernel | QuantizedLinear | None:
     kernel = getattr(linear, "kernel", None)
     if type(kernel) is QuantizedLinearKernel:
         q = kernel.weight
-        if q.kernels is None or q.kernels.lib is not lib or not q.blocks.is_contiguous():
+        if q.kernels is None or q.kernels.lib is not lib:
             return None
         return q
     if type(kernel) is not DenseLinearKernel or kernel.native is None:
@@ -88,10 +88,11 @@ def _kernel(linear, lib) -> DenseLinearKernel | QuantizedLinear | None:
 
 def _entry(entry: _Linear, kernel: DenseLinearKernel | QuantizedLinear) -> None:
     if isinstance(kernel, QuantizedLinear):
-        entry.w, entry.bias, entry.scales = (kernel.blocks.data_ptr(), _ptr(kernel.bias),
-                                             _ptr(kernel.scales))
+        # No stored blocks: r16 runs at every row count, and the driver reads `packed` only
+        entry.w = _ptr(kernel.stored_blocks) or kernel.packed.data_ptr()
+        entry.bias, entry.scales = _ptr(kernel.bias), _ptr(kernel.scales)
         entry.packed = _ptr(kernel.packed)
-        entry.row_bytes, entry.fmt = kernel.blocks.stride(0), FORMAT_CODES[kernel.format.name]
+        entry.row_bytes, entry.fmt = kernel.row_bytes, FORMAT_CODES[kernel.format.name]
     else:
         entry.w, entry.bias, entry.scales = kernel.weight.data_ptr(), _ptr(kernel.bias), None
         entry.packed = _ptr(kernel.vnni)  # the packed GEMM's copy, where there is one

@@ -155,6 +155,9 @@ class QuantKernels:
         self._r16_pack = lib.quant_r16_pack
         self._r16_pack.argtypes = [_I, _P, _I64, _I64, _I64, _P]
         self._r16_pack.restype = _I
+        self._r16_unpack = lib.quant_r16_unpack
+        self._r16_unpack.argtypes = [_I, _P, _I64, _I64, _I64, _P]
+        self._r16_unpack.restype = _I
         lib.quant_r16_available.restype = _I
         self.has_r16 = bool(lib.quant_r16_available())
         """Whether the r16 path runs here (AVX-512 with VNNI, or AVX2 without VNNI)."""
@@ -267,6 +270,19 @@ class QuantKernels:
         status = self._r16_pack(FORMAT_CODES[fmt], blocks.data_ptr(), blocks.stride(0), n, k,
                                 out.data_ptr())
         self._check(status, fmt, k, blocks)
+        return out
+
+    def r16_unpack(self, fmt: str, packed: torch.Tensor, n: int, k: int,
+                   row_bytes: int) -> torch.Tensor:
+        """The blocks [n, row_bytes] that `r16_pack` made `packed` of, byte for byte."""
+        size = self._r16_bytes(FORMAT_CODES[fmt], n, k) if fmt in R16_FORMATS else -1
+        if size < 0 or packed.dtype != torch.uint8 or packed.numel() != size:
+            raise QuantKernelError(f"a packed r16 {fmt} weight [{n}, {k}] needs {size} bytes, "
+                                   f"got {packed.numel()} {packed.dtype}")
+        out = torch.empty(n, row_bytes, dtype=torch.uint8)
+        status = self._r16_unpack(FORMAT_CODES[fmt], packed.data_ptr(), row_bytes, n, k,
+                                  out.data_ptr())
+        self._check(status, fmt, k, out)
         return out
 
     def r16_adopt(self, fmt: str, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:

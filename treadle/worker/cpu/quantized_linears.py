@@ -147,9 +147,13 @@ class _FreshWeights:
                 return None
             if all(p.tensor_type in _GGUF_FORMATS for p in parts) and len(
                     {p.tensor_type for p in parts}) == 1:
+                # a fused group's pieces without kernels: only the fused weight is packed
+                fused = len(parts) > 1
                 pieces = [QuantizedLinear.from_gguf(p.tensor_type, p.data, p.shape,
-                                                    kernels=self.kernels) for p in parts]
-                q = pieces[0] if len(pieces) == 1 else QuantizedLinear.concat_rows(pieces)
+                                                    kernels=None if fused else self.kernels)
+                          for p in parts]
+                q = (QuantizedLinear.concat_rows(pieces, kernels=self.kernels) if fused
+                     else pieces[0])
             elif all(p.tensor_type in REQUANTIZED_TYPES for p in parts):
                 # Another GGML block type (Q5_0, Q6_K, ...) or formats that differ inside a
                 # fused group: the loaded weight (those blocks decoded) as Q8_0 blocks.

@@ -113,6 +113,40 @@ int quant_r16_pack(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int6
     return 0;
 }
 
+/* The inverse of quant_r16_pack: w (N rows of row_bytes) from `packed`, byte for byte the
+ * blocks that were packed (INT8 rows padded to 64 as packed; bytes past them zero). Where
+ * the r16 path runs at every row count the GGUF blocks are not kept beside the packed
+ * copy (models/quant_weights.py), and the few readers of blocks (the weight cache,
+ * dequantizing, fusing rows at load) get them from here. Returns 0, or -1 as pack does. */
+int quant_r16_unpack(int fmt, const uint8_t *packed, int64_t row_bytes, int64_t N, int64_t K,
+                     uint8_t *w) {
+    if (quant_r16_bytes(fmt, N, K) < 0 || qk_check(fmt, K, row_bytes)) return -1;
+    const int64_t nchunks = r16_nchunks(fmt, K), cb = r16_chunk_bytes(fmt);
+    for (int64_t n = 0; n < N; n++) {
+        const int64_t g = n / 16, r = n % 16;
+        uint8_t *row = w + n * row_bytes;
+        if (fmt == QF_INT8) memset(row, 0, (size_t)row_bytes);
+        for (int64_t c = 0; c < nchunks; c++) {
+            const uint8_t *src = packed + (g * nchunks + c) * cb;
+            if (fmt == QF_Q8_0 || fmt == QF_INT8) {
+                uint8_t *q = fmt == QF_Q8_0 ? row + c * 34 + 2 : row + c * 32;
+                for (int j = 0; j < 8; j++)
+                    for (int e = 0; e < 4; e++)
+                        q[4 * j + e] = (uint8_t)(src[j * 64 + r * 4 + e] ^ 0x80);
+                if (fmt == QF_Q8_0) memcpy(row + c * 34, src + 512 + r * 2, 2);
+            } else {
+                const int bs = fmt == QF_Q4_0 ? 18 : 20, off = fmt == QF_Q4_0 ? 2 : 4;
+                uint8_t *blk = row + c * bs;
+                for (int j = 0; j < 4; j++)
+                    memcpy(blk + off + 4 * j, src + j * 64 + r * 4, 4);
+                memcpy(blk, src + 256 + r * 2, 2);                           /* d */
+                if (fmt == QF_Q4_1) memcpy(blk + 2, src + 288 + r * 2, 2);  /* m */
+            }
+        }
+    }
+    return 0;
+}
+
 #if QK_AVX512 && QK_VNNI
 /* x rows m0 .. m0 + MT against group g: out[mt][16] (fp32, before row scales and bias). */
 static inline __attribute__((always_inline)) void r16_group(
