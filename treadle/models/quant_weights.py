@@ -196,7 +196,8 @@ class QuantizedLinear:
         self.tile_rows = max(1, tile_rows)
         self.packed: torch.Tensor | None = None
         """The weight in the r16 layout, where the kernels run that path for this format
-        (a second copy of the blocks: the other paths read the GGUF layout)."""
+        (the only copy where r16 runs at every row count; else beside the blocks, which
+        the other paths read)."""
         if kernels is not None and self.format.name in getattr(kernels, "r16_formats", ()):
             self.packed = (kernels.r16_pack(self.format.name, self.stored_blocks, in_features)
                            if packed is None else
