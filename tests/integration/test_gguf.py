@@ -125,6 +125,31 @@ def test_llama_permutation_is_undone_exactly(tmp_path, monkeypatch):
     assert treadle_greedy(str(path), batch, 16) == hf_greedy(original, batch, 16)
 
 
+def test_a_bf16_checkpoint_written_as_gguf_is_the_same_model(tmp_path, monkeypatch):
+    """The GGUF writer reads bf16 checkpoints (the demo writer's, as
+    benchmarks/make_issue51_files.py gives it the 1B shape with a vocabulary larger than
+    the demo tokenizer's): an all-F32 file of a bf16 demo-shaped checkpoint converts back
+    to its exact values, with a tokenizer of the config's vocabulary size."""
+    from safetensors.torch import load_file
+
+    from treadle.models.demo import write_demo_model
+
+    use_fresh_cache_dir(tmp_path / "cache", monkeypatch)
+    ckpt = write_demo_model(tmp_path / "bf16", seed=3, config_overrides={
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 50000})
+    original = load_file(str(ckpt / "model.safetensors"))
+    assert original["model.embed_tokens.weight"].dtype == torch.bfloat16
+    path = write_tiny_gguf(ckpt, tmp_path / "demo.gguf", "llama")
+    converted = resolve_model(str(path), dtype="float32")
+    ours = load_file(str(converted / "model.safetensors"))
+    assert set(original) <= set(ours)
+    for name, value in original.items():
+        assert torch.equal(ours[name], value.float()), name
+    vocab = json.loads((converted / "tokenizer.json").read_text())["model"]["vocab"]
+    assert len(vocab) == 50000
+
+
 def test_llama3_rope_scaling_is_recovered_from_rope_freqs(tmp_path, monkeypatch):
     """Llama 3.x GGUFs carry llama3 rope scaling as a rope_freqs tensor of divisors."""
     from transformers import AutoModelForCausalLM
