@@ -260,10 +260,9 @@ class QuantizedLinear:
                    tile_rows=tile_rows)
 
     @classmethod
-    def concat_rows(cls, weights: list[QuantizedLinear], kernels=None) -> QuantizedLinear:
+    def concat_rows(cls, weights: list[QuantizedLinear]) -> QuantizedLinear:
         """One weight whose output rows are those of `weights` in order (fused QKV or
-        gate/up projections); they must share format and in_features. kernels: the fused
-        weight's (default: the first's; pieces made without kernels are not packed)."""
+        gate/up projections); they must share format and in_features."""
         first = weights[0]
         for w in weights[1:]:
             if w.format != first.format or w.in_features != first.in_features:
@@ -276,8 +275,7 @@ class QuantizedLinear:
         scales = None if first.scales is None else torch.cat([w.scales for w in weights])
         bias = torch.cat([w.bias for w in weights]) if all(biased) else None
         return cls(first.format, torch.cat([w.blocks for w in weights]), first.in_features,
-                   scales=scales, bias=bias, kernels=kernels or first.kernels,
-                   tile_rows=first.tile_rows)
+                   scales=scales, bias=bias, kernels=first.kernels, tile_rows=first.tile_rows)
 
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows `ids` (int64, any shape) dequantized: [*ids.shape, in_features] of dtype,

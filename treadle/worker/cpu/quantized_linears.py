@@ -145,26 +145,22 @@ class _FreshWeights:
             parts = [self.raw.get(part) for part in _parts(name)]
             if any(p is None for p in parts):
                 return None
+            # The pieces without kernels: the final weight gets them (and the bias) once
+            # below, so it is packed once and its blocks never unpacked on the way.
             if all(p.tensor_type in _GGUF_FORMATS for p in parts) and len(
                     {p.tensor_type for p in parts}) == 1:
-                # a fused group's pieces without kernels: only the fused weight is packed
-                fused = len(parts) > 1
-                pieces = [QuantizedLinear.from_gguf(p.tensor_type, p.data, p.shape,
-                                                    kernels=None if fused else self.kernels)
+                pieces = [QuantizedLinear.from_gguf(p.tensor_type, p.data, p.shape)
                           for p in parts]
-                q = (QuantizedLinear.concat_rows(pieces, kernels=self.kernels) if fused
-                     else pieces[0])
+                q = pieces[0] if len(pieces) == 1 else QuantizedLinear.concat_rows(pieces)
             elif all(p.tensor_type in REQUANTIZED_TYPES for p in parts):
                 # Another GGML block type (Q5_0, Q6_K, ...) or formats that differ inside a
                 # fused group: the loaded weight (those blocks decoded) as Q8_0 blocks.
                 q = QuantizedLinear.from_gguf("Q8_0", quantize_q8_0(weight.detach()),
-                                              tuple(weight.shape), kernels=self.kernels)
+                                              tuple(weight.shape))
             else:
                 return None
-            if bias is not None:
-                q = QuantizedLinear(q.format, q.blocks, q.in_features, q.scales, bias,
-                                    self.kernels, packed=q.packed)
-            return q
+            return QuantizedLinear(q.format, q.blocks, q.in_features, q.scales, bias,
+                                   self.kernels)
         except ValueError as exc:
             logger.info("%s stays dense: %s", name, exc)
             return None
