@@ -19,8 +19,9 @@ Into `--models DIR` (the grid's MODELS_DIR), skipping any that exist:
     python benchmarks/make_issue51_files.py --models DIR --llamacpp-dir LLAMACPP
 
 LLAMACPP is a llama.cpp tree with `build/bin/llama-quantize` (docs/benchmarks.md says how
-to build it). About 5 minutes and 6 GB of disk on 2 cores (most of it the F16 file,
---keep-f16 to keep it; it is removed otherwise).
+to build it). Measured: 2 minutes on 2 cores; ~7 GB of disk at its peak (the bf16
+checkpoint and the F16 file 2.5 GB each; the F16 file is removed at the end unless
+--keep-f16).
 """
 
 from __future__ import annotations

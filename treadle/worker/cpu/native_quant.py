@@ -275,24 +275,27 @@ class QuantKernels:
     def r16_unpack(self, fmt: str, packed: torch.Tensor, n: int, k: int,
                    row_bytes: int) -> torch.Tensor:
         """The blocks [n, row_bytes] that `r16_pack` made `packed` of, byte for byte."""
-        size = self._r16_bytes(FORMAT_CODES[fmt], n, k) if fmt in R16_FORMATS else -1
-        if size < 0 or packed.dtype != torch.uint8 or packed.numel() != size:
-            raise QuantKernelError(f"a packed r16 {fmt} weight [{n}, {k}] needs {size} bytes, "
-                                   f"got {packed.numel()} {packed.dtype}")
+        self._check_packed(fmt, packed, n, k)
         out = torch.empty(n, row_bytes, dtype=torch.uint8)
         status = self._r16_unpack(FORMAT_CODES[fmt], packed.data_ptr(), row_bytes, n, k,
                                   out.data_ptr())
         self._check(status, fmt, k, out)
         return out
 
-    def r16_adopt(self, fmt: str, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-        """A copy, in the memory r16 weights live in, of `packed`: what `r16_pack` made of
-        an [n, k] weight of `fmt` with this library (the weight cache's copy,
-        worker/cpu/weight_cache.py); QuantKernelError when its size is not that."""
+    def _check_packed(self, fmt: str, packed: torch.Tensor, n: int, k: int) -> int:
+        """The bytes of an r16 `fmt` [n, k] weight, which `packed` must hold
+        (QuantKernelError otherwise)."""
         size = self._r16_bytes(FORMAT_CODES[fmt], n, k) if fmt in R16_FORMATS else -1
         if size < 0 or packed.dtype != torch.uint8 or packed.numel() != size:
             raise QuantKernelError(f"a packed r16 {fmt} weight [{n}, {k}] needs {size} bytes, "
                                    f"got {packed.numel()} {packed.dtype}")
+        return size
+
+    def r16_adopt(self, fmt: str, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """A copy, in the memory r16 weights live in, of `packed`: what `r16_pack` made of
+        an [n, k] weight of `fmt` with this library (the weight cache's copy,
+        worker/cpu/weight_cache.py); QuantKernelError when its size is not that."""
+        size = self._check_packed(fmt, packed, n, k)
         out = self._packed_memory.empty(size, torch.uint8)
         out.copy_(packed.reshape(-1))
         return out
