@@ -15,6 +15,8 @@ from test_decode_stack import _core, _Counting, _generate
 from test_gemma3 import make_gemma3
 
 from treadle.models.gemma3 import gemma_rms_norm
+from treadle.request import Request
+from treadle.sampling_params import SamplingParams
 from treadle.worker.cpu.gemma_stack import GemmaDecodeStack
 
 WINDOW = 8
@@ -118,3 +120,62 @@ def test_softcapped_gemma_keeps_its_layers(kernel_level, level_kernels, tmp_path
     assert core.executor.worker.model.decode_stack is None
     (tokens,) = _generate(core, "softcap", [[5, 6, 7, 8]], max_tokens=3)
     assert len(tokens) == 3
+
+
+class _MixedSteps:
+    """A decode stack that counts the steps it ran with more kernel rows than requests
+    (a short multi-token row's tokens beside decodes)."""
+
+    def __init__(self, stack) -> None:
+        self.stack, self.mixed = stack, 0
+        self.max_rows = stack.max_rows
+
+    def __call__(self, hidden, rotary, kv_caches, meta, local):
+        out = self.stack(hidden, rotary, kv_caches, meta, local)
+        if out is not None and hidden.shape[0] > len(meta.step.query_lens):
+            self.mixed += 1
+        return out
+
+
+def _arriving(core, tag: str, prompts, max_tokens: int):
+    """Greedy tokens and top log-probabilities per prompt, request i added before step
+    2i: a short prompt (at most SHORT_ROW_TOKENS) is then one multi-token row of the
+    decode kernel beside the earlier requests' decodes."""
+    got: dict[str, list] = {}
+    pending, step = list(enumerate(prompts)), 0
+    while pending or core.has_unfinished_requests():
+        if pending and step % 2 == 0:
+            i, prompt = pending.pop(0)
+            core.add_request(Request(f"{tag}-{i}", prompt, SamplingParams(
+                max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=5)))
+        for out in core.step():
+            (lp,) = out.new_logprobs
+            got.setdefault(out.request_id, []).append(
+                (out.new_token_ids[0], lp.token_ids, lp.logprobs))
+        step += 1
+    return [got[f"{tag}-{i}"] for i in range(len(prompts))]
+
+
+def test_stack_reads_the_sliding_tables_of_each_kernel_row(kernel_level, level_kernels,
+                                                           tmp_path_factory):
+    """Steps where a short prompt's tokens are decode-kernel rows beside other requests'
+    decodes: the local layers read each kernel row's sliding-group table, as the global
+    layers read theirs, and match the layers bit for bit. (They read the per-request
+    table for every kernel row: a served Gemma 3 270M at 16 streams read past it and
+    segfaulted in the decode kernel.)"""
+    core = _core(_gemma(tmp_path_factory.mktemp("gemma-mixed") / "hf"), kernel_level,
+                 enable_prefix_caching=False, block_size=4)
+    model = core.executor.worker.model
+    if core.executor.worker.layer_ops is None:
+        pytest.skip(f"the {kernel_level} build has no vector unit")
+    _with_norm_weights(model)
+    # a long prompt first (its window moves past freed blocks), then short ones arriving
+    prompts = [[3 + j for j in range(30)]] + [[40 + 5 * i + j for j in range(2 + i)]
+                                              for i in range(6)]
+    mixed = _MixedSteps(model.decode_stack)
+    model.decode_stack = mixed
+    fused = _arriving(core, "stack", prompts, max_tokens=12)
+    model.decode_stack = None
+    plain = _arriving(core, "layers", prompts, max_tokens=12)
+    assert mixed.mixed >= 3, "steps with a short prompt beside decodes ran in the stack"
+    assert fused == plain

@@ -142,15 +142,17 @@ class GemmaDecodeStack:
                 or not rotary_fits(local_rotary, m, self._dims.head_dim)
                 or not slots_fit(meta.slot_mapping, m)):
             return None
-        sliding = meta.step.sliding
-        if sliding is None:  # no sliding group: the local layers read the full tables
-            local_slots, local_table = meta.slot_mapping, nd.block_table
-        else:
-            local_slots = torch.from_numpy(sliding.slot_mapping)
-            local_table = torch.from_numpy(sliding.block_table[:m])
-            if (not slots_fit(local_slots, m) or local_table.dtype != torch.int64
-                    or not local_table.is_contiguous()):
-                return None
+        # The local layers' kernel rows over the sliding group's tables (the step's own
+        # without one), one table row per kernel row as the global layers' nd: a short
+        # multi-token row (a prefill's last few tokens) is a kernel row per token. Its
+        # per-request table, read for every kernel row, sent the rows past the requests'
+        # to another row's ids or past the array (a served Gemma 3 at 16 streams
+        # segfaulted in the decode kernel).
+        local_nd, local_slots = meta.sliding()
+        local_table = local_nd.block_table
+        if (not slots_fit(local_slots, m) or local_nd.num_rows != m
+                or local_table.dtype != torch.int64 or not local_table.is_contiguous()):
+            return None
         if not self._bind_caches(kv_caches):
             return None
         self._routes.set_rows(m)
