@@ -101,16 +101,20 @@ def test_stack_matches_layer_by_layer_bit_for_bit(kernel_level, level_kernels, f
 # down projection stays F32, which gguf mode keeps dense (the stack mixes both kinds).
 _GGUF_TYPES = {"self_attn.q": "Q8_0", "self_attn.k": "Q8_0", "self_attn.v": "Q8_0",
                "self_attn.o": "Q4_0", "mlp.gate": "Q4_1", "mlp.up": "Q4_1"}
+# The same projections as Q4_K blocks (random: gguf-py cannot quantize K types)
+_GGUF_K_TYPES = {name: "Q4_K" for name in _GGUF_TYPES}
 
 
-@pytest.mark.parametrize("mode", ["gguf", "int8"])
+@pytest.mark.parametrize("mode", ["gguf", "gguf-q4k", "int8"])
 def test_quantized_stack_matches_layer_by_layer_bit_for_bit(kernel_level, level_kernels, mode,
                                                             tmp_path_factory):
     base = tmp_path_factory.mktemp(f"stack-quant-{mode}")
     path = make_tiny_checkpoint(base / "hf", "llama", hidden_size=256, intermediate_size=512)
-    if mode == "gguf":
-        path = str(write_tiny_gguf(path, base / "tiny.gguf", "llama", _GGUF_TYPES))
-    core = _core(path, kernel_level, enable_prefix_caching=False, quantization=mode)
+    if mode.startswith("gguf"):
+        types = _GGUF_K_TYPES if mode == "gguf-q4k" else _GGUF_TYPES
+        path = str(write_tiny_gguf(path, base / "tiny.gguf", "llama", types))
+    core = _core(path, kernel_level, enable_prefix_caching=False,
+                 quantization=mode.split("-")[0])
     worker = core.executor.worker
     model = worker.model
     if worker.layer_ops is None:
@@ -129,7 +133,7 @@ def test_quantized_stack_matches_layer_by_layer_bit_for_bit(kernel_level, level_
     prompts = [[5 + 3 * i + j for j in range(3 + i % 5)] for i in range(36)]
     rows = min(stack.max_rows, len(prompts))
     kernels = layer.self_attn.qkv_proj.kernel.weight.kernels
-    paths = {choose_path(kernels, fmt, m) for fmt in ("Q8_0", "Q4_0", "Q4_1", "INT8")
+    paths = {choose_path(kernels, fmt, m) for fmt in ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "INT8")
              for m in range(1, rows + 1)}
     assert paths <= set(QUANT_PATH_CODES)
     # Two paths or more where the level has them within the stack's rows (AMX: dot, amx_dot,

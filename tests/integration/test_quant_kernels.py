@@ -138,7 +138,7 @@ def test_gemv_paths_match_reference(kernels, fmt):
                     assert_matches(y, *_reference(kernels, "dot", weight, w_ref, x, bias))
 
 
-@pytest.mark.parametrize("fmt", ("Q8_0", "Q4_0", "Q4_1", "INT8"))
+@pytest.mark.parametrize("fmt", ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "INT8"))
 @pytest.mark.parametrize("invariant", (False, True), ids=("default", "batch_invariant"))
 def test_one_copy_of_a_weight_where_r16_runs_at_every_row_count(kernels, fmt, invariant):
     """Where the r16 path runs at every row count the GGUF blocks are not kept beside the
@@ -162,6 +162,8 @@ def test_one_copy_of_a_weight_where_r16_runs_at_every_row_count(kernels, fmt, in
         if fmt in kernels.r16_formats:
             assert torch.equal(kernels.r16_unpack(fmt, weight.packed, n, k, as_made.row_bytes),
                                as_made.blocks)
+            if fmt == "Q4_K":  # 16 rows' 8 sub-blocks: 8 x (256 + 32) bytes, d, dmin 64
+                assert weight.packed.numel() == (n + 15) // 16 * k // 256 * 2368
         stored = 0 if every else as_made.blocks.numel()
         packed = 0 if weight.packed is None else weight.packed.numel()
         scales = 0 if weight.scales is None else weight.scales.numel() * 4
@@ -198,9 +200,11 @@ def test_r16_runs_where_avx512_vnni_or_plain_avx2_does(kernels, request):
     assert (weight.packed is not None) == kernels.has_r16
     if kernels.has_r16:
         assert weight.packed.numel() == 2 * 2 * 288  # two groups of 16 rows, 2 chunks each
-        assert kernels.r16_formats == ("Q8_0", "Q4_0", "Q4_1", "INT8")
-        with pytest.raises(QuantKernelError, match="Q4_K"):
-            kernels.r16_pack("Q4_K", weight.blocks, 64)
+        # Q4_K: not where AMX runs (its AMX paths were never measured against r16)
+        assert kernels.r16_formats == ("Q8_0", "Q4_0", "Q4_1", "INT8") + (
+            () if kernels.has_amx else ("Q4_K",))
+        with pytest.raises(QuantKernelError, match="Q4_K with K=64"):
+            kernels.r16_pack("Q4_K", weight.blocks, 64)  # a super-block is 256 values
         with pytest.raises(ValueError, match="r16_pack"):
             kernels.gemv_r16("Q4_0", weight.packed[:-1], None, 20, 64, torch.randn(1, 64), None)
         with pytest.raises(ValueError, match="gemv_r16"):

@@ -6,7 +6,7 @@ Owns which kernel path runs for how many rows, per what the CPU has (`choose_pat
 figures behind it: `python -m treadle.bench.quant_kernel`, summarized in the report of
 the commit that set them). Measured on a Xeon with AVX-512 BF16, VNNI and AMX, each ISA
 level's build run there (one core; the AMX row counts again with 2 threads):
-- AVX-512 VNNI builds, for Q8_0, Q4_0, Q4_1 and INT8: `r16` (kernels/quant_r16.c: the
+- AVX-512 VNNI builds, for Q8_0, Q4_0, Q4_1, INT8 and Q4_K: `r16` (kernels/quant_r16.c: the
   same int8 activations as `dot`, on a copy of the weight repacked at load with 16 rows
   per vector) up to 8 rows with AMX, at every row count without (prefill chunks too:
   measured on a Zen 4, 2 threads, it beat the bf16 prefill tiles at every row count from
@@ -17,7 +17,13 @@ level's build run there (one core; the AMX row counts again with 2 threads):
   shapes it took 0.5-0.7x `dot`'s time at 1-4 rows (gate_up at 4 rows: Q4_1 0.064 ms
   against 0.122, 17 GB/s of blocks; the bf16 C kernel 0.149 ms) and 0.3-0.6x at 8-16;
   with AMX it beat `amx_dot` up to 8 rows (Q8_0 tied at 8) and lost to it at 16 on Q8_0.
-  Q4_K keeps the paths below.
+  Q4_K (one 32-value sub-block a chunk, run as Q4_1 with its sub-block's scale and min)
+  came later, measured on a Xeon with VNNI and no AMX, 2 threads, against the paths it
+  replaced: 0.3-0.5x `dot`'s time at 1-16 rows and 0.2-0.6x the prefill tiles' at
+  64-512 (Gemma 3 270M's down, 640 x 2048, at 1 row 0.034 against 0.067 ms; the 1B
+  shape's down, 2048 x 8192, at 512 rows 48 against 84 ms), 1.05-1.2x Q4_1's r16 time
+  at the same shape. With AMX, Q4_K keeps the AMX paths (never measured against r16:
+  native_quant.R16_NOT_WITH_AMX).
 - AMX: `dot` (int8 dot products, kernels/quant_dot.c) at the row counts its register
   tiles cover in one pass over the weight (1, 2 and 4 rows), else `amx_dot` (AMX-INT8
   tiles on per-chunk int8 activations), whose cost is flat from 1 to 16 rows: at 3 rows
@@ -32,13 +38,16 @@ level's build run there (one core; the AMX row counts again with 2 threads):
   paths (`deq`, `deq_buffered`) by 1.5-2x at every row count there: vpdpbusd does 4
   products per lane, the bf16 / fp32 paths 2 / 1 after paying the widening.
 - AVX2 without VNNI (pmaddubsw), measured on an AMD EPYC (Zen 3), 2 threads: `r16` (the
-  same layout as 8-row halves, quant_r16.c) up to 128 rows for Q8_0, Q4_0, Q4_1 and INT8.
+  same layout as 8-row halves, quant_r16.c) for Q8_0, Q4_0, Q4_1 and INT8 (and Q4_K: the
+  AVX2 build on the VNNI Xeon beat `dot` 1.2-2x at 1-16 rows and the widening `gemm`
+  at 32-128; it takes Q4_1's limit), to the rows of `PLAIN_R16_MAX_ROWS`.
   It beat `dot` at every row count from 1 to 128 and every SmolLM2-135M shape (gate_up
   at 4 rows: Q4_1 0.171 ms against 0.321, Q8_0 0.224 against 0.282; the bf16 C kernel
   0.286), and the fp32 prefill tiles up to 128 rows (gate_up at 128: Q4_1 4.0 against
-  5.4 ms, Q8_0 4.9 against 7.3). Q4_K: `dot` up to 2 rows (2x faster than `deq` at 1 row,
-  even at 4), then `deq_buffered` (each block of 16 weight rows dequantized once into an
-  L1 buffer, then FMA tiles) to 16 rows, 15-25% faster than `dot` at 16.
+  5.4 ms, Q8_0 4.9 against 7.3). Formats r16 does not hold: `dot` up to 2 rows, then
+  `deq_buffered` (each block of 16 weight rows dequantized once into an L1 buffer, then
+  FMA tiles) to 16 rows (measured on Q4_K before r16 held it: 15-25% faster than `dot`
+  at 16, `dot` 2x faster than `deq` at 1 row).
 - above those: `prefill`, tiles of `tile_rows` weight rows dequantized into a bf16
   (fp32 for fp32 activations, and where the CPU has no bf16 arithmetic: `tile_dtype`)
   buffer and multiplied by torch (`F.linear`: oneDNN, MKL), so the dense copy is never
@@ -60,8 +69,8 @@ that does not depend on the rows, but two paths' results differ in the last floa
 (even the int8 ones, whose integer sums agree: the per-chunk scalings round in another
 order), so no switch between them is kept. `r16` for its formats wherever it runs (with
 AMX too: it is the decode rows' fastest, at 2.4x the default's time for a 512-row
-prefill's linears, `python benchmarks/quant_kernel.py`); Q4_K (and every format where
-r16 does not run): `amx_dot` with AMX, `dot` with VNNI, else the widening `gemm` (bf16
+prefill's linears, `python benchmarks/quant_kernel.py`); every format where r16 does
+not run: `amx_dot` with AMX, `dot` with VNNI, else the widening `gemm` (bf16
 activations; `deq_buffered` for fp32 ones).
 Without the C kernels (`kernels=None`) a dense copy in the activations' dtype is made on
 first use and `F.linear` runs on it: slower to load and larger, same results to rounding.
@@ -93,7 +102,7 @@ VNNI_DOT_MAX_ROWS = 16
 `prefill`; r16's formats take `r16` at every row count."""
 PLAIN_DOT_MAX_ROWS = 2
 """Without VNNI (and r16): rows up to which `dot` runs, then `deq_buffered`."""
-PLAIN_R16_MAX_ROWS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 16, "INT8": 16}
+PLAIN_R16_MAX_ROWS = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 32, "Q8_0": 16, "INT8": 16}
 """AVX2 without VNNI (pmaddubsw): rows up to which `r16` runs per format, then `gemm`
 (bf16 activations) or `prefill`."""
 GEMV_MAX_ROWS = 16

@@ -48,8 +48,14 @@ same activations as `dot`); the register-tiled fp32 GEMM on panels dequantized f
 blocks (quant_gemm_widen.c; bf16 x only). The AMX paths run where `has_amx`, r16 where
 `has_r16` and for R16_FORMATS, gemm where `has_gemm`."""
 
-R16_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "INT8")
-"""The formats the r16 layout holds (Q4_K keeps the row-major paths)."""
+R16_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "INT8", "Q4_K")
+"""The formats the r16 layout holds."""
+
+R16_NOT_WITH_AMX = ("Q4_K",)
+"""Formats that keep their row-major paths where AMX runs: r16 on Q4_K was measured
+against `dot`, `deq_buffered`, the widening GEMM and the prefill tiles (AVX-512 VNNI and
+AVX2), never against the AMX paths, and with AMX it would hold a second copy of the
+weight beside the blocks those paths read."""
 
 ISA_VARIANTS = {
     "avx512-bf16": (["-march=cooperlake"],
@@ -161,8 +167,6 @@ class QuantKernels:
         lib.quant_r16_available.restype = _I
         self.has_r16 = bool(lib.quant_r16_available())
         """Whether the r16 path runs here (AVX-512 with VNNI, or AVX2 without VNNI)."""
-        self.r16_formats = R16_FORMATS if self.has_r16 else ()
-        """The formats the r16 path runs here."""
         self._gemm = lib.quant_gemm_widen
         self._gemm.argtypes = [_I, _P, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I]
         self._gemm.restype = _I
@@ -175,6 +179,9 @@ class QuantKernels:
         self.has_amx = (self.isa_flags & _AMX_BITS == _AMX_BITS
                         and bool(lib.quant_amx_available()))
         """Whether the AMX paths run here (compiled in, and Linux granted the tile state)."""
+        self.r16_formats = tuple(f for f in R16_FORMATS if self.has_r16 and not (
+            self.has_amx and f in R16_NOT_WITH_AMX))
+        """The formats the r16 path runs here."""
         self.batch_invariant = False
         """Whether the weights on these kernels take one path at every row count
         (models/quant_weights.py `invariant_path`; a batch-invariant engine's)."""

@@ -22,7 +22,7 @@ so the weights take the memory of their blocks.
 
 Decode steps run quantized linears inside the decode stack (worker/cpu/decode_stack.py) like
 dense ones. `auto` (`resolve_mode`) is `gguf` for a GGUF file whose linears hold blocks
-of the formats the r16 kernel runs (Q8_0, Q4_0, Q4_1), where the kernels have it (an
+of the formats the r16 kernel runs (Q8_0, Q4_0, Q4_1, Q4_K), where the kernels have it (an
 AVX-512 VNNI build, or AVX2 without VNNI), in bfloat16 on one CPU rank without LoRA; else
 `none`. That is where it was measured faster: the engine-core run on the default model's
 Q4_1 file, 528.8 / 555.7 output tok/s against 461.0 / 480.4 dequantized to bf16 on an AMX

@@ -35,7 +35,7 @@ from treadle.models.quant_weights import QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: projections of other GGML block types are Q8_0 made at load
+FORMAT_VERSION = 3  # 2: other GGML block types as Q8_0 made at load; 3: Q4_K's r16 copy
 """Part of the key: bump it when what is stored, or how, changes."""
 
 

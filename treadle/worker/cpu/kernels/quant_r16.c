@@ -17,11 +17,17 @@
  *         bytes (low nibbles: values 4j .., high nibbles: 16 + 4j ..), then the fp16
  *         scales: 288 bytes
  *   Q4_1  as Q4_0, then the fp16 scales and the fp16 mins: 320 bytes
- * the same bytes per weight as the GGUF blocks. Per chunk and x row: one int32 start (the
+ *   Q4_K  a chunk is one 32-value sub-block: its nibbles as Q4_0's (values 4j .. 4j + 3
+ *         in vector j's low nibbles, 16 + 4j .. in its high ones), then the 16 rows'
+ *         6-bit scales and mins as bytes: 288 bytes; after a super-block's 8 chunks, the
+ *         16 rows' fp16 d and fp16 dmin: 2,368 bytes per 256 values of 16 rows, 2.8% more
+ *         than the GGUF blocks (whose 12 bytes pack the 16 six-bit numbers)
+ * the same bytes per weight as the GGUF blocks but for Q4_K. Per chunk and x row: one int32 start (the
  * unsigned offset times the chunk's sum of qx), 8 vpdpbusd against the chunk's 4-byte x
  * groups broadcast, a convert, and one FMA by (the 16 scales x dx) (Q4_1: one more by the
  * 16 mins x dx * sum(qx)); weights are loaded and unpacked once per chunk for up to 8 x
- * rows. Q4_K is not covered (its 6-bit sub-block scales; it keeps quant_dot.c).
+ * rows. Q4_K runs as Q4_1 does, with d x the sub-block's scale for the scale and
+ * -dmin x its min for the min (w = d sc q - dmin mn), both made per chunk for the 16 rows.
  *
  * AVX2 without VNNI (R16_AVX2) runs the same layout as two 8-row halves per vector: one
  * 32-byte load is 4 values of each of 8 rows. pmaddubsw multiplies unsigned by signed
@@ -55,8 +61,12 @@
 #define R16_AVX2 0
 #endif
 
+#define Q4K_CHUNK 288                   /* one 32-value sub-block of a group, Q4_K */
+#define Q4K_SUPER (8 * Q4K_CHUNK + 64)  /* 256 values: 8 chunks, then d and dmin */
+
 static int r16_covered(int fmt) {
-    return fmt == QF_Q8_0 || fmt == QF_INT8 || fmt == QF_Q4_0 || fmt == QF_Q4_1;
+    return fmt == QF_Q8_0 || fmt == QF_INT8 || fmt == QF_Q4_0 || fmt == QF_Q4_1
+        || fmt == QF_Q4_K;
 }
 
 /* Bytes of one group's chunk in the r16 layout (0: format not covered). */
@@ -66,6 +76,7 @@ static int64_t r16_chunk_bytes(int fmt) {
     case QF_INT8: return 512;
     case QF_Q4_0: return 288;
     case QF_Q4_1: return 320;
+    case QF_Q4_K: return Q4K_CHUNK;
     default: return 0;
     }
 }
@@ -74,10 +85,75 @@ static int64_t r16_nchunks(int fmt, int64_t K) {
     return fmt == QF_INT8 ? (K + 63) / 64 * 2 : K / 32;
 }
 
+/* Bytes of one group of 16 rows. */
+static int64_t r16_group_bytes(int fmt, int64_t K) {
+    return fmt == QF_Q4_K ? K / 256 * Q4K_SUPER : r16_nchunks(fmt, K) * r16_chunk_bytes(fmt);
+}
+
+/* Chunk c of a group's bytes gw. */
+static inline const uint8_t *r16_chunk(int fmt, const uint8_t *gw, int64_t c) {
+    return fmt == QF_Q4_K ? gw + (c >> 3) * Q4K_SUPER + (c & 7) * Q4K_CHUNK
+                          : gw + c * r16_chunk_bytes(fmt);
+}
+
 /* Bytes the r16 layout of an N x K weight takes; -1 for a format or K it does not hold. */
 int64_t quant_r16_bytes(int fmt, int64_t N, int64_t K) {
-    if (!r16_covered(fmt) || K <= 0 || N <= 0 || (fmt != QF_INT8 && K % 32)) return -1;
-    return (N + 15) / 16 * r16_nchunks(fmt, K) * r16_chunk_bytes(fmt);
+    if (!r16_covered(fmt) || K <= 0 || N <= 0 || (fmt != QF_INT8 && K % 32)
+        || (fmt == QF_Q4_K && K % 256)) return -1;
+    return (N + 15) / 16 * r16_group_bytes(fmt, K);
+}
+
+/* Q4_K's 6-bit scale and min of sub-block j from a block's 12 packed bytes s (ggml's
+ * layout: j < 4 in the low 6 bits of s[j] and s[j + 4]; j >= 4 split between the low and
+ * high nibbles of s[j + 4] and the top 2 bits of s[j - 4] and s[j]). */
+static void q4k_get(const uint8_t *s, int j, uint8_t *sc, uint8_t *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (uint8_t)((s[j + 4] & 15) | ((s[j - 4] >> 6) << 4));
+        *mn = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
+/* The inverse of q4k_get into zeroed bytes s. */
+static void q4k_put(uint8_t *s, int j, uint8_t sc, uint8_t mn) {
+    if (j < 4) {
+        s[j] |= sc;
+        s[j + 4] |= mn;
+    } else {
+        s[j + 4] |= (uint8_t)((sc & 15) | ((mn & 15) << 4));
+        s[j - 4] |= (uint8_t)((sc >> 4) << 6);
+        s[j] |= (uint8_t)((mn >> 4) << 6);
+    }
+}
+
+/* One row r's Q4_K blocks into (pack) or out of (!pack, blocks zeroed) group bytes gw. */
+static void q4k_r16_row(uint8_t *row, uint8_t *gw, int r, int64_t K, int pack) {
+    for (int64_t s = 0; s < K / 256; s++) {
+        uint8_t *blk = row + s * 144, *sup = gw + s * Q4K_SUPER;
+        for (int j = 0; j < 8; j++) {
+            uint8_t *ch = sup + j * Q4K_CHUNK;
+            for (int e = 0; e < 32; e++) {  /* value e of sub-block j */
+                uint8_t *q = blk + 16 + 32 * (j / 2) + e;
+                const int qs = 4 * (j % 2);
+                uint8_t *v = ch + ((e % 16) / 4) * 64 + r * 4 + e % 4;
+                const int vs = 4 * (e / 16);
+                if (pack) *v |= (uint8_t)(((*q >> qs) & 15) << vs);
+                else *q |= (uint8_t)(((*v >> vs) & 15) << qs);
+            }
+            if (pack) q4k_get(blk + 4, j, ch + 256 + r, ch + 272 + r);
+            else q4k_put(blk + 4, j, ch[256 + r], ch[272 + r]);
+        }
+        uint8_t *d = sup + 8 * Q4K_CHUNK + r * 2;
+        if (pack) {
+            memcpy(d, blk, 2);
+            memcpy(d + 32, blk + 2, 2);
+        } else {
+            memcpy(blk, d, 2);
+            memcpy(blk + 2, d + 32, 2);
+        }
+    }
 }
 
 /* Repack w (N rows of row_bytes, GGUF blocks or INT8 rows) into out
@@ -87,11 +163,15 @@ int quant_r16_pack(int fmt, const uint8_t *w, int64_t row_bytes, int64_t N, int6
                    uint8_t *out) {
     if (quant_r16_bytes(fmt, N, K) < 0 || qk_check(fmt, K, row_bytes)) return -1;
     const int64_t nchunks = r16_nchunks(fmt, K), cb = r16_chunk_bytes(fmt);
-    const int64_t ngroups = (N + 15) / 16;
-    memset(out, 0, (size_t)(ngroups * nchunks * cb));
+    const int64_t ngroups = (N + 15) / 16, gstride = r16_group_bytes(fmt, K);
+    memset(out, 0, (size_t)(ngroups * gstride));
     for (int64_t g = 0; g < ngroups; g++)
         for (int r = 0; r < 16 && g * 16 + r < N; r++) {
             const uint8_t *row = w + (g * 16 + r) * row_bytes;
+            if (fmt == QF_Q4_K) {  /* read only: packing never writes the row */
+                q4k_r16_row((uint8_t *)row, out + g * gstride, r, K, 1);
+                continue;
+            }
             for (int64_t c = 0; c < nchunks; c++) {
                 uint8_t *dst = out + (g * nchunks + c) * cb;
                 if (fmt == QF_Q8_0 || fmt == QF_INT8) {
@@ -125,7 +205,11 @@ int quant_r16_unpack(int fmt, const uint8_t *packed, int64_t row_bytes, int64_t 
     for (int64_t n = 0; n < N; n++) {
         const int64_t g = n / 16, r = n % 16;
         uint8_t *row = w + n * row_bytes;
-        if (fmt == QF_INT8) memset(row, 0, (size_t)row_bytes);
+        if (fmt == QF_INT8 || fmt == QF_Q4_K) memset(row, 0, (size_t)row_bytes);
+        if (fmt == QF_Q4_K) {  /* unpacking never writes the packed bytes */
+            q4k_r16_row(row, (uint8_t *)packed + g * r16_group_bytes(fmt, K), (int)r, K, 0);
+            continue;
+        }
         for (int64_t c = 0; c < nchunks; c++) {
             const uint8_t *src = packed + (g * nchunks + c) * cb;
             if (fmt == QF_Q8_0 || fmt == QF_INT8) {
@@ -157,10 +241,12 @@ static inline __attribute__((always_inline)) void r16_group(
     for (int i = 0; i < MT; i++) out[i] = _mm512_setzero_ps();
     const __m512i low4 = _mm512_set1_epi8(15);
     for (int64_t c = 0; c < nchunks; c++) {
-        const uint8_t *ch = gw + c * cb;
+        const uint8_t *ch = r16_chunk(FMT, gw, c);
         const char *pf = (const char *)ch + QK_PF_DIST;
+        /* Q4_K: a super-block's last chunk also covers the d and dmin after it */
+        const int64_t span = FMT == QF_Q4_K && (c & 7) == 7 ? cb + 64 : cb;
         if (pf_end)
-            for (int64_t p = 0; p < cb; p += 64)
+            for (int64_t p = 0; p < span; p += 64)
                 if (pf + p < (const char *)pf_end) _mm_prefetch(pf + p, _MM_HINT_T1);
         __m512i wv[8];
         __m512 d = _mm512_setzero_ps(), mn = _mm512_setzero_ps();
@@ -175,10 +261,20 @@ static inline __attribute__((always_inline)) void r16_group(
         }
         if (FMT == QF_Q8_0)
             d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ch + 512)));
-        else if (FMT != QF_INT8)
+        else if (FMT == QF_Q4_0 || FMT == QF_Q4_1)
             d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ch + 256)));
         if (FMT == QF_Q4_1)
             mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ch + 288)));
+        if (FMT == QF_Q4_K) {  /* d x scale and -dmin x min of the 16 rows' sub-block */
+            const uint8_t *sup = gw + (c >> 3) * Q4K_SUPER + 8 * Q4K_CHUNK;
+            d = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sup)),
+                              _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                  _mm_loadu_si128((const __m128i *)(ch + 256)))));
+            mn = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sup + 32))),
+                               _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                   _mm_loadu_si128((const __m128i *)(ch + 272)))));
+            mn = _mm512_sub_ps(_mm512_setzero_ps(), mn);
+        }
         /* One accumulator per x row, the rows innermost: MT independent vpdpbusd chains
          * side by side (a row's 8 in a chain took 8 x its latency per chunk, which the
          * core had to overlap across rows on its own), each x group broadcast from memory
@@ -198,7 +294,8 @@ static inline __attribute__((always_inline)) void r16_group(
                 out[i] = _mm512_fmadd_ps(f, dx, out[i]);
             } else {
                 out[i] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, dx), out[i]);
-                if (FMT == QF_Q4_1) out[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(ct[at]), out[i]);
+                if (FMT == QF_Q4_1 || FMT == QF_Q4_K)
+                    out[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(ct[at]), out[i]);
             }
         }
     }
@@ -256,9 +353,10 @@ static inline __attribute__((always_inline)) void r16_group_avx2(
     const __m256i low4 = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x80);
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t c = 0; c < nchunks; c++) {
-        const uint8_t *ch = gw + c * cb;
+        const uint8_t *ch = r16_chunk(FMT, gw, c);
         const char *pf = (const char *)ch + QK_PF_DIST;
-        for (int64_t p = 0; p < cb; p += 64)
+        const int64_t span = FMT == QF_Q4_K && (c & 7) == 7 ? cb + 64 : cb;
+        for (int64_t p = 0; p < span; p += 64)
             if (pf + p < (const char *)pf_end) _mm_prefetch(pf + p, _MM_HINT_T1);
         int32_t xg[R16_AVX2_MT][8];  /* each row's chunk of qx as 8 groups of 4 */
         for (int i = 0; i < MT; i++) memcpy(xg[i], xq->q + (m0 + i) * kp + c * 32, sizeof xg[i]);
@@ -280,10 +378,20 @@ static inline __attribute__((always_inline)) void r16_group_avx2(
             }
             if (FMT == QF_Q8_0)
                 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ch + 512 + h * 16)));
-            else if (FMT != QF_INT8)
+            else if (FMT == QF_Q4_0 || FMT == QF_Q4_1)
                 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ch + 256 + h * 16)));
             if (FMT == QF_Q4_1)
                 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ch + 288 + h * 16)));
+            if (FMT == QF_Q4_K) {  /* as the AVX-512 build, for rows 8h .. 8h + 7 */
+                const uint8_t *sup = gw + (c >> 3) * Q4K_SUPER + 8 * Q4K_CHUNK + h * 16;
+                d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sup)),
+                                  _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                      _mm_loadl_epi64((const __m128i *)(ch + 256 + h * 8)))));
+                mn = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sup + 32))),
+                                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                       _mm_loadl_epi64((const __m128i *)(ch + 272 + h * 8)))));
+                mn = _mm256_sub_ps(_mm256_setzero_ps(), mn);
+            }
             for (int i = 0; i < MT; i++) {
                 const int64_t at = (m0 + i) * nchunks + c;
                 __m256i acc;
@@ -307,7 +415,8 @@ static inline __attribute__((always_inline)) void r16_group_avx2(
                     *o = _mm256_fmadd_ps(f, dx, *o);
                 } else {
                     *o = _mm256_fmadd_ps(f, _mm256_mul_ps(d, dx), *o);
-                    if (FMT == QF_Q4_1) *o = _mm256_fmadd_ps(mn, _mm256_set1_ps(ct[at]), *o);
+                    if (FMT == QF_Q4_1 || FMT == QF_Q4_K)
+                        *o = _mm256_fmadd_ps(mn, _mm256_set1_ps(ct[at]), *o);
                 }
             }
         }
@@ -364,10 +473,11 @@ int quant_gemv_r16(int fmt, const uint8_t *packed, const float *scales, const vo
     qk_xq xq;
     if (alloc_xq(&xq, M, K)) return -3;
     const int64_t nchunks = r16_nchunks(fmt, K), ngroups = (N + 15) / 16;
-    const int64_t gstride = nchunks * r16_chunk_bytes(fmt);
+    const int64_t gstride = r16_group_bytes(fmt, K);
     /* the unsigned weights' offset, subtracted through each chunk's start (the AVX2 path
      * multiplies Q8_0 / INT8 as signed bytes: none there) */
-    const int offset = fmt == QF_Q4_0 ? 8 : fmt == QF_Q4_1 ? 0 : R16_AVX2 ? 0 : 128;
+    const int offset = fmt == QF_Q4_0 ? 8 : fmt == QF_Q4_1 || fmt == QF_Q4_K ? 0
+                     : R16_AVX2 ? 0 : 128;
     /* per x row and chunk: the int32 start, dx, and dx * sum(qx) (Q4_1's min term) */
     int32_t *ci = malloc(sizeof(int32_t) * (size_t)(M * nchunks));
     float *cdx = malloc(sizeof(float) * (size_t)(M * nchunks));
@@ -402,6 +512,7 @@ int quant_gemv_r16(int fmt, const uint8_t *packed, const float *scales, const vo
             case QF_Q8_0: CALL(QF_Q8_0); break;
             case QF_Q4_0: CALL(QF_Q4_0); break;
             case QF_Q4_1: CALL(QF_Q4_1); break;
+            case QF_Q4_K: CALL(QF_Q4_K); break;
             default: CALL(QF_INT8); break;
             }
 #undef CALL
