@@ -60,6 +60,8 @@ LLAMA_SERVER = textwrap.dedent('''
             log.write(json.dumps({"program": "request", "prompt": len(body["prompt"])}) + "\\n")
         async def events():
             await asyncio.sleep(0.02)
+            if os.environ.get("STUB_FAIL_TOKENS") == str(body["max_tokens"]):
+                raise RuntimeError("the stand-in dies mid-stream")
             for _ in range(body["max_tokens"]):
                 yield "data: " + json.dumps({"choices": [{"index": 0, "text": "x"}]}) + "\\n\\n"
                 await asyncio.sleep(0.01)
@@ -144,3 +146,39 @@ def test_real_llamacpp_on_the_same_file(tiny_gguf, tmp_path, monkeypatch):
     peer = [p for p in result["points"] if p["system"] == "llama.cpp"]
     assert len(peer) == 2 and all(p["decode_tok_s"] > 0 and p["prefill_tok_s"] > 0
                                   for p in peer)
+
+
+def test_a_server_that_fails_keeps_what_was_measured(tiny_gguf, tmp_path, monkeypatch):
+    """A served point whose requests fail (here the peer's stand-in breaks every stream of
+    the measured length; a Gemma 3 engine that segfaulted did the same) is recorded with
+    the error, that system gets no more points, the other system's points and the
+    table stay, and the command exits 1 naming the failure."""
+    import argparse
+
+    from treadle.cli import bench_latency
+
+    use_fresh_cache_dir(tmp_path / "cache", monkeypatch)
+    monkeypatch.setenv("STUB_LOG", str(tmp_path / "stub.log"))
+    monkeypatch.setenv("STUB_FAIL_TOKENS", "3")  # not the warm-up's 4
+    peer = _stub_llamacpp(tmp_path / "llama.cpp")
+    result = run_latency(str(tiny_gguf), concurrency=(2,), prompt_len=8, output_len=3,
+                         repeats=2, engine_options={"dtype": "float32", "num_kv_blocks": 64},
+                         llamacpp_dir=str(peer), peer_threads=1, log_dir=str(tmp_path))
+    points = result["points"]
+    failed = [p for p in points if "error" in p]
+    assert [(p["system"], p["repeat"]) for p in failed] == [("llama.cpp", 0)]
+    assert "2 of 2 requests failed" in failed[0]["error"]
+    ours = [p for p in points if p["system"] == "treadle"]
+    assert len(ours) == 2 and all(p["output_tok_s"] > 0 for p in ours)
+    assert len(points) == 3  # the failed system is not sent the second repeat
+    rows = {r["system"]: r for r in result["table"]}
+    assert rows["llama.cpp"]["failed"] == 1 and rows["llama.cpp"]["output_tok_s"] is None
+    assert rows["treadle"]["failed"] == 0 and rows["treadle"]["output_tok_s"] > 0
+
+    monkeypatch.setattr("treadle.bench.latency.run_latency", lambda *a, **k: result)
+    args = argparse.Namespace(peer=None, llamacpp_dir=None, concurrency="2", prompt_len=8,
+                              output_len=3, repeats=2, peer_threads=None, background_load=0,
+                              prompt_seed=0, output=str(tmp_path / "out.json"))
+    monkeypatch.setattr(bench_latency, "options_from_args", lambda a: {})
+    assert bench_latency._cmd_bench_latency(args) == 1
+    assert any("error" in p for p in json.loads((tmp_path / "out.json").read_text())["points"])

@@ -9,7 +9,9 @@ lengths sent at once, streamed. The systems alternate within each repeat, so dri
 shared machine falls on both; ratios are paired by repeat. Every point reports prefill
 tok/s, decode tok/s (per stream at 1; the streams' rates summed above), TTFT and TPOT,
 and the aggregate output tok/s of the served points. Optionally a bounded CPU hog runs
-beside (treadle.measure.background_load).
+beside (treadle.measure.background_load). A served point whose requests fail is kept
+with its error (the table counts them, the command exits 1) and that system is sent no
+more: what was measured before stays in the result.
 
 It measures only: nothing here is a target, and the engine is reached through its public
 API (LLM, `treadle serve`).
@@ -251,14 +253,26 @@ def _served_points(model: str | None, peer_model: str | None, options: dict, cfg
         vocab = served_model(bases["treadle"]).get("vocab_size") or cfg["vocab_size"]
         for base in bases.values():  # warm-up: kernels built, first pages touched
             served_point(base, 2, min(cfg["prompt_len"], 64), 4, vocab, seed=10_000)
+        failed: set[str] = set()
         for repeat in range(cfg["repeats"]):
             for concurrency in levels:
                 for system in _alternate(list(bases), repeat):
-                    figures = served_point(bases[system], concurrency, cfg["prompt_len"],
-                                           cfg["output_len"], vocab,
-                                           cfg["seed"] + 100 * concurrency + repeat)
-                    points.append({"system": system, "concurrency": concurrency,
-                                   "mode": "served", "repeat": repeat, **figures})
+                    if system in failed:
+                        continue
+                    point = {"system": system, "concurrency": concurrency, "mode": "served",
+                             "repeat": repeat}
+                    try:
+                        figures = served_point(bases[system], concurrency, cfg["prompt_len"],
+                                               cfg["output_len"], vocab,
+                                               cfg["seed"] + 100 * concurrency + repeat)
+                    except RuntimeError as exc:
+                        # Requests failed (a server that died fails every later point too):
+                        # the point says why, that system is not sent more, and what was
+                        # measured before stays in the result.
+                        points.append({**point, "error": str(exc)})
+                        failed.add(system)
+                        continue
+                    points.append({**point, **figures})
     return points
 
 
@@ -352,7 +366,7 @@ def table(points: list[dict]) -> list[dict]:
         for system in systems:
             mine = [p for p in at if p["system"] == system]
             row = {"concurrency": level, "system": system, "mode": mine[0]["mode"],
-                   "repeats": len(mine)}
+                   "repeats": len(mine), "failed": sum("error" in p for p in mine)}
             for figure in (*FIGURES, "ttft_p99_ms", "tpot_p99_ms"):
                 row[figure] = _median([p.get(figure) for p in mine])
             if system != systems[0]:
@@ -367,4 +381,4 @@ def table(points: list[dict]) -> list[dict]:
 
 TABLE_COLUMNS = ["concurrency", "system", "mode", "prefill_tok_s", "decode_tok_s",
                  "ttft_ms", "tpot_ms", "output_tok_s", "treadle_x_prefill_tok_s",
-                 "treadle_x_decode_tok_s", "treadle_x_output_tok_s"]
+                 "treadle_x_decode_tok_s", "treadle_x_output_tok_s", "failed"]

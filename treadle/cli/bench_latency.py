@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from treadle.cli.bench_common import write_result
 from treadle.config import add_config_arguments, options_from_args, parse_int_list
@@ -35,7 +36,11 @@ def _cmd_bench_latency(args: argparse.Namespace) -> int:
                       "background_load": result["background_load"]["busy_threads"],
                       "load_average_at_end": result["load_average_at_end"]}))
     print("wrote", write_result(result, args.output, "latency.json"))
-    return 0
+    errors = [p for p in result["points"] if "error" in p]
+    for p in errors:
+        print(f"failed: {p['system']} at {p['concurrency']} streams (repeat {p['repeat']}): "
+              f"{p['error']}", file=sys.stderr)
+    return 1 if errors else 0
 
 
 def add_latency(sub) -> None:
