@@ -124,7 +124,11 @@ class HeadlessChromium:
                 del self.events[:-1000]
 
     def _attach(self) -> None:
-        targets = self.call("Target.getTargets", session=None)["targetInfos"]
+        # The first answer waits for chromium's start, not for a page: 3x the call timeout.
+        # (A CI run on a host 25% slower than usual, two test workers busy, once went past
+        # 60 s here; the same test alone took 16 s.)
+        targets = self.call("Target.getTargets", session=None,
+                            timeout_s=3 * self.timeout_s)["targetInfos"]
         page = next((t for t in targets if t["type"] == "page"), None)
         target_id = (page["targetId"] if page is not None else
                      self.call("Target.createTarget", {"url": "about:blank"},
