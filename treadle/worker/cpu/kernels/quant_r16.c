@@ -103,20 +103,8 @@ int64_t quant_r16_bytes(int fmt, int64_t N, int64_t K) {
     return (N + 15) / 16 * r16_group_bytes(fmt, K);
 }
 
-/* Q4_K's 6-bit scale and min of sub-block j from a block's 12 packed bytes s (ggml's
- * layout: j < 4 in the low 6 bits of s[j] and s[j + 4]; j >= 4 split between the low and
- * high nibbles of s[j + 4] and the top 2 bits of s[j - 4] and s[j]). */
-static void q4k_get(const uint8_t *s, int j, uint8_t *sc, uint8_t *mn) {
-    if (j < 4) {
-        *sc = s[j] & 63;
-        *mn = s[j + 4] & 63;
-    } else {
-        *sc = (uint8_t)((s[j + 4] & 15) | ((s[j - 4] >> 6) << 4));
-        *mn = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
-    }
-}
-
-/* The inverse of q4k_get into zeroed bytes s. */
+/* The inverse of qk_q4k_scale_min (quant_simd.h) into zeroed bytes s: sub-block j's
+ * 6-bit scale and min into a block's 12 packed bytes. */
 static void q4k_put(uint8_t *s, int j, uint8_t sc, uint8_t mn) {
     if (j < 4) {
         s[j] |= sc;
@@ -142,8 +130,14 @@ static void q4k_r16_row(uint8_t *row, uint8_t *gw, int r, int64_t K, int pack) {
                 if (pack) *v |= (uint8_t)(((*q >> qs) & 15) << vs);
                 else *q |= (uint8_t)(((*v >> vs) & 15) << qs);
             }
-            if (pack) q4k_get(blk + 4, j, ch + 256 + r, ch + 272 + r);
-            else q4k_put(blk + 4, j, ch[256 + r], ch[272 + r]);
+            if (pack) {
+                int sc, mn;
+                qk_q4k_scale_min(blk + 4, j, &sc, &mn);
+                ch[256 + r] = (uint8_t)sc;
+                ch[272 + r] = (uint8_t)mn;
+            } else {
+                q4k_put(blk + 4, j, ch[256 + r], ch[272 + r]);
+            }
         }
         uint8_t *d = sup + 8 * Q4K_CHUNK + r * 2;
         if (pack) {
