@@ -22,12 +22,13 @@
  *         6-bit scales and mins as bytes: 288 bytes; after a super-block's 8 chunks, the
  *         16 rows' fp16 d and fp16 dmin: 2,368 bytes per 256 values of 16 rows, 2.8% more
  *         than the GGUF blocks (whose 12 bytes pack the 16 six-bit numbers)
- * the same bytes per weight as the GGUF blocks but for Q4_K. Per chunk and x row: one int32 start (the
- * unsigned offset times the chunk's sum of qx), 8 vpdpbusd against the chunk's 4-byte x
- * groups broadcast, a convert, and one FMA by (the 16 scales x dx) (Q4_1: one more by the
+ * the same bytes per weight as the GGUF blocks but for Q4_K. Per chunk and x row: one
+ * int32 start (the unsigned offset times the chunk's sum of qx), 8 vpdpbusd against the
+ * chunk's 4-byte x groups broadcast, a convert, and one FMA by (the 16 scales x dx) (Q4_1: one more by the
  * 16 mins x dx * sum(qx)); weights are loaded and unpacked once per chunk for up to 8 x
  * rows. Q4_K runs as Q4_1 does, with d x the sub-block's scale for the scale and
- * -dmin x its min for the min (w = d sc q - dmin mn), both made per chunk for the 16 rows.
+ * dmin x its min for the min, subtracted (w = d sc q - dmin mn), both made per chunk for
+ * the 16 rows.
  *
  * AVX2 without VNNI (R16_AVX2) runs the same layout as two 8-row halves per vector: one
  * 32-byte load is 4 values of each of 8 rows. pmaddubsw multiplies unsigned by signed
@@ -259,7 +260,7 @@ static inline __attribute__((always_inline)) void r16_group(
             d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ch + 256)));
         if (FMT == QF_Q4_1)
             mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ch + 288)));
-        if (FMT == QF_Q4_K) {  /* d x scale and -dmin x min of the 16 rows' sub-block */
+        if (FMT == QF_Q4_K) {  /* d x scale and dmin x min of the 16 rows' sub-block */
             const uint8_t *sup = gw + (c >> 3) * Q4K_SUPER + 8 * Q4K_CHUNK;
             d = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sup)),
                               _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
@@ -267,7 +268,6 @@ static inline __attribute__((always_inline)) void r16_group(
             mn = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sup + 32))),
                                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
                                    _mm_loadu_si128((const __m128i *)(ch + 272)))));
-            mn = _mm512_sub_ps(_mm512_setzero_ps(), mn);
         }
         /* One accumulator per x row, the rows innermost: MT independent vpdpbusd chains
          * side by side (a row's 8 in a chain took 8 x its latency per chunk, which the
@@ -288,8 +288,10 @@ static inline __attribute__((always_inline)) void r16_group(
                 out[i] = _mm512_fmadd_ps(f, dx, out[i]);
             } else {
                 out[i] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, dx), out[i]);
-                if (FMT == QF_Q4_1 || FMT == QF_Q4_K)
+                if (FMT == QF_Q4_1)
                     out[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(ct[at]), out[i]);
+                if (FMT == QF_Q4_K)  /* w = d sc q - dmin mn: the min term subtracted */
+                    out[i] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(ct[at]), out[i]);
             }
         }
     }
@@ -384,7 +386,6 @@ static inline __attribute__((always_inline)) void r16_group_avx2(
                 mn = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sup + 32))),
                                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
                                        _mm_loadl_epi64((const __m128i *)(ch + 272 + h * 8)))));
-                mn = _mm256_sub_ps(_mm256_setzero_ps(), mn);
             }
             for (int i = 0; i < MT; i++) {
                 const int64_t at = (m0 + i) * nchunks + c;
@@ -409,8 +410,10 @@ static inline __attribute__((always_inline)) void r16_group_avx2(
                     *o = _mm256_fmadd_ps(f, dx, *o);
                 } else {
                     *o = _mm256_fmadd_ps(f, _mm256_mul_ps(d, dx), *o);
-                    if (FMT == QF_Q4_1 || FMT == QF_Q4_K)
+                    if (FMT == QF_Q4_1)
                         *o = _mm256_fmadd_ps(mn, _mm256_set1_ps(ct[at]), *o);
+                    if (FMT == QF_Q4_K)
+                        *o = _mm256_fnmadd_ps(mn, _mm256_set1_ps(ct[at]), *o);
                 }
             }
         }
