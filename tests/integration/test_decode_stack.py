@@ -44,19 +44,31 @@ class _Counting:
         return out
 
 
-def _generate(core: EngineCore, tag: str, prompts, max_tokens: int = 10, spread: int = 0):
+def _generate(core: EngineCore, tag: str, prompts, max_tokens: int = 10, spread: int = 0,
+              arrive_every: int = 0):
     """Greedy tokens and top log-probabilities per prompt; request i asks for max_tokens +
-    i * spread tokens (the batch then shrinks one request at a time)."""
-    for i, prompt in enumerate(prompts):
-        core.add_request(Request(f"{tag}-{i}", prompt, SamplingParams(
-            max_tokens=max_tokens + i * spread, temperature=0.0, ignore_eos=True,
-            logprobs=5)))
+    i * spread tokens (the batch then shrinks one request at a time). arrive_every > 0:
+    request i is added before step i * arrive_every instead of all at once (a short prompt
+    is then a multi-token row beside the earlier requests' decodes)."""
+    pending = list(enumerate(prompts))
+
+    def arrive(step: int) -> None:
+        while pending and pending[0][0] * arrive_every <= step:
+            i, prompt = pending.pop(0)
+            core.add_request(Request(f"{tag}-{i}", prompt, SamplingParams(
+                max_tokens=max_tokens + i * spread, temperature=0.0, ignore_eos=True,
+                logprobs=5)))
+
     got: dict[str, list] = {}
-    while core.has_unfinished_requests():
+    arrive(0)
+    step = 0
+    while pending or core.has_unfinished_requests():
         for out in core.step():
             (lp,) = out.new_logprobs
             got.setdefault(out.request_id, []).append(
                 (out.new_token_ids[0], lp.token_ids, lp.logprobs))
+        step += 1
+        arrive(step)
     return [got[f"{tag}-{i}"] for i in range(len(prompts))]
 
 

@@ -15,8 +15,6 @@ from test_decode_stack import _core, _Counting, _generate
 from test_gemma3 import make_gemma3
 
 from treadle.models.gemma3 import gemma_rms_norm
-from treadle.request import Request
-from treadle.sampling_params import SamplingParams
 from treadle.worker.cpu.gemma_stack import GemmaDecodeStack
 
 WINDOW = 8
@@ -137,25 +135,6 @@ class _MixedSteps:
         return out
 
 
-def _arriving(core, tag: str, prompts, max_tokens: int):
-    """Greedy tokens and top log-probabilities per prompt, request i added before step
-    2i: a short prompt (at most SHORT_ROW_TOKENS) is then one multi-token row of the
-    decode kernel beside the earlier requests' decodes."""
-    got: dict[str, list] = {}
-    pending, step = list(enumerate(prompts)), 0
-    while pending or core.has_unfinished_requests():
-        if pending and step % 2 == 0:
-            i, prompt = pending.pop(0)
-            core.add_request(Request(f"{tag}-{i}", prompt, SamplingParams(
-                max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=5)))
-        for out in core.step():
-            (lp,) = out.new_logprobs
-            got.setdefault(out.request_id, []).append(
-                (out.new_token_ids[0], lp.token_ids, lp.logprobs))
-        step += 1
-    return [got[f"{tag}-{i}"] for i in range(len(prompts))]
-
-
 def test_stack_reads_the_sliding_tables_of_each_kernel_row(kernel_level, level_kernels,
                                                            tmp_path_factory):
     """Steps where a short prompt's tokens are decode-kernel rows beside other requests'
@@ -174,8 +153,8 @@ def test_stack_reads_the_sliding_tables_of_each_kernel_row(kernel_level, level_k
                                               for i in range(6)]
     mixed = _MixedSteps(model.decode_stack)
     model.decode_stack = mixed
-    fused = _arriving(core, "stack", prompts, max_tokens=12)
+    fused = _generate(core, "stack", prompts, max_tokens=12, arrive_every=2)
     model.decode_stack = None
-    plain = _arriving(core, "layers", prompts, max_tokens=12)
+    plain = _generate(core, "layers", prompts, max_tokens=12, arrive_every=2)
     assert mixed.mixed >= 3, "steps with a short prompt beside decodes ran in the stack"
     assert fused == plain
