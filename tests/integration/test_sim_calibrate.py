@@ -42,8 +42,9 @@ def test_calibration_covers_every_row_count_up_to_its_largest_batch(tmp_path, ca
     # the engine up to a step apart, so two of them may end in one step: one row count
     # may be skipped.
     assert len(set(range(1, 7)) - decode_rows) <= (1 if served else 0), decode_rows
+    # The budget, and the 64 // 8 tokens a prompt may pass it by to finish.
     assert max(s.features["prefill_tokens"] + s.features["decode_tokens"]
-               for s in trace.steps) <= 64
+               for s in trace.steps) <= 72
     assert any(s.features["prefill_rows"] and s.features["decode_rows"] for s in trace.steps)
     model_fit = fit_trace(trace, str(trace_path))
     assert model_fit.fit_report["num_steps"] == len(trace.steps)

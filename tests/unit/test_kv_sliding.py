@@ -139,7 +139,7 @@ def test_no_swap_with_a_sliding_group():
 def test_layer_groups_split_the_memory():
     gemma = ["s"] * 5 + [None]
     windows = [512 if w else None for w in gemma] * 3  # Gemma 3 270M: 15 sliding, 3 full
-    groups = layer_groups(windows, 1000, 16, max_num_seqs=8, max_num_batched_tokens=512,
+    groups = layer_groups(windows, 1000, 16, max_num_seqs=8, max_step_tokens=512,
                           max_model_len=32768)
     per_request = -(-511 // 16) + 2
     assert groups.num_sliding_blocks == 8 * per_request + 32
@@ -164,7 +164,8 @@ def test_the_kv_config_names_each_group_its_layers_and_blocks():
                                        max_num_batched_tokens=512, kv_cache_dtype="int8")
     windows = ([512] * 5 + [None]) * 3
     kv = kv_cache_config(config, windows, 32768, 1000, 64)
-    split = layer_groups(windows, 1000, 16, 8, 512, 32768)
+    # A step's new tokens: the budget and the slack a finishing prompt may take.
+    split = layer_groups(windows, 1000, 16, 8, config.scheduler.max_step_tokens, 32768)
     full, sliding = kv.groups
     assert isinstance(full.spec, FullAttentionSpec) and full.layers == (5, 11, 17)
     assert isinstance(sliding.spec, SlidingWindowSpec) and sliding.spec.window == 512

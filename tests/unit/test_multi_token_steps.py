@@ -103,7 +103,7 @@ def run(scheduler: Scheduler, requests: list[Request], runner) -> list[list[int]
     steps = 0
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
-        assert out.num_scheduled_tokens <= scheduler.config.max_num_batched_tokens
+        assert out.num_scheduled_tokens <= scheduler.config.max_step_tokens
         for s in out.scheduled:
             if s.spec_token_ids:
                 assert s.is_decoding and s.sample

@@ -64,7 +64,8 @@ def test_budgets_never_exceeded_and_all_blocks_freed():
     requests = [make_request(f"r{i}", prompt_len=1 + 13 * i, max_tokens=5 + i) for i in range(10)]
 
     def check(s, out):
-        assert out.num_scheduled_tokens <= 32
+        # The budget, and the slack a prompt may take to finish (32 // 8 = 4 tokens).
+        assert out.num_scheduled_tokens <= s.config.max_step_tokens == 36
         assert len(out.scheduled) <= 3
         assert len(s.running) <= 3
         # decodes come before prefill chunks in the flat batch
@@ -155,6 +156,95 @@ def test_last_chunk_of_a_split_prompt_runs_without_other_prefills(finish_first):
     else:
         assert steps == [{"early": 1, "split": 15}, {"early": 1, "split": 5, "short": 3},
                          {"early": 1, "split": 1, "short": 1}]
+
+
+def _decoding(sched, num: int) -> list[Request]:
+    """`num` requests past their prompts (4 tokens each), decoding one token a step."""
+    requests = [make_request(f"d{i}", prompt_len=4, max_tokens=50) for i in range(num)]
+    for r in requests:
+        sched.add_request(r)
+    out = sched.schedule()
+    sched.update_from_output(out, fake_runner(out))
+    assert all(r.is_decoding for r in requests)
+    return requests
+
+
+@pytest.mark.parametrize("finish_first", [True, False])
+def test_a_prompt_left_short_by_the_decodes_finishes_over_the_budget(finish_first):
+    """Six decodes take six of a 64-token budget; a 64-token prompt behind them would run
+    58 tokens and then 6 in a step of their own (every weight read again for 6 tokens,
+    its first token a step later). With finish_prompts_first it runs whole: the step
+    passes the budget by 6, within the slack of 64 // 8."""
+    sched = make_scheduler(max_tokens=64, max_seqs=8, num_blocks=128, prefix_caching=False,
+                           finish_first=finish_first)
+    _decoding(sched, 6)
+    prompt = make_request("prompt", prompt_len=64, max_tokens=3)
+    sched.add_request(prompt)
+    steps = []
+    while prompt.num_output_tokens == 0:
+        out = sched.schedule()
+        steps.append(_tokens(out)["prompt"])
+        sched.update_from_output(out, fake_runner(out))
+    assert steps == ([64] if finish_first else [58, 6])
+    assert sched.config.finish_slack == (8 if finish_first else 0)
+
+
+def test_a_rest_past_the_slack_is_chunked_within_the_budget():
+    """Nine decodes leave a 64-token prompt a rest of 9, past the slack of 8: it is split,
+    and no step passes the budget."""
+    sched = make_scheduler(max_tokens=64, max_seqs=12, num_blocks=128, prefix_caching=False)
+    _decoding(sched, 9)
+    prompt = make_request("prompt", prompt_len=64, max_tokens=3)
+    sched.add_request(prompt)
+    out = sched.schedule()
+    assert _tokens(out)["prompt"] == 55 and out.num_scheduled_tokens == 64
+
+
+def test_one_prompt_a_step_runs_over_the_budget():
+    """Prompts of 60, 10 and 5 tokens in a 64-token step: the second finishes over the
+    budget (a rest of 6); the budget is then spent and the third waits a step."""
+    sched = make_scheduler(max_tokens=64, max_seqs=8, num_blocks=128, prefix_caching=False)
+    for name, length in (("a", 60), ("b", 10), ("c", 5)):
+        sched.add_request(make_request(name, prompt_len=length, max_tokens=3))
+    out = sched.schedule()
+    assert _tokens(out) == {"a": 60, "b": 10}
+    sched.update_from_output(out, fake_runner(out))
+    assert _tokens(sched.schedule()) == {"a": 1, "b": 1, "c": 5}
+
+
+@pytest.mark.parametrize("num_blocks,chunks", [(64, [62, 64]), (35, [62, 62])])
+def test_finishing_over_the_budget_never_preempts(num_blocks, chunks):
+    """A 126-token prompt beside two decodes runs 62 tokens a step; its second chunk would
+    finish it over the budget (a rest of 2), which needs one block more than a budget
+    chunk. With 35 blocks that block is not free: the prompt takes its budget chunk, and
+    nobody is preempted for the slack."""
+    sched = make_scheduler(max_tokens=64, max_seqs=4, num_blocks=num_blocks,
+                           prefix_caching=False)
+    _decoding(sched, 2)
+    long = make_request("long", prompt_len=126, max_tokens=3)
+    sched.add_request(long)
+    steps = []
+    for _ in chunks:
+        out = sched.schedule()
+        assert not out.preempted_request_ids
+        steps.append(_tokens(out)["long"])
+        sched.update_from_output(out, fake_runner(out))
+    assert steps == chunks
+    assert long.is_decoding == (num_blocks == 64)
+
+
+def test_a_tighter_bound_than_the_budget_is_not_stretched():
+    """With decode_step_prefill_tokens 40 a prompt beside decodes gets 40 tokens a step,
+    even when the rest (4) is within the slack: that bound keeps decodes' gaps short."""
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8,
+                        decode_step_prefill_tokens=40, **NO_LOOKAHEAD),
+        CacheConfig(block_size=4, enable_prefix_caching=False),
+        num_kv_blocks=128, max_model_len=4096)
+    _decoding(sched, 2)
+    prompt = make_request("prompt", prompt_len=44, max_tokens=3)
+    sched.add_request(prompt)
+    assert _tokens(sched.schedule())["prompt"] == 40
 
 
 def test_whole_prompts_still_share_the_step_that_finishes_one():

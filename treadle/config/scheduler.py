@@ -6,6 +6,13 @@ from dataclasses import dataclass, field
 
 from treadle.config.values import SCHEDULING_POLICIES, DEFAULT_SCHEDULING_POLICY, _help, parse_tenant_weights
 
+FINISH_SLACK_DIVISOR = 8
+"""With finish_prompts_first, a prompt whose rest after this step's chunk would be at most
+max_num_batched_tokens / FINISH_SLACK_DIVISOR tokens runs whole, over the budget by that
+much (core/step_plan.py, `prompt_chunk`). Gemma 3 270M at 16 streams of 512-token prompts:
+the decodes took the budget's last 2-15 tokens, and each prompt's remainder then cost a
+step of its own, 16-80 ms each, 5% of the run."""
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -74,8 +81,10 @@ class SchedulerConfig:
         "carries no decodes or prefill chunks of less urgent classes (they run next step)"))
     finish_prompts_first: bool = field(default=True, metadata=_help(
         "A step that finishes a prompt carries no partial chunk of another prompt (it "
-        "would delay that first token; it starts next step with the budget first), and "
-        "the last chunk of a prompt split across steps runs with decodes only"))
+        "would delay that first token; it starts next step with the budget first), the "
+        "last chunk of a prompt split across steps runs with decodes only, and a prompt "
+        "whose rest would be at most 1/8 of max_num_batched_tokens finishes in this step, "
+        "over the budget by that much, instead of taking a step of its own"))
     kv_watermark: float = field(default=0.01, metadata=_help(
         "Fraction of the KV blocks an admission leaves free (with the expected growth of "
         "the running requests: admission_lookahead_tokens)"))
@@ -152,5 +161,16 @@ class SchedulerConfig:
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+    @property
+    def finish_slack(self) -> int:
+        """Tokens a step may run over max_num_batched_tokens to finish a prompt (one prompt
+        a step; 0 without finish_prompts_first)."""
+        return self.max_num_batched_tokens // FINISH_SLACK_DIVISOR if self.finish_prompts_first else 0
+
+    @property
+    def max_step_tokens(self) -> int:
+        """The most tokens one step carries: the budget and the finishing slack."""
+        return self.max_num_batched_tokens + self.finish_slack
 
 

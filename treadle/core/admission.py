@@ -151,7 +151,8 @@ def _admit_swapped(plan: StepPlan, request: Request) -> None:
     plan.swap_in.extend(swap_plan)
     plan.stats.num_swap_in += 1
     _resume(plan, request)
-    num_tokens = min(request.num_uncomputed_tokens, plan.budget_for(request))
+    num_tokens = plan.prompt_chunk(request, request.num_uncomputed_tokens,
+                                   plan.budget_for(request))
     if kv.eviction is not None:
         # No compaction in the step it comes back (the worker compacts before the
         # swap-ins land): it may pass its budget by this one step's tokens.
@@ -252,9 +253,12 @@ def fit(plan: StepPlan, request: Request, hit: PrefixHit) -> tuple[Admission, in
     num_tokens = request.num_uncomputed_tokens - hit.num_tokens
     if num_tokens > room.budget and not plan.may_chunk(request):
         return Admission.NO_FIT, 0
-    if plan.holds_back(request, num_tokens > room.budget):
+    chunk = plan.prompt_chunk(request, num_tokens, room.budget)
+    if chunk > room.budget and not kv.can_allocate(request, chunk, hit.blocks):
+        chunk = room.budget  # finishing over the budget never takes memory a chunk would not
+    if plan.holds_back(request, chunk < num_tokens):
         return Admission.DEFERRED, 0
-    num_tokens = min(num_tokens, room.budget)
+    num_tokens = chunk
     if kv.eviction is not None:  # its steps are capped (kv_specs/eviction.py)
         num_tokens = min(num_tokens, kv.eviction.max_step_tokens)
     if not kv.can_allocate(request, num_tokens, hit.blocks):

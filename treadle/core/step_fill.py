@@ -164,8 +164,8 @@ def schedule_running(plan: StepPlan, request: Request) -> None:
     if request.status is not RequestStatus.RUNNING or budget <= 0:
         return
     num_uncomputed = request.num_uncomputed_tokens
-    num_tokens = min(num_uncomputed, budget)
-    if num_uncomputed > budget and plan.waiting and not request.is_decoding:
+    num_tokens = plan.prompt_chunk(request, num_uncomputed, budget)
+    if num_tokens < num_uncomputed and plan.waiting and not request.is_decoding:
         num_tokens = plan.short_prompt_room(request, num_tokens)
     eviction = plan.kv.eviction
     if eviction is not None:
@@ -174,6 +174,10 @@ def schedule_running(plan: StepPlan, request: Request) -> None:
     num_tokens += len(spec)
     if plan.holds_back(request, num_tokens < num_uncomputed):
         return
+    if num_tokens > budget and not plan.kv.allocate_slots(request, num_tokens):
+        num_tokens = budget  # finishing over the budget never preempts anyone
+        if plan.holds_back(request, True):
+            return
     if eviction is not None:
         plan.compact(request, num_tokens)
     if make_room(plan, request, num_tokens):

@@ -146,6 +146,21 @@ class StepPlan:
             budget = min(budget, self.yield_budgets[pool])
         return budget
 
+    def prompt_chunk(self, request: Request, num_tokens: int, budget: int) -> int:
+        """Tokens of the `num_tokens` a prompt (or a recompute) has left that run in this
+        step, where `budget` is what `budget_for` leaves it: all that fit, and all of them
+        also when the rest would be at most `finish_slack` tokens and the step's own budget
+        is what binds. The rest would otherwise take a step of its own (every weight read
+        again for a few tokens, the first token a step later), which is what the decodes
+        ahead of a prompt in a step leave it short by. One prompt a step: the budget is
+        then spent."""
+        if num_tokens <= budget:
+            return num_tokens
+        if (0 < budget and budget >= self.budget and not request.is_decoding
+                and num_tokens - budget <= self.config.finish_slack):
+            return num_tokens
+        return max(budget, 0)
+
     def _yield_pool(self, request: Request) -> str | None:
         """The yielding pool `request`'s tokens also count against (None: none)."""
         if not self.yield_budgets:

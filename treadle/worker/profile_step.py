@@ -2,7 +2,8 @@
 
 Run at start-up before the KV cache exists, so that the platform can measure the peak of
 the activations (on a GPU the KV cache gets what is left under --gpu-memory-utilization:
-Platform.kv_cache_bytes). The largest step is max_num_batched_tokens of prompt over as
+Platform.kv_cache_bytes). The largest step is max_step_tokens of prompt (the budget and
+the slack a finishing prompt may take, SchedulerConfig.max_step_tokens) over as
 many rows as max_num_seqs allows (every row sampling, so the logits of all of them are
 counted too), each row within max_model_len. It runs on a KV cache of its own, just big
 enough, through a model runner of its own, both dropped afterwards; the requests are
@@ -15,11 +16,11 @@ from treadle.core.outputs import NewRequestData, ScheduledRequest, SchedulerOutp
 from treadle.sampling_params import SamplingParams
 
 
-def profile_lengths(max_num_batched_tokens: int, max_num_seqs: int,
+def profile_lengths(max_step_tokens: int, max_num_seqs: int,
                     max_model_len: int) -> list[int]:
     """Prompt tokens per row of the largest step (their sum is the step's tokens)."""
-    rows = max(1, min(max_num_seqs, max_num_batched_tokens))
-    base, extra = divmod(max_num_batched_tokens, rows)
+    rows = max(1, min(max_num_seqs, max_step_tokens))
+    base, extra = divmod(max_step_tokens, rows)
     return [min(max_model_len, base + (i < extra)) for i in range(rows) if base + (i < extra)]
 
 

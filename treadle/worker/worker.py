@@ -382,7 +382,7 @@ class Worker:
         """The largest step the scheduler can make, on a KV cache of its own
         (worker/profile_step.py): the peak its activations reach sizes the GPU's KV cache."""
         sched, cache = self.config.scheduler, self.config.cache
-        lengths = profile_lengths(sched.max_num_batched_tokens, sched.max_num_seqs,
+        lengths = profile_lengths(sched.max_step_tokens, sched.max_num_seqs,
                                   self.max_model_len)
         step, finish, num_blocks = profile_steps(lengths, cache.block_size,
                                                  self.model.vocab_size)

@@ -43,7 +43,7 @@ class LayerGroups:
 
 
 def layer_groups(layer_windows: Sequence[int | None], num_blocks: int, block_size: int,
-                 max_num_seqs: int, max_num_batched_tokens: int,
+                 max_num_seqs: int, max_step_tokens: int,
                  max_model_len: int) -> LayerGroups | None:
     """The two groups' block counts for the memory of `num_blocks` whole-model blocks, or
     None when no layer slides (or the window covers the whole context)."""
@@ -60,7 +60,7 @@ def layer_groups(layer_windows: Sequence[int | None], num_blocks: int, block_siz
     num_sliding = sum(w is not None for w in layer_windows)
     num_full = num_layers - num_sliding
     per_request = -(-(window - 1) // block_size) + 2
-    need = max_num_seqs * per_request + -(-max_num_batched_tokens // block_size)
+    need = max_num_seqs * per_request + -(-max_step_tokens // block_size)
     num_sliding_blocks = min(num_blocks, need)
     if num_full:
         num_full_blocks = (num_blocks * num_layers - num_sliding_blocks * num_sliding) // num_full
@@ -146,7 +146,7 @@ def kv_cache_config(config: "EngineConfig", layer_windows: Sequence[int | None],
     primary = primary_spec(cache)
     every_layer = tuple(range(len(layer_windows)))
     split = layer_groups(layer_windows, num_blocks, cache.block_size, sched.max_num_seqs,
-                         sched.max_num_batched_tokens, max_model_len)
+                         sched.max_step_tokens, max_model_len)
     if split is None:
         groups = (KVCacheGroup(primary, num_blocks, every_layer),)
     else:
