@@ -18,8 +18,9 @@ def kernels(level_kernels, kernel_level):
     return level_kernels
 
 
-def reference(q, kc, vc, table, start, n, scale):
-    """fp32 causal attention of n new tokens at positions [start, start + n)."""
+def reference(q, kc, vc, table, start, n, scale, window=None):
+    """fp32 causal attention of n new tokens at positions [start, start + n) (with a
+    window: each query sees the last `window` positions up to its own)."""
     num_kv_heads, _, block_size, head_dim = kc.shape
     group = q.shape[1] // num_kv_heads
     pos = torch.arange(start + n)
@@ -28,20 +29,29 @@ def reference(q, kc, vc, table, start, n, scale):
     v = vc[:, blocks, offsets].float().repeat_interleave(group, 0)
     scores = q.float().transpose(0, 1) @ k.transpose(1, 2) * scale  # [heads, n, ctx]
     allowed = pos[None, :] <= (start + torch.arange(n))[:, None]
+    if window is not None:
+        allowed &= pos[None, :] > (start + torch.arange(n))[:, None] - window
+        k[:, ~allowed.any(0)] = 0.0  # positions no query sees: a sliding group's stale blocks
+        v[:, ~allowed.any(0)] = 0.0
     probs = torch.softmax(scores.masked_fill(~allowed, -math.inf), dim=-1)
     return (probs @ v).transpose(0, 1).reshape(n, -1)
 
 
 def run_spans(kernels, cases, num_heads, num_kv_heads, head_dim, block_size, scale, seed=0,
-              extra_query_heads=0, poison=False):
+              extra_query_heads=0, poison=False, window=None):
     """Lay the spans out in one flat batch over shuffled blocks, run the kernel once, and
-    return (out, [(reference, rows)])."""
+    return (out, [(reference, rows)]). With a window, each span's table entries for blocks
+    wholly before its first query's window name a block of NaNs, as a sliding KV group's
+    stale ids would: the kernel must not read them."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per = [(s + n + block_size - 1) // block_size for s, n in cases]
     num_blocks = sum(blocks_per) + 3
     kc = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen).bfloat16()
     vc = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen).bfloat16()
-    perm = torch.randperm(num_blocks, generator=gen)
+    stale = num_blocks - 1  # never in a table otherwise: the permutation's last 3 are spare
+    kc[:, stale] = float("nan")
+    vc[:, stale] = float("nan")
+    perm = torch.randperm(num_blocks - 1, generator=gen)
     rows = sum(n for _, n in cases)
     # Queries as a strided view, like the model's [tokens, heads + kv_heads, dim] tensor.
     q = torch.randn(rows, num_heads + extra_query_heads, head_dim, generator=gen).bfloat16()
@@ -50,6 +60,8 @@ def run_spans(kernels, cases, num_heads, num_kv_heads, head_dim, block_size, sca
     spans, row, used = [], 0, 0
     for i, ((start, n), nb) in enumerate(zip(cases, blocks_per)):
         tables[i, :nb] = perm[used:used + nb]
+        if window is not None:
+            tables[i, :max(0, start - window + 1) // block_size] = stale
         used += nb
         spans.append([row, n, start])
         row += n
@@ -62,8 +74,9 @@ def run_spans(kernels, cases, num_heads, num_kv_heads, head_dim, block_size, sca
     spans = torch.tensor(spans, dtype=torch.int64)
     out = torch.full((rows, num_heads * head_dim), 7.0, dtype=torch.bfloat16)
     kernels.paged_prefill(q, kc, vc, spans, tables, out,
-                          kernels.prefill_workspace(spans, num_kv_heads, head_dim), scale)
-    refs = [(reference(q[r:r + n], kc, vc, tables[i], s, n, scale), slice(r, r + n))
+                          kernels.prefill_workspace(spans, num_kv_heads, head_dim), scale,
+                          window)
+    refs = [(reference(q[r:r + n], kc, vc, tables[i], s, n, scale, window), slice(r, r + n))
             for i, (r, n, s) in enumerate(spans.tolist())]
     return out, refs
 
@@ -88,6 +101,40 @@ def test_paged_prefill_matches_reference(kernels, cases, heads, kv_heads, head_d
     for ref, rows in refs:
         got = out[rows].float()
         # bf16 output (relative rounding 2^-8) and bf16 probabilities in P.V
+        assert torch.allclose(got, ref, atol=1.5e-2, rtol=1.5e-2), (got - ref).abs().max()
+
+
+# (spans, heads, kv heads, head_dim, block_size, scale, window): Gemma 3's grouping and
+# head size, its local layers' window, chunks past it; windows shorter than a 32-key tile
+# (both bounds in one tile), odd block sizes, a window wider than the context.
+WINDOWED = [
+    ([(0, 512)], 4, 1, 256, 16, 0.0625, None),              # Gemma 3 270M, a first chunk
+    ([(700, 100), (0, 40), (1000, 3 + 6)], 4, 1, 256, 16, 0.0625, 512),  # its local layers
+    ([(0, 70), (45, 50), (200, 17)], 8, 2, 64, 16, 0.125, 16),   # a window inside a tile
+    ([(33, 61), (5, 90)], 4, 2, 128, 5, 0.1, 29),           # odd block size and window
+    ([(100, 40)], 4, 1, 256, 7, 0.0625, 10_000),            # wider than the context
+]
+
+
+def _windowed_ok(kernels, head_dim, window):
+    if not kernels.supports_prefill(torch.bfloat16, head_dim, window):
+        assert kernels.has_dpbf16, "the widening builds run every head_dim and window here"
+        pytest.skip("the AVX-512 BF16 build keeps head_dim 256 and windows on torch's "
+                    "attention (its twin: the widening builds, tested on this CPU)")
+
+
+@pytest.mark.parametrize("cases, heads, kv_heads, head_dim, block_size, scale, window",
+                         WINDOWED, ids=[f"windowed{i}" for i in range(len(WINDOWED))])
+def test_paged_prefill_with_head_dim_256_and_windows(kernels, cases, heads, kv_heads,
+                                                     head_dim, block_size, scale, window):
+    """head_dim 256 and sliding windows (the widening builds), without reading the table
+    entries a sliding group leaves stale before each span's window."""
+    _windowed_ok(kernels, head_dim, window)
+    out, refs = run_spans(kernels, cases, heads, kv_heads, head_dim, block_size, scale,
+                          extra_query_heads=kv_heads, window=window)
+    for ref, rows in refs:
+        got = out[rows].float()
+        assert torch.isfinite(got).all()
         assert torch.allclose(got, ref, atol=1.5e-2, rtol=1.5e-2), (got - ref).abs().max()
 
 

@@ -65,7 +65,7 @@ _ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float]
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _SAMPLE_ARGTYPES = [_P, _I64, _I64, _I64] + [_P] * 6
 _LOGPROB_ARGTYPES = [_P, _I64, _I64, _P, _I64, _P, _I64] + [_P] * 4
-_PREFILL_ARGTYPES = [_P, _I64] + [_P] * 6 + [_I64] * 7 + [ctypes.c_float]
+_PREFILL_ARGTYPES = [_P, _I64] + [_P] * 6 + [_I64] * 7 + [ctypes.c_float, _I64]
 
 
 @dataclass
@@ -128,7 +128,7 @@ class NativeKernels:
         self._prefill_workspace = lib.paged_prefill_workspace_bytes
         self._prefill_workspace.argtypes = [_P, _I64, _I64, _I64]
         self._prefill_workspace.restype = ctypes.c_int64
-        lib.paged_prefill_available.argtypes = [_I64]
+        lib.paged_prefill_available.argtypes = [_I64, _I64]
         lib.paged_prefill_available.restype = ctypes.c_int
 
     def supports(self, dtype: torch.dtype) -> bool:
@@ -175,10 +175,14 @@ class NativeKernels:
             raise ValueError(f"paged_decode: head grouping {num_heads}/{num_kv_heads} x "
                              f"head_dim {head_dim} x block_size {block_size} exceeds its limits")
 
-    def supports_prefill(self, dtype: torch.dtype, head_dim: int) -> bool:
-        """Whether `paged_prefill` runs for this dtype and head size in this build (bf16,
-        head_dim 64 or 128, AVX-512 or AVX2); otherwise torch's attention does prefills."""
-        return dtype == torch.bfloat16 and bool(self.lib.paged_prefill_available(head_dim))
+    def supports_prefill(self, dtype: torch.dtype, head_dim: int,
+                         window: int | None = None) -> bool:
+        """Whether `paged_prefill` runs for this dtype and head size, with this sliding
+        window (None: none), in this build (bf16, AVX-512 or AVX2; head_dim 64 or 128,
+        and on the widening builds (no AVX-512 BF16) also 256 and windows); otherwise
+        torch's attention does prefills."""
+        return dtype == torch.bfloat16 and bool(
+            self.lib.paged_prefill_available(head_dim, window or 0))
 
     def prefill_workspace(self, spans: torch.Tensor, num_kv_heads: int,
                           head_dim: int) -> torch.Tensor:
@@ -193,14 +197,17 @@ class NativeKernels:
     def paged_prefill(self, query: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, spans: torch.Tensor,
                       block_tables: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor,
-                      scale: float) -> None:
+                      scale: float, window: int | None = None) -> None:
         """Causal attention of every prefill span's new tokens over their context.
 
         query: [tokens, num_heads, head_dim] bf16 (rows may be strided); out: [tokens,
         num_heads * head_dim]; key/value_cache: [kv_heads, num_blocks, block_size,
         head_dim]; spans: [num_spans, 3] int64 (first row, new tokens, positions before
         the chunk); block_tables: [num_spans, max_blocks] int64; workspace from
-        `prefill_workspace`. Rows of `out` outside the spans are not written.
+        `prefill_workspace`. Rows of `out` outside the spans are not written. window: None
+        (or 0) for causal attention over the whole context; else a query at position p
+        sees keys [p - window + 1, p], and a table entry of a block wholly before its
+        span's first query's window is never read (a sliding KV group's stale ids).
         """
         num_heads, head_dim = query.shape[1:]
         num_kv_heads, num_blocks, block_size, row = key_cache.shape
@@ -213,10 +220,11 @@ class NativeKernels:
             query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
             spans.data_ptr(), block_tables.data_ptr(), out.data_ptr(), workspace.data_ptr(),
             spans.shape[0], num_heads, num_kv_heads, head_dim, num_blocks, block_size,
-            block_tables.shape[1], scale)
+            block_tables.shape[1], scale, window or 0)
         if status != 0:
-            raise ValueError(f"paged_prefill: head_dim {head_dim} or heads "
-                             f"{num_heads}/{num_kv_heads} unsupported on this CPU")
+            raise ValueError(f"paged_prefill: head_dim {head_dim}, heads "
+                             f"{num_heads}/{num_kv_heads} or window {window} unsupported "
+                             "on this CPU")
 
     def sample(self, logits: torch.Tensor, inv_temperature: torch.Tensor, top_k: torch.Tensor,
                top_p: torch.Tensor, min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

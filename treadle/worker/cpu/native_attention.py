@@ -4,18 +4,20 @@ Owns the step metadata for the kernels and the order of the calls: rotary embedd
 fused with the K/V write (`rope_kv`, bf16), decode attention over every single-token row
 and every token of the short multi-token rows (speculative verification) in one call
 (`paged_decode.c`: no grouping, no padding), and causal prefill attention over every
-longer row in one call (`paged_prefill.c`, bf16 with AVX-512 BF16 and head_dim
-64/128). Where the prefill kernel or rope_kv does not apply (another dtype or head size),
-that part runs the `torch` backend's code, with the same results up to rounding; the
-decode kernel covers float32 and bf16 (the backend is not offered otherwise).
+longer row in one call (`paged_prefill.c`, bf16, head_dim 64/128, and 256 on the builds
+without AVX-512 BF16). Where the prefill kernel or rope_kv does not apply (another dtype
+or head size), that part runs the `torch` backend's code, with the same results up to
+rounding; the decode kernel covers float32 and bf16 (the backend is not offered
+otherwise).
 
 Sliding-window layers (Gemma 3's local layers, Mistral; docs/gemma3.md): their decode rows
 (the same single-token and short rows) run the decode kernel with its window bound, over
 the sliding KV group's block tables when the step has one (AttentionStep.sliding: the
 kernel never reads a table entry before a row's window, where that group keeps stale ids
 of freed blocks), their K/V written at that group's slots; those rows' tables are made
-once per step, by the first sliding layer. Their prefill rows take the torch backend's
-windowed views (the prefill kernel has no window bound). Layers with a logit softcap
+once per step, by the first sliding layer. Their prefill rows take the prefill kernel
+with its window bound over the same tables where the build has it (the widening builds:
+AVX-512F and AVX2), else the torch backend's windowed views. Layers with a logit softcap
 (neither kernel has one) run the torch backend's code whole.
 Layout `heads_first`, the one the kernels read. With `kv_cache_dtype=int8` the same
 calls read and write int8 rows (worker/kv_quant.py): rope_kv quantizes as it stores, the
@@ -117,6 +119,7 @@ class CpuNativeMetadata:
     """The torch path's windowed spans of `prefill_rows` for sliding-window layers, by
     window (made on first use)."""
     _sliding: tuple[NativeDecode | None, torch.Tensor] | None = None
+    _window_prefill: NativePrefill | None = None
 
     def views(self, window: int | None) -> LayerViews:
         if window not in self.torch_views:
@@ -132,6 +135,17 @@ class CpuNativeMetadata:
                 self.step, self.backend.num_kv_heads, torch.device("cpu"), window,
                 self.prefill_rows).prefill_spans if self.prefill_rows.size else []
         return self.window_prefills[window]
+
+    def window_native_prefill(self) -> NativePrefill:
+        """`native_prefill` over the sliding group's tables when the step has them (the
+        same spans and workspace), for the prefill kernel's windowed calls."""
+        sliding, npf = self.step.sliding, self.native_prefill
+        if sliding is None:
+            return npf
+        if self._window_prefill is None:
+            self._window_prefill = NativePrefill(npf.spans, torch.from_numpy(
+                np.ascontiguousarray(sliding.block_table[self.prefill_rows])), npf.workspace)
+        return self._window_prefill
 
     def sliding(self) -> tuple[NativeDecode | None, torch.Tensor]:
         """The sliding-window layers' decode rows and K/V slots: over the sliding group's
@@ -165,6 +179,9 @@ class CpuNativeBackend(AttentionBackend):
         self.layer_ops = layer_ops
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.native_prefill = kernels.supports_prefill(dtype, head_dim)
+        self.native_window_prefill = (self.native_prefill
+                                      and kernels.supports_prefill(dtype, head_dim, window=1))
+        """Whether sliding-window layers' prefill rows take the prefill kernel too."""
         if kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(f"the C attention kernels do not read kv_cache_dtype="
                              f"{kv_cache_dtype!r} (auto or int8)")
@@ -200,7 +217,6 @@ class CpuNativeBackend(AttentionBackend):
                 rotary: Rotary | None) -> torch.Tensor:
         views = None
         slots, nd, window = meta.slot_mapping, meta.native_decode, layer.sliding_window
-        prefill_spans = meta.prefill_spans
         if layer.logit_softcap is not None:
             # The C kernels have no softcap: these layers take the torch path whole (with
             # its window, reading only the blocks inside each row's).
@@ -212,9 +228,9 @@ class CpuNativeBackend(AttentionBackend):
                 slots = views.slot_mapping
         elif window is not None:
             # The decode rows on the kernel with its window bound, over the sliding
-            # group's tables; the prefill rows on the torch path's windowed views.
+            # group's tables; the prefill rows on the prefill kernel with it too where
+            # this build has one, else on the torch path's windowed views.
             nd, slots = meta.sliding()
-            prefill_spans = meta.window_prefill(window)
         query = None
         if rotary is not None and self.layer_ops is not None:
             # Rotated queries back, keys rotated and stored with the values; or None.
@@ -243,8 +259,14 @@ class CpuNativeBackend(AttentionBackend):
             if index is not None:
                 out.index_copy_(0, index, rows_out.view(rows, -1))
         if window is not None:
-            attend_prefill_spans(query, kv_cache, prefill_spans, out, layer.scale,
-                                 kind=self.kv_cache_dtype)
+            if meta.native_prefill is not None and self.native_window_prefill:
+                npf = meta.window_native_prefill()
+                self.kernels.paged_prefill(query, kv_cache[0], kv_cache[1], npf.spans,
+                                           npf.block_tables, out, npf.workspace, layer.scale,
+                                           window)
+            else:
+                attend_prefill_spans(query, kv_cache, meta.window_prefill(window), out,
+                                     layer.scale, kind=self.kv_cache_dtype)
             return out
         npf = meta.native_prefill
         if npf is not None:

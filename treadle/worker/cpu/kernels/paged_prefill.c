@@ -28,6 +28,12 @@
  *        broadcast fp32 query values; probabilities stay fp32; the accumulators live in
  *        L1 and are walked one vector of dims at a time over a tile's 32 keys.
  *
+ * Sliding windows (window > 0, Gemma 3's local layers; the widening kernels only): a
+ * query at position p sees keys [p - window + 1, p]. Tiles wholly before the first row's
+ * window are neither packed nor visited, and no table entry of a block wholly before the
+ * span's first window is read (a sliding KV group keeps stale ids there:
+ * core/kv/sliding.py); tiles crossing a row's lower bound are masked as the diagonal is.
+ *
  * Layouts: q [tokens, q_row_stride] bf16 with head h of row t at q + t * q_row_stride +
  * h * head_dim; out [tokens, num_heads * head_dim]; k_cache, v_cache [num_kv_heads,
  * num_blocks, block_size, head_dim]; spans [num_spans, 3] int64 (first row in q/out, new
@@ -39,8 +45,9 @@
  * row's scale, rounded to bf16, into the same packed tiles; the compute phase is the one
  * above. The cache itself is read once per call, as int8, and never copied whole.
  *
- * Only these fast paths exist: without AVX-512 or AVX2, or for another head_dim, the
- * entry points report it and the caller uses torch's attention.
+ * Only these fast paths exist: without AVX-512 or AVX2, for another head_dim (64 and 128;
+ * 256 on the widening kernels), or with a window on the AVX-512 BF16 build, the entry
+ * points report it and the caller uses torch's attention.
  */
 #include <math.h>
 #include <stdint.h>
@@ -53,6 +60,7 @@
 
 #define KT 32          /* keys per tile */
 #define ROWS_PER_ITEM 16 /* query rows per unit of parallel work */
+#define HDMAX_ALL 256  /* the largest head_dim of any kernel (the q8 packing's buffers) */
 
 /* Span s's context (every position up to its last new token), padded to whole tiles. */
 static int64_t span_padded_ctx(const int64_t *spans, int64_t s) {
@@ -86,7 +94,12 @@ int64_t paged_prefill_workspace_bytes(const int64_t *spans, int64_t num_spans,
 #define PREFILL_DPBF16 0
 #define R64 4
 #define R128 4
+#define R256 4
 #endif
+/* head_dim 256 and the window bound exist on the widening kernels only: the vdpbf16ps
+   kernel holds R x head_dim / 16 accumulators in registers (256 would leave one row),
+   and no machine here runs it to test either. */
+#define PREFILL_WIDE_HEADS (!PREFILL_DPBF16)
 
 #if HAVE_PREFILL_KERNEL
 
@@ -102,8 +115,21 @@ typedef struct {
     uint32_t *workspace;
     int64_t num_spans, num_heads, num_kv_heads, num_blocks, block_size, max_blocks;
     int64_t q_row_stride;
+    int64_t window;  /* 0: none; else a query at p sees keys [p - window + 1, p] */
     float c;  /* scale * log2(e) */
 } prefill_args;
+
+/* First position span s's queries may see (0 without a window). */
+static int64_t span_low(const prefill_args *a, int64_t s) {
+    const int64_t low = a->window ? a->spans[3 * s + 2] - a->window + 1 : 0;
+    return low > 0 ? low : 0;
+}
+
+/* First position whose block table entry may be read: the start of the block holding
+   span_low (a sliding group's entries for blocks wholly before it are stale). */
+static int64_t span_first_read(const prefill_args *a, int64_t s) {
+    return span_low(a, s) / a->block_size * a->block_size;
+}
 
 /* Offset (in uint32 pairs) of span s's packed K for KV head 0; V follows all K heads. */
 static int64_t span_offset(const prefill_args *a, int64_t s, int64_t hd) {
@@ -120,10 +146,13 @@ static void pack_tile(const prefill_args *a, int64_t s, int64_t h, int64_t t, in
     uint32_t *kp = a->workspace + span_offset(a, s, hd) + h * pctx * half;
     uint32_t *vp = kp + a->num_kv_heads * pctx * half;
     const int64_t *table = a->block_tables + s * a->max_blocks;
+    const int64_t first = span_first_read(a, s);
+    if ((t + 1) * KT <= span_low(a, s)) return;  /* before every query's window */
     const uint16_t *k_rows[KT], *v_rows[KT];
     for (int64_t j = 0; j < KT; j++) {
         const int64_t pos = t * KT + j;
-        const int64_t slot = pos < ctx ? (h * a->num_blocks + table[pos / bs]) * bs + pos % bs : -1;
+        const int64_t slot = pos < ctx && pos >= first
+                             ? (h * a->num_blocks + table[pos / bs]) * bs + pos % bs : -1;
         k_rows[j] = slot < 0 ? NULL : a->k_cache + slot * hd;
         v_rows[j] = slot < 0 ? NULL : a->v_cache + slot * hd;
     }
@@ -155,10 +184,13 @@ static void pack_tile_q8(const prefill_args *a, int64_t s, int64_t h, int64_t t,
     uint32_t *kp = a->workspace + span_offset(a, s, hd) + h * pctx * half;
     uint32_t *vp = kp + a->num_kv_heads * pctx * half;
     const int64_t *table = a->block_tables + s * a->max_blocks;
-    uint16_t kb[KT][128], vb[KT][128];  /* the tile's keys and values as bf16 (zero past ctx) */
+    const int64_t first = span_first_read(a, s);
+    if ((t + 1) * KT <= span_low(a, s)) return;  /* before every query's window */
+    /* the tile's keys and values as bf16 (zero past ctx and before the first block read) */
+    uint16_t kb[KT][HDMAX_ALL], vb[KT][HDMAX_ALL];
     for (int64_t j = 0; j < KT; j++) {
         const int64_t pos = t * KT + j;
-        if (pos >= ctx) {
+        if (pos >= ctx || pos < first) {
             memset(kb[j], 0, sizeof(uint16_t) * hd);
             memset(vb[j], 0, sizeof(uint16_t) * hd);
             continue;
@@ -189,9 +221,10 @@ static void pack_tile_q8(const prefill_args *a, int64_t s, int64_t h, int64_t t,
    the 16 value accumulators of R = 4, HD = 64 were loaded and stored around every
    vdpbf16ps. */
 #define RMAX 4
-#define HDMAX 128
 
 #if PREFILL_DPBF16
+
+#define HDMAX 128
 
 /* R query rows of one head (rows i0.. of the chunk, `valid` of them real; the others
    repeat the last real row and are not stored) against the packed context. */
@@ -281,6 +314,7 @@ ALWAYS_INLINE void rows_kernel(const prefill_args *a, const uint16_t *q0, uint16
 #else /* widening */
 
 #define VW SIMD_WIDTH
+#define HDMAX 256
 
 /* R query rows of one head (rows i0.. of the chunk, `valid` of them real; the others
    repeat the last real row and are not stored) against the packed context. */
@@ -291,7 +325,7 @@ ALWAYS_INLINE void rows_kernel(const prefill_args *a, const uint16_t *q0, uint16
     float qf[RMAX][HDMAX] __attribute__((aligned(64)));   /* the queries, widened */
     float acc[RMAX][HDMAX] __attribute__((aligned(64)));
     float sbuf[RMAX][KT] __attribute__((aligned(64)));  /* a tile's raw scores, then probabilities */
-    int64_t limit[RMAX];
+    int64_t limit[RMAX], low[RMAX];  /* the keys each row sees: [low, limit] */
     float m[RMAX];
     vf l[RMAX];  /* per-lane partial sums of the probabilities, reduced at the end */
     for (int r = 0; r < R; r++) {
@@ -302,12 +336,13 @@ ALWAYS_INLINE void rows_kernel(const prefill_args *a, const uint16_t *q0, uint16
             vf_store(acc[r] + d, vf_zero());
         }
         limit[r] = first_pos + rr;
+        low[r] = a->window && limit[r] - a->window + 1 > 0 ? limit[r] - a->window + 1 : 0;
         m[r] = NEG_BIG;
         l[r] = vf_zero();
     }
     const vf cv = vf_set1(a->c);
     const int64_t num_tiles = (first_pos + valid + KT - 1) / KT;
-    for (int64_t t = 0; t < num_tiles; t++) {
+    for (int64_t t = low[0] / KT; t < num_tiles; t++) {
         const uint32_t *kt = kp + t * KT * (HD / 2);
         for (int v = 0; v < KT / VW; v++) {  /* VW keys' scores for every row */
             /* Even and odd dims in separate sums: one chain of two dependent FMAs per
@@ -329,12 +364,14 @@ ALWAYS_INLINE void rows_kernel(const prefill_args *a, const uint16_t *q0, uint16
         const int64_t key0 = t * KT;
         const int diagonal = key0 + KT - 1 > first_pos;
         for (int r = 0; r < R; r++) {
-            const int64_t n = limit[r] - key0 + 1;  /* keys of the tile this row sees */
+            const int64_t n = limit[r] - key0 + 1;  /* keys of the tile up to this row */
+            const int64_t below = low[r] - key0;  /* keys of the tile before its window */
             vf x[KT / VW];
             vf mx = vf_set1(NEG_BIG);
             for (int v = 0; v < KT / VW; v++) {
                 x[v] = vf_load(sbuf[r] + v * VW);
                 if (diagonal) x[v] = vf_first(x[v], n - v * VW, NEG_BIG);
+                if (below > 0) x[v] = vf_from(x[v], below - v * VW, NEG_BIG);
                 mx = vf_max(mx, x[v]);
             }
             const float tmax = vf_reduce_max(mx);
@@ -349,6 +386,7 @@ ALWAYS_INLINE void rows_kernel(const prefill_args *a, const uint16_t *q0, uint16
             for (int v = 0; v < KT / VW; v++) {
                 vf p = vf_exp2(vf_sub(x[v], mv));
                 if (diagonal) p = vf_first(p, n - v * VW, 0.f);
+                if (below > 0) p = vf_from(p, below - v * VW, 0.f);
                 l[r] = vf_add(l[r], p);
                 vf_store(sbuf[r] + v * VW, p);
             }
@@ -403,12 +441,22 @@ static void item_64(const prefill_args *a, int64_t s, int64_t h, int64_t i0, int
 static void item_128(const prefill_args *a, int64_t s, int64_t h, int64_t i0, int64_t i1) {
     item(a, s, h, i0, i1, 128, R128);
 }
+#if PREFILL_WIDE_HEADS
+static void item_256(const prefill_args *a, int64_t s, int64_t h, int64_t i0, int64_t i1) {
+    item(a, s, h, i0, i1, 256, R256);
+}
+#endif
 
 #endif /* HAVE_PREFILL_KERNEL */
 
-/* Whether paged_prefill_bf16 runs for this head_dim in this build. */
-int paged_prefill_available(int64_t head_dim) {
-    return HAVE_PREFILL_KERNEL && (head_dim == 64 || head_dim == 128);
+/* Whether paged_prefill_bf16 runs for this head_dim, with a window (window > 0) or
+   without, in this build. */
+int paged_prefill_available(int64_t head_dim, int64_t window) {
+#if HAVE_PREFILL_KERNEL && PREFILL_WIDE_HEADS
+    return head_dim == 64 || head_dim == 128 || head_dim == 256;
+#else
+    return HAVE_PREFILL_KERNEL && window <= 0 && (head_dim == 64 || head_dim == 128);
+#endif
 }
 
 static int prefill(const uint16_t *q, int64_t q_row_stride, const void *k_cache,
@@ -416,18 +464,21 @@ static int prefill(const uint16_t *q, int64_t q_row_stride, const void *k_cache,
                    const int64_t *block_tables, uint16_t *out, void *workspace,
                    int64_t num_spans, int64_t num_heads, int64_t num_kv_heads,
                    int64_t head_dim, int64_t num_blocks, int64_t block_size,
-                   int64_t max_blocks, float scale) {
-    if (!paged_prefill_available(head_dim) || num_heads % num_kv_heads != 0 ||
-        ((uintptr_t)workspace & 63) != 0)
+                   int64_t max_blocks, float scale, int64_t window) {
+    if (!paged_prefill_available(head_dim, window) || num_heads % num_kv_heads != 0 ||
+        ((uintptr_t)workspace & 63) != 0 || window < 0)
         return -1;
 #if HAVE_PREFILL_KERNEL
     void (*fn)(const prefill_args *, int64_t, int64_t, int64_t, int64_t) =
         head_dim == 64 ? item_64 : item_128;
+#if PREFILL_WIDE_HEADS
+    if (head_dim == 256) fn = item_256;
+#endif
     const prefill_args a = {q, q8 ? NULL : k_cache, q8 ? NULL : v_cache,
                             q8 ? k_cache : NULL, q8 ? v_cache : NULL, q8,
                             spans, block_tables, out, workspace,
                             num_spans, num_heads, num_kv_heads, num_blocks, block_size,
-                            max_blocks, q_row_stride, scale * 1.4426950408889634f};
+                            max_blocks, q_row_stride, window, scale * 1.4426950408889634f};
     /* Work lists: (span, KV head, tile) to pack, (span, head, row block) to compute. */
     int64_t num_pack = 0, num_items = 0;
     for (int64_t s = 0; s < num_spans; s++) {
@@ -478,10 +529,10 @@ int paged_prefill_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *
                        const int64_t *block_tables, uint16_t *out, void *workspace,
                        int64_t num_spans, int64_t num_heads, int64_t num_kv_heads,
                        int64_t head_dim, int64_t num_blocks, int64_t block_size,
-                       int64_t max_blocks, float scale) {
+                       int64_t max_blocks, float scale, int64_t window) {
     return prefill(q, q_row_stride, k_cache, v_cache, 0, spans, block_tables, out, workspace,
                    num_spans, num_heads, num_kv_heads, head_dim, num_blocks, block_size,
-                   max_blocks, scale);
+                   max_blocks, scale, window);
 }
 
 /* The same over an int8 cache: k_cache, v_cache [num_kv_heads, num_blocks, block_size,
@@ -491,8 +542,8 @@ int paged_prefill_q8_bf16(const uint16_t *q, int64_t q_row_stride, const int8_t 
                           const int64_t *block_tables, uint16_t *out, void *workspace,
                           int64_t num_spans, int64_t num_heads, int64_t num_kv_heads,
                           int64_t head_dim, int64_t num_blocks, int64_t block_size,
-                          int64_t max_blocks, float scale) {
+                          int64_t max_blocks, float scale, int64_t window) {
     return prefill(q, q_row_stride, k_cache, v_cache, 1, spans, block_tables, out, workspace,
                    num_spans, num_heads, num_kv_heads, head_dim, num_blocks, block_size,
-                   max_blocks, scale);
+                   max_blocks, scale, window);
 }

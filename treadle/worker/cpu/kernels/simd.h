@@ -65,6 +65,12 @@ SIMD_INLINE vf vf_first(vf x, int64_t n, float fill) {
     const __mmask16 m = n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1u);
     return _mm512_mask_mov_ps(_mm512_set1_ps(fill), m, x);
 }
+/* x with its first k lanes replaced by fill (k <= 0: x; k >= 16: all fill) */
+SIMD_INLINE vf vf_from(vf x, int64_t k, float fill) {
+    const __mmask16 m = k <= 0 ? (__mmask16)0xffff : k >= 16 ? 0
+                        : (__mmask16)(0xffffu & ~((1u << k) - 1u));
+    return _mm512_mask_mov_ps(_mm512_set1_ps(fill), m, x);
+}
 
 SIMD_INLINE vi vi_loadu(const void *p) { return _mm512_loadu_si512(p); }
 SIMD_INLINE vi vi_load(const void *p) { return _mm512_load_si512(p); }
@@ -161,6 +167,12 @@ SIMD_INLINE vf vf_first(vf x, int64_t n, float fill) {
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(k), lanes);
     return _mm256_blendv_ps(_mm256_set1_ps(fill), x, _mm256_castsi256_ps(keep));
+}
+SIMD_INLINE vf vf_from(vf x, int64_t k, float fill) {
+    const int32_t c = k >= 8 ? 8 : k <= 0 ? 0 : (int32_t)k;
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i drop = _mm256_cmpgt_epi32(_mm256_set1_epi32(c), lanes);
+    return _mm256_blendv_ps(x, _mm256_set1_ps(fill), _mm256_castsi256_ps(drop));
 }
 
 SIMD_INLINE vi vi_loadu(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
