@@ -20,7 +20,8 @@ class SchedulerConfig:
 
     max_num_batched_tokens: int = field(default=512, metadata=_help(
         "Token budget of one engine step (prefill chunks plus decodes); LLM (offline) "
-        "defaults to 1024"))
+        "defaults to 1024. With finish_prompts_first a prompt may pass it by up to 1/8 "
+        "to finish in the step"))
     max_num_seqs: int = field(default=128, metadata=_help(
         "Most requests that run in one engine step"))
     enable_chunked_prefill: bool = field(default=True, metadata=_help(
