@@ -200,6 +200,30 @@ def test_a_rest_past_the_slack_is_chunked_within_the_budget():
     assert _tokens(out)["prompt"] == 55 and out.num_scheduled_tokens == 64
 
 
+def test_short_prompts_waiting_keep_their_room_over_the_slack():
+    """A running prompt whose rest would fit the slack still leaves its room to a short
+    prompt waiting behind it (SGLang #22831's protection, short_prompt_room): 70 tokens
+    left in a 64-token step would run whole alone; with a 10-token prompt waiting, the
+    long one takes 54 and the short one its 10, within the budget."""
+    sched = make_scheduler(max_tokens=64, max_seqs=8, num_blocks=128, prefix_caching=False)
+    long = make_request("long", prompt_len=134, max_tokens=3)
+    sched.add_request(long)
+    out = sched.schedule()
+    assert _tokens(out) == {"long": 64}
+    sched.update_from_output(out, fake_runner(out))
+    sched.add_request(make_request("short", prompt_len=10, max_tokens=3))
+    assert _tokens(sched.schedule()) == {"long": 54, "short": 10}
+
+
+def test_a_running_prompt_alone_finishes_over_the_budget():
+    """The same 70 tokens left with nobody waiting: they run in one step."""
+    sched = make_scheduler(max_tokens=64, max_seqs=8, num_blocks=128, prefix_caching=False)
+    sched.add_request(make_request("long", prompt_len=134, max_tokens=3))
+    out = sched.schedule()
+    sched.update_from_output(out, fake_runner(out))
+    assert _tokens(sched.schedule()) == {"long": 70}
+
+
 def test_one_prompt_a_step_runs_over_the_budget():
     """Prompts of 60, 10 and 5 tokens in a 64-token step: the second finishes over the
     budget (a rest of 6); the budget is then spent and the third waits a step."""

@@ -164,9 +164,11 @@ def schedule_running(plan: StepPlan, request: Request) -> None:
     if request.status is not RequestStatus.RUNNING or budget <= 0:
         return
     num_uncomputed = request.num_uncomputed_tokens
-    num_tokens = plan.prompt_chunk(request, num_uncomputed, budget)
-    if num_tokens < num_uncomputed and plan.waiting and not request.is_decoding:
+    num_tokens = min(num_uncomputed, budget)
+    if num_uncomputed > budget and plan.waiting and not request.is_decoding:
         num_tokens = plan.short_prompt_room(request, num_tokens)
+    if num_tokens == budget:  # (no room kept for short prompts: they would come first)
+        num_tokens = plan.prompt_chunk(request, num_uncomputed, budget)
     eviction = plan.kv.eviction
     if eviction is not None:
         num_tokens = min(num_tokens, eviction.max_step_tokens)
