@@ -253,9 +253,7 @@ def fit(plan: StepPlan, request: Request, hit: PrefixHit) -> tuple[Admission, in
     num_tokens = request.num_uncomputed_tokens - hit.num_tokens
     if num_tokens > room.budget and not plan.may_chunk(request):
         return Admission.NO_FIT, 0
-    chunk = plan.prompt_chunk(request, num_tokens, room.budget)
-    if chunk > room.budget and not kv.can_allocate(request, chunk, hit.blocks):
-        chunk = room.budget  # finishing over the budget never takes memory a chunk would not
+    chunk = plan.prompt_chunk(request, num_tokens, room.budget, hit.blocks)
     if plan.holds_back(request, chunk < num_tokens):
         return Admission.DEFERRED, 0
     num_tokens = chunk

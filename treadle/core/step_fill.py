@@ -176,10 +176,6 @@ def schedule_running(plan: StepPlan, request: Request) -> None:
     num_tokens += len(spec)
     if plan.holds_back(request, num_tokens < num_uncomputed):
         return
-    if num_tokens > budget and not plan.kv.allocate_slots(request, num_tokens):
-        num_tokens = budget  # finishing over the budget never preempts anyone
-        if plan.holds_back(request, True):
-            return
     if eviction is not None:
         plan.compact(request, num_tokens)
     if make_room(plan, request, num_tokens):

@@ -25,6 +25,7 @@ from treadle.config import SchedulerConfig
 from treadle.core import policy
 from treadle.core.decode_gap import decode_step_prefill_tokens
 from treadle.core.fair_share import FairShareLedger, tenant_share_blocks
+from treadle.core.kv.block_pool import KVBlock
 from treadle.core.kv.manager import KVCacheManager
 from treadle.core.outputs import KVCompaction
 from treadle.core.policies import SchedulingPolicy
@@ -146,18 +147,22 @@ class StepPlan:
             budget = min(budget, self.yield_budgets[pool])
         return budget
 
-    def prompt_chunk(self, request: Request, num_tokens: int, budget: int) -> int:
+    def prompt_chunk(self, request: Request, num_tokens: int, budget: int,
+                     computed_blocks: list[KVBlock] = ()) -> int:
         """Tokens of the `num_tokens` a prompt (or a recompute) has left that run in this
         step, where `budget` is what `budget_for` leaves it: all that fit, and all of them
-        also when the rest would be at most `finish_slack` tokens and the step's own budget
-        is what binds. The rest would otherwise take a step of its own (every weight read
-        again for a few tokens, the first token a step later), which is what the decodes
-        ahead of a prompt in a step leave it short by. One prompt a step: the budget is
-        then spent."""
+        also when the rest would be at most `finish_slack` tokens, the step's own budget
+        is what binds, and the KV cache has their blocks free now (with `computed_blocks`,
+        an admission's prefix hit): passing the budget never preempts anyone or takes
+        memory the budget's chunk would not. The rest would otherwise take a step of its
+        own (every weight read again for a few tokens, the first token a step later),
+        which is what the decodes ahead of a prompt in a step leave it short by. One
+        prompt a step: the budget is then spent."""
         if num_tokens <= budget:
             return num_tokens
         if (0 < budget and budget >= self.budget and not request.is_decoding
-                and num_tokens - budget <= self.config.finish_slack):
+                and num_tokens - budget <= self.config.finish_slack
+                and self.kv.can_allocate(request, num_tokens, computed_blocks)):
             return num_tokens
         return max(budget, 0)
 
