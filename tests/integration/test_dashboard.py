@@ -67,20 +67,31 @@ def complete(base, tenant, k, j, max_tokens=40):
 
 
 class Load:
-    """Bounded background traffic from both tenants: `per_thread` requests per thread."""
+    """Background traffic from both tenants: `per_thread` requests per thread, and with
+    `hold` more until `release()`, so that a check made mid-load sees the engine stepping
+    however fast or slow the host ran the first requests."""
 
-    def __init__(self, base, sent, threads_per_tenant=5, per_thread=4, max_tokens=40):
+    def __init__(self, base, sent, threads_per_tenant=5, per_thread=4, max_tokens=40,
+                 hold=False):
         self.errors: list = []
+        self.released = threading.Event()
+        if not hold:
+            self.released.set()
         self.threads = [threading.Thread(target=self._run,
                                          args=(base, sent, t, k, per_thread, max_tokens))
                         for t in KEYS for k in range(threads_per_tenant)]
 
     def _run(self, base, sent, tenant, k, per_thread, max_tokens):
         try:
-            for j in range(per_thread):
-                sent[tenant].append(complete(base, tenant, k, j, max_tokens))
+            j = 0
+            while j < per_thread or not self.released.is_set():
+                sent[tenant].append(complete(base, tenant, k, j % per_thread, max_tokens))
+                j += 1
         except Exception as exc:  # noqa: BLE001
             self.errors.append(exc)
+
+    def release(self) -> None:
+        self.released.set()
 
     def __enter__(self):
         for t in self.threads:
@@ -88,6 +99,7 @@ class Load:
         return self
 
     def __exit__(self, *exc):
+        self.release()
         for t in self.threads:
             t.join(timeout=600)
         assert not self.errors, self.errors
@@ -311,15 +323,20 @@ def test_the_page_in_a_browser_under_load_matches_the_metrics(served, tmp_path):
     with HeadlessChromium(chromium, width=1400, height=1100) as browser:
         browser.set_headers(bearer("alpha"))  # EventSource and fetch send it too
         browser.navigate(base + "/dashboard")
-        with Load(base, sent, threads_per_tenant=5, per_thread=30 if keep else 3):
+        with Load(base, sent, threads_per_tenant=5, per_thread=30 if keep else 3,
+                  hold=True) as load:
             browser.wait_for("window.dashboard && dashboard.events >= 2", 60)
             browser.wait_for("dashboard.steps.length >= 20 && dashboard.rows.size >= 3", 120)
             first = browser.evaluate("[document.getElementById('c-tokens').toDataURL(),"
                                      " document.getElementById('c-timeline').toDataURL(),"
-                                     " dashboard.events]")
-            browser.wait_for(f"dashboard.events >= {first[2] + 2}", 30)
+                                     " dashboard.events, dashboard.stepsSeen]")
+            # The load is held until the page has drawn newer steps: on a slow host the
+            # first 30 requests could end before this (CI: both charts then unchanged).
+            browser.wait_for(f"dashboard.events >= {first[2] + 2}"
+                             f" && dashboard.stepsSeen > {first[3]}", 60)
             second = browser.evaluate("[document.getElementById('c-tokens').toDataURL(),"
                                       " document.getElementById('c-timeline').toDataURL()]")
+            load.release()
             assert first[0] != second[0] and first[1] != second[1]  # the charts moved
             before = browser.evaluate(read_tiles)
             after = metrics(base)  # counters only grow: the page (older) shows no more
