@@ -262,22 +262,23 @@ def test_threads_do_not_change_results(kernels):
                                             threads=2), one)
 
 
-@pytest.mark.parametrize("fmt", ("Q8_0", "INT8", "Q4_1"))
+@pytest.mark.parametrize("fmt", ("Q8_0", "INT8", "Q4_0", "Q4_1", "Q4_K"))
 def test_r16_rows_do_not_depend_on_the_batch(kernels, fmt):
-    """A row's r16 output is the same bits whatever rows beside it: from 9 rows on, the
-    AVX-512 build runs Q8_0 and INT8 two 16-row groups at a time (quant_r16.c,
-    r16_group2), and a thread's last group alone when its share is odd (21 groups here,
-    split 10 / 11 over two threads); batch-invariant engines rely on it."""
+    """A row's r16 output is the same bits whatever rows beside it: the AVX-512 build runs
+    two 16-row groups at a time from 9 rows on (Q8_0, INT8) or 32 (the Q4 formats, their
+    nibbles unpacked once per pair) (quant_r16.c, r16_group2), and a thread's last group
+    alone when its share is odd (21 groups here, split 10 / 11 over two threads);
+    batch-invariant engines rely on it."""
     if not kernels.has_r16:
         pytest.skip(f"{kernels.isa} has no r16 path (test_r16_runs_where_... names where)")
     weight, _ = make_weight(fmt, 333, 512, seed=5, kernels=kernels)
     gen = torch.Generator().manual_seed(3)
     bias = torch.randn(333, generator=gen)
     for dtype in (torch.bfloat16, torch.float32):
-        x = torch.randn(23, 512, generator=gen).to(dtype)
+        x = torch.randn(45, 512, generator=gen).to(dtype)
         alone = torch.cat([kernels.gemv_r16(fmt, weight.packed, weight.scales, 333, 512,
-                                            x[m:m + 1], bias) for m in range(23)])
-        for m in (8, 9, 16, 23):
+                                            x[m:m + 1], bias) for m in range(45)])
+        for m in (8, 9, 23, 31, 32, 45):
             for threads in (1, 2):
                 y = kernels.gemv_r16(fmt, weight.packed, weight.scales, 333, 512, x[:m], bias,
                                      threads=threads)

@@ -26,10 +26,11 @@
  * int32 start (the unsigned offset times the chunk's sum of qx), 8 vpdpbusd against the
  * chunk's 4-byte x groups broadcast, a convert, and one FMA by (the 16 scales x dx) (Q4_1: one more by the
  * 16 mins x dx * sum(qx)); weights are loaded and unpacked once per chunk for up to 8 x
- * rows; from 9 x rows on, Q8_0 and INT8 run two groups (32 output rows) at a time,
- * 6 x rows a pass, so that each x group broadcast feeds two vpdpbusd (r16_group2:
- * 1.1-1.35x at 16-512 rows on SmolLM2's and the 1B shape's weights, measured on a Xeon
- * with AVX-512 VNNI; bit-identical per row). Q4_K runs as Q4_1 does, with d x the
+ * rows; from 9 x rows on (Q8_0, INT8; the Q4 formats from 32, their nibbles unpacked
+ * once per pair of groups), two groups (32 output rows) run at a time, 6 x rows a pass,
+ * so that each x group broadcast feeds two vpdpbusd (r16_group2: Q8_0 1.1-1.35x at
+ * 16-512 rows, the Q4 formats 1.01-1.10x at 32-64 and 1.09-1.21x at 512, measured on a
+ * Xeon with AVX-512 VNNI; bit-identical per row). Q4_K runs as Q4_1 does, with d x the
  * sub-block's scale for the scale and dmin x its min for the min, subtracted
  * (w = d sc q - dmin mn), both made per chunk for the 16 rows.
  *
@@ -53,9 +54,11 @@
 
 #define R16_MAX_MT 8   /* x rows per pass over the weights (AVX-512) */
 #define R16_AVX2_MT 4  /* the same with AVX2: 2 x 4 accumulators */
-#define R16_PAIR_MT 6  /* x rows per pass of two groups at once (AVX-512, Q8_0 / INT8) */
-#define R16_PAIR_MIN_ROWS 9  /* from this many x rows on (at 8 or fewer: one pass either
-                                way, and no gain measured) */
+#define R16_PAIR_MT 6  /* x rows per pass of two groups at once (AVX-512) */
+#define R16_PAIR_MIN_ROWS 9  /* Q8_0 / INT8: from this many x rows on (at 8 or fewer: one
+                                pass either way, and no gain measured) */
+#define R16_PAIR_MIN_ROWS_Q4 32  /* the Q4 formats: their unpacking pays from here on
+                                    (0.83-0.98x at 9-24 rows, 1.01-1.10x at 32) */
 
 #if QK_AVX512 && QK_VNNI
 #define R16_BUILT 1
@@ -233,6 +236,26 @@ int quant_r16_unpack(int fmt, const uint8_t *packed, int64_t row_bytes, int64_t 
 }
 
 #if QK_AVX512 && QK_VNNI
+/* The 16 rows' scale (d) and min term (mn) of chunk ch (chunk c of group gw). */
+static inline __attribute__((always_inline)) void r16_scales(
+        const int FMT, const uint8_t *gw, const uint8_t *ch, int64_t c, __m512 *d, __m512 *mn) {
+    if (FMT == QF_Q8_0)
+        *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ch + 512)));
+    else if (FMT == QF_Q4_0 || FMT == QF_Q4_1)
+        *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ch + 256)));
+    if (FMT == QF_Q4_1)
+        *mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ch + 288)));
+    if (FMT == QF_Q4_K) {  /* d x scale and dmin x min of the 16 rows' sub-block */
+        const uint8_t *sup = gw + (c >> 3) * Q4K_SUPER + 8 * Q4K_CHUNK;
+        *d = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sup)),
+                           _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                               _mm_loadu_si128((const __m128i *)(ch + 256)))));
+        *mn = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sup + 32))),
+                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                _mm_loadu_si128((const __m128i *)(ch + 272)))));
+    }
+}
+
 /* x rows m0 .. m0 + MT against group g: out[mt][16] (fp32, before row scales and bias). */
 static inline __attribute__((always_inline)) void r16_group(
         const int FMT, const int MT, const uint8_t *gw, int64_t nchunks, const qk_xq *xq,
@@ -260,21 +283,7 @@ static inline __attribute__((always_inline)) void r16_group(
                 wv[4 + j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
             }
         }
-        if (FMT == QF_Q8_0)
-            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ch + 512)));
-        else if (FMT == QF_Q4_0 || FMT == QF_Q4_1)
-            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ch + 256)));
-        if (FMT == QF_Q4_1)
-            mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ch + 288)));
-        if (FMT == QF_Q4_K) {  /* d x scale and dmin x min of the 16 rows' sub-block */
-            const uint8_t *sup = gw + (c >> 3) * Q4K_SUPER + 8 * Q4K_CHUNK;
-            d = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sup)),
-                              _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                  _mm_loadu_si128((const __m128i *)(ch + 256)))));
-            mn = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sup + 32))),
-                               _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                   _mm_loadu_si128((const __m128i *)(ch + 272)))));
-        }
+        r16_scales(FMT, gw, ch, c, &d, &mn);
         /* One accumulator per x row, the rows innermost: MT independent vpdpbusd chains
          * side by side (a row's 8 in a chain took 8 x its latency per chunk, which the
          * core had to overlap across rows on its own), each x group broadcast from memory
@@ -303,21 +312,24 @@ static inline __attribute__((always_inline)) void r16_group(
     }
 }
 
-/* Q8_0 / INT8, the groups gw and gw + gstride against x rows m0 .. m0 + MT at once: each
- * x group broadcast feeds two vpdpbusd (one per group), so a chunk takes half
- * r16_group's broadcast loads per product and keeps 2 x MT accumulator chains in
- * flight. Weight vectors are loaded one j at a time. Per group the same integer sums and
- * the same float steps in the same order as r16_group: bit-identical outputs. (The Q4
- * formats ran slower this way: their unpacking, repeated per pass, and the registers it
- * takes.) out[g * MT + i]. */
+/* The groups gw and gw + gstride against x rows m0 .. m0 + MT at once: each x group
+ * broadcast feeds two vpdpbusd (one per group), so a chunk takes half r16_group's
+ * broadcast loads per product and keeps 2 x MT accumulator chains in flight. The weight
+ * vectors are loaded one j at a time: Q8_0 / INT8 from the chunks, the Q4 formats from
+ * wb, their nibbles unpacked once for every pass (r16_unpack_pair; unpacked per pass
+ * they ran 0.7-0.8x, from the extra work and the registers it took). Per group the same
+ * integer sums and the same float steps in the same order as r16_group: bit-identical
+ * outputs. out[g * MT + i]. */
 static inline __attribute__((always_inline)) void r16_group2(
         const int FMT, const int MT, const uint8_t *gw, int64_t gstride, int64_t nchunks,
-        const qk_xq *xq, const int32_t *ci, const float *cdx, int64_t m0, __m512 *out,
-        const uint8_t *pf_end) {
+        const uint8_t *wb, const qk_xq *xq, const int32_t *ci, const float *cdx,
+        const float *ct, int64_t m0, __m512 *out, const uint8_t *pf_end) {
     const int64_t cb = r16_chunk_bytes(FMT), kp = xq->kp;
+    const int q8 = FMT == QF_Q8_0 || FMT == QF_INT8;
     for (int i = 0; i < 2 * MT; i++) out[i] = _mm512_setzero_ps();
     for (int64_t c = 0; c < nchunks; c++) {
         const uint8_t *ch[2] = {r16_chunk(FMT, gw, c), r16_chunk(FMT, gw + gstride, c)};
+        const uint8_t *wsrc[2] = {q8 ? ch[0] : wb + c * 1024, q8 ? ch[1] : wb + c * 1024 + 512};
         if (pf_end)
             for (int g = 0; g < 2; g++) {
                 const char *pf = (const char *)ch[g] + 2 * QK_PF_DIST;
@@ -328,8 +340,8 @@ static inline __attribute__((always_inline)) void r16_group2(
         for (int i = 0; i < MT; i++)
             acc[i] = acc[MT + i] = _mm512_set1_epi32(ci[(m0 + i) * nchunks + c]);
         for (int j = 0; j < 8; j++) {
-            const __m512i w0 = _mm512_loadu_si512(ch[0] + j * 64);
-            const __m512i w1 = _mm512_loadu_si512(ch[1] + j * 64);
+            const __m512i w0 = _mm512_loadu_si512(wsrc[0] + j * 64);
+            const __m512i w1 = _mm512_loadu_si512(wsrc[1] + j * 64);
             for (int i = 0; i < MT; i++) {
                 int32_t xg;
                 memcpy(&xg, xq->q + (m0 + i) * kp + c * 32 + 4 * j, sizeof xg);
@@ -339,17 +351,49 @@ static inline __attribute__((always_inline)) void r16_group2(
             }
         }
         for (int g = 0; g < 2; g++) {
-            const __m512 d = FMT == QF_Q8_0
-                ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ch[g] + 512)))
-                : _mm512_setzero_ps();
+            __m512 d = _mm512_setzero_ps(), mn = _mm512_setzero_ps();
+            r16_scales(FMT, gw + g * gstride, ch[g], c, &d, &mn);
             for (int i = 0; i < MT; i++) {
-                const __m512 f = _mm512_cvtepi32_ps(acc[g * MT + i]);
-                const __m512 dx = _mm512_set1_ps(cdx[(m0 + i) * nchunks + c]);
-                out[g * MT + i] = FMT == QF_INT8 ? _mm512_fmadd_ps(f, dx, out[g * MT + i])
-                    : _mm512_fmadd_ps(f, _mm512_mul_ps(d, dx), out[g * MT + i]);
+                const int64_t at = (m0 + i) * nchunks + c;
+                const __m512 f = _mm512_cvtepi32_ps(acc[g * MT + i]), dx = _mm512_set1_ps(cdx[at]);
+                __m512 *o = &out[g * MT + i];
+                if (FMT == QF_INT8) {
+                    *o = _mm512_fmadd_ps(f, dx, *o);
+                } else {
+                    *o = _mm512_fmadd_ps(f, _mm512_mul_ps(d, dx), *o);
+                    if (FMT == QF_Q4_1)
+                        *o = _mm512_fmadd_ps(mn, _mm512_set1_ps(ct[at]), *o);
+                    if (FMT == QF_Q4_K)
+                        *o = _mm512_fnmadd_ps(mn, _mm512_set1_ps(ct[at]), *o);
+                }
             }
         }
     }
+}
+
+/* Q4 formats: the nibbles of the groups gw and gw + gstride as unsigned bytes in wb,
+ * chunk c's 8 vectors of the first group at wb + 1024 c and of the second 512 bytes on,
+ * in r16_group's order (vector j < 4: the low nibbles of packed vector j, values 4j ..;
+ * j >= 4: the high nibbles of packed vector j - 4, values 16 + 4(j - 4) ..). */
+static inline __attribute__((always_inline)) void r16_unpack_pair(
+        const int FMT, const uint8_t *gw, int64_t gstride, int64_t nchunks, uint8_t *wb,
+        const uint8_t *pf_end) {
+    const __m512i low4 = _mm512_set1_epi8(15);
+    const int64_t cb = r16_chunk_bytes(FMT);
+    for (int64_t c = 0; c < nchunks; c++)
+        for (int g = 0; g < 2; g++) {
+            const uint8_t *ch = r16_chunk(FMT, gw + g * gstride, c);
+            const char *pf = (const char *)ch + 2 * QK_PF_DIST;
+            for (int64_t p = 0; p < cb; p += 64)
+                if (pf + p < (const char *)pf_end) _mm_prefetch(pf + p, _MM_HINT_T1);
+            uint8_t *dst = wb + c * 1024 + g * 512;
+            for (int j = 0; j < 4; j++) {
+                const __m512i v = _mm512_loadu_si512(ch + j * 64);
+                _mm512_storeu_si512(dst + j * 64, _mm512_and_si512(v, low4));
+                _mm512_storeu_si512(dst + (4 + j) * 64,
+                                    _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+            }
+        }
 }
 
 /* One group's rows m0 .. m0 + mt of out: INT8's row scales, the bias, stored to y. */
@@ -373,24 +417,30 @@ static inline __attribute__((always_inline)) void r16_store(
     }
 }
 
-/* Q8_0 / INT8: the groups at gw (rows n0 ..) and after it against every x row. */
+/* The groups at gw (rows n0 ..) and after it against every x row; wb: a thread's buffer
+ * of 1024 bytes per chunk for the Q4 formats' nibbles (unused for Q8_0 / INT8). */
 static inline __attribute__((always_inline)) void r16_rows2(
-        const int FMT, const uint8_t *gw, int64_t gstride, int64_t nchunks, const qk_xq *xq,
-        const int32_t *ci, const float *cdx, int64_t M, int64_t n0, int64_t N,
-        const float *scales, const float *bias, void *y, int64_t ldy, int y_bf16,
-        const uint8_t *pf_end) {
+        const int FMT, const uint8_t *gw, int64_t gstride, int64_t nchunks, uint8_t *wb,
+        const qk_xq *xq, const int32_t *ci, const float *cdx, const float *ct, int64_t M,
+        int64_t n0, int64_t N, const float *scales, const float *bias, void *y, int64_t ldy,
+        int y_bf16, const uint8_t *pf_end) {
+    const int q8 = FMT == QF_Q8_0 || FMT == QF_INT8;
+    if (!q8) r16_unpack_pair(FMT, gw, gstride, nchunks, wb, pf_end);
     for (int64_t m0 = 0; m0 < M; m0 += R16_PAIR_MT) {
         const int64_t mt = M - m0 < R16_PAIR_MT ? M - m0 : R16_PAIR_MT;
-        const uint8_t *pf = m0 == 0 ? pf_end : NULL;
+        /* the next groups are prefetched on the first pass (Q4: while unpacking) */
+        const uint8_t *pf = m0 == 0 && q8 ? pf_end : NULL;
         __m512 out[2 * R16_PAIR_MT];
+#define PASS(MT) r16_group2(FMT, MT, gw, gstride, nchunks, wb, xq, ci, cdx, ct, m0, out, pf)
         switch (mt) {  /* out[g * mt + i]: the literal row count is the stride */
-        case 1: r16_group2(FMT, 1, gw, gstride, nchunks, xq, ci, cdx, m0, out, pf); break;
-        case 2: r16_group2(FMT, 2, gw, gstride, nchunks, xq, ci, cdx, m0, out, pf); break;
-        case 3: r16_group2(FMT, 3, gw, gstride, nchunks, xq, ci, cdx, m0, out, pf); break;
-        case 4: r16_group2(FMT, 4, gw, gstride, nchunks, xq, ci, cdx, m0, out, pf); break;
-        case 5: r16_group2(FMT, 5, gw, gstride, nchunks, xq, ci, cdx, m0, out, pf); break;
-        default: r16_group2(FMT, 6, gw, gstride, nchunks, xq, ci, cdx, m0, out, pf); break;
+        case 1: PASS(1); break;
+        case 2: PASS(2); break;
+        case 3: PASS(3); break;
+        case 4: PASS(4); break;
+        case 5: PASS(5); break;
+        default: PASS(6); break;
         }
+#undef PASS
         r16_store(FMT, out, mt, m0, n0, N, scales, bias, y, ldy, y_bf16);
         r16_store(FMT, out + mt, mt, m0, n0 + 16, N, scales, bias, y, ldy, y_bf16);
     }
@@ -586,16 +636,28 @@ int quant_gemv_r16(int fmt, const uint8_t *packed, const float *scales, const vo
         int64_t g0, g1;
         team_share(ngroups, &g0, &g1);
         const uint8_t *pf_end = packed + g1 * gstride;
+#if !R16_AVX2
+        /* the Q4 formats' pairs: this thread's unpacked nibbles (without it, one group at
+           a time as below) */
+        uint8_t *wb = NULL;
+        const int q8 = fmt == QF_Q8_0 || fmt == QF_INT8;
+        if (!q8 && M >= R16_PAIR_MIN_ROWS_Q4 && g1 - g0 >= 2)
+            wb = aligned_alloc(64, (size_t)(nchunks * 1024));
+#endif
         for (int64_t g = g0; g < g1; g++) {
             const uint8_t *gw = packed + g * gstride;
 #if !R16_AVX2
-            if ((fmt == QF_Q8_0 || fmt == QF_INT8) && M >= R16_PAIR_MIN_ROWS && g + 1 < g1) {
-                if (fmt == QF_Q8_0)
-                    r16_rows2(QF_Q8_0, gw, gstride, nchunks, &xq, ci, cdx, M, g * 16, N,
-                              scales, bias, y, ldy, y_bf16, pf_end);
-                else
-                    r16_rows2(QF_INT8, gw, gstride, nchunks, &xq, ci, cdx, M, g * 16, N,
-                              scales, bias, y, ldy, y_bf16, pf_end);
+            if (g + 1 < g1 && (q8 ? M >= R16_PAIR_MIN_ROWS : wb != NULL)) {
+#define CALL2(F) r16_rows2(F, gw, gstride, nchunks, wb, &xq, ci, cdx, ct, M, g * 16, N, \
+                           scales, bias, y, ldy, y_bf16, pf_end)
+                switch (fmt) {
+                case QF_Q8_0: CALL2(QF_Q8_0); break;
+                case QF_Q4_0: CALL2(QF_Q4_0); break;
+                case QF_Q4_1: CALL2(QF_Q4_1); break;
+                case QF_Q4_K: CALL2(QF_Q4_K); break;
+                default: CALL2(QF_INT8); break;
+                }
+#undef CALL2
                 g++;
                 continue;
             }
@@ -611,6 +673,9 @@ int quant_gemv_r16(int fmt, const uint8_t *packed, const float *scales, const vo
             }
 #undef CALL
         }
+#if !R16_AVX2
+        free(wb);
+#endif
     }
     free(ci); free(cdx); free(ct); free(xq.q);
     return 0;
