@@ -87,8 +87,9 @@ def test_dequantize_matches_gguf(kernels, fmt):
 def _reference(kernels, path, weight, w_ref, x, bias):
     """(fp64 reference, bound on |w| |x| per output) for what `path` computes: x quantized
     per chunk on the dot path; weights rounded to bf16 where the build multiplies bf16
-    (not INT8's: its integers are exact in bf16, the row scale comes after the sum; not
-    on the gemm path, which widens x and dequantizes W to fp32 panels at every level)."""
+    (not INT8's where a kernel multiplies its integers, exact in bf16, and scales the sum:
+    the prefill path's tiles hold integer x scale, rounded; not on the gemm path, which
+    widens x and dequantizes W to fp32 panels at every level)."""
     w = torch.from_numpy(w_ref).double()
     k = w.shape[1]
     if path in ("dot", "amx_dot"):
@@ -97,7 +98,7 @@ def _reference(kernels, path, weight, w_ref, x, bias):
     else:
         xs = x.double()
         if (x.dtype == torch.bfloat16 and (kernels.has_bf16 or path == "amx")
-                and path != "gemm" and weight.format.name != "INT8"):
+                and path != "gemm" and (weight.format.name != "INT8" or path == "prefill")):
             w = w.float().to(torch.bfloat16).double()
     ref = xs @ w.T + (0 if bias is None else bias.double())
     return ref, xs.abs() @ w.abs().T
@@ -200,9 +201,7 @@ def test_r16_runs_where_avx512_vnni_or_plain_avx2_does(kernels, request):
     assert (weight.packed is not None) == kernels.has_r16
     if kernels.has_r16:
         assert weight.packed.numel() == 2 * 2 * 288  # two groups of 16 rows, 2 chunks each
-        # Q4_K: not where AMX runs (its AMX paths were never measured against r16)
-        assert kernels.r16_formats == ("Q8_0", "Q4_0", "Q4_1", "INT8") + (
-            () if kernels.has_amx else ("Q4_K",))
+        assert kernels.r16_formats == ("Q8_0", "Q4_0", "Q4_1", "INT8", "Q4_K")
         with pytest.raises(QuantKernelError, match="Q4_K with K=64"):
             kernels.r16_pack("Q4_K", weight.blocks, 64)  # a super-block is 256 values
         with pytest.raises(ValueError, match="r16_pack"):

@@ -92,8 +92,8 @@ def test_path_rule():
     # r16 where the build runs it, for the formats it holds
     amx16 = SimpleNamespace(has_amx=True, has_vnni=True, r16_formats=("Q8_0", "Q4_0"))
     vnni16 = SimpleNamespace(has_amx=False, has_vnni=True, r16_formats=("Q8_0", "Q4_0"))
-    assert [choose_path(amx16, "Q8_0", m) for m in (1, 8, 9, 33)] == [
-        "r16", "r16", "amx_dot", "amx"]
+    assert [choose_path(amx16, "Q8_0", m) for m in (1, 8, 9, 24, 25, 33)] == [
+        "r16", "r16", "r16", "r16", "amx_dot", "amx"]
     assert choose_path(amx16, "Q4_K", 1) == "dot"
     assert [choose_path(vnni16, "Q4_0", m) for m in (1, 16, 17, 1024)] == ["r16"] * 4
     assert [choose_path(vnni16, "Q4_K", m) for m in (1, 16, 17)] == ["dot", "dot", "prefill"]

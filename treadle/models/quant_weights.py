@@ -8,7 +8,8 @@ the commit that set them). Measured on a Xeon with AVX-512 BF16, VNNI and AMX, e
 level's build run there (one core; the AMX row counts again with 2 threads):
 - AVX-512 VNNI builds, for Q8_0, Q4_0, Q4_1, INT8 and Q4_K: `r16` (kernels/quant_r16.c: the
   same int8 activations as `dot`, on a copy of the weight repacked at load with 16 rows
-  per vector) up to 8 rows with AMX, at every row count without (prefill chunks too:
+  per vector) up to 24 rows with AMX (AMX_R16_MAX_ROWS), at every row count without
+  (prefill chunks too:
   measured on a Zen 4, 2 threads, it beat the bf16 prefill tiles at every row count from
   16 to 1,024 and every SmolLM2-135M shape: gate_up at 48 rows Q8_0 0.38 ms against
   oneDNN's packed bf16 0.50, at 1,024 rows 7.7 against 8.6-9.1 ms for the 1,024-row
@@ -16,14 +17,22 @@ level's build run there (one core; the AMX row counts again with 2 threads):
   --rows 16,24,32,48,64,128,256,512,1024 --prefill`). With 2 threads on SmolLM2-135M's
   shapes it took 0.5-0.7x `dot`'s time at 1-4 rows (gate_up at 4 rows: Q4_1 0.064 ms
   against 0.122, 17 GB/s of blocks; the bf16 C kernel 0.149 ms) and 0.3-0.6x at 8-16;
-  with AMX it beat `amx_dot` up to 8 rows (Q8_0 tied at 8) and lost to it at 16 on Q8_0.
+  with AMX it beat `amx_dot` up to 8 rows (Q8_0 tied at 8) and lost to it at 16 on Q8_0,
+  until its pass over two 16-row groups (9 rows and up for Q8_0 and INT8, 32 for the
+  Q4 formats): since then, on a Xeon with AMX, 2 threads, it took 0.5-0.95x the best
+  AMX path's time at 8-24 rows on every SmolLM2-135M shape and format (Q8_0 gate_up at
+  16 rows 0.163 ms against `amx` 0.226; Q4_1 lm_head at 8 rows 0.46x), about even at
+  32 and 1.0-1.9x from 48 (`python benchmarks/quant_kernel.py --rows
+  1,2,4,8,12,16,24,32,48,64,96,128 --num-threads 2`).
   Q4_K (one 32-value sub-block a chunk, run as Q4_1 with its sub-block's scale and min)
   came later, measured on a Xeon with VNNI and no AMX, 2 threads, against the paths it
   replaced: 0.3-0.5x `dot`'s time at 1-16 rows and 0.2-0.6x the prefill tiles' at
   64-512 (Gemma 3 270M's down, 640 x 2048, at 1 row 0.034 against 0.067 ms; the 1B
   shape's down, 2048 x 8192, at 512 rows 48 against 84 ms), 1.05-1.2x Q4_1's r16 time
-  at the same shape. With AMX, Q4_K keeps the AMX paths (never measured against r16:
-  native_quant.R16_NOT_WITH_AMX).
+  at the same shape. With AMX, measured the same way later: 0.24-0.4x `amx_dot`'s time
+  and 0.6-0.8x `dot`'s at 1-4 rows, 0.7-0.9x `amx_dot`'s at 16-24, 1.0-1.2x at 32 (Gemma
+  3's down 640 x 2048 at 1 row 0.051 against `dot` 0.064 ms; the 1B shape's down at 8
+  rows 0.76 against `amx_dot` 1.85).
 - AMX: `dot` (int8 dot products, kernels/quant_dot.c) at the row counts its register
   tiles cover in one pass over the weight (1, 2 and 4 rows), else `amx_dot` (AMX-INT8
   tiles on per-chunk int8 activations), whose cost is flat from 1 to 16 rows: at 3 rows
@@ -88,8 +97,8 @@ import torch.nn.functional as F
 
 from treadle.models.quant_formats import QuantFormat, dequantize_torch, format_of, quantize_int8
 
-AMX_R16_MAX_ROWS = 8
-"""With AMX: rows up to which `r16` runs, for the formats it holds."""
+AMX_R16_MAX_ROWS = 24
+"""With AMX: rows up to which `r16` runs, for the formats it holds (see above)."""
 AMX_DOT_ROWS = (1, 2, 4)
 """With AMX: the row counts that take `dot`; the others up to AMX_DOT_MAX_ROWS take
 `amx_dot`."""

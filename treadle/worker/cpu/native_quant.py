@@ -51,12 +51,6 @@ blocks (quant_gemm_widen.c; bf16 x only). The AMX paths run where `has_amx`, r16
 R16_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "INT8", "Q4_K")
 """The formats the r16 layout holds."""
 
-R16_NOT_WITH_AMX = ("Q4_K",)
-"""Formats that keep their row-major paths where AMX runs: r16 on Q4_K was measured
-against `dot`, `deq_buffered`, the widening GEMM and the prefill tiles (AVX-512 VNNI and
-AVX2), never against the AMX paths, and with AMX it would hold a second copy of the
-weight beside the blocks those paths read."""
-
 ISA_VARIANTS = {
     "avx512-bf16": (["-march=cooperlake"],
                     ["avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"]),
@@ -179,8 +173,7 @@ class QuantKernels:
         self.has_amx = (self.isa_flags & _AMX_BITS == _AMX_BITS
                         and bool(lib.quant_amx_available()))
         """Whether the AMX paths run here (compiled in, and Linux granted the tile state)."""
-        self.r16_formats = tuple(f for f in R16_FORMATS if self.has_r16 and not (
-            self.has_amx and f in R16_NOT_WITH_AMX))
+        self.r16_formats = R16_FORMATS if self.has_r16 else ()
         """The formats the r16 path runs here."""
         self.batch_invariant = False
         """Whether the weights on these kernels take one path at every row count

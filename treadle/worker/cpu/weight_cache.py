@@ -35,7 +35,8 @@ from treadle.models.quant_weights import QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 3  # 2: other GGML block types as Q8_0 made at load; 3: Q4_K's r16 copy
+FORMAT_VERSION = 4  # 2: other GGML block types as Q8_0 made at load; 3: Q4_K's r16 copy;
+# 4: Q4_K's r16 copy with AMX too
 """Part of the key: bump it when what is stored, or how, changes."""
 
 
