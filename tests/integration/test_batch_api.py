@@ -279,8 +279,12 @@ def test_a_batch_past_its_window_expires_with_its_finished_lines(alpha):
     batch = wait_for(alpha, batch.id, timeout=60)
     assert batch.status == "expired" and batch.expired_at >= batch.expires_at
     done = read_lines(alpha, batch.output_file_id)
-    assert [x["custom_id"] for x in done[:2]] == ["req-0", "req-1"]
     errors = read_lines(alpha, batch.error_file_id)
-    assert len(done) + len(errors) == MAX_LINES and len(errors) > 0
-    assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+    # Every line once, answered or expired. Not in submission order: lines start in
+    # parallel and one the server turns away for now runs again later (a CI run once
+    # finished req-2 before req-1), so which lines made the window is not fixed.
+    ids = sorted(x["custom_id"] for x in done + errors)
+    assert ids == sorted(f"req-{i}" for i in range(MAX_LINES))
+    assert done and all(x["response"]["status_code"] == 200 for x in done)
+    assert len(errors) > 0 and {e["error"]["code"] for e in errors} == {"batch_expired"}
     assert batch.request_counts.completed == len(done)

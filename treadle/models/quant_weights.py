@@ -60,8 +60,14 @@ level's build run there (one core; the AMX row counts again with 2 threads):
 - above those: `prefill`, tiles of `tile_rows` weight rows dequantized into a bf16
   (fp32 for fp32 activations, and where the CPU has no bf16 arithmetic: `tile_dtype`)
   buffer and multiplied by torch (`F.linear`: oneDNN, MKL), so the dense copy is never
-  larger than one tile; 1024-row tiles cost about what dequantizing
-  the whole weight per call costs (smaller tiles pay oneDNN's per-call overhead).
+  larger than one tile: as many rows as TILE_BYTES of bf16 hold, at least TILE_ROWS.
+  1,024-row tiles cost about what dequantizing the whole weight per call costs where
+  that was measured first (smaller tiles pay oneDNN's per-call overhead), but on a Xeon
+  with AMX, 2 threads, SmolLM2's gate_up (3,072 x 576: three such tiles, each product
+  copied into its columns of y) took 1.2-1.6x the time of one whole-weight tile at 256
+  and 512 rows (Q4_0 at 512 rows 2.69 against 1.70 ms; `python benchmarks/quant_kernel.py
+  --prefill`), hence the byte budget: 8 MiB holds every SmolLM2-135M projection whole and
+  2,048-row tiles of the 1B shape's.
 The in-register `deq` path is never chosen (it lost or tied everywhere measured); it
 stays callable for measurements. Paths round differently (int8 activations on the dot
 paths, bf16 weights on the bf16 ones), so a row's output depends slightly on how many
@@ -117,7 +123,9 @@ PLAIN_R16_MAX_ROWS = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 32, "Q8_0": 16, "INT8": 16
 GEMV_MAX_ROWS = 16
 """Without AMX: rows up to which a GEMV path runs, then `prefill`."""
 TILE_ROWS = 1024
-"""Weight rows per dequantized tile of the prefill path."""
+"""Fewest weight rows per dequantized tile of the prefill path."""
+TILE_BYTES = 8 << 20
+"""Bytes of bf16 a prefill tile holds by default (TILE_ROWS rows where they take more)."""
 
 
 def invariant_path(kernels, fmt: str, dtype: torch.dtype = torch.bfloat16) -> str:
@@ -186,7 +194,7 @@ class QuantizedLinear:
 
     def __init__(self, fmt: QuantFormat | str, blocks: torch.Tensor, in_features: int,
                  scales: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                 kernels=None, tile_rows: int = TILE_ROWS,
+                 kernels=None, tile_rows: int | None = None,
                  packed: torch.Tensor | None = None) -> None:
         """`packed`: the r16 copy `kernels` made of these blocks before (a weight cache's,
         or another QuantizedLinear's), taken instead of packing again."""
@@ -211,7 +219,9 @@ class QuantizedLinear:
                              f"{tuple(bias.shape)}")
         self.bias = None if bias is None else bias.float().contiguous()
         self.kernels = kernels
-        self.tile_rows = max(1, tile_rows)
+        self.tile_rows = (max(1, tile_rows) if tile_rows is not None
+                          else max(TILE_ROWS, TILE_BYTES // (2 * in_features)))
+        """Weight rows per dequantized tile of the prefill path (None: TILE_BYTES' worth)."""
         self.packed: torch.Tensor | None = None
         """The weight in the r16 layout, where the kernels run that path for this format
         (the only copy where r16 runs at every row count; else beside the blocks, which
@@ -241,7 +251,7 @@ class QuantizedLinear:
     @classmethod
     def from_gguf(cls, ggml_type: int | str, data, shape: tuple[int, int],
                   bias: torch.Tensor | None = None, kernels=None, copy: bool = True,
-                  tile_rows: int = TILE_ROWS) -> QuantizedLinear:
+                  tile_rows: int | None = None) -> QuantizedLinear:
         """A weight from a GGUF tensor's raw blocks: `ggml_type` its GGMLQuantizationType
         (or name), `data` its bytes (numpy array, torch uint8 tensor or bytes; any shape
         of N * row_bytes bytes), `shape` (out_features, in_features) in torch order (GGUF
@@ -270,7 +280,7 @@ class QuantizedLinear:
 
     @classmethod
     def quantize_int8(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                      kernels=None, tile_rows: int = TILE_ROWS) -> QuantizedLinear:
+                      kernels=None, tile_rows: int | None = None) -> QuantizedLinear:
         """INT8 weight-only quantization of a float [out, in] weight (per output row
         symmetric scale, made here)."""
         blocks, scales = quantize_int8(weight)
@@ -362,11 +372,15 @@ class QuantizedLinear:
         """Many rows: dequantize tiles of weight rows and let torch multiply each (oneDNN
         in bf16; in fp32 where the CPU has no bf16 arithmetic, `tile_dtype`)."""
         n, k = self.out_features, self.in_features
-        y = torch.empty(x.shape[0], n, dtype=x.dtype)
         dtype = self.tile_dtype(x.dtype)
         xt = x.to(dtype)
         tile = torch.empty(min(self.tile_rows, n), k, dtype=dtype)
         bias, blocks = self._bias_in(dtype), self.blocks
+        if n <= self.tile_rows:  # one tile: torch's product is the answer, no copy into y
+            w = self.kernels.dequantize(self.format.name, blocks, self.scales, k,
+                                        rows=(0, n), out=tile)
+            return F.linear(xt, w, bias).to(x.dtype)
+        y = torch.empty(x.shape[0], n, dtype=x.dtype)
         for n0 in range(0, n, self.tile_rows):
             n1 = min(n, n0 + self.tile_rows)
             w = self.kernels.dequantize(self.format.name, blocks, self.scales, k,
