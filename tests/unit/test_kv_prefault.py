@@ -49,6 +49,14 @@ def _faults_writing(cache: torch.Tensor, block: int) -> int:
     return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
 
 
+def _fewest_faults_writing(*cache_blocks: tuple[torch.Tensor, int]) -> int:
+    """The fewest faults of writing each (cache, block), blocks on different pages: a
+    populated block takes none, but the thread may take a stray fault of its own (a code
+    page read again under memory pressure: once in a CI run, 1 where 0 was due), which a
+    second block on other pages does not repeat; an unpopulated block faults every time."""
+    return min(_faults_writing(cache, block) for cache, block in cache_blocks)
+
+
 def _prefaulter(caches) -> KVPrefaulter:
     prefaulter = KVPrefaulter.for_caches(caches, SPEC.block_dim)
     if prefaulter is None:
@@ -65,13 +73,13 @@ def test_blocks_past_the_highest_in_use_take_no_fault_and_later_ones_still_do():
     ahead = prefaulter.ahead_blocks
     assert ahead == HUGE_PAGE // _layout(caches)[1]
     assert prefaulter.populated_blocks == ahead  # from the start, block 0 up
-    assert _faults_writing(caches[0], ahead - 1) == 0
+    assert _fewest_faults_writing((caches[0], ahead - 1), (caches[2], ahead - 1)) == 0
     far = 3 * ahead + 5
     assert _faults_writing(caches[1], far) > 0  # the twin: not populated, faults
     prefaulter.advance(far)
     assert prefaulter.wait_idle(30)
     assert prefaulter.populated_blocks == far + 1 + ahead
-    assert _faults_writing(caches[2], far + ahead) == 0
+    assert _fewest_faults_writing((caches[2], far + ahead), (caches[0], far + ahead)) == 0
     prefaulter.close()
 
 
