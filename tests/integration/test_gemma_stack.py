@@ -161,7 +161,7 @@ def test_stack_reads_the_sliding_tables_of_each_kernel_row(kernel_level, level_k
 
 
 def test_local_layers_prefill_on_the_kernel_as_the_reference_attends(kernel_level, level_kernels,
-                                                              tmp_path_factory):
+                                                              tmp_path_factory, monkeypatch):
     """Gemma's prompts on the C prefill kernel (head_dim 256; the local layers with their
     window bound over the sliding group's tables, blocks before each window freed): the
     prompt log-probabilities of the reference attention path, to bf16 accuracy, with
@@ -172,6 +172,10 @@ def test_local_layers_prefill_on_the_kernel_as_the_reference_attends(kernel_leve
                     "(AVX-512 BF16 builds; the widening builds are its twins)")
     from treadle import LLM, SamplingParams
 
+    from treadle.worker.cpu.native_linear import onednn_uses_amx
+
+    if onednn_uses_amx():  # else torch's attention takes the prefills (faster on AMX)
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
     path = _gemma(tmp_path_factory.mktemp("gemma-prefill"))
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (150, 41, 12)]

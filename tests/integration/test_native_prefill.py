@@ -174,12 +174,18 @@ def test_unsupported_head_dim_is_reported(kernels):
                               kernels.prefill_workspace(spans, 1, 80), 0.1)
 
 
-def test_engine_prefill_logprobs_native_vs_torch(kernels, tmp_path):
+def test_engine_prefill_logprobs_native_vs_torch(kernels, tmp_path, monkeypatch):
     """A bf16 model with head_dim 64, prompts chunked over steps: the C prefill path gives
-    the same prompt logprobs as torch's attention, to bf16 accuracy."""
+    the same prompt logprobs as torch's attention, to bf16 accuracy. (Where torch runs on
+    AMX the engine prefers its attention: oneDNN capped below AMX gives the kernel back,
+    and the start-up line says which ran.)"""
     import transformers
 
     from treadle import LLM, SamplingParams
+    from treadle.worker.cpu.native_linear import onednn_uses_amx
+
+    if onednn_uses_amx():
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 
     config = transformers.LlamaConfig(
         vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -195,6 +201,8 @@ def test_engine_prefill_logprobs_native_vs_torch(kernels, tmp_path):
         llm = LLM(model=str(tmp_path), dtype="bfloat16", max_num_batched_tokens=128,
                   attention_backend=backend, enable_prefix_caching=False,
                   kernel_isa=kernels.isa)
+        if backend == "native":
+            assert "prefill attention" in llm.engine.info.kernels.split("; torch:")[0]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [torch.tensor([next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]])
                 for o in outs]
@@ -202,6 +210,21 @@ def test_engine_prefill_logprobs_native_vs_torch(kernels, tmp_path):
     native, reference_path = prompt_logprobs("native"), prompt_logprobs("torch")
     for a, b in zip(native, reference_path):
         assert torch.allclose(a, b, atol=0.05), (a - b).abs().max()
+
+
+def test_torch_attention_prefills_where_it_runs_on_amx(kernels, monkeypatch):
+    """Where torch's attention runs on AMX tiles the backend leaves prefills to it (faster
+    there); elsewhere, or with oneDNN capped below AMX, the C kernel takes them."""
+    from treadle.worker.cpu import native_attention
+    from treadle.worker.cpu.native_attention import CpuNativeBackend, prefill_kernel_runs
+
+    monkeypatch.setattr(native_attention, "onednn_uses_amx", lambda: True)
+    assert not prefill_kernel_runs(kernels, torch.bfloat16, 64)
+    backend = CpuNativeBackend(kernels, None, 1, 64, torch.bfloat16)
+    assert not backend.native_prefill and not backend.native_window_prefill
+    monkeypatch.setattr(native_attention, "onednn_uses_amx", lambda: False)
+    assert prefill_kernel_runs(kernels, torch.bfloat16, 64)
+    assert CpuNativeBackend(kernels, None, 1, 64, torch.bfloat16).native_prefill
 
 
 def test_prefill_benchmark_times_both_paths(kernels):

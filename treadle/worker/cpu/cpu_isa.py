@@ -123,14 +123,16 @@ def candidate_levels(requested: str, flags: frozenset[str] | None = None) -> lis
 
 
 def describe_kernels(kernels, dtype, head_dim: int | None = None, layer_ops=None,
-                     native_attention: bool = True) -> str:
+                     native_attention: bool = True, prefill_kernel: bool | None = None) -> str:
     """One line for the start-up log: the model dtype, the kernel ISA level and which C
     kernels run.
 
     kernels: the worker.cpu.native.NativeKernels loaded (None: none could be built); dtype:
     the model's torch dtype; head_dim: the model's (it decides the attention fast paths);
     layer_ops: the worker.cpu.native_linear.NativeLayerOps attached to the model (None: its
-    layers run torch); native_attention: False when the attention backend is torch.
+    layers run torch); native_attention: False when the attention backend is torch;
+    prefill_kernel: whether the backend runs prefills on the C kernel (None: wherever the
+    build has it for this dtype and head size).
     """
     dtype_name = str(dtype).replace("torch.", "")
     if kernels is None:
@@ -149,7 +151,9 @@ def describe_kernels(kernels, dtype, head_dim: int | None = None, layer_ops=None
     if native_attention and kernels.supports(dtype):
         fast = head_dim is not None and kernels.supports_fast_decode(head_dim)
         active.append("decode attention" + ("" if fast else " (generic loops)"))
-        if head_dim is not None and kernels.supports_prefill(dtype, head_dim):
+        if prefill_kernel is None:
+            prefill_kernel = head_dim is not None and kernels.supports_prefill(dtype, head_dim)
+        if prefill_kernel:
             active.append("prefill attention")
         else:
             on_torch.append("prefill attention")

@@ -5,10 +5,11 @@ fused with the K/V write (`rope_kv`, bf16), decode attention over every single-t
 and every token of the short multi-token rows (speculative verification) in one call
 (`paged_decode.c`: no grouping, no padding), and causal prefill attention over every
 longer row in one call (`paged_prefill.c`, bf16, head_dim 64/128, and 256 on the builds
-without AVX-512 BF16). Where the prefill kernel or rope_kv does not apply (another dtype
-or head size), that part runs the `torch` backend's code, with the same results up to
-rounding; the decode kernel covers float32 and bf16 (the backend is not offered
-otherwise).
+without AVX-512 BF16) where torch's attention does not run on AMX tiles
+(`prefill_kernel_runs`). Where the prefill kernel or rope_kv does not apply (another
+dtype or head size, or AMX), that part runs the `torch` backend's code, with the same
+results up to rounding; the decode kernel covers float32 and bf16 (the backend is not
+offered otherwise).
 
 Sliding-window layers (Gemma 3's local layers, Mistral; docs/gemma3.md): their decode rows
 (the same single-token and short rows) run the decode kernel with its window bound, over
@@ -51,6 +52,7 @@ from treadle.worker.attention.torch_backend import (LayerViews, PrefillSpan,
                                                     attend_decode_groups,
                                                     attend_prefill_spans, layer_views,
                                                     prefill_span, write_kv)
+from treadle.worker.cpu.native_linear import onednn_uses_amx
 
 
 SHORT_ROW_TOKENS = 8
@@ -68,6 +70,18 @@ keeps a lone long decode on more than one thread (1,000 tokens: 4 ranges per KV 
 while a range is long enough that the merge costs little. The prefill rows the decode
 kernel takes in this mode cost ~1.3x the prefill kernel's time (one layer, a 512-token
 prompt, one thread: 5.0 against 3.9 ms; 2,048 tokens: 73 against 53 ms)."""
+
+
+def prefill_kernel_runs(kernels: Any, dtype: torch.dtype, head_dim: int,
+                        window: int | None = None) -> bool:
+    """Whether prefill rows take `paged_prefill`: where the build has it for this dtype,
+    head size and window (NativeKernels.supports_prefill), unless torch's attention runs
+    on AMX tiles here (onednn_uses_amx; ONEDNN_MAX_CPU_ISA below AMX gives the kernel
+    back). The kernel was chosen on a Zen 4, without AMX; on a Xeon with AMX torch's
+    SDPA took 0.38-0.55x its time per layer call (512-token chunks, 1 thread), and the
+    engine prefilled 5-8% faster at 512 tokens and 26-31% at 2,048 (chunks over a longer
+    context) with it (docs/benchmarks.md, "The Xeon with AMX again")."""
+    return kernels.supports_prefill(dtype, head_dim, window) and not onednn_uses_amx()
 
 
 @dataclass
@@ -178,9 +192,9 @@ class CpuNativeBackend(AttentionBackend):
         self.kernels = kernels
         self.layer_ops = layer_ops
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.native_prefill = kernels.supports_prefill(dtype, head_dim)
+        self.native_prefill = prefill_kernel_runs(kernels, dtype, head_dim)
         self.native_window_prefill = (self.native_prefill
-                                      and kernels.supports_prefill(dtype, head_dim, window=1))
+                                      and prefill_kernel_runs(kernels, dtype, head_dim, window=1))
         """Whether sliding-window layers' prefill rows take the prefill kernel too."""
         if kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(f"the C attention kernels do not read kv_cache_dtype="

@@ -164,8 +164,9 @@ class CpuPlatform(Platform):
 
     def describe_kernels(self, native: Any, dtype: torch.dtype, head_dim: int,
                          layer_ops: Any, attention: Any) -> str:
-        return cpu_isa.describe_kernels(native, dtype, head_dim, layer_ops,
-                                        native_attention=attention.name == "cpu-native")
+        return cpu_isa.describe_kernels(
+            native, dtype, head_dim, layer_ops, native_attention=attention.name == "cpu-native",
+            prefill_kernel=getattr(attention, "native_prefill", None))
 
     def use_native_kernels(self, model: Any, attention: Any, sampler: Any, kernels: Any,
                            layer_ops: Any) -> None:
