@@ -299,13 +299,7 @@ int quant_gemv_dot(int fmt, const uint8_t *w, int64_t row_bytes, const float *sc
 #if QK_AVX512 || QK_AVX2
 #define CALL(F) all_rows(F, w, row_bytes, scales, &xq, M, nchunks, bias, (char *)y, ldy, \
                          y_bf16, nb, ne, range_end)
-            switch (fmt) {
-            case QF_Q8_0: CALL(QF_Q8_0); break;
-            case QF_Q4_0: CALL(QF_Q4_0); break;
-            case QF_Q4_1: CALL(QF_Q4_1); break;
-            case QF_Q4_K: CALL(QF_Q4_K); break;
-            default: CALL(QF_INT8); break;
-            }
+            QF_DISPATCH(fmt, CALL);
 #undef CALL
 #else
             for (int64_t n = nb; n < ne; n++)

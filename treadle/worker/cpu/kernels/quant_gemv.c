@@ -174,14 +174,6 @@ static inline __attribute__((always_inline)) void all_rows(
                   bias, y + m * ldy * ysize, ldy, y_bf16, nb, ne, w_row0, range_end, prefetch && m == 0);
 }
 
-#define DISPATCH_FMT(call_with_fmt)                                   \
-    switch (fmt) {                                                    \
-    case QF_Q8_0: call_with_fmt(QF_Q8_0); break;                      \
-    case QF_Q4_0: call_with_fmt(QF_Q4_0); break;                      \
-    case QF_Q4_1: call_with_fmt(QF_Q4_1); break;                      \
-    case QF_Q4_K: call_with_fmt(QF_Q4_K); break;                      \
-    default: call_with_fmt(QF_INT8); break;                           \
-    }
 #endif /* QK_AVX512 || QK_AVX2 */
 
 /* y[M, N] (rows ldy apart; bf16 or fp32) = x[M, K] (rows ldx apart; bf16 or fp32) .
@@ -249,7 +241,7 @@ int quant_gemv_deq(int fmt, const uint8_t *w, int64_t row_bytes, const float *sc
             }
 #define CALL(F) all_rows(F, F, use_bf16, w, row_bytes, scales, xs, kp, xsize, kp, bias, \
                          (char *)y, ldy, y_bf16, M, nb, ne, 0, range_end, 1)
-            DISPATCH_FMT(CALL)
+            QF_DISPATCH(fmt, CALL);
 #undef CALL
 #else
             (void)range_end;

@@ -650,13 +650,7 @@ int quant_gemv_r16(int fmt, const uint8_t *packed, const float *scales, const vo
             if (g + 1 < g1 && (q8 ? M >= R16_PAIR_MIN_ROWS : wb != NULL)) {
 #define CALL2(F) r16_rows2(F, gw, gstride, nchunks, wb, &xq, ci, cdx, ct, M, g * 16, N, \
                            scales, bias, y, ldy, y_bf16, pf_end)
-                switch (fmt) {
-                case QF_Q8_0: CALL2(QF_Q8_0); break;
-                case QF_Q4_0: CALL2(QF_Q4_0); break;
-                case QF_Q4_1: CALL2(QF_Q4_1); break;
-                case QF_Q4_K: CALL2(QF_Q4_K); break;
-                default: CALL2(QF_INT8); break;
-                }
+                QF_DISPATCH(fmt, CALL2);
 #undef CALL2
                 g++;
                 continue;
@@ -664,13 +658,7 @@ int quant_gemv_r16(int fmt, const uint8_t *packed, const float *scales, const vo
 #endif
 #define CALL(F) r16_rows(F, gw, nchunks, &xq, ci, cdx, ct, M, g * 16, N, scales, bias, y, \
                          ldy, y_bf16, pf_end)
-            switch (fmt) {
-            case QF_Q8_0: CALL(QF_Q8_0); break;
-            case QF_Q4_0: CALL(QF_Q4_0); break;
-            case QF_Q4_1: CALL(QF_Q4_1); break;
-            case QF_Q4_K: CALL(QF_Q4_K); break;
-            default: CALL(QF_INT8); break;
-            }
+            QF_DISPATCH(fmt, CALL);
 #undef CALL
         }
 #if !R16_AVX2

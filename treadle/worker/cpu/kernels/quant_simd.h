@@ -37,6 +37,18 @@
 
 enum { QF_Q8_0 = 0, QF_Q4_0 = 1, QF_Q4_1 = 2, QF_Q4_K = 3, QF_INT8 = 4, QF_COUNT = 5 };
 
+/* CALL(F) with F the compile-time format equal to the run-time `fmt`: one copy of an
+ * inlined loop per format, the format a constant in each (a new format is one line here). */
+#define QF_DISPATCH(fmt, CALL) do {          \
+        switch (fmt) {                       \
+        case QF_Q8_0: CALL(QF_Q8_0); break;  \
+        case QF_Q4_0: CALL(QF_Q4_0); break;  \
+        case QF_Q4_1: CALL(QF_Q4_1); break;  \
+        case QF_Q4_K: CALL(QF_Q4_K); break;  \
+        default: CALL(QF_INT8); break;       \
+        }                                    \
+    } while (0)
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512DQ__) && defined(__F16C__) && defined(__FMA__)
 #define QK_AVX512 1
@@ -415,13 +427,9 @@ static inline __attribute__((always_inline)) void qk_store_tile(
 
 static inline void qk_dequant_row(int fmt, const uint8_t *row, int64_t K, float rscale,
                                   void *out, int out_bf16) {
-    switch (fmt) {  /* one copy of the loop per format, with the format a constant */
-    case QF_Q8_0: qk_dequant_row_fmt(QF_Q8_0, row, K, rscale, out, out_bf16); break;
-    case QF_Q4_0: qk_dequant_row_fmt(QF_Q4_0, row, K, rscale, out, out_bf16); break;
-    case QF_Q4_1: qk_dequant_row_fmt(QF_Q4_1, row, K, rscale, out, out_bf16); break;
-    case QF_Q4_K: qk_dequant_row_fmt(QF_Q4_K, row, K, rscale, out, out_bf16); break;
-    default: qk_dequant_row_fmt(QF_INT8, row, K, rscale, out, out_bf16); break;
-    }
+#define CALL(F) qk_dequant_row_fmt(F, row, K, rscale, out, out_bf16)
+    QF_DISPATCH(fmt, CALL);
+#undef CALL
 }
 
 /* In-order software prefetch into L2 of the weight bytes a thread reads next: each tile
