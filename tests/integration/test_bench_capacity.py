@@ -102,3 +102,32 @@ def test_the_cli_passes_the_search_bounds_and_refuses_negative_ones(monkeypatch,
                     "max_doublings": 4, "bisections": 1}
     assert main(["bench", "capacity", "--bisections", "-1"]) == 2
     assert "--bisections must be >= 0" in capsys.readouterr().err
+
+
+def test_bounds_beside_decodes_are_systems_of_their_own(monkeypatch):
+    """`--decode-step-prefill-tokens=-1,0` measures the server without and with the auto
+    bound in one run, each named by its bound and launched with it; a bound below -1 is
+    refused before any server starts."""
+    import treadle.bench.capacity as capacity
+    from treadle.cli import main
+
+    seen = []
+
+    def fake_run(systems, load, slo, goodput_factor, max_doublings, bisections):
+        seen.extend((s.name, s.start.args[0]) for s in systems)
+        return {"systems": {}}
+
+    monkeypatch.setattr(capacity, "run_capacity", fake_run)
+    monkeypatch.setattr("treadle.cli.bench_online.write_result", lambda *a: "out.json")
+    assert main(["bench", "capacity", "--policies", "fcfs,srpt",
+                 "--decode-step-prefill-tokens=-1,0,96"]) == 0
+    names = [name for name, _ in seen]
+    assert names == [f"treadle {p} chunk 512 {b}" for b in
+                     ("no bound", "auto bound", "96 beside decodes") for p in ("fcfs", "srpt")]
+    for (name, options), bound in zip(seen, ["-1", "-1", "0", "0", "96", "96"]):
+        assert options[options.index("--decode-step-prefill-tokens") + 1] == bound, name
+    seen.clear()
+    assert main(["bench", "capacity", "--policies", "fcfs"]) == 0
+    assert seen == [("treadle fcfs chunk 512", ["--scheduling-policy", "fcfs",
+                                                "--max-num-batched-tokens", "512"])]
+    assert main(["bench", "capacity", "--decode-step-prefill-tokens", "-2"]) == 2

@@ -140,6 +140,10 @@ VLLM_SERVER = ("VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-{last_core}
 """vLLM's CPU build as docs/benchmarks.md runs it (its own venv; both cores to its worker)."""
 
 
+BOUND_NAMES = {-1: "no bound", 0: "auto bound"}
+"""How a system's name says its `--decode-step-prefill-tokens` (core/decode_gap.py)."""
+
+
 def _capacity_systems(args: argparse.Namespace) -> list:
     import contextlib
     import functools
@@ -165,15 +169,25 @@ def _capacity_systems(args: argparse.Namespace) -> list:
         with launched_server(base + options, startup_timeout=900) as (url, _):
             yield url
 
+    bounds = ([int(b) for b in args.decode_step_prefill_tokens.split(",")]
+              if args.decode_step_prefill_tokens else [None])
+    if any(b < -1 for b in bounds if b is not None):
+        raise ValueError("--decode-step-prefill-tokens takes -1 (no bound), 0 (auto) or a "
+                         f"token count, got {args.decode_step_prefill_tokens!r}")
     systems = []
     for chunk in chunks:
-        for policy in policies:
-            # The slo policy orders by each request's deadlines: the SLO's targets.
-            extra = ({"slo_ttft_ms": args.slo_ms[0], "slo_tpot_ms": args.slo_ms[1]}
-                     if policy == "slo" and args.slo_ms else None)
-            options = ["--scheduling-policy", policy, "--max-num-batched-tokens", str(chunk)]
-            systems.append(System(f"treadle {policy} chunk {chunk}",
-                                  functools.partial(treadle, options), extra))
+        for bound in bounds:
+            for policy in policies:
+                # The slo policy orders by each request's deadlines: the SLO's targets.
+                extra = ({"slo_ttft_ms": args.slo_ms[0], "slo_tpot_ms": args.slo_ms[1]}
+                         if policy == "slo" and args.slo_ms else None)
+                options = ["--scheduling-policy", policy, "--max-num-batched-tokens",
+                           str(chunk)]
+                name = f"treadle {policy} chunk {chunk}"
+                if bound is not None:
+                    options += ["--decode-step-prefill-tokens", str(bound)]
+                    name += " " + BOUND_NAMES.get(bound, f"{bound} beside decodes")
+                systems.append(System(name, functools.partial(treadle, options), extra))
     if args.peer == "vllm":
         if not os.path.isdir(args.model):
             raise ValueError("--peer vllm needs --model to be a checkpoint folder both "
@@ -302,7 +316,8 @@ def add_capacity(sub) -> None:
     """Register `bench capacity`."""
     cap = sub.add_parser(
         "capacity", help="the highest request rate meeting p99 TTFT and TBT targets on the "
-                         "Azure conversation trace, per policy and chunk size (and a peer); "
+                         "Azure conversation trace, per policy, chunk size and bound beside "
+                         "decodes (and a peer); "
                          "goodput at 1.5x it")
     cap.add_argument("--model", default="demo",
                      help="the checkpoint every server loads (demo: random weights)")
@@ -313,6 +328,11 @@ def add_capacity(sub) -> None:
                           "those the registry has)")
     cap.add_argument("--chunk-sizes", default="512",
                      help="max_num_batched_tokens values, comma-separated")
+    cap.add_argument("--decode-step-prefill-tokens", default=None,
+                     help="also a list of bounds on prompt tokens beside decodes (-1: none, "
+                          "0: auto, N), comma-separated, each a treadle system of its own "
+                          "(`--decode-step-prefill-tokens=-1,0`; not set: the servers' own "
+                          "setting)")
     cap.add_argument("--slo", default="auto",
                      help="ttft=MS,tbt=MS (p99 targets), or auto: 5x the first system's "
                           "p99 TTFT and median gap one request at a time")
