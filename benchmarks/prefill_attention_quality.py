@@ -31,7 +31,8 @@ import torch
 
 from kv_quality import LogitTap, chat_prompts, generate, text_tokens  # this folder is on sys.path
 from treadle import LLM
-from treadle.bench.quality import perplexity, teacher_forced_agreement, treadle_logprobs
+from treadle.bench.quality import (greedy_agreement, perplexity, teacher_forced_agreement,
+                                   treadle_logprobs)
 
 
 def make_llm(model: str | None, dtype: str, native_prefill: bool | None) -> LLM:
@@ -57,16 +58,15 @@ def measure(name: str, llm: LLM, ref: dict, args) -> dict:
         kls.append((p.exp() * (p - q)).sum(-1))
     kl = torch.cat(kls)
     got = generate(llm, ref["prompts"], args.new_tokens)
-    firsts = [a[0] == b[0] for a, b in zip(ref["continuations"], got)]
-    equal = [float(np.mean([x == y for x, y in zip(a, b)]))
-             for a, b in zip(ref["continuations"], got)]
+    agree = [greedy_agreement(a, b) for a, b in zip(ref["continuations"], got)]
+    firsts = [a["first_divergence"] != 0 for a in agree]
     result = {
         "kl_mean": float(kl.mean()), "kl_p99": float(kl.quantile(0.99)),
         "kl_positions": int(kl.numel()),
         "teacher_forced_top1": teacher_forced_agreement(llm, ref["prompts"],
                                                         ref["continuations"]),
         "first_token_equal": f"{sum(firsts)}/{len(firsts)}",
-        "greedy_mean_fraction_equal": float(np.mean(equal)),
+        "greedy_mean_fraction_equal": float(np.mean([a["fraction_equal"] for a in agree])),
         "perplexity": perplexity(treadle_logprobs(llm, ref["text_ids"], args.window,
                                                   args.stride)),
         "seconds": round(time.perf_counter() - t, 1)}
