@@ -152,7 +152,7 @@ def _capacity_systems(args: argparse.Namespace) -> list:
 
     from treadle.bench.capacity import POLICIES_COMPARED, System
     from treadle.bench.compare import _external_server
-    from treadle.config import SCHEDULING_POLICIES
+    from treadle.config import SCHEDULING_POLICIES, SchedulerConfig
     from treadle.measure.launch import launched_server
 
     policies = (args.policies.split(",") if args.policies
@@ -171,9 +171,9 @@ def _capacity_systems(args: argparse.Namespace) -> list:
 
     bounds = ([int(b) for b in args.decode_step_prefill_tokens.split(",")]
               if args.decode_step_prefill_tokens else [None])
-    if any(b < -1 for b in bounds if b is not None):
-        raise ValueError("--decode-step-prefill-tokens takes -1 (no bound), 0 (auto) or a "
-                         f"token count, got {args.decode_step_prefill_tokens!r}")
+    for bound in bounds:  # the config's own check, before any server starts
+        if bound is not None:
+            SchedulerConfig(decode_step_prefill_tokens=bound)
     systems = []
     for chunk in chunks:
         for bound in bounds:
