@@ -240,17 +240,21 @@ def test_limits_answer_with_the_bound_they_hit(server):
 
 # ----- cancel and expiry ------------------------------------------------------------------------
 
-def engine_gauges(server: str) -> tuple[float, float]:
+def metric(server: str, name: str) -> float:
+    """A treadle metric's value on /metrics, summed over its label sets (present, or
+    the test fails)."""
     text = httpx.get(server + "/metrics").text
-    values = [float(re.search(rf"^treadle:{name}\{{[^}}]*\}} (\S+)$", text, re.M).group(1))
-              for name in ("num_requests_running", "num_requests_waiting")]
-    return values[0], values[1]
+    values = re.findall(rf"^treadle:{name}\{{[^}}]*\}} (\S+)$", text, re.M)
+    assert values, f"treadle:{name} is not on /metrics"
+    return sum(float(v) for v in values)
+
+
+def engine_gauges(server: str) -> tuple[float, float]:
+    return metric(server, "num_requests_running"), metric(server, "num_requests_waiting")
 
 
 def generated_tokens(server: str) -> float:
-    text = httpx.get(server + "/metrics").text
-    return sum(float(v) for v in re.findall(r"^treadle:generation_tokens_total\{[^}]*\} (\S+)$",
-                                            text, re.M))
+    return metric(server, "generation_tokens_total")
 
 
 def short_then_long(url: str, num_long: int) -> list[dict]:
