@@ -76,10 +76,20 @@ class PrefillSpan:
     context, new tokens included (see `gather_rows`)."""
     mask_bias: torch.Tensor
     """[end - start, num_blocks * block_size]: causal mask over the whole context."""
-    allowed: torch.Tensor
-    """The same mask as booleans (True: attend), for scaled_dot_product_attention."""
+    plain_causal: bool = False
+    """The context is the chunk itself (nothing before it, no window cutting in), so the
+    mask is the plain causal one and scaled_dot_product_attention can take is_causal."""
     workspace: list[torch.Tensor] = field(default_factory=list)
     """Gather buffers for K and V, made by the first layer and reused by the others."""
+    _sdpa_masks: dict = field(default_factory=dict)
+
+    def sdpa_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """mask_bias in the queries' dtype, made by the first layer that asks: given a
+        boolean mask, scaled_dot_product_attention converts it with a `where` per call
+        (~4% of a 512-token prefill on 2 cores)."""
+        if dtype not in self._sdpa_masks:
+            self._sdpa_masks[dtype] = self.mask_bias.to(dtype)
+        return self._sdpa_masks[dtype]
 
 
 def gather_rows(block_table, num_kv_heads: int, num_cache_blocks: int) -> np.ndarray:
@@ -159,7 +169,7 @@ def prefill_span(step: AttentionStep, row: int, num_kv_heads: int,
     return PrefillSpan(start=first, end=first + num_new,
                        gather_ids=torch.from_numpy(gather).to(device),
                        mask_bias=torch.from_numpy(bias).to(device),
-                       allowed=torch.from_numpy(allowed).to(device))
+                       plain_causal=start == 0 and (window is None or window >= num_new))
 
 
 @dataclass
@@ -252,12 +262,19 @@ def attend_prefill_spans(query: torch.Tensor, kv_cache: torch.Tensor,
     for span in spans:
         n = span.end - span.start
         k, v = _gather_kv(kv_cache, span.gather_ids, 1, span.workspace, kind, query.dtype)
-        if softcap is None and n * span.allowed.shape[1] >= _FUSED_PREFILL_MIN_SCORES:
+        if softcap is None and n * span.mask_bias.shape[1] >= _FUSED_PREFILL_MIN_SCORES:
             # [1, heads, n, head_dim] against [1, kv_heads, context, head_dim]
-            o = F.scaled_dot_product_attention(
-                query[span.start:span.end].transpose(0, 1).unsqueeze(0),
-                k.transpose(0, 1), v.transpose(0, 1), attn_mask=span.allowed, scale=scale,
-                enable_gqa=True)
+            q = query[span.start:span.end].transpose(0, 1).unsqueeze(0)
+            k, v = k.transpose(0, 1), v.transpose(0, 1)
+            if span.plain_causal:
+                # The keys are the chunk's own tokens: torch's causal flag (top-left aligned,
+                # which is right when there are as many keys as queries) skips the masked
+                # half instead of reading a mask over it.
+                o = F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], is_causal=True,
+                                                   scale=scale, enable_gqa=True)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=span.sdpa_mask(q.dtype),
+                                                   scale=scale, enable_gqa=True)
             out[span.start:span.end] = o[0].transpose(0, 1).reshape(n, -1)
             continue
         # [kv_heads, group, n, head_dim]
