@@ -179,8 +179,10 @@ def bench_prefill_levels(kernels: dict, start: int, new: int, *, num_heads: int 
                          num_kv_heads: int = 3, head_dim: int = 64, block_size: int = 16,
                          rounds: int = 7, seed: int = 0) -> dict:
     """ms per layer of one prefill chunk with each of `kernels` (name -> kernels; one
-    entry named `native` gives the plain native_ms/speedup fields) and torch's SDPA,
-    rounds alternating."""
+    entry named `native` gives the plain native_ms/speedup fields; a build with the AMX
+    compute path here is timed on it too, as `NAME_amx`, fields suffixed `_amx` for
+    `native`) and torch's SDPA as the engine calls it (the causal flag for a first chunk,
+    else a float mask), rounds alternating."""
     import torch.nn.functional as F
 
     gen = torch.Generator().manual_seed(seed)
@@ -198,15 +200,24 @@ def bench_prefill_levels(kernels: dict, start: int, new: int, *, num_heads: int 
     k = cache[0][:, table[0]].reshape(num_kv_heads, -1, head_dim)[:, :ctx].unsqueeze(0)
     v = cache[1][:, table[0]].reshape(num_kv_heads, -1, head_dim)[:, :ctx].unsqueeze(0)
     allowed = torch.arange(ctx)[None, :] <= (start + torch.arange(new))[:, None]
+    bias = torch.zeros(allowed.shape).masked_fill(~allowed, -math.inf).bfloat16()
     qt = q.transpose(0, 1).unsqueeze(0)
 
     def sdpa():
-        F.scaled_dot_product_attention(qt, k, v, attn_mask=allowed, scale=scale,
-                                       enable_gqa=True)
+        if start == 0:
+            F.scaled_dot_product_attention(qt, k, v, is_causal=True, scale=scale,
+                                           enable_gqa=True)
+        else:
+            F.scaled_dot_product_attention(qt, k, v, attn_mask=bias, scale=scale,
+                                           enable_gqa=True)
 
-    runs = {name: (lambda kn=kn: kn.paged_prefill(q, cache[0], cache[1], spans, table, out,
-                                                  workspace, scale))
-            for name, kn in kernels.items()}
+    runs = {}
+    for name, kn in kernels.items():
+        runs[name] = (lambda kn=kn: kn.paged_prefill(q, cache[0], cache[1], spans, table, out,
+                                                     workspace, scale))
+        if kn.supports_amx_prefill(head_dim):
+            runs[f"{name}_amx"] = (lambda kn=kn: kn.paged_prefill(
+                q, cache[0], cache[1], spans, table, out, workspace, scale, amx=True))
     runs["sdpa"] = sdpa
     for fn in runs.values():
         fn()
@@ -221,8 +232,8 @@ def bench_prefill_levels(kernels: dict, start: int, new: int, *, num_heads: int 
     row = {"positions_before": start, "new_tokens": new,
            "sdpa_ms": round(times["sdpa"] * 1e3, 3),
            "sdpa_cpu_ms": round(cpu_times["sdpa"] * 1e3, 3)}
-    for name in kernels:
-        suffix = "" if name == "native" else f"_{name}"
+    for name in (n for n in runs if n != "sdpa"):
+        suffix = {"native": "", "native_amx": "_amx"}.get(name, f"_{name}")
         row[f"native_ms{suffix}"] = round(times[name] * 1e3, 3)
         row[f"native_cpu_ms{suffix}"] = round(cpu_times[name] * 1e3, 3)
         row[f"speedup{suffix}"] = float(f"{times['sdpa'] / times[name]:.3g}")

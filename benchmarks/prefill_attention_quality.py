@@ -1,7 +1,8 @@
-"""Which bf16 prefill attention is closer to float32: the C kernel or torch's SDPA?
+"""Which bf16 prefill attention is closer to float32: the C kernel (on its vector loops or,
+where the CPU has them, on AMX tiles) or torch's SDPA?
 
 The cpu-native backend runs prefill rows on its C kernel (`paged_prefill.c`) or on the
-torch backend's spans (`scaled_dot_product_attention`); both compute in bf16 with their
+torch backend's spans (`scaled_dot_product_attention`); all compute in bf16 with their
 own roundings. This script measures each against a float32 run of the same model
 (the float32 engine is the reference; its prefills take torch's spans in float32):
   - mean and p99 KL(float32 || bf16) of the next-token distributions along float32's
@@ -35,7 +36,8 @@ from treadle.bench.quality import (greedy_agreement, perplexity, teacher_forced_
                                    treadle_logprobs)
 
 
-def make_llm(model: str | None, dtype: str, native_prefill: bool | None) -> LLM:
+def make_llm(model: str | None, dtype: str, native_prefill: bool | None,
+             amx: bool = False) -> LLM:
     llm = LLM(model=model, dtype=dtype, attention_backend="cpu-native",
               enable_prefix_caching=False, max_num_batched_tokens=4096, max_num_seqs=64,
               kv_cache_memory="512MiB", distributed_executor_backend="uni")
@@ -45,6 +47,7 @@ def make_llm(model: str | None, dtype: str, native_prefill: bool | None) -> LLM:
                                                                      attention.head_dim):
             raise SystemExit("this build has no C prefill kernel for the model's head size")
         attention.native_prefill = native_prefill
+        attention.prefill_amx = amx
         attention.native_window_prefill = native_prefill and attention.native_window_prefill
     return llm
 
@@ -98,8 +101,14 @@ def main() -> None:
            "bf16": {}}
     reference.engine.shutdown()
     print("float32 perplexity", out["float32_perplexity"], flush=True)
-    for name, native in (("c_kernel", True), ("torch_sdpa", False)):
-        llm = make_llm(args.model, "bfloat16", native)
+    for name, native, amx in (("c_kernel", True, False), ("c_kernel_amx", True, True),
+                              ("torch_sdpa", False, False)):
+        llm = make_llm(args.model, "bfloat16", native, amx)
+        attention = llm.engine.executor.worker.attention
+        if amx and not attention.kernels.supports_amx_prefill(attention.head_dim):
+            print("no AMX compute path here: c_kernel_amx left out", flush=True)
+            llm.engine.shutdown()
+            continue
         out["bf16"][name] = measure(name, llm, ref, args)
         llm.engine.shutdown()
     Path(args.output).write_text(json.dumps(out, indent=1))

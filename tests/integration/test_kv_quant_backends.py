@@ -199,10 +199,15 @@ def test_int8_decode_kernel_reads_dequantized_values(level_kernels, shape, dtype
     torch.testing.assert_close(out.float(), expected, **tol)
 
 
+@pytest.mark.parametrize("amx", [False, True], ids=["vector", "amx"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_int8_prefill_kernel_reads_dequantized_values(level_kernels, head_dim):
+def test_int8_prefill_kernel_reads_dequantized_values(level_kernels, head_dim, amx):
+    """On the vector kernels and, where it exists, the AMX compute path (its twin
+    elsewhere: the vector case)."""
     if not level_kernels.supports_prefill(torch.bfloat16, head_dim):
         pytest.skip("no prefill kernel in this build")
+    if amx and not level_kernels.supports_amx_prefill(head_dim):
+        pytest.skip("no AMX compute path here")
     heads, kvh, bs = 6, 2, 16
     gen = torch.Generator().manual_seed(head_dim)
     spans = torch.tensor([[0, 40, 0], [40, 17, 75]], dtype=torch.int64)  # cached prefix
@@ -215,7 +220,7 @@ def test_int8_prefill_kernel_reads_dequantized_values(level_kernels, head_dim):
     ws = level_kernels.prefill_workspace(spans, kvh, head_dim)
     scale = head_dim ** -0.5
     level_kernels.paged_prefill(q, rows[0].contiguous(), rows[1].contiguous(), spans, table,
-                                out, ws, scale)
+                                out, ws, scale, amx=amx)
     # the kernel packs dequantized values rounded to bf16: so does the expectation
     dq = kv_quant.dequantize(rows, "int8").to(torch.bfloat16).float()
     for first, n, start in spans.tolist():

@@ -38,7 +38,7 @@ def reference(q, kc, vc, table, start, n, scale, window=None):
 
 
 def run_spans(kernels, cases, num_heads, num_kv_heads, head_dim, block_size, scale, seed=0,
-              extra_query_heads=0, poison=False, window=None):
+              extra_query_heads=0, poison=False, window=None, amx=False):
     """Lay the spans out in one flat batch over shuffled blocks, run the kernel once, and
     return (out, [(reference, rows)]). With a window, each span's table entries for blocks
     wholly before its first query's window name a block of NaNs, as a sliding KV group's
@@ -75,7 +75,7 @@ def run_spans(kernels, cases, num_heads, num_kv_heads, head_dim, block_size, sca
     out = torch.full((rows, num_heads * head_dim), 7.0, dtype=torch.bfloat16)
     kernels.paged_prefill(q, kc, vc, spans, tables, out,
                           kernels.prefill_workspace(spans, num_kv_heads, head_dim), scale,
-                          window)
+                          window, amx=amx)
     refs = [(reference(q[r:r + n], kc, vc, tables[i], s, n, scale, window), slice(r, r + n))
             for i, (r, n, s) in enumerate(spans.tolist())]
     return out, refs
@@ -102,6 +102,28 @@ def test_paged_prefill_matches_reference(kernels, cases, heads, kv_heads, head_d
         got = out[rows].float()
         # bf16 output (relative rounding 2^-8) and bf16 probabilities in P.V
         assert torch.allclose(got, ref, atol=1.5e-2, rtol=1.5e-2), (got - ref).abs().max()
+
+
+@pytest.mark.parametrize("cases, heads, kv_heads, head_dim, block_size, scale", SHAPES,
+                         ids=[f"shape{i}" for i in range(len(SHAPES))])
+def test_paged_prefill_on_amx_tiles_matches_reference(kernels, kernel_level, cases, heads,
+                                                      kv_heads, head_dim, block_size, scale):
+    """The compute phase on AMX tiles (its twin where there are none: the test above, the
+    same shapes on the vector kernels), with the cache poisoned past every context."""
+    if not kernels.supports_amx_prefill(head_dim):
+        pytest.skip(f"no AMX compute path here ({kernel_level} build, or no AMX-BF16)")
+    out, refs = run_spans(kernels, cases, heads, kv_heads, head_dim, block_size, scale,
+                          extra_query_heads=kv_heads, poison=True, amx=True)
+    for ref, rows in refs:
+        got = out[rows].float()
+        assert torch.allclose(got, ref, atol=1.5e-2, rtol=1.5e-2), (got - ref).abs().max()
+    plain, _ = run_spans(kernels, cases, heads, kv_heads, head_dim, block_size, scale,
+                         extra_query_heads=kv_heads, poison=True)
+    # The same products, summed and rescaled in other places: as close to fp32 as the
+    # vector kernels are (mean absolute error, whose spread is small).
+    errors = [sum((o[rows].float() - ref).abs().mean() for ref, rows in refs) / len(refs)
+              for o in (out, plain)]
+    assert errors[0] <= 1.1 * errors[1], errors
 
 
 # (spans, heads, kv heads, head_dim, block_size, scale, window): Gemma 3's grouping and
@@ -212,19 +234,26 @@ def test_engine_prefill_logprobs_native_vs_torch(kernels, tmp_path, monkeypatch)
         assert torch.allclose(a, b, atol=0.05), (a - b).abs().max()
 
 
-def test_torch_attention_prefills_where_it_runs_on_amx(kernels, monkeypatch):
-    """Where torch's attention runs on AMX tiles the backend leaves prefills to it (faster
-    there); elsewhere, or with oneDNN capped below AMX, the C kernel takes them."""
+def test_prefill_path_follows_amx(kernels, monkeypatch):
+    """Where AMX runs (oneDNN not capped below it) prefills take the kernel's AMX compute
+    path, or, in a build without one, torch's attention (faster there than the vector
+    kernels); sliding-window layers, which the AMX path does not take, go to torch's
+    attention then. Elsewhere, or with oneDNN capped below AMX, the vector kernels take
+    every prefill."""
     from treadle.worker.cpu import native_attention
     from treadle.worker.cpu.native_attention import CpuNativeBackend, prefill_kernel_runs
 
     monkeypatch.setattr(native_attention, "onednn_uses_amx", lambda: True)
-    assert not prefill_kernel_runs(kernels, torch.bfloat16, 64)
-    backend = CpuNativeBackend(kernels, None, 1, 64, torch.bfloat16)
-    assert not backend.native_prefill and not backend.native_window_prefill
+    for has_amx_path in (True, False):
+        monkeypatch.setattr(kernels, "supports_amx_prefill", lambda head_dim: has_amx_path)
+        assert prefill_kernel_runs(kernels, torch.bfloat16, 64) == has_amx_path
+        backend = CpuNativeBackend(kernels, None, 1, 64, torch.bfloat16)
+        assert backend.native_prefill == backend.prefill_amx == has_amx_path
+        assert not backend.native_window_prefill
     monkeypatch.setattr(native_attention, "onednn_uses_amx", lambda: False)
     assert prefill_kernel_runs(kernels, torch.bfloat16, 64)
-    assert CpuNativeBackend(kernels, None, 1, 64, torch.bfloat16).native_prefill
+    backend = CpuNativeBackend(kernels, None, 1, 64, torch.bfloat16)
+    assert backend.native_prefill and not backend.prefill_amx
 
 
 def test_prefill_benchmark_times_both_paths(kernels):

@@ -65,7 +65,7 @@ _ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float]
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _SAMPLE_ARGTYPES = [_P, _I64, _I64, _I64] + [_P] * 6
 _LOGPROB_ARGTYPES = [_P, _I64, _I64, _P, _I64, _P, _I64] + [_P] * 4
-_PREFILL_ARGTYPES = [_P, _I64] + [_P] * 6 + [_I64] * 7 + [ctypes.c_float, _I64]
+_PREFILL_ARGTYPES = [_P, _I64] + [_P] * 6 + [_I64] * 7 + [ctypes.c_float, _I64, _I64]
 
 
 @dataclass
@@ -130,6 +130,8 @@ class NativeKernels:
         self._prefill_workspace.restype = ctypes.c_int64
         lib.paged_prefill_available.argtypes = [_I64, _I64]
         lib.paged_prefill_available.restype = ctypes.c_int
+        lib.paged_prefill_amx_available.argtypes = [_I64]
+        lib.paged_prefill_amx_available.restype = ctypes.c_int
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in self._decode
@@ -184,6 +186,12 @@ class NativeKernels:
         return dtype == torch.bfloat16 and bool(
             self.lib.paged_prefill_available(head_dim, window or 0))
 
+    def supports_amx_prefill(self, head_dim: int) -> bool:
+        """Whether `paged_prefill(amx=True)` computes on AMX tiles for this head size
+        (64 or 128, no window): the AVX-512 BF16 build, on a CPU with AMX-BF16 whose
+        tile state Linux grants to this process."""
+        return bool(self.lib.paged_prefill_amx_available(head_dim))
+
     def prefill_workspace(self, spans: torch.Tensor, num_kv_heads: int,
                           head_dim: int) -> torch.Tensor:
         """A buffer for `paged_prefill` with these spans, 64-byte aligned; one per step
@@ -197,7 +205,7 @@ class NativeKernels:
     def paged_prefill(self, query: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, spans: torch.Tensor,
                       block_tables: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor,
-                      scale: float, window: int | None = None) -> None:
+                      scale: float, window: int | None = None, amx: bool = False) -> None:
         """Causal attention of every prefill span's new tokens over their context.
 
         query: [tokens, num_heads, head_dim] bf16 (rows may be strided); out: [tokens,
@@ -208,6 +216,8 @@ class NativeKernels:
         (or 0) for causal attention over the whole context; else a query at position p
         sees keys [p - window + 1, p], and a table entry of a block wholly before its
         span's first query's window is never read (a sliding KV group's stale ids).
+        amx: compute on AMX tiles where `supports_amx_prefill` (and without a window);
+        elsewhere the flag is ignored.
         """
         num_heads, head_dim = query.shape[1:]
         num_kv_heads, num_blocks, block_size, row = key_cache.shape
@@ -220,7 +230,7 @@ class NativeKernels:
             query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
             spans.data_ptr(), block_tables.data_ptr(), out.data_ptr(), workspace.data_ptr(),
             spans.shape[0], num_heads, num_kv_heads, head_dim, num_blocks, block_size,
-            block_tables.shape[1], scale, window or 0)
+            block_tables.shape[1], scale, window or 0, int(amx))
         if status != 0:
             raise ValueError(f"paged_prefill: head_dim {head_dim}, heads "
                              f"{num_heads}/{num_kv_heads} or window {window} unsupported "

@@ -80,8 +80,18 @@ def prefill_kernel_runs(kernels: Any, dtype: torch.dtype, head_dim: int,
     back). The kernel was chosen on a Zen 4, without AMX; on a Xeon with AMX torch's
     SDPA took 0.38-0.55x its time per layer call (512-token chunks, 1 thread), and the
     engine prefilled 5-8% faster at 512 tokens and 26-31% at 2,048 (chunks over a longer
-    context) with it (docs/benchmarks.md, "The Xeon with AMX again")."""
-    return kernels.supports_prefill(dtype, head_dim, window) and not onednn_uses_amx()
+    context) with it (docs/benchmarks.md, "The Xeon with AMX again"). Where the kernel
+    itself computes on AMX tiles (`prefill_on_amx`), it is the faster one again."""
+    if not kernels.supports_prefill(dtype, head_dim, window):
+        return False
+    return not onednn_uses_amx() or prefill_on_amx(kernels, head_dim, window)
+
+
+def prefill_on_amx(kernels: Any, head_dim: int, window: int | None = None) -> bool:
+    """Whether `paged_prefill` computes on AMX tiles here: the kernel has that path for
+    this head size (no window) and AMX is not held off (onednn_uses_amx: the one switch,
+    ONEDNN_MAX_CPU_ISA, for every AMX path, ours and oneDNN's)."""
+    return window is None and onednn_uses_amx() and kernels.supports_amx_prefill(head_dim)
 
 
 @dataclass
@@ -193,6 +203,7 @@ class CpuNativeBackend(AttentionBackend):
         self.layer_ops = layer_ops
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.native_prefill = prefill_kernel_runs(kernels, dtype, head_dim)
+        self.prefill_amx = self.native_prefill and prefill_on_amx(kernels, head_dim)
         self.native_window_prefill = (self.native_prefill
                                       and prefill_kernel_runs(kernels, dtype, head_dim, window=1))
         """Whether sliding-window layers' prefill rows take the prefill kernel too."""
@@ -285,7 +296,8 @@ class CpuNativeBackend(AttentionBackend):
         npf = meta.native_prefill
         if npf is not None:
             self.kernels.paged_prefill(query, kv_cache[0], kv_cache[1], npf.spans,
-                                       npf.block_tables, out, npf.workspace, layer.scale)
+                                       npf.block_tables, out, npf.workspace, layer.scale,
+                                       amx=self.prefill_amx)
         attend_prefill_spans(query, kv_cache, meta.prefill_spans, out, layer.scale,
                              kind=self.kv_cache_dtype)
         return out

@@ -25,9 +25,23 @@ __attribute__((target("amx-tile"))) static inline void amx_configure_tiles(int n
         cfg.colsb[t] = 64;
         cfg.rows[t] = 16;
     }
+    /* gcc (12) does not count ldtilecfg as reading its operand: without this barrier it
+       dropped the stores above as dead where this function was not inlined, and the
+       tile configuration was loaded from garbage (a SIGSEGV). */
+    __asm__ volatile("" : : "r"(&cfg) : "memory");
     _tile_loadconfig(&cfg);
 }
 #endif
+
+/* Tile loads and stores with compiler barriers: gcc 12's _tile_loadd and _tile_stored are
+   asm statements that do not declare the memory they read or write, so without these the
+   compiler may keep a buffer's new values in registers past the load that should see them,
+   or read a buffer before the store that fills it. They emit no instruction. */
+#define AMX_FENCE() __asm__ volatile("" ::: "memory")
+#define AMX_LOAD(tile, base, stride) \
+    do { AMX_FENCE(); _tile_loadd(tile, base, stride); AMX_FENCE(); } while (0)
+#define AMX_STORE(tile, base, stride) \
+    do { AMX_FENCE(); _tile_stored(tile, base, stride); AMX_FENCE(); } while (0)
 
 /* Group g (rows 16 g .. 16 g + 15 of the M rows of x, ldx apart) into dst. */
 static inline void amx_pack_group(const uint16_t *x, int64_t ldx, int64_t M, int64_t K,
