@@ -323,10 +323,6 @@ ALWAYS_INLINE void rows_kernel(const prefill_args *a, const uint16_t *q0, uint16
 
 #if defined(__x86_64__) && defined(__linux__)
 #define PREFILL_AMX 1
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include "amx_pack.h"
 
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
@@ -493,14 +489,9 @@ AMX_TARGET static void amx_item_128(const prefill_args *a, int64_t s, int64_t h,
     amx_item(a, s, h, i0, i1, 128);
 }
 
-/* Whether this CPU has AMX-BF16 and Linux grants this process the tile state. */
-static int amx_granted(void) {
-    unsigned eax, ebx, ecx, edx;
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return 0;
-    if (!(edx & (1u << 22)) || !(edx & (1u << 24))) return 0;  /* AMX-BF16, AMX-TILE */
-    /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: process-wide, idempotent. */
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-}
+/* Whether this CPU has AMX-BF16 and Linux grants this process the tile state
+   (gemm_bf16_amx.c, the same library). */
+int gemm_bf16_amx_available(void);
 
 #endif /* x86-64 Linux */
 
@@ -658,7 +649,7 @@ int paged_prefill_available(int64_t head_dim, int64_t window) {
 int paged_prefill_amx_available(int64_t head_dim) {
 #ifdef PREFILL_AMX
     static int granted = -1;
-    if (granted < 0) granted = amx_granted();
+    if (granted < 0) granted = gemm_bf16_amx_available();
     return granted && (head_dim == 64 || head_dim == 128);
 #else
     (void)head_dim;
