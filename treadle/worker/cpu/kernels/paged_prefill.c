@@ -147,13 +147,20 @@ static int64_t span_offset(const prefill_args *a, int64_t s, int64_t hd) {
     return off;
 }
 
+/* Span s's packed K tiles for KV head kv (see pack_tile); its packed V tiles into *v. */
+static uint32_t *packed_kv(const prefill_args *a, int64_t s, int64_t kv, int64_t hd,
+                           uint32_t **v) {
+    const int64_t head_words = span_padded_ctx(a->spans, s) * (hd / 2);
+    uint32_t *k = a->workspace + span_offset(a, s, hd) + kv * head_words;
+    *v = k + a->num_kv_heads * head_words;
+    return k;
+}
+
 /* Pack tile t (keys [32t, 32t + 32)) of span s, KV head h. */
 static void pack_tile(const prefill_args *a, int64_t s, int64_t h, int64_t t, int64_t hd) {
     const int64_t ctx = a->spans[3 * s + 1] + a->spans[3 * s + 2];
-    const int64_t pctx = span_padded_ctx(a->spans, s);
     const int64_t half = hd / 2, bs = a->block_size;
-    uint32_t *kp = a->workspace + span_offset(a, s, hd) + h * pctx * half;
-    uint32_t *vp = kp + a->num_kv_heads * pctx * half;
+    uint32_t *vp, *kp = packed_kv(a, s, h, hd, &vp);
     const int64_t *table = a->block_tables + s * a->max_blocks;
     const int64_t first = span_first_read(a, s);
     if ((t + 1) * KT <= span_low(a, s)) return;  /* before every query's window */
@@ -188,10 +195,8 @@ static inline uint32_t bf16_bits(float f) {
 /* pack_tile from an int8 cache: each value times its row's scale, as bf16. */
 static void pack_tile_q8(const prefill_args *a, int64_t s, int64_t h, int64_t t, int64_t hd) {
     const int64_t ctx = a->spans[3 * s + 1] + a->spans[3 * s + 2];
-    const int64_t pctx = span_padded_ctx(a->spans, s);
     const int64_t half = hd / 2, bs = a->block_size, row = hd + 2;
-    uint32_t *kp = a->workspace + span_offset(a, s, hd) + h * pctx * half;
-    uint32_t *vp = kp + a->num_kv_heads * pctx * half;
+    uint32_t *vp, *kp = packed_kv(a, s, h, hd, &vp);
     const int64_t *table = a->block_tables + s * a->max_blocks;
     const int64_t first = span_first_read(a, s);
     if ((t + 1) * KT <= span_low(a, s)) return;  /* before every query's window */
@@ -326,7 +331,8 @@ ALWAYS_INLINE void rows_kernel(const prefill_args *a, const uint16_t *q0, uint16
 #include "amx_pack.h"
 
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
-#define AMX_ROWS 16  /* query rows per tile: ROWS_PER_ITEM */
+#define AMX_ROWS 16  /* query rows per tile */
+_Static_assert(ROWS_PER_ITEM == AMX_ROWS, "amx_rows takes a whole item in one block");
 
 /* Tiles (all 16 rows x 64 bytes): 0 .. HD/32 - 1 the block's queries (A, 32 dims each);
    4 scores (C, 16 keys); 5 a K or V tile (B); 6 probabilities (A, 32 keys); 7 a block of
@@ -471,10 +477,7 @@ AMX_TARGET static inline __attribute__((always_inline))
 void amx_item(const prefill_args *a, int64_t s, int64_t h, int64_t i0, int64_t i1,
               const int HD) {
     const int64_t row = a->spans[3 * s], start = a->spans[3 * s + 2];
-    const int64_t pctx = span_padded_ctx(a->spans, s);
-    const int64_t group = a->num_heads / a->num_kv_heads;
-    const uint32_t *kp = a->workspace + span_offset(a, s, HD) + (h / group) * pctx * (HD / 2);
-    const uint32_t *vp = kp + a->num_kv_heads * pctx * (HD / 2);
+    uint32_t *vp, *kp = packed_kv(a, s, h / (a->num_heads / a->num_kv_heads), HD, &vp);
     amx_rows(a, a->q + (row + i0) * a->q_row_stride + h * HD,
              a->out + (row + i0) * a->num_heads * HD + h * HD, i1 - i0, start + i0, kp, vp,
              HD);
@@ -607,10 +610,7 @@ ALWAYS_INLINE void rows_kernel(const prefill_args *a, const uint16_t *q0, uint16
 ALWAYS_INLINE void item(const prefill_args *a, int64_t s, int64_t h, int64_t i0, int64_t i1,
                         const int HD, const int R) {
     const int64_t row = a->spans[3 * s], start = a->spans[3 * s + 2];
-    const int64_t pctx = span_padded_ctx(a->spans, s);
-    const int64_t group = a->num_heads / a->num_kv_heads;
-    const uint32_t *kp = a->workspace + span_offset(a, s, HD) + (h / group) * pctx * (HD / 2);
-    const uint32_t *vp = kp + a->num_kv_heads * pctx * (HD / 2);
+    uint32_t *vp, *kp = packed_kv(a, s, h / (a->num_heads / a->num_kv_heads), HD, &vp);
     for (int64_t i = i0; i < i1; i += R) {
         const int64_t valid = i1 - i < R ? i1 - i : R;
         rows_kernel(a, a->q + (row + i) * a->q_row_stride + h * HD,
